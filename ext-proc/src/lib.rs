@@ -1,0 +1,1 @@
+//! Envoy ext_proc endpoint picker (Gateway API Inference Extension) driven by the policy module

@@ -1,0 +1,1 @@
+//! The OpenAI-compatible gateway: runs the policy, drives prefill, KV handoff and decode

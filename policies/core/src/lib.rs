@@ -1,0 +1,102 @@
+//! The policy decision contract (`docs/policy-abi.md`) and the default PD
+//! routing logic, with no dependency on any host: the same code runs inside the
+//! proxy-wasm module and natively (for the benchmark baseline).
+
+use serde::{Deserialize, Serialize};
+
+/// Property path (NUL-joined in the ABI) carrying the endpoint snapshot as JSON.
+pub const PROP_ENDPOINTS: &str = "rngd_pd.endpoints";
+/// Property path carrying the prompt token count (decimal text).
+pub const PROP_PROMPT_TOKENS: &str = "rngd_pd.prompt_tokens";
+
+/// What an endpoint can do.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Role {
+    /// Prefill only.
+    Prefill,
+    /// Decode (and local prefill of short prompts).
+    Decode,
+    /// Whole requests.
+    Solo,
+}
+
+/// Accelerator vendor of an endpoint.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Vendor {
+    /// FuriosaAI RNGD.
+    Rngd,
+    /// Rebellions ATOM.
+    Atom,
+    /// The embedded CPU engine.
+    Cpu,
+}
+
+/// One endpoint of the snapshot the host passes in `rngd_pd.endpoints`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Endpoint {
+    /// `ip:port` of the worker.
+    pub address: String,
+    /// Role.
+    pub role: Role,
+    /// Vendor.
+    pub vendor: Vendor,
+    /// Node name (same node → `shm`).
+    #[serde(default)]
+    pub node: String,
+    /// Compiled context length.
+    pub seq_len: u32,
+    /// Requests waiting (`vllm:num_requests_waiting`).
+    #[serde(default)]
+    pub queue_depth: u32,
+    /// Requests running (`vllm:num_requests_running`).
+    #[serde(default)]
+    pub running: u32,
+    /// KV cache usage 0..1 (`vllm:kv_cache_usage_perc`).
+    #[serde(default)]
+    pub kv_usage: f64,
+    /// Whether the endpoint is healthy and its data fresh.
+    #[serde(default = "yes")]
+    pub healthy: bool,
+    /// KV transports the endpoint supports.
+    #[serde(default)]
+    pub transports: Vec<String>,
+}
+
+fn yes() -> bool {
+    true
+}
+
+/// What a policy decided for one request.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum Decision {
+    /// Send the request on.
+    Route(Route),
+    /// Answer locally (reject).
+    Reject(LocalResponse),
+}
+
+/// A routing decision.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Route {
+    /// Decode (or only) endpoint `ip:port` (`x-gateway-destination-endpoint`).
+    pub decode: String,
+    /// Prefill endpoint (`x-prefiller-host-port`); `None` = prefill on the decode endpoint.
+    pub prefill: Option<String>,
+    /// KV transport (`x-rngd-pd-kv-transport`), when prefill is remote.
+    pub kv_transport: Option<String>,
+    /// Every header the policy set or replaced, in order (including the three above).
+    pub headers: Vec<(String, String)>,
+}
+
+/// A local response the policy sent (status + OpenAI-style JSON error body).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct LocalResponse {
+    /// HTTP status.
+    pub status: u16,
+    /// Response body.
+    pub body: Vec<u8>,
+    /// Extra response headers.
+    pub headers: Vec<(String, String)>,
+}

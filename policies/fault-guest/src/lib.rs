@@ -1,0 +1,1 @@
+//! A misbehaving proxy-wasm module for sandbox tests (loops, memory bombs, bad pointers, panics)

@@ -1,0 +1,1 @@
+//! The default PD routing policy as a proxy-wasm module

@@ -1,0 +1,59 @@
+//! Every environment variable rngd-pd reads. Nothing else in the project spells these names.
+
+/// KV transport name (`shm`, `tcp`, `nixl-ucx`); default `shm`.
+pub const AIRM_KV_TRANSPORT: &str = "AIRM_KV_TRANSPORT";
+/// Root directory of the `shm` transport; default `/dev/shm/rngd_kv_cluster`.
+pub const PD_SHM_ROOT: &str = "PD_SHM_ROOT";
+/// Seconds an unread `shm` request lives before the sweeper removes it; default 60.
+pub const AIRM_KV_SHM_TTL_S: &str = "AIRM_KV_SHM_TTL_S";
+/// `host:port` of the `tcp` KV relay.
+pub const AIRM_KV_TCP_ADDR: &str = "AIRM_KV_TCP_ADDR";
+/// Seconds an unread blob lives in the relay; default 60.
+pub const AIRM_KV_TCP_TTL_S: &str = "AIRM_KV_TCP_TTL_S";
+/// `0` skips CRC-32 checks on the `tcp` transport.
+pub const AIRM_KV_TCP_CRC: &str = "AIRM_KV_TCP_CRC";
+/// `1` logs size and SHA-256 of every blob the `tcp` transport moves.
+pub const AIRM_KV_TCP_LOG: &str = "AIRM_KV_TCP_LOG";
+/// Port of the gateway's separate KPI endpoint (`airm_*` gauges); unset = off.
+pub const AIRM_METRICS_PORT: &str = "AIRM_METRICS_PORT";
+/// Cache directory for models; default `~/.cache/rngd-pd`.
+pub const RNGD_PD_CACHE: &str = "RNGD_PD_CACHE";
+/// Path of a GGUF model file.
+pub const RNGD_PD_MODEL: &str = "RNGD_PD_MODEL";
+/// Worker role: `prefill`, `decode` or `solo`.
+pub const RNGD_PD_ROLE: &str = "RNGD_PD_ROLE";
+/// Worker backend: `cpu`, `rngd` or `atom`.
+pub const RNGD_PD_BACKEND: &str = "RNGD_PD_BACKEND";
+/// Device ordinal, or `-1` for the card the device plugin allocated.
+pub const RNGD_PD_CHIP: &str = "RNGD_PD_CHIP";
+/// Listen port of a worker.
+pub const RNGD_PD_PORT: &str = "RNGD_PD_PORT";
+/// Listen host of a server; default `127.0.0.1`.
+pub const RNGD_PD_HOST: &str = "RNGD_PD_HOST";
+/// Compiled context length `S`.
+pub const RNGD_PD_SEQ_LEN: &str = "RNGD_PD_SEQ_LEN";
+/// Decode batch size (streams stepped together).
+pub const RNGD_PD_BATCH: &str = "RNGD_PD_BATCH";
+/// Node name this worker runs on (for same-node transport choice).
+pub const RNGD_PD_NODE: &str = "RNGD_PD_NODE";
+/// Path of the kubelet device-plugin checkpoint.
+pub const RNGD_PD_KUBELET_CHECKPOINT: &str = "RNGD_PD_KUBELET_CHECKPOINT";
+/// UID of this pod (downward API), for device allocation.
+pub const POD_UID: &str = "POD_UID";
+/// Path of the policy `.wasm` module.
+pub const RNGD_PD_POLICY: &str = "RNGD_PD_POLICY";
+/// Path of the policy's plugin configuration (JSON).
+pub const RNGD_PD_POLICY_CONFIG: &str = "RNGD_PD_POLICY_CONFIG";
+/// Bearer token for `PUT /admin/policy`; unset = admin API off.
+pub const RNGD_PD_ADMIN_TOKEN: &str = "RNGD_PD_ADMIN_TOKEN";
+/// Path of the endpoints file (gateway and ext-proc).
+pub const RNGD_PD_ENDPOINTS: &str = "RNGD_PD_ENDPOINTS";
+/// `tracing` filter, as `RUST_LOG`.
+pub const RUST_LOG: &str = "RUST_LOG";
+/// Home directory (for the default cache path).
+pub const HOME: &str = "HOME";
+
+/// Reads `name`, treating an empty value as unset.
+pub fn var(name: &str) -> Option<String> {
+    std::env::var(name).ok().filter(|v| !v.is_empty())
+}

@@ -1,0 +1,11 @@
+//! Names and wire types every rngd-pd component shares.
+//!
+//! - [`env`]: every environment variable rngd-pd reads, as constants.
+//! - [`headers`]: HTTP header names of the routing conventions (GIE, llm-d).
+//! - [`openai`]: the OpenAI-compatible request/response/error bodies.
+//! - [`pd`]: the prefill/decode protocol (`kv_transfer_params`, vLLM-compatible).
+
+pub mod env;
+pub mod headers;
+pub mod openai;
+pub mod pd;

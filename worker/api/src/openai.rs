@@ -1,0 +1,454 @@
+//! OpenAI-compatible request, response and error bodies (`/v1/completions`,
+//! `/v1/chat/completions`, `/v1/models`), shared by the gateway and the workers.
+//!
+//! Unknown request fields are accepted and ignored, as OpenAI clients send
+//! fields (`user`, `logit_bias`, …) that a server may not support.
+
+use serde::{Deserialize, Serialize};
+
+use crate::pd::KvTransferParams;
+
+/// `prompt` of a completion request: text or token ids.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum Prompt {
+    /// One text prompt.
+    Text(String),
+    /// A batch of text prompts (only a batch of one is served).
+    TextBatch(Vec<String>),
+    /// One prompt as token ids.
+    Tokens(Vec<u32>),
+    /// A batch of token-id prompts (only a batch of one is served).
+    TokensBatch(Vec<Vec<u32>>),
+}
+
+/// `stop` of a request: one string or several.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum Stop {
+    /// One stop sequence.
+    One(String),
+    /// Several stop sequences.
+    Many(Vec<String>),
+}
+
+impl Stop {
+    /// The stop sequences as a list.
+    pub fn to_vec(&self) -> Vec<String> {
+        match self {
+            Stop::One(s) => vec![s.clone()],
+            Stop::Many(v) => v.clone(),
+        }
+    }
+}
+
+/// `stream_options` of a streaming request.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct StreamOptions {
+    /// Send a final chunk with `usage`.
+    #[serde(default)]
+    pub include_usage: bool,
+}
+
+/// Sampling fields common to completions and chat.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct SamplingFields {
+    /// Tokens to generate at most (default 16 for completions).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_tokens: Option<u32>,
+    /// Softmax temperature; 0 = greedy.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub temperature: Option<f32>,
+    /// Nucleus sampling mass.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub top_p: Option<f32>,
+    /// Top-k sampling (vLLM extension); 0 or absent = off.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub top_k: Option<u32>,
+    /// Seed for sampling.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub seed: Option<u64>,
+    /// Stop sequences.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stop: Option<Stop>,
+    /// Stream as server-sent events.
+    #[serde(default)]
+    pub stream: bool,
+    /// Streaming options.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stream_options: Option<StreamOptions>,
+    /// Number of choices; only 1 is served.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub n: Option<u32>,
+}
+
+/// Body of `POST /v1/completions`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct CompletionRequest {
+    /// Model name.
+    pub model: String,
+    /// The prompt.
+    pub prompt: Prompt,
+    /// Sampling and streaming fields.
+    #[serde(flatten)]
+    pub sampling: SamplingFields,
+    /// PD protocol parameters (vLLM `kv_transfer_params`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kv_transfer_params: Option<KvTransferParams>,
+}
+
+/// One chat message.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ChatMessage {
+    /// `system`, `user`, `assistant` (or `tool`/`developer`, treated as text).
+    pub role: String,
+    /// Message text (a list of text parts is joined).
+    pub content: ChatContent,
+}
+
+/// Content of a chat message: a string or a list of parts.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum ChatContent {
+    /// Plain text.
+    Text(String),
+    /// Content parts; only `text` parts are served.
+    Parts(Vec<ChatContentPart>),
+}
+
+/// One part of a multi-part message.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ChatContentPart {
+    /// Part type; only `text` is served.
+    #[serde(rename = "type")]
+    pub kind: String,
+    /// The text of a `text` part.
+    #[serde(default)]
+    pub text: Option<String>,
+}
+
+impl ChatContent {
+    /// The message as text, or an error naming the unsupported part type.
+    pub fn text(&self) -> Result<String, String> {
+        match self {
+            ChatContent::Text(t) => Ok(t.clone()),
+            ChatContent::Parts(parts) => {
+                let mut out = String::new();
+                for p in parts {
+                    match (&*p.kind, &p.text) {
+                        ("text", Some(t)) => out.push_str(t),
+                        (kind, _) => return Err(format!("content part type '{kind}' is not supported")),
+                    }
+                }
+                Ok(out)
+            }
+        }
+    }
+}
+
+/// Body of `POST /v1/chat/completions`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ChatCompletionRequest {
+    /// Model name.
+    pub model: String,
+    /// The conversation.
+    pub messages: Vec<ChatMessage>,
+    /// Newer name of `max_tokens`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_completion_tokens: Option<u32>,
+    /// Sampling and streaming fields.
+    #[serde(flatten)]
+    pub sampling: SamplingFields,
+}
+
+/// Token counts of a response.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Usage {
+    /// Tokens in the prompt.
+    pub prompt_tokens: u32,
+    /// Tokens generated.
+    pub completion_tokens: u32,
+    /// Sum of both.
+    pub total_tokens: u32,
+}
+
+impl Usage {
+    /// Usage from the two counts.
+    pub fn new(prompt_tokens: u32, completion_tokens: u32) -> Self {
+        Usage {
+            prompt_tokens,
+            completion_tokens,
+            total_tokens: prompt_tokens + completion_tokens,
+        }
+    }
+}
+
+/// Timings rngd-pd adds to a response (an extension field, ignored by OpenAI clients).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+pub struct Timings {
+    /// Time to first token, ms.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ttft_ms: Option<f64>,
+    /// Prefill compute, ms.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prefill_ms: Option<f64>,
+    /// KV push (save) on the prefill side, ms.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kv_save_ms: Option<f64>,
+    /// KV pull (load) on the decode side, ms.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kv_load_ms: Option<f64>,
+    /// KV transfer as seen end to end (save + load), ms.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kv_transfer_ms: Option<f64>,
+    /// Mean time per output token after the first, ms.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tpot_ms: Option<f64>,
+    /// Whole request, ms.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub total_ms: Option<f64>,
+}
+
+/// One choice of a completion response.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct CompletionChoice {
+    /// Choice index (always 0).
+    pub index: u32,
+    /// Generated text (in a stream: this chunk's text).
+    pub text: String,
+    /// Always null (log probabilities are not served).
+    pub logprobs: Option<serde_json::Value>,
+    /// `stop`, `length`, or null while streaming.
+    pub finish_reason: Option<String>,
+    /// Generated token ids (extension; lets clients and tests compare tokens exactly).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub token_ids: Option<Vec<u32>>,
+}
+
+/// Body of a completion response, or one streamed chunk (`object` differs only in chat).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct CompletionResponse {
+    /// Response id.
+    pub id: String,
+    /// `text_completion`.
+    pub object: String,
+    /// Unix seconds.
+    pub created: u64,
+    /// Model name.
+    pub model: String,
+    /// The choices (one).
+    pub choices: Vec<CompletionChoice>,
+    /// Token counts (absent on intermediate stream chunks).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub usage: Option<Usage>,
+    /// PD protocol parameters returned by a prefill worker.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kv_transfer_params: Option<KvTransferParams>,
+    /// rngd-pd timings (extension).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub timings: Option<Timings>,
+}
+
+/// A chat message in a response.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ChatResponseMessage {
+    /// `assistant`.
+    pub role: String,
+    /// Generated text.
+    pub content: String,
+}
+
+/// One choice of a chat response.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ChatChoice {
+    /// Choice index (always 0).
+    pub index: u32,
+    /// The message.
+    pub message: ChatResponseMessage,
+    /// `stop` or `length`.
+    pub finish_reason: Option<String>,
+}
+
+/// Body of a chat completion response.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ChatCompletionResponse {
+    /// Response id.
+    pub id: String,
+    /// `chat.completion`.
+    pub object: String,
+    /// Unix seconds.
+    pub created: u64,
+    /// Model name.
+    pub model: String,
+    /// The choices (one).
+    pub choices: Vec<ChatChoice>,
+    /// Token counts.
+    pub usage: Usage,
+    /// rngd-pd timings (extension).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub timings: Option<Timings>,
+}
+
+/// The incremental part of a streamed chat chunk.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct ChatDelta {
+    /// `assistant` on the first chunk.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub role: Option<String>,
+    /// New text.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub content: Option<String>,
+}
+
+/// One choice of a streamed chat chunk.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ChatChunkChoice {
+    /// Choice index (always 0).
+    pub index: u32,
+    /// New content.
+    pub delta: ChatDelta,
+    /// Set on the last chunk.
+    pub finish_reason: Option<String>,
+}
+
+/// A streamed chat chunk (`chat.completion.chunk`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ChatCompletionChunk {
+    /// Response id (same on every chunk).
+    pub id: String,
+    /// `chat.completion.chunk`.
+    pub object: String,
+    /// Unix seconds.
+    pub created: u64,
+    /// Model name.
+    pub model: String,
+    /// The choices (one; empty on a usage-only chunk).
+    pub choices: Vec<ChatChunkChoice>,
+    /// Token counts, on the usage chunk.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub usage: Option<Usage>,
+}
+
+/// One entry of `GET /v1/models`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Model {
+    /// Model name.
+    pub id: String,
+    /// `model`.
+    pub object: String,
+    /// Unix seconds.
+    pub created: u64,
+    /// `rngd-pd`.
+    pub owned_by: String,
+    /// Compiled context length (extension).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_model_len: Option<u32>,
+}
+
+/// Body of `GET /v1/models`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ModelList {
+    /// `list`.
+    pub object: String,
+    /// The models.
+    pub data: Vec<Model>,
+}
+
+/// OpenAI error body: `{"error": {...}}`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ErrorBody {
+    /// The error.
+    pub error: ErrorDetail,
+}
+
+/// The inside of an OpenAI error body.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ErrorDetail {
+    /// Human-readable message.
+    pub message: String,
+    /// `invalid_request_error`, `not_found_error`, `server_error`, …
+    #[serde(rename = "type")]
+    pub kind: String,
+    /// Offending parameter, if one.
+    pub param: Option<String>,
+    /// Machine-readable code (e.g. `context_length_exceeded`).
+    pub code: Option<String>,
+}
+
+impl ErrorBody {
+    /// An error body.
+    pub fn new(kind: &str, message: impl Into<String>) -> Self {
+        ErrorBody {
+            error: ErrorDetail {
+                message: message.into(),
+                kind: kind.to_string(),
+                param: None,
+                code: None,
+            },
+        }
+    }
+
+    /// Sets `param`.
+    pub fn with_param(mut self, param: &str) -> Self {
+        self.error.param = Some(param.to_string());
+        self
+    }
+
+    /// Sets `code`.
+    pub fn with_code(mut self, code: &str) -> Self {
+        self.error.code = Some(code.to_string());
+        self
+    }
+
+    /// The OpenAI error type for an HTTP status.
+    pub fn kind_for_status(status: u16) -> &'static str {
+        match status {
+            400 | 413 | 422 => "invalid_request_error",
+            401 | 403 => "authentication_error",
+            404 => "not_found_error",
+            429 => "rate_limit_error",
+            504 => "timeout_error",
+            _ => "server_error",
+        }
+    }
+}
+
+/// The message for a prompt that does not fit the compiled context length.
+/// Every component that refuses one uses this text.
+pub fn context_length_message(prompt_tokens: usize, max_tokens: usize, seq_len: usize) -> String {
+    format!(
+        "prompt ({prompt_tokens} tokens) + max_tokens ({max_tokens}) = {} exceeds the compiled context length of {seq_len} tokens",
+        prompt_tokens + max_tokens
+    )
+}
+
+/// Error code used with [`context_length_message`].
+pub const CONTEXT_LENGTH_CODE: &str = "context_length_exceeded";
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_openai_client_body() {
+        let body = r#"{"model":"m","prompt":"hi","max_tokens":5,"temperature":0,"stream":true,"user":"x",
+            "stream_options":{"include_usage":true},"stop":["\n"]}"#;
+        let req: CompletionRequest = serde_json::from_str(body).unwrap();
+        assert_eq!(req.prompt, Prompt::Text("hi".into()));
+        assert_eq!(req.sampling.max_tokens, Some(5));
+        assert!(req.sampling.stream);
+        assert_eq!(req.sampling.stop.unwrap().to_vec(), vec!["\n".to_string()]);
+    }
+
+    #[test]
+    fn token_prompts_parse() {
+        let req: CompletionRequest = serde_json::from_str(r#"{"model":"m","prompt":[1,2,3]}"#).unwrap();
+        assert_eq!(req.prompt, Prompt::Tokens(vec![1, 2, 3]));
+    }
+
+    #[test]
+    fn message_names_the_numbers() {
+        let m = context_length_message(500, 20, 512);
+        assert!(m.contains("500") && m.contains("20") && m.contains("520") && m.contains("512"));
+    }
+}

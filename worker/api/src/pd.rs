@@ -1,0 +1,54 @@
+//! The prefill/decode protocol, compatible with vLLM's `kv_transfer_params`.
+//!
+//! 1. The orchestrator sends the prefill worker a completion request with
+//!    `"kv_transfer_params": {"do_remote_decode": true}` (and optionally the
+//!    transport to use).
+//! 2. The prefill worker runs the prompt, pushes the KV cache and answers with
+//!    the first token and `kv_transfer_params` = `{"do_remote_prefill": true,
+//!    "kv_handle": …}`.
+//! 3. The orchestrator sends the original request, with those params, to the
+//!    decode worker, which pulls the cache, releases it and continues from it.
+//!
+//! See `docs/pd-protocol.md`.
+
+use rngd_kv_wire::KvHandle;
+use serde::{Deserialize, Serialize};
+
+/// `kv_transfer_params` of a completion request or response.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct KvTransferParams {
+    /// On a request to a prefill worker: prefill only and push the KV for a remote decode.
+    #[serde(default)]
+    pub do_remote_decode: bool,
+    /// On a request to a decode worker: the KV was prefilled remotely; pull it from `kv_handle`.
+    #[serde(default)]
+    pub do_remote_prefill: bool,
+    /// KV transport to push through (prefill request); default: the worker's own.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kv_transport: Option<String>,
+    /// Where the KV cache is (prefill response, decode request).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kv_handle: Option<KvHandle>,
+    /// The first token the prefill sampled (prefill response, decode request).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub first_token: Option<u32>,
+    /// Prompt token ids as the prefill worker tokenized them (prefill response, decode request),
+    /// so that the decode worker need not tokenize again.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prompt_token_ids: Option<Vec<u32>>,
+    /// Prefill compute time, ms (prefill response).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prefill_ms: Option<f64>,
+    /// KV push time, ms (prefill response).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kv_save_ms: Option<f64>,
+    /// vLLM field: engine id of the remote side (informational).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub remote_engine_id: Option<String>,
+    /// vLLM field: host of the remote side (informational).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub remote_host: Option<String>,
+    /// vLLM field: port of the remote side (informational).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub remote_port: Option<u16>,
+}

@@ -1,0 +1,3 @@
+//! `rngd-pd`: the one binary (worker, relay, gateway, ext-proc, up, model, policy, bench).
+
+fn main() {}

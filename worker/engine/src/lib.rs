@@ -1,0 +1,135 @@
+//! The engine contract every backend implements, and the CPU backend.
+//!
+//! [`Engine`] is what the worker drives: tokenize, prefill (prompt → first
+//! token + KV cache in the NPU wire layout), decode (continue from such a cache,
+//! streaming tokens), or both locally. Backends: `cpu` (this crate, a Llama on
+//! candle); `rngd` / `atom` need vendor runtimes this build does not include.
+
+use std::time::Duration;
+
+use bytes::Bytes;
+pub use rngd_kv_wire::KvLayout;
+use tokio::sync::mpsc;
+
+/// Errors of the engine.
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    /// `prompt + max_tokens > S`: refused before any work.
+    #[error("{0}")]
+    ContextLength(String),
+    /// Placeholder until the engine lands.
+    #[error("{0}")]
+    Other(String),
+}
+
+/// What a loaded model is.
+#[derive(Debug, Clone)]
+pub struct ModelInfo {
+    /// Model name served in the API (`/v1/models`).
+    pub name: String,
+    /// Compiled context length `S`.
+    pub seq_len: usize,
+    /// Shape of one request's KV cache.
+    pub kv_layout: KvLayout,
+    /// Vocabulary size.
+    pub vocab_size: usize,
+}
+
+/// How to pick tokens and when to stop.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SamplingParams {
+    /// Tokens to generate at most (the first token counts).
+    pub max_tokens: usize,
+    /// 0 = greedy.
+    pub temperature: f32,
+    /// Top-k (0 = off).
+    pub top_k: usize,
+    /// Top-p (1.0 = off).
+    pub top_p: f32,
+    /// Seed; sampling of step `i` depends only on (seed, i), wherever it runs.
+    pub seed: u64,
+    /// Stop sequences (not included in the output).
+    pub stop: Vec<String>,
+}
+
+/// One request's KV cache in the wire layout (bf16 blobs, `K0, V0, K1, V1, …`).
+#[derive(Debug, Clone)]
+pub struct KvCache {
+    /// Shape.
+    pub layout: KvLayout,
+    /// Valid positions.
+    pub tokens: usize,
+    /// The blobs.
+    pub blobs: Vec<Bytes>,
+}
+
+/// Result of a prefill.
+#[derive(Debug, Clone)]
+pub struct Prefilled {
+    /// The first generated token.
+    pub first_token: u32,
+    /// The cache of the prompt.
+    pub kv: KvCache,
+    /// Compute time.
+    pub elapsed: Duration,
+}
+
+/// Why generation ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FinishReason {
+    /// EOS or a stop sequence.
+    Stop,
+    /// `max_tokens` reached.
+    Length,
+}
+
+/// One event of a generation stream.
+#[derive(Debug, Clone, PartialEq)]
+pub enum GenEvent {
+    /// A generated token and the text it completes (may be empty while UTF-8 is incomplete).
+    Token {
+        /// Token id.
+        id: u32,
+        /// New text.
+        text: String,
+    },
+    /// The end.
+    Done {
+        /// Why.
+        finish_reason: FinishReason,
+        /// Tokens generated.
+        completion_tokens: usize,
+    },
+    /// A failure mid-stream.
+    Error(String),
+}
+
+/// A backend. Dropping the receiver of a stream cancels that stream.
+#[async_trait::async_trait]
+pub trait Engine: Send + Sync + 'static {
+    /// The loaded model.
+    fn info(&self) -> &ModelInfo;
+    /// Text → token ids (no BOS unless the model's tokenizer adds one).
+    fn tokenize(&self, text: &str) -> Result<Vec<u32>, EngineError>;
+    /// Token ids → text.
+    fn detokenize(&self, ids: &[u32]) -> Result<String, EngineError>;
+    /// Renders a chat (role, content) with the model's template, ready to tokenize.
+    fn chat_prompt(&self, messages: &[(String, String)]) -> Result<String, EngineError>;
+    /// Runs the prompt and samples the first token.
+    async fn prefill(&self, prompt: &[u32], params: &SamplingParams) -> Result<Prefilled, EngineError>;
+    /// Continues from a prefilled cache. The stream starts with `first_token`.
+    async fn decode(
+        &self,
+        prompt: &[u32],
+        prefilled: Prefilled,
+        params: &SamplingParams,
+    ) -> Result<mpsc::Receiver<GenEvent>, EngineError>;
+    /// Prefill and decode here.
+    async fn generate(&self, prompt: &[u32], params: &SamplingParams) -> Result<mpsc::Receiver<GenEvent>, EngineError>;
+    /// Streams waiting for a decode slot.
+    fn waiting(&self) -> usize;
+    /// Streams decoding now.
+    fn running(&self) -> usize;
+    /// Fraction of KV slots in use, 0..1.
+    fn kv_usage(&self) -> f64;
+}

@@ -1,0 +1,337 @@
+//! The KV-cache wire format shared by every rngd-pd component.
+//!
+//! This crate owns three things and nothing else:
+//! - [`KvLayout`]: the shape of one request's KV cache as the NPU graphs lay it
+//!   out: K as `[layers, kv_heads, head_dim, S]`, V as
+//!   `[layers, kv_heads, S, head_dim]`, one blob per layer per K/V, where `S`
+//!   is the compiled context length;
+//! - [`KvHandle`]: what a prefill worker hands to a decode worker so that it can
+//!   find and verify the blobs (serde, so it travels inside JSON);
+//! - checksums ([`crc32`]) and bf16/f16 conversion helpers.
+//!
+//! The normative description is `docs/kv-wire.md`.
+
+use serde::{Deserialize, Serialize};
+
+/// Element type of the cache on the wire.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Dtype {
+    /// bfloat16, the default (what the engines keep internally too).
+    Bf16,
+    /// IEEE half precision.
+    F16,
+}
+
+impl Dtype {
+    /// Bytes per element.
+    pub const fn size(self) -> usize {
+        2
+    }
+}
+
+/// Which half of a layer's cache a blob holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum BlobKind {
+    /// Keys, laid out `[kv_heads, head_dim, S]` within the layer.
+    K,
+    /// Values, laid out `[kv_heads, S, head_dim]` within the layer.
+    V,
+}
+
+/// Shape of one request's KV cache.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct KvLayout {
+    /// Transformer layers.
+    pub layers: usize,
+    /// Key/value heads per layer (grouped-query attention).
+    pub kv_heads: usize,
+    /// Elements per head.
+    pub head_dim: usize,
+    /// Compiled context length `S`: positions per sequence, valid or not.
+    pub seq_len: usize,
+    /// Element type.
+    pub dtype: Dtype,
+}
+
+/// Errors of this crate.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum WireError {
+    /// A layout with a zero dimension.
+    #[error("invalid KV layout: {0}")]
+    InvalidLayout(String),
+    /// A blob whose length does not match the layout.
+    #[error("blob {index} has {actual} bytes, the layout needs {expected}")]
+    BlobSize {
+        /// Blob index.
+        index: usize,
+        /// Length the layout requires.
+        expected: u64,
+        /// Length found.
+        actual: u64,
+    },
+    /// Wrong number of blobs.
+    #[error("expected {expected} blobs, got {actual}")]
+    BlobCount {
+        /// Number the layout requires.
+        expected: usize,
+        /// Number found.
+        actual: usize,
+    },
+    /// A blob whose checksum does not match the handle.
+    #[error("CRC-32 mismatch on blob {index}: expected {expected:08x}, got {actual:08x}")]
+    Crc {
+        /// Blob index.
+        index: usize,
+        /// Checksum in the handle.
+        expected: u32,
+        /// Checksum of the bytes received.
+        actual: u32,
+    },
+}
+
+impl KvLayout {
+    /// Llama-3.1-8B at S = 512: 32 layers, 8 KV heads, head_dim 128 (64 blobs of 1 MiB).
+    pub const LLAMA31_8B_S512: KvLayout = KvLayout {
+        layers: 32,
+        kv_heads: 8,
+        head_dim: 128,
+        seq_len: 512,
+        dtype: Dtype::Bf16,
+    };
+
+    /// Checks that no dimension is zero.
+    pub fn validate(&self) -> Result<(), WireError> {
+        if self.layers == 0 || self.kv_heads == 0 || self.head_dim == 0 || self.seq_len == 0 {
+            return Err(WireError::InvalidLayout(format!("{self:?}")));
+        }
+        Ok(())
+    }
+
+    /// Elements in one blob (one layer's K or V).
+    pub const fn blob_elems(&self) -> usize {
+        self.kv_heads * self.head_dim * self.seq_len
+    }
+
+    /// Bytes in one blob. K and V blobs have the same size.
+    pub const fn blob_bytes(&self) -> usize {
+        self.blob_elems() * self.dtype.size()
+    }
+
+    /// Number of blobs per request: one K and one V per layer.
+    pub const fn blob_count(&self) -> usize {
+        2 * self.layers
+    }
+
+    /// Bytes per request (all blobs).
+    pub const fn request_bytes(&self) -> usize {
+        self.blob_bytes() * self.blob_count()
+    }
+
+    /// Bytes of cache one token occupies (K and V over all layers).
+    pub const fn bytes_per_token(&self) -> usize {
+        2 * self.layers * self.kv_heads * self.head_dim * self.dtype.size()
+    }
+
+    /// Blob order on the wire: `K0, V0, K1, V1, …`.
+    pub const fn blob_index(layer: usize, kind: BlobKind) -> usize {
+        2 * layer
+            + match kind {
+                BlobKind::K => 0,
+                BlobKind::V => 1,
+            }
+    }
+
+    /// Inverse of [`KvLayout::blob_index`].
+    pub const fn blob_of(index: usize) -> (usize, BlobKind) {
+        (
+            index / 2,
+            if index % 2 == 0 {
+                BlobKind::K
+            } else {
+                BlobKind::V
+            },
+        )
+    }
+
+    /// Element offset of `(head, dim, pos)` inside a K blob (`[kv_heads, head_dim, S]`).
+    pub const fn k_offset(&self, head: usize, dim: usize, pos: usize) -> usize {
+        (head * self.head_dim + dim) * self.seq_len + pos
+    }
+
+    /// Element offset of `(head, pos, dim)` inside a V blob (`[kv_heads, S, head_dim]`).
+    pub const fn v_offset(&self, head: usize, pos: usize, dim: usize) -> usize {
+        (head * self.seq_len + pos) * self.head_dim + dim
+    }
+}
+
+/// Size and checksum of one blob.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BlobMeta {
+    /// Length in bytes.
+    pub len: u64,
+    /// CRC-32 (IEEE, as `crc32fast`) of the bytes.
+    pub crc32: u32,
+}
+
+/// Everything a decode worker needs to fetch and verify one request's cache.
+///
+/// Serialized inside `kv_transfer_params` of the PD protocol.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct KvHandle {
+    /// Request id (sanitized by the transports before use in a path or key).
+    pub request_id: String,
+    /// Transport name from the registry (`shm`, `tcp`, `nixl-ucx`).
+    pub transport: String,
+    /// Transport-specific location: a directory for `shm`, `host:port` for `tcp`.
+    pub location: String,
+    /// Shape of the cache.
+    pub layout: KvLayout,
+    /// Valid positions (prompt tokens whose K/V were computed); the rest of `S` is padding.
+    pub tokens: usize,
+    /// One entry per blob, in wire order (`K0, V0, K1, V1, …`).
+    pub blobs: Vec<BlobMeta>,
+}
+
+impl KvHandle {
+    /// Total payload bytes.
+    pub fn total_bytes(&self) -> u64 {
+        self.blobs.iter().map(|b| b.len).sum()
+    }
+
+    /// Checks that `blob` is blob `index` of this handle: length and CRC-32.
+    pub fn verify(&self, index: usize, blob: &[u8]) -> Result<(), WireError> {
+        let meta = self.blobs.get(index).ok_or(WireError::BlobCount {
+            expected: self.blobs.len(),
+            actual: index + 1,
+        })?;
+        if meta.len != blob.len() as u64 {
+            return Err(WireError::BlobSize {
+                index,
+                expected: meta.len,
+                actual: blob.len() as u64,
+            });
+        }
+        let actual = crc32(blob);
+        if actual != meta.crc32 {
+            return Err(WireError::Crc {
+                index,
+                expected: meta.crc32,
+                actual,
+            });
+        }
+        Ok(())
+    }
+}
+
+/// Builds the blob table for a set of blobs.
+pub fn describe<B: AsRef<[u8]>>(blobs: &[B]) -> Vec<BlobMeta> {
+    blobs
+        .iter()
+        .map(|b| BlobMeta {
+            len: b.as_ref().len() as u64,
+            crc32: crc32(b.as_ref()),
+        })
+        .collect()
+}
+
+/// CRC-32 (IEEE) of `bytes`.
+pub fn crc32(bytes: &[u8]) -> u32 {
+    crc32fast::hash(bytes)
+}
+
+/// Converts f32 values to little-endian bf16 bytes (round to nearest even).
+pub fn f32_to_bf16_bytes(values: &[f32]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(values.len() * 2);
+    for v in values {
+        out.extend_from_slice(&half::bf16::from_f32(*v).to_le_bytes());
+    }
+    out
+}
+
+/// Converts little-endian bf16 bytes to f32 values. A trailing odd byte is ignored.
+pub fn bf16_bytes_to_f32(bytes: &[u8]) -> Vec<f32> {
+    bytes
+        .chunks_exact(2)
+        .map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32())
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn llama_8b_request_is_64_blobs_of_1_mib() {
+        let l = KvLayout::LLAMA31_8B_S512;
+        assert_eq!(l.blob_count(), 64);
+        assert_eq!(l.blob_bytes(), 1 << 20);
+        assert_eq!(l.request_bytes(), 67_108_864);
+    }
+
+    #[test]
+    fn smollm2_bytes_per_token() {
+        let l = KvLayout {
+            layers: 30,
+            kv_heads: 3,
+            head_dim: 64,
+            seq_len: 512,
+            dtype: Dtype::Bf16,
+        };
+        assert_eq!(l.bytes_per_token(), 23_040);
+    }
+
+    #[test]
+    fn blob_order_round_trips() {
+        for i in 0..10 {
+            let (layer, kind) = KvLayout::blob_of(i);
+            assert_eq!(KvLayout::blob_index(layer, kind), i);
+        }
+    }
+
+    #[test]
+    fn offsets_follow_npu_layout() {
+        let l = KvLayout {
+            layers: 1,
+            kv_heads: 2,
+            head_dim: 3,
+            seq_len: 4,
+            dtype: Dtype::Bf16,
+        };
+        assert_eq!(l.k_offset(1, 2, 3), 23);
+        assert_eq!(l.v_offset(1, 3, 2), 23);
+        assert_eq!(l.k_offset(0, 1, 0), 4);
+        assert_eq!(l.v_offset(0, 1, 0), 3);
+    }
+
+    #[test]
+    fn verify_catches_a_flipped_byte() {
+        let blobs = vec![vec![1u8; 64], vec![2u8; 64]];
+        let handle = KvHandle {
+            request_id: "r".into(),
+            transport: "shm".into(),
+            location: "/x".into(),
+            layout: KvLayout::LLAMA31_8B_S512,
+            tokens: 1,
+            blobs: describe(&blobs),
+        };
+        handle.verify(1, &blobs[1]).unwrap();
+        let mut bad = blobs[1].clone();
+        bad[7] ^= 1;
+        assert!(matches!(handle.verify(1, &bad), Err(WireError::Crc { index: 1, .. })));
+        assert!(matches!(handle.verify(0, &bad[..3]), Err(WireError::BlobSize { .. })));
+        let json = serde_json::to_string(&handle).unwrap();
+        let back: KvHandle = serde_json::from_str(&json).unwrap();
+        assert_eq!(back, handle);
+    }
+
+    #[test]
+    fn bf16_round_trip() {
+        let v = [0.0f32, 1.0, -2.5, 1e-3, 65504.0];
+        let back = bf16_bytes_to_f32(&f32_to_bf16_bytes(&v));
+        for (a, b) in v.iter().zip(&back) {
+            assert!((a - b).abs() <= a.abs() / 128.0);
+        }
+    }
+}

@@ -1,0 +1,1 @@
+//! The worker sidecar: prefill / decode / solo roles over HTTP, the PD protocol and model-server metrics
