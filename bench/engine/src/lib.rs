@@ -1,0 +1,1 @@
+//! `rngd-pd bench engine`: the CPU engine's prefill and decode timings (the llama.cpp comparison wraps it)

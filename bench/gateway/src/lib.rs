@@ -1,0 +1,1 @@
+//! `rngd-pd bench gateway`: latency the gateway adds over calling a worker directly

@@ -1,0 +1,1 @@
+//! `rngd-pd bench kv`: KV transport throughput against memcpy / raw TCP in the same run

@@ -1,1 +1,0 @@
-//! Benchmark harnesses behind `rngd-pd bench`

@@ -1,0 +1,63 @@
+//! Every metric name rngd-pd exports. Nothing else in the project spells them.
+
+// Model-server protocol (what GIE / llm-d endpoint pickers scrape from workers).
+/// Requests waiting for a decode slot.
+pub const VLLM_NUM_REQUESTS_WAITING: &str = "vllm:num_requests_waiting";
+/// Requests running.
+pub const VLLM_NUM_REQUESTS_RUNNING: &str = "vllm:num_requests_running";
+/// KV cache usage, 0..1.
+pub const VLLM_KV_CACHE_USAGE_PERC: &str = "vllm:kv_cache_usage_perc";
+
+// Worker timings.
+/// KV push on the prefill side, ms (histogram).
+pub const WORKER_KV_SAVE_MS: &str = "rngd_pd_worker_kv_save_ms";
+/// KV pull on the decode side, ms (histogram).
+pub const WORKER_KV_LOAD_MS: &str = "rngd_pd_worker_kv_load_ms";
+/// Prefill compute, ms (histogram).
+pub const WORKER_PREFILL_MS: &str = "rngd_pd_worker_prefill_ms";
+/// Decode speed per request, tokens/s (histogram).
+pub const WORKER_DECODE_TOKENS_PER_S: &str = "rngd_pd_worker_decode_tokens_per_s";
+/// Prefills run (counter).
+pub const WORKER_PREFILLS_TOTAL: &str = "rngd_pd_worker_prefills_total";
+/// KV caches loaded from a transport (counter).
+pub const WORKER_KV_LOADS_TOTAL: &str = "rngd_pd_worker_kv_loads_total";
+/// Requests by outcome (counter, label `status`).
+pub const WORKER_REQUESTS_TOTAL: &str = "rngd_pd_worker_requests_total";
+
+// The seed's KPIs (gateway, over the most recent 512 requests).
+/// p90 time to first token, ms.
+pub const AIRM_TTFT_P90_MS: &str = "airm_ttft_p90_ms";
+/// p90 time per output token, ms.
+pub const AIRM_TPOT_P90_MS: &str = "airm_tpot_p90_ms";
+/// Output tokens per second.
+pub const AIRM_TOK_S: &str = "airm_tok_s";
+/// Mean KV transfer time, ms, label `kv_transport`.
+pub const AIRM_KV_TRANSFER_MS: &str = "airm_kv_transfer_ms";
+
+// Gateway histograms.
+/// Time to first token, ms.
+pub const GATEWAY_TTFT_MS: &str = "rngd_pd_gateway_ttft_ms";
+/// Time per output token, ms.
+pub const GATEWAY_TPOT_MS: &str = "rngd_pd_gateway_tpot_ms";
+/// KV transfer, ms, label `kv_transport`.
+pub const GATEWAY_KV_TRANSFER_MS: &str = "rngd_pd_gateway_kv_transfer_ms";
+/// Policy decision time, µs.
+pub const GATEWAY_POLICY_DECISION_US: &str = "rngd_pd_gateway_policy_decision_us";
+/// Requests by status code (counter, label `code`).
+pub const GATEWAY_REQUESTS_TOTAL: &str = "rngd_pd_gateway_requests_total";
+
+// Policy host.
+/// Module reloads that failed (the old module stayed active).
+pub const POLICY_RELOAD_FAILURES_TOTAL: &str = "policy_reload_failures_total";
+/// Module reloads that succeeded.
+pub const POLICY_RELOADS_TOTAL: &str = "policy_reloads_total";
+/// Guest traps (request failed with 500, instance discarded).
+pub const POLICY_TRAPS_TOTAL: &str = "policy_traps_total";
+
+// Endpoint picker.
+/// Picks by result (counter, label `result`).
+pub const EPP_PICKS_TOTAL: &str = "rngd_pd_epp_picks_total";
+/// Pick latency, µs.
+pub const EPP_PICK_US: &str = "rngd_pd_epp_pick_us";
+/// Endpoint scrape failures (counter).
+pub const EPP_SCRAPE_FAILURES_TOTAL: &str = "rngd_pd_epp_scrape_failures_total";
