@@ -1,3 +1,73 @@
-//! `rngd-pd`: the one binary (worker, relay, gateway, ext-proc, up, model, policy, bench).
+//! `rngd-pd`: the one binary. Each subcommand lives in its own module, which
+//! only parses flags and calls into the library crate that owns the work.
 
-fn main() {}
+mod bench;
+mod ext_proc;
+mod gateway;
+mod model;
+mod policy;
+mod relay;
+mod up;
+mod worker;
+
+use clap::{Parser, Subcommand};
+
+/// Prefill/decode-disaggregated LLM serving.
+#[derive(Debug, Parser)]
+#[command(name = "rngd-pd", version, about)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Run a worker sidecar (prefill, decode or solo).
+    Worker(worker::Args),
+    /// Run the KV relay server of the `tcp` transport.
+    Relay(relay::Args),
+    /// Run the OpenAI-compatible gateway.
+    Gateway(gateway::Args),
+    /// Run the Envoy ext_proc endpoint picker.
+    ExtProc(ext_proc::Args),
+    /// Bring up the whole local stack on the CPU backend.
+    Up(up::Args),
+    /// Manage models.
+    #[command(subcommand)]
+    Model(model::Command),
+    /// Work with policy modules.
+    #[command(subcommand)]
+    Policy(policy::Command),
+    /// Benchmarks (each measures its baseline in the same run).
+    #[command(subcommand)]
+    Bench(bench::Command),
+}
+
+fn init_tracing() {
+    let filter = tracing_subscriber::EnvFilter::try_from_env(rngd_api::env::RUST_LOG)
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .init();
+}
+
+fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    init_tracing();
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
+    runtime.block_on(async move {
+        match cli.command {
+            Command::Worker(a) => worker::run(a).await,
+            Command::Relay(a) => relay::run(a).await,
+            Command::Gateway(a) => gateway::run(a).await,
+            Command::ExtProc(a) => ext_proc::run(a).await,
+            Command::Up(a) => up::run(a).await,
+            Command::Model(c) => model::run(c).await,
+            Command::Policy(c) => policy::run(c).await,
+            Command::Bench(c) => bench::run(c).await,
+        }
+    })
+}

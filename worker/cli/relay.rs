@@ -1,0 +1,10 @@
+//! `rngd-pd relay`: not wired yet.
+
+/// Flags.
+#[derive(Debug, clap::Args)]
+pub struct Args {}
+
+/// Runs the subcommand.
+pub async fn run(_args: Args) -> anyhow::Result<()> {
+    anyhow::bail!("rngd-pd relay is not built yet")
+}
