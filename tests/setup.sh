@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Installs everything the test suite needs that is not Rust code: the wasm
+# targets, the Python clients and servers the tests drive (openai, Envoy,
+# grpcio + xds-protos, helm-python-sdk, pytest), promtool and iproute2.
+# Idempotent: a second run only checks.
+set -euo pipefail
+
+PY=${PYTHON:-python3}
+
+# Rust: the toolchain file names the wasm targets; make sure they are there.
+rustup target add wasm32-unknown-unknown wasm32-wasip1 >/dev/null
+
+# Python packages, pinned to the versions the suite was written against.
+"$PY" -m pip install --quiet --disable-pip-version-check -r "$(dirname "$0")/python/requirements.txt"
+
+# Debian packages: promtool (metrics exposition checks), ip (network namespaces).
+need=()
+command -v promtool >/dev/null 2>&1 || need+=(prometheus)
+command -v ip >/dev/null 2>&1 || need+=(iproute2)
+if [ ${#need[@]} -gt 0 ]; then
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -qq
+    apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
+fi
