@@ -1,0 +1,106 @@
+"""Renders the Helm chart with the Helm SDK (helm-python-sdk) and checks what a
+cluster would receive: the objects, the device wiring, the InferencePool, and
+that every flag a container is started with is one the binary accepts."""
+
+import base64
+import os
+import re
+import subprocess
+from pathlib import Path
+
+import helm_python as helm
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+CHART = ROOT / "deploy" / "helm" / "rngd-pd"
+
+
+def render(values=None):
+    chart = helm.Chart.load(str(CHART))
+    out = chart.render(values or {}, name="demo", namespace="ai")
+    objs = []
+    for text in out.values():
+        objs.extend(d for d in yaml.safe_load_all(text) if d)
+    return {(o["kind"], o["metadata"]["name"]): o for o in objs}
+
+
+def container(objs, name):
+    return objs[("Deployment", name)]["spec"]["template"]["spec"]["containers"][0]
+
+
+def test_lint_is_clean():
+    report = helm.lint(str(CHART), strict=True)
+    assert report["errors"] == []
+    assert all(m["severity"] < 3 for m in report["messages"]), report["messages"]
+
+
+def test_default_render_has_every_component():
+    objs = render()
+    for key in [
+        ("Deployment", "demo-prefill"),
+        ("Deployment", "demo-decode"),
+        ("Deployment", "demo-relay"),
+        ("Deployment", "demo-epp"),
+        ("Deployment", "demo-gateway"),
+        ("Service", "demo-epp"),
+        ("Service", "demo-relay"),
+        ("ConfigMap", "demo-policy"),
+        ("InferencePool", "demo"),
+    ]:
+        assert key in objs, f"missing {key}"
+    pool = objs[("InferencePool", "demo")]
+    assert pool["apiVersion"] == "inference.networking.k8s.io/v1"
+    assert pool["spec"]["endpointPickerRef"]["name"] == "demo-epp"
+    assert pool["spec"]["endpointPickerRef"]["port"]["number"] == 9002
+    assert pool["spec"]["selector"]["matchLabels"] == {"rngd-pd.io/pool": "demo"}
+    for role in ("prefill", "decode"):
+        labels = objs[("Deployment", f"demo-{role}")]["spec"]["template"]["metadata"]["labels"]
+        assert labels["rngd-pd.io/pool"] == "demo"
+
+
+def test_npu_backends_request_their_device_and_read_the_checkpoint():
+    objs = render(
+        {
+            "prefill": {"backend": "rngd", "deviceResource": "furiosa.ai/rngd"},
+            "decode": {"backend": "atom", "deviceResource": "rebellions.ai/ATOM"},
+        }
+    )
+    pre = container(objs, "demo-prefill")
+    dec = container(objs, "demo-decode")
+    assert pre["resources"]["limits"]["furiosa.ai/rngd"] == 1
+    assert dec["resources"]["limits"]["rebellions.ai/ATOM"] == 1
+    assert "--backend=rngd" in pre["args"] and "--chip=-1" in pre["args"]
+    env = {e["name"]: e for e in pre["env"]}
+    assert env["POD_UID"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.uid"
+    mounts = {m["mountPath"] for m in pre["volumeMounts"]}
+    assert "/var/lib/kubelet/device-plugins" in mounts
+
+
+def test_custom_policy_module_is_shipped_and_mounted():
+    wasm = base64.b64encode(b"\0asm\x01\0\0\0").decode()
+    objs = render({"policy": {"moduleBase64": wasm}})
+    cm = objs[("ConfigMap", "demo-policy")]
+    assert cm["binaryData"]["policy.wasm"] == wasm
+    epp = container(objs, "demo-epp")
+    assert "--policy=/etc/rngd-pd/policy-module/policy.wasm" in epp["args"]
+
+
+def binary():
+    path = os.environ.get("RNGD_PD_BIN")
+    if not path:
+        target = os.environ.get("CARGO_TARGET_DIR", str(ROOT / "target"))
+        path = os.path.join(target, "release", "rngd-pd")
+    assert os.path.exists(path), f"rngd-pd binary not found at {path}: run `cargo build --release`"
+    return path
+
+
+@pytest.mark.parametrize("deployment", ["demo-prefill", "demo-decode", "demo-relay", "demo-epp", "demo-gateway"])
+def test_container_flags_exist_in_the_binary(deployment):
+    args = container(render(), deployment)["args"]
+    sub = args[0]
+    help_text = subprocess.run([binary(), sub, "--help"], capture_output=True, text=True, check=True).stdout
+    for arg in args[1:]:
+        flag = re.match(r"(--[a-z0-9-]+)", arg)
+        assert flag, f"unexpected argument {arg!r}"
+        assert flag.group(1) in help_text, f"`rngd-pd {sub}` has no flag {flag.group(1)}"
