@@ -61,3 +61,14 @@ pub const EPP_PICKS_TOTAL: &str = "rngd_pd_epp_picks_total";
 pub const EPP_PICK_US: &str = "rngd_pd_epp_pick_us";
 /// Endpoint scrape failures (counter).
 pub const EPP_SCRAPE_FAILURES_TOTAL: &str = "rngd_pd_epp_scrape_failures_total";
+
+// Gateway histograms in base units (what the gateway's `/metrics` exports;
+// `promtool check metrics` rejects abbreviated units such as `_ms`).
+/// Time to first token, seconds (histogram).
+pub const GATEWAY_TTFT_SECONDS: &str = "rngd_pd_gateway_ttft_seconds";
+/// Time per output token after the first, seconds (histogram).
+pub const GATEWAY_TPOT_SECONDS: &str = "rngd_pd_gateway_tpot_seconds";
+/// KV transfer (save + load) as seen end to end, seconds, label `kv_transport` (histogram).
+pub const GATEWAY_KV_TRANSFER_SECONDS: &str = "rngd_pd_gateway_kv_transfer_seconds";
+/// Policy decision time, seconds (histogram).
+pub const GATEWAY_POLICY_DECISION_SECONDS: &str = "rngd_pd_gateway_policy_decision_seconds";
