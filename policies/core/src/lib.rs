@@ -2,12 +2,40 @@
 //! routing logic, with no dependency on any host: the same code runs inside the
 //! proxy-wasm module and natively (for the benchmark baseline).
 
+mod config;
+mod pick;
+
+pub use config::PolicyConfig;
+pub use pick::{PdPolicy, RequestInput, SnapshotCache, decide, estimate_prompt_tokens};
+
 use serde::{Deserialize, Serialize};
 
 /// Property path (NUL-joined in the ABI) carrying the endpoint snapshot as JSON.
 pub const PROP_ENDPOINTS: &str = "rngd_pd.endpoints";
 /// Property path carrying the prompt token count (decimal text).
 pub const PROP_PROMPT_TOKENS: &str = "rngd_pd.prompt_tokens";
+/// Property path carrying an opaque version of the endpoint snapshot: while it
+/// stays the same, a guest may reuse the snapshot it parsed before.
+pub const PROP_ENDPOINTS_VERSION: &str = "rngd_pd.endpoints_version";
+
+/// Errors of the policy logic.
+#[derive(Debug, thiserror::Error)]
+pub enum CoreError {
+    /// The plugin configuration is not valid JSON for [`PolicyConfig`].
+    #[error("invalid policy configuration: {source}")]
+    Config {
+        /// Cause.
+        #[source]
+        source: serde_json::Error,
+    },
+    /// The endpoint snapshot is not a JSON array of [`Endpoint`].
+    #[error("invalid endpoint snapshot ({PROP_ENDPOINTS}): {source}")]
+    Snapshot {
+        /// Cause.
+        #[source]
+        source: serde_json::Error,
+    },
+}
 
 /// What an endpoint can do.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -88,6 +116,45 @@ pub struct Route {
     pub kv_transport: Option<String>,
     /// Every header the policy set or replaced, in order (including the three above).
     pub headers: Vec<(String, String)>,
+}
+
+impl Decision {
+    /// The route, if the decision is one.
+    pub fn route(&self) -> Option<&Route> {
+        match self {
+            Decision::Route(r) => Some(r),
+            Decision::Reject(_) => None,
+        }
+    }
+
+    /// The local response, if the decision is a rejection.
+    pub fn rejection(&self) -> Option<&LocalResponse> {
+        match self {
+            Decision::Route(_) => None,
+            Decision::Reject(l) => Some(l),
+        }
+    }
+}
+
+impl LocalResponse {
+    /// An OpenAI-style JSON error response (`{"error":{...}}`).
+    pub fn error(status: u16, message: impl Into<String>, code: Option<&str>) -> Self {
+        let mut body = rngd_api::openai::ErrorBody::new(rngd_api::openai::ErrorBody::kind_for_status(status), message);
+        if let Some(code) = code {
+            body = body.with_code(code);
+        }
+        LocalResponse {
+            status,
+            // Serializing a struct of strings cannot fail.
+            body: serde_json::to_vec(&body).unwrap_or_default(),
+            headers: vec![("content-type".to_string(), "application/json".to_string())],
+        }
+    }
+
+    /// The `error.message` of the body, if it is an OpenAI-style error.
+    pub fn message(&self) -> Option<String> {
+        serde_json::from_slice::<rngd_api::openai::ErrorBody>(&self.body).ok().map(|b| b.error.message)
+    }
 }
 
 /// A local response the policy sent (status + OpenAI-style JSON error body).

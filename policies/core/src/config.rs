@@ -1,0 +1,75 @@
+//! The default policy's plugin configuration (JSON), documented field by field
+//! in `docs/policy-abi.md`.
+
+use serde::{Deserialize, Serialize};
+
+use crate::{CoreError, Endpoint};
+
+/// Plugin configuration of the default PD policy. Every field has a default,
+/// so `{}` (or an empty configuration) is valid.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct PolicyConfig {
+    /// Prompts with fewer tokens than this prefill on the decode endpoint itself
+    /// (no `x-prefiller-host-port`). Default 32.
+    pub disaggregation_threshold_tokens: u64,
+    /// Transport when prefill and decode share a node. Default `shm`.
+    pub same_node_transport: String,
+    /// Transport when they do not (or one node is unknown). Default `tcp`.
+    pub cross_node_transport: String,
+    /// An endpoint whose `queue_depth` is at or above this takes no new
+    /// requests; when every candidate is there the answer is 429. Default: no limit.
+    pub max_queue_depth: Option<u32>,
+    /// `max_tokens` assumed when the body has neither `max_tokens` nor
+    /// `max_completion_tokens`. Default 16 (the OpenAI completions default).
+    pub default_max_tokens: u64,
+    /// When the host gives no `rngd_pd.prompt_tokens` (Envoy's own wasm
+    /// filter), the prompt is estimated as ⌈prompt JSON bytes / this⌉, which
+    /// under-counts ordinary text (~4 bytes/token) so admission only rejects
+    /// prompts that cannot fit. 0 = no estimate: admission is skipped and every
+    /// eligible prompt is disaggregated. Default 8.
+    pub estimate_bytes_per_token: u64,
+    /// Load score weight of `queue_depth`. Default 4.
+    pub queue_weight: f64,
+    /// Load score weight of `running`. Default 1.
+    pub running_weight: f64,
+    /// Load score weight of `kv_usage` (0..1). Default 8.
+    pub kv_usage_weight: f64,
+    /// Endpoints used when the host passes no `rngd_pd.endpoints` property
+    /// (inside Envoy's own wasm filter). Default empty.
+    pub static_endpoints: Vec<Endpoint>,
+}
+
+impl Default for PolicyConfig {
+    fn default() -> Self {
+        PolicyConfig {
+            disaggregation_threshold_tokens: 32,
+            same_node_transport: "shm".to_string(),
+            cross_node_transport: "tcp".to_string(),
+            max_queue_depth: None,
+            default_max_tokens: 16,
+            estimate_bytes_per_token: 8,
+            queue_weight: 4.0,
+            running_weight: 1.0,
+            kv_usage_weight: 8.0,
+            static_endpoints: Vec::new(),
+        }
+    }
+}
+
+impl PolicyConfig {
+    /// Parses a plugin configuration; empty or whitespace-only means defaults.
+    pub fn from_json(bytes: &[u8]) -> Result<Self, CoreError> {
+        if bytes.iter().all(u8::is_ascii_whitespace) {
+            return Ok(PolicyConfig::default());
+        }
+        serde_json::from_slice(bytes).map_err(|source| CoreError::Config { source })
+    }
+
+    /// Load score of an endpoint: lower is better.
+    pub fn score(&self, e: &Endpoint) -> f64 {
+        f64::from(e.queue_depth) * self.queue_weight
+            + f64::from(e.running) * self.running_weight
+            + e.kv_usage * self.kv_usage_weight
+    }
+}

@@ -1,0 +1,375 @@
+//! The default PD decision: admission, decode and prefill choice by load,
+//! conditional disaggregation, transport choice, subset hints. Runs the same
+//! inside the proxy-wasm guest and natively.
+
+use rngd_api::headers;
+use rngd_api::openai::{CONTEXT_LENGTH_CODE, context_length_message};
+use serde::Deserialize;
+use serde_json::value::RawValue;
+
+use crate::{CoreError, Decision, Endpoint, LocalResponse, PolicyConfig, Role, Route};
+
+/// What the decision reads from one request.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct RequestInput<'a> {
+    /// Request body (JSON), possibly empty.
+    pub body: &'a [u8],
+    /// Prompt tokens counted by the host, if it passed them.
+    pub prompt_tokens: Option<u64>,
+    /// The subset hint header (comma-separated `ip:port`), if present.
+    pub subset: Option<&'a str>,
+}
+
+/// The fields of an OpenAI completions or chat body the policy reads.
+#[derive(Deserialize)]
+struct BodyView<'a> {
+    #[serde(default)]
+    max_tokens: Option<u64>,
+    #[serde(default)]
+    max_completion_tokens: Option<u64>,
+    #[serde(default, borrow)]
+    prompt: Option<&'a RawValue>,
+    #[serde(default, borrow)]
+    messages: Option<&'a RawValue>,
+}
+
+/// Estimated prompt tokens of a body when the host counted none:
+/// ⌈bytes of the raw `prompt` / `messages` JSON / `bytes_per_token`⌉;
+/// `None` when `bytes_per_token` is 0 (estimation off).
+pub fn estimate_prompt_tokens(prompt_json_bytes: usize, bytes_per_token: u64) -> Option<u64> {
+    if bytes_per_token == 0 {
+        return None;
+    }
+    Some((prompt_json_bytes as u64).div_ceil(bytes_per_token))
+}
+
+fn in_subset(subset: Option<&str>, address: &str) -> bool {
+    match subset {
+        None => true,
+        Some(s) => s.split(',').any(|a| a.trim() == address),
+    }
+}
+
+fn supports(e: &Endpoint, transport: &str) -> bool {
+    e.transports.is_empty() || e.transports.iter().any(|t| t == transport)
+}
+
+/// Lowest score first, ties broken by address so a decision is deterministic.
+fn best<'e>(config: &PolicyConfig, candidates: impl Iterator<Item = &'e Endpoint>) -> Option<&'e Endpoint> {
+    let mut best: Option<(&Endpoint, f64)> = None;
+    for e in candidates {
+        let s = config.score(e);
+        best = match best {
+            Some((b, bs)) if bs < s || (bs == s && b.address <= e.address) => Some((b, bs)),
+            _ => Some((e, s)),
+        };
+    }
+    best.map(|(e, _)| e)
+}
+
+/// Decides one request against an endpoint set (the default policy).
+pub fn decide(config: &PolicyConfig, endpoints: &[Endpoint], input: &RequestInput<'_>) -> Decision {
+    let (max_tokens, prompt_bytes) = if input.body.iter().all(u8::is_ascii_whitespace) {
+        (config.default_max_tokens, 0)
+    } else {
+        match serde_json::from_slice::<BodyView<'_>>(input.body) {
+            Ok(b) => (
+                b.max_tokens.or(b.max_completion_tokens).unwrap_or(config.default_max_tokens),
+                b.prompt.map_or(0, |r| r.get().len()) + b.messages.map_or(0, |r| r.get().len()),
+            ),
+            Err(e) => {
+                return Decision::Reject(LocalResponse::error(
+                    400,
+                    format!("request body is not a valid completion request: {e}"),
+                    None,
+                ));
+            }
+        }
+    };
+    let prompt = input
+        .prompt_tokens
+        .or_else(|| estimate_prompt_tokens(prompt_bytes, config.estimate_bytes_per_token));
+
+    let decoders: Vec<&Endpoint> = endpoints
+        .iter()
+        .filter(|e| {
+            matches!(e.role, Role::Decode | Role::Solo) && e.healthy && in_subset(input.subset, &e.address)
+        })
+        .collect();
+    if decoders.is_empty() {
+        let why = if input.subset.is_some() { " in the requested subset" } else { "" };
+        return Decision::Reject(LocalResponse::error(
+            503,
+            format!("no healthy decode endpoint{why} is available"),
+            None,
+        ));
+    }
+    let fitting: Vec<&Endpoint> = match prompt {
+        Some(p) => decoders.iter().copied().filter(|e| p + max_tokens <= u64::from(e.seq_len)).collect(),
+        None => decoders.clone(),
+    };
+    if fitting.is_empty() {
+        let seq_len = decoders.iter().map(|e| e.seq_len).max().unwrap_or(0);
+        let p = prompt.unwrap_or(0);
+        return Decision::Reject(LocalResponse::error(
+            400,
+            context_length_message(p as usize, max_tokens as usize, seq_len as usize),
+            Some(CONTEXT_LENGTH_CODE),
+        ));
+    }
+    let under_limit = |e: &&Endpoint| config.max_queue_depth.is_none_or(|q| e.queue_depth < q);
+    let Some(decode) = best(config, fitting.iter().copied().filter(under_limit)) else {
+        return Decision::Reject(LocalResponse::error(
+            429,
+            format!(
+                "all {} eligible decode endpoints are at the queue limit ({})",
+                fitting.len(),
+                config.max_queue_depth.unwrap_or(0)
+            ),
+            None,
+        ));
+    };
+
+    let mut route = Route {
+        decode: decode.address.clone(),
+        prefill: None,
+        kv_transport: None,
+        headers: vec![(headers::DESTINATION_ENDPOINT.to_string(), decode.address.clone())],
+    };
+    let disaggregate = decode.role == Role::Decode && prompt.is_none_or(|p| p >= config.disaggregation_threshold_tokens);
+    if disaggregate {
+        let prefill = best(
+            config,
+            endpoints.iter().filter(|e| {
+                e.role == Role::Prefill
+                    && e.healthy
+                    && in_subset(input.subset, &e.address)
+                    && prompt.is_none_or(|p| p <= u64::from(e.seq_len))
+                    && config.max_queue_depth.is_none_or(|q| e.queue_depth < q)
+            }),
+        );
+        if let Some(prefill) = prefill {
+            let same_node = !prefill.node.is_empty() && prefill.node == decode.node;
+            let mut options = Vec::with_capacity(2);
+            if same_node {
+                options.push(config.same_node_transport.as_str());
+            }
+            options.push(config.cross_node_transport.as_str());
+            if let Some(t) = options.into_iter().find(|t| supports(prefill, t) && supports(decode, t)) {
+                route.prefill = Some(prefill.address.clone());
+                route.kv_transport = Some(t.to_string());
+                route.headers.push((headers::PREFILLER_HOST_PORT.to_string(), prefill.address.clone()));
+                route.headers.push((headers::KV_TRANSPORT.to_string(), t.to_string()));
+            }
+        }
+    }
+    Decision::Route(route)
+}
+
+/// The endpoint snapshot a policy instance parsed last, keyed by the host's
+/// `rngd_pd.endpoints_version`.
+#[derive(Debug, Default)]
+pub struct SnapshotCache {
+    version: Vec<u8>,
+    endpoints: Vec<Endpoint>,
+    valid: bool,
+}
+
+impl SnapshotCache {
+    /// The endpoints for this request: the cached ones when `version` matches,
+    /// otherwise `fetch()` parsed (and cached when a version is given).
+    /// `Ok(None)` = the host passed no snapshot.
+    pub fn get(
+        &mut self,
+        version: Option<&[u8]>,
+        fetch: impl FnOnce() -> Option<Vec<u8>>,
+    ) -> Result<Option<&[Endpoint]>, CoreError> {
+        if let Some(v) = version
+            && self.valid
+            && self.version == v
+        {
+            return Ok(Some(&self.endpoints));
+        }
+        let Some(json) = fetch() else {
+            return Ok(None);
+        };
+        self.endpoints = serde_json::from_slice(&json).map_err(|source| CoreError::Snapshot { source })?;
+        match version {
+            Some(v) => {
+                self.version.clear();
+                self.version.extend_from_slice(v);
+                self.valid = true;
+            }
+            None => self.valid = false,
+        }
+        Ok(Some(&self.endpoints))
+    }
+}
+
+/// The default policy with its configuration and snapshot cache: what the
+/// guest keeps in its root context, and the native baseline.
+#[derive(Debug, Default)]
+pub struct PdPolicy {
+    /// The configuration.
+    pub config: PolicyConfig,
+    cache: SnapshotCache,
+}
+
+impl PdPolicy {
+    /// A policy with this configuration.
+    pub fn new(config: PolicyConfig) -> Self {
+        PdPolicy { config, cache: SnapshotCache::default() }
+    }
+
+    /// Decides one request. `prompt_tokens` is the decimal property text,
+    /// `version` the snapshot version property, `fetch_endpoints` reads the
+    /// snapshot property (called only when the version changed or is absent).
+    /// No snapshot → the configured static pool.
+    pub fn decide(
+        &mut self,
+        subset: Option<&str>,
+        body: &[u8],
+        prompt_tokens: Option<&[u8]>,
+        version: Option<&[u8]>,
+        fetch_endpoints: impl FnOnce() -> Option<Vec<u8>>,
+    ) -> Decision {
+        let prompt_tokens = match prompt_tokens.map(parse_decimal) {
+            None => None,
+            Some(Some(n)) => Some(n),
+            Some(None) => {
+                return Decision::Reject(LocalResponse::error(
+                    500,
+                    format!("property {} is not a decimal number", crate::PROP_PROMPT_TOKENS),
+                    None,
+                ));
+            }
+        };
+        let input = RequestInput { body, prompt_tokens, subset };
+        match self.cache.get(version, fetch_endpoints) {
+            Ok(Some(eps)) => decide(&self.config, eps, &input),
+            Ok(None) => decide(&self.config, &self.config.static_endpoints, &input),
+            Err(e) => Decision::Reject(LocalResponse::error(500, e.to_string(), None)),
+        }
+    }
+}
+
+fn parse_decimal(b: &[u8]) -> Option<u64> {
+    std::str::from_utf8(b).ok()?.trim().parse().ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::Vendor;
+
+    fn ep(address: &str, role: Role, node: &str, queue: u32) -> Endpoint {
+        Endpoint {
+            address: address.to_string(),
+            role,
+            vendor: Vendor::Cpu,
+            node: node.to_string(),
+            seq_len: 512,
+            queue_depth: queue,
+            running: 0,
+            kv_usage: 0.0,
+            healthy: true,
+            transports: vec![],
+        }
+    }
+
+    fn body(prompt_chars: usize, max_tokens: u32) -> Vec<u8> {
+        format!(r#"{{"model":"m","prompt":"{}","max_tokens":{max_tokens}}}"#, "a".repeat(prompt_chars)).into_bytes()
+    }
+
+    fn route(d: Decision) -> Route {
+        match d {
+            Decision::Route(r) => r,
+            Decision::Reject(l) => panic!("rejected: {} {:?}", l.status, l.message()),
+        }
+    }
+
+    #[test]
+    fn picks_least_loaded_and_disaggregates_long_prompts() {
+        let eps = vec![
+            ep("10.0.0.1:1", Role::Decode, "a", 3),
+            ep("10.0.0.2:1", Role::Decode, "b", 0),
+            ep("10.0.0.3:1", Role::Prefill, "b", 1),
+            ep("10.0.0.4:1", Role::Prefill, "a", 0),
+        ];
+        let b = body(10, 5);
+        let r = route(decide(
+            &PolicyConfig::default(),
+            &eps,
+            &RequestInput { body: &b, prompt_tokens: Some(100), subset: None },
+        ));
+        assert_eq!(r.decode, "10.0.0.2:1");
+        assert_eq!(r.prefill.as_deref(), Some("10.0.0.4:1"));
+        assert_eq!(r.kv_transport.as_deref(), Some("tcp"));
+        let short = route(decide(
+            &PolicyConfig::default(),
+            &eps,
+            &RequestInput { body: &b, prompt_tokens: Some(5), subset: None },
+        ));
+        assert_eq!(short.prefill, None);
+        assert_eq!(short.headers.len(), 1);
+    }
+
+    #[test]
+    fn same_node_uses_shm_and_subset_limits_choice() {
+        let eps = vec![ep("d:1", Role::Decode, "n1", 0), ep("d:2", Role::Decode, "n2", 0), ep("p:1", Role::Prefill, "n2", 0)];
+        let b = body(10, 5);
+        let r = route(decide(
+            &PolicyConfig::default(),
+            &eps,
+            &RequestInput { body: &b, prompt_tokens: Some(100), subset: Some("d:2, p:1") },
+        ));
+        assert_eq!((r.decode.as_str(), r.kv_transport.as_deref()), ("d:2", Some("shm")));
+    }
+
+    #[test]
+    fn rejects_with_the_right_status() {
+        let b = body(10, 100);
+        let cfg = PolicyConfig { max_queue_depth: Some(2), ..PolicyConfig::default() };
+        let eps = vec![ep("d:1", Role::Decode, "", 2), ep("d:2", Role::Solo, "", 5)];
+        let too_long = decide(&cfg, &eps, &RequestInput { body: &b, prompt_tokens: Some(450), subset: None });
+        let l = too_long.rejection().expect("rejects");
+        assert_eq!(l.status, 400);
+        assert_eq!(l.message().unwrap(), context_length_message(450, 100, 512));
+        let full = decide(&cfg, &eps, &RequestInput { body: &b, prompt_tokens: Some(4), subset: None });
+        assert_eq!(full.rejection().map(|l| l.status), Some(429));
+        let none = decide(&cfg, &eps, &RequestInput { body: &b, prompt_tokens: Some(4), subset: Some("x:1") });
+        assert_eq!(none.rejection().map(|l| l.status), Some(503));
+        let bad = decide(&cfg, &eps, &RequestInput { body: b"{", prompt_tokens: None, subset: None });
+        assert_eq!(bad.rejection().map(|l| l.status), Some(400));
+    }
+
+    #[test]
+    fn estimates_from_bytes_when_not_counted() {
+        let eps = vec![ep("d:1", Role::Decode, "", 0)];
+        // 4100 prompt bytes / 8 ≥ 512 → rejected without a host count.
+        let b = body(4100, 16);
+        let d = decide(&PolicyConfig::default(), &eps, &RequestInput { body: &b, prompt_tokens: None, subset: None });
+        assert_eq!(d.rejection().map(|l| l.status), Some(400));
+        let off = PolicyConfig { estimate_bytes_per_token: 0, ..PolicyConfig::default() };
+        assert!(decide(&off, &eps, &RequestInput { body: &b, prompt_tokens: None, subset: None }).route().is_some());
+    }
+
+    #[test]
+    fn snapshot_cache_reuses_by_version() {
+        let json = serde_json::to_vec(&vec![ep("d:1", Role::Decode, "", 0)]).unwrap();
+        let mut c = SnapshotCache::default();
+        assert_eq!(c.get(Some(b"1"), || Some(json.clone())).unwrap().unwrap().len(), 1);
+        assert_eq!(c.get(Some(b"1"), || panic!("must not refetch")).unwrap().unwrap().len(), 1);
+        assert!(c.get(Some(b"2"), || Some(b"[]".to_vec())).unwrap().unwrap().is_empty());
+        assert!(c.get(None, || None).unwrap().is_none());
+        assert!(c.get(Some(b"3"), || Some(b"{".to_vec())).is_err());
+    }
+
+    #[test]
+    fn static_pool_when_no_snapshot() {
+        let cfg = PolicyConfig { static_endpoints: vec![ep("s:1", Role::Solo, "", 0)], ..PolicyConfig::default() };
+        let mut p = PdPolicy::new(cfg);
+        let r = route(p.decide(None, b"", None, None, || None));
+        assert_eq!(r.decode, "s:1");
+    }
+}
