@@ -1,0 +1,64 @@
+//! Prometheus metrics of the endpoint picker (names from `rngd_telemetry::names`).
+
+use prometheus::{Histogram, IntCounter, IntCounterVec, Registry};
+use rngd_telemetry::names;
+
+use crate::ExtProcError;
+
+/// The picker's metrics, registered in their own registry (served on the metrics port).
+#[derive(Clone)]
+pub struct EppMetrics {
+    /// The registry the metrics live in.
+    pub registry: Registry,
+    /// Picks by result (`route`, `reject_<status>`).
+    pub picks: IntCounterVec,
+    /// Pick latency (body complete → decision), µs.
+    pub pick_us: Histogram,
+    /// Failed `/metrics` scrapes.
+    pub scrape_failures: IntCounter,
+}
+
+impl std::fmt::Debug for EppMetrics {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EppMetrics").finish_non_exhaustive()
+    }
+}
+
+impl EppMetrics {
+    /// Creates the metrics in a fresh registry.
+    pub fn new() -> Result<Self, ExtProcError> {
+        let registry = Registry::new();
+        let err = |source| ExtProcError::Metrics { source };
+        let picks = rngd_telemetry::counter_vec(
+            &registry,
+            names::EPP_PICKS_TOTAL,
+            "Endpoint picks by result",
+            &["result"],
+        )
+        .map_err(err)?;
+        let pick_us = rngd_telemetry::histogram(
+            &registry,
+            names::EPP_PICK_US,
+            "Endpoint pick latency (body complete to decision), microseconds",
+            rngd_telemetry::US_BUCKETS,
+        )
+        .map_err(err)?;
+        let scrape_failures = rngd_telemetry::counter(
+            &registry,
+            names::EPP_SCRAPE_FAILURES_TOTAL,
+            "Failed endpoint /metrics scrapes",
+        )
+        .map_err(err)?;
+        Ok(EppMetrics {
+            registry,
+            picks,
+            pick_us,
+            scrape_failures,
+        })
+    }
+
+    /// The metrics in the Prometheus text format.
+    pub fn render(&self) -> String {
+        rngd_telemetry::render(&self.registry)
+    }
+}

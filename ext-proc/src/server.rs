@@ -1,0 +1,184 @@
+//! The picker's listeners: `ext_proc` gRPC (GIE default 9002), gRPC health
+//! (9003; services `liveness`, `readiness` and the ext_proc service name) and
+//! Prometheus metrics over HTTP (9090, `GET /metrics`). Port 0 binds a free
+//! port; [`RunningServer`] reports the bound addresses.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::ExternalProcessorServer;
+use tokio::net::TcpListener;
+use tokio::task::JoinHandle;
+use tonic::server::NamedService;
+use tonic::transport::server::TcpIncoming;
+use tonic_health::ServingStatus;
+use tonic_health::server::HealthReporter;
+
+use crate::ExtProcError;
+use crate::picker::Picker;
+use crate::processor::{ExtProcService, ProcessorConfig};
+
+/// GIE's default ext_proc port.
+pub const DEFAULT_GRPC_PORT: u16 = 9002;
+/// GIE's default gRPC health port.
+pub const DEFAULT_HEALTH_PORT: u16 = 9003;
+/// GIE's default metrics port.
+pub const DEFAULT_METRICS_PORT: u16 = 9090;
+/// Health service name for liveness.
+pub const LIVENESS: &str = "liveness";
+/// Health service name for readiness.
+pub const READINESS: &str = "readiness";
+/// The ext_proc gRPC service name (also a health service name).
+pub const EXT_PROC_SERVICE: &str = <ExternalProcessorServer<ExtProcService> as NamedService>::NAME;
+
+/// Where to listen.
+#[derive(Debug, Clone)]
+pub struct ServerConfig {
+    /// ext_proc gRPC address.
+    pub grpc: SocketAddr,
+    /// gRPC health address.
+    pub health: SocketAddr,
+    /// Metrics address; `None` = no metrics listener.
+    pub metrics: Option<SocketAddr>,
+    /// State-machine limits.
+    pub processor: ProcessorConfig,
+    /// More HTTP routes served next to `/metrics` (e.g. the policy admin API).
+    pub extra_routes: Option<axum::Router>,
+}
+
+/// The started listeners.
+#[derive(Debug)]
+pub struct RunningServer {
+    /// Bound ext_proc address.
+    pub grpc_addr: SocketAddr,
+    /// Bound health address.
+    pub health_addr: SocketAddr,
+    /// Bound metrics address.
+    pub metrics_addr: Option<SocketAddr>,
+    /// Health status control (readiness can be withdrawn).
+    pub health: HealthReporter,
+    tasks: Vec<JoinHandle<Result<(), ExtProcError>>>,
+}
+
+async fn bind(
+    what: &'static str,
+    addr: SocketAddr,
+) -> Result<(TcpListener, SocketAddr), ExtProcError> {
+    let err = |source| ExtProcError::Bind { what, addr, source };
+    let l = TcpListener::bind(addr).await.map_err(err)?;
+    let local = l.local_addr().map_err(err)?;
+    Ok((l, local))
+}
+
+/// Binds every listener and starts serving; readiness is SERVING once this returns.
+pub async fn start(
+    picker: Arc<Picker>,
+    config: ServerConfig,
+) -> Result<RunningServer, ExtProcError> {
+    let (grpc_l, grpc_addr) = bind("grpc", config.grpc).await?;
+    let (health_l, health_addr) = bind("health", config.health).await?;
+    let metrics_bound = match config.metrics {
+        Some(a) => Some(bind("metrics", a).await?),
+        None => None,
+    };
+    let metrics_addr = metrics_bound.as_ref().map(|(_, a)| *a);
+
+    let (reporter, health_svc) = tonic_health::server::health_reporter();
+    for name in ["", LIVENESS, READINESS, EXT_PROC_SERVICE] {
+        reporter
+            .set_service_status(name, ServingStatus::Serving)
+            .await;
+    }
+
+    let mut tasks = Vec::new();
+    let svc = ExtProcService::new(Arc::clone(&picker), config.processor);
+    let grpc_health = health_svc.clone();
+    tasks.push(tokio::spawn(async move {
+        tonic::transport::Server::builder()
+            .add_service(
+                ExternalProcessorServer::new(svc).max_decoding_message_size(16 * 1024 * 1024),
+            )
+            .add_service(grpc_health)
+            .serve_with_incoming(TcpIncoming::from(grpc_l).with_nodelay(Some(true)))
+            .await
+            .map_err(|source| ExtProcError::Serve {
+                what: "grpc",
+                source,
+            })
+    }));
+    tasks.push(tokio::spawn(async move {
+        tonic::transport::Server::builder()
+            .add_service(health_svc)
+            .serve_with_incoming(TcpIncoming::from(health_l).with_nodelay(Some(true)))
+            .await
+            .map_err(|source| ExtProcError::Serve {
+                what: "health",
+                source,
+            })
+    }));
+    if let Some((l, _)) = metrics_bound {
+        let metrics = picker.metrics().clone();
+        let mut app = axum::Router::new().route(
+            "/metrics",
+            axum::routing::get(move || {
+                let m = metrics.clone();
+                async move {
+                    (
+                        [(
+                            axum::http::header::CONTENT_TYPE,
+                            rngd_telemetry::CONTENT_TYPE,
+                        )],
+                        m.render(),
+                    )
+                }
+            }),
+        );
+        if let Some(extra) = config.extra_routes {
+            app = app.merge(extra);
+        }
+        tasks.push(tokio::spawn(async move {
+            axum::serve(l, app)
+                .await
+                .map_err(|source| ExtProcError::ServeMetrics { source })
+        }));
+    }
+    tracing::info!(%grpc_addr, %health_addr, ?metrics_addr, "endpoint picker serving");
+    Ok(RunningServer {
+        grpc_addr,
+        health_addr,
+        metrics_addr,
+        health: reporter,
+        tasks,
+    })
+}
+
+impl RunningServer {
+    /// Waits until a listener stops (an error, or all of them ended).
+    pub async fn wait(mut self) -> Result<(), ExtProcError> {
+        let tasks = std::mem::take(&mut self.tasks);
+        if tasks.is_empty() {
+            return Ok(());
+        }
+        let (first, _, rest) = futures::future::select_all(tasks).await;
+        for t in rest {
+            t.abort();
+        }
+        match first {
+            Ok(r) => r,
+            Err(source) => Err(ExtProcError::Task { source }),
+        }
+    }
+
+    /// Stops every listener.
+    pub fn abort(&self) {
+        for t in &self.tasks {
+            t.abort();
+        }
+    }
+}
+
+impl Drop for RunningServer {
+    fn drop(&mut self) {
+        self.abort();
+    }
+}
