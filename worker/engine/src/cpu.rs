@@ -1,0 +1,557 @@
+//! The CPU backend: a [`Model`] driven by one scheduler thread.
+//!
+//! All compute runs on the scheduler thread (candle's matmuls spread over its
+//! own worker pool). Each turn of its loop it admits waiting decode streams
+//! into free slots (up to `batch`), runs one waiting prefill if there is one,
+//! then steps every running stream by one token in a single batched forward.
+//! Prefills and decode steps alternate, so neither starves the other. A stream
+//! whose receiver was dropped is cancelled before the next step and its slot
+//! freed.
+//!
+//! [`Engine::generate`] is [`Engine::prefill`] followed by [`Engine::decode`]
+//! of the exported bf16 cache, exactly what a prefill/decode split does across
+//! two workers, so both give the same tokens by construction.
+
+use std::collections::VecDeque;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::thread::JoinHandle;
+use std::time::Instant;
+
+use rngd_kv_wire::{Dtype, KvLayout};
+use tokio::sync::{mpsc, oneshot};
+
+use crate::kv::SeqCache;
+use crate::model::{Model, SeqStep};
+use crate::sampling::{sample, StopScanner};
+use crate::tokenizer::{StreamDecoder, Tokenizer};
+use crate::{
+    check_context, Engine, EngineError, FinishReason, GenEvent, ModelInfo, Prefilled, SamplingParams,
+};
+
+/// How to load a [`CpuEngine`].
+#[derive(Debug, Clone)]
+pub struct CpuEngineOptions {
+    /// GGUF file of a Llama-architecture model.
+    pub model_path: PathBuf,
+    /// Compiled context length `S` (positions per sequence); default 512.
+    pub seq_len: usize,
+    /// Decode streams stepped together; default 8.
+    pub batch: usize,
+    /// Compute threads. candle sizes its pools once per process from
+    /// `CANDLE_NUM_THREADS` / `RAYON_NUM_THREADS` (default: all cores); a value
+    /// here that differs is reported in the log. `None` = candle's default.
+    pub threads: Option<usize>,
+    /// Keep f32 copies of the weights and use them for prefill matmuls
+    /// (faster prefill, ~4 bytes per parameter more memory); default true.
+    pub dense_prefill: bool,
+}
+
+impl CpuEngineOptions {
+    /// Defaults for a model file: S = 512, batch 8, dense prefill.
+    pub fn new(model_path: impl Into<PathBuf>) -> Self {
+        CpuEngineOptions {
+            model_path: model_path.into(),
+            seq_len: 512,
+            batch: 8,
+            threads: None,
+            dense_prefill: true,
+        }
+    }
+}
+
+struct PrefillJob {
+    prompt: Vec<u32>,
+    params: SamplingParams,
+    reply: oneshot::Sender<Result<Prefilled, EngineError>>,
+}
+
+struct DecodeJob {
+    prefilled: Prefilled,
+    params: SamplingParams,
+    tx: mpsc::Sender<GenEvent>,
+}
+
+#[derive(Default)]
+struct State {
+    prefills: VecDeque<PrefillJob>,
+    decodes: VecDeque<DecodeJob>,
+    shutdown: bool,
+}
+
+struct Shared {
+    state: Mutex<State>,
+    wake: Condvar,
+    waiting: AtomicUsize,
+    running: AtomicUsize,
+}
+
+impl Shared {
+    fn lock(&self) -> MutexGuard<'_, State> {
+        // A panic on the scheduler thread poisons nothing we cannot read.
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+/// A Llama on the CPU with continuous batching. See the module docs.
+pub struct CpuEngine {
+    info: ModelInfo,
+    tokenizer: Arc<Tokenizer>,
+    shared: Arc<Shared>,
+    batch: usize,
+    thread: Mutex<Option<JoinHandle<()>>>,
+}
+
+impl std::fmt::Debug for CpuEngine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CpuEngine").field("info", &self.info).finish()
+    }
+}
+
+impl CpuEngine {
+    /// Loads a GGUF model and starts the scheduler thread.
+    pub fn load(opts: CpuEngineOptions) -> Result<Arc<CpuEngine>, EngineError> {
+        let started = Instant::now();
+        if opts.seq_len == 0 || opts.batch == 0 {
+            return Err(EngineError::InvalidRequest("seq_len and batch must be at least 1".into()));
+        }
+        let (model, tokenizer) = Model::load_gguf(&opts.model_path, opts.seq_len, opts.dense_prefill)?;
+        let candle_threads = candle_core::utils::get_num_threads();
+        if let Some(t) = opts.threads
+            && t != candle_threads
+        {
+            tracing::warn!(
+                requested = t,
+                candle_threads,
+                "candle's thread pools are sized by CANDLE_NUM_THREADS / RAYON_NUM_THREADS; set one of them"
+            );
+        }
+        tracing::info!(
+            model = %opts.model_path.display(),
+            name = tokenizer.model_name(),
+            layers = model.cfg.layers,
+            seq_len = opts.seq_len,
+            batch = opts.batch,
+            threads = candle_threads,
+            load_ms = started.elapsed().as_millis() as u64,
+            "CPU engine loaded"
+        );
+        Self::start(model, tokenizer, opts.seq_len, opts.batch)
+    }
+
+    /// Starts an engine on an already-built model (the tiny test model uses this).
+    pub(crate) fn start(model: Model, tokenizer: Tokenizer, seq_len: usize, batch: usize) -> Result<Arc<CpuEngine>, EngineError> {
+        let c = &model.cfg;
+        let layout = KvLayout {
+            layers: c.layers,
+            kv_heads: c.kv_heads,
+            head_dim: c.head_dim,
+            seq_len,
+            dtype: Dtype::Bf16,
+        };
+        let info = ModelInfo {
+            name: tokenizer.model_name().to_string(),
+            seq_len,
+            kv_layout: layout,
+            vocab_size: c.vocab,
+        };
+        let tokenizer = Arc::new(tokenizer);
+        let shared = Arc::new(Shared {
+            state: Mutex::new(State::default()),
+            wake: Condvar::new(),
+            waiting: AtomicUsize::new(0),
+            running: AtomicUsize::new(0),
+        });
+        let scheduler = Scheduler {
+            model,
+            tokenizer: tokenizer.clone(),
+            shared: shared.clone(),
+            layout,
+            slots: (0..batch).map(|_| None).collect(),
+            caches: Vec::new(),
+            prefill_cache: None,
+        };
+        let thread = std::thread::Builder::new()
+            .name("rngd-engine".into())
+            .spawn(move || scheduler.run())
+            .map_err(|source| EngineError::Io {
+                context: "spawning the engine thread".into(),
+                source,
+            })?;
+        Ok(Arc::new(CpuEngine {
+            info,
+            tokenizer,
+            shared,
+            batch,
+            thread: Mutex::new(Some(thread)),
+        }))
+    }
+
+    /// The tokenizer.
+    pub fn tokenizer(&self) -> &Tokenizer {
+        &self.tokenizer
+    }
+
+    /// Decode slots (the `batch` option).
+    pub fn batch(&self) -> usize {
+        self.batch
+    }
+
+    fn submit(&self, f: impl FnOnce(&mut State)) -> Result<(), EngineError> {
+        let mut st = self.shared.lock();
+        if st.shutdown {
+            return Err(EngineError::Stopped);
+        }
+        f(&mut st);
+        self.shared
+            .waiting
+            .store(st.prefills.len() + st.decodes.len(), Ordering::Relaxed);
+        drop(st);
+        self.shared.wake.notify_one();
+        Ok(())
+    }
+}
+
+impl Drop for CpuEngine {
+    fn drop(&mut self) {
+        self.shared.lock().shutdown = true;
+        self.shared.wake.notify_all();
+        if let Some(t) = self.thread.lock().unwrap_or_else(|p| p.into_inner()).take() {
+            let _ = t.join();
+        }
+    }
+}
+
+#[async_trait::async_trait]
+impl Engine for CpuEngine {
+    fn info(&self) -> &ModelInfo {
+        &self.info
+    }
+
+    fn tokenize(&self, text: &str) -> Result<Vec<u32>, EngineError> {
+        self.tokenizer.encode(text)
+    }
+
+    fn detokenize(&self, ids: &[u32]) -> Result<String, EngineError> {
+        self.tokenizer.decode(ids)
+    }
+
+    fn chat_prompt(&self, messages: &[(String, String)]) -> Result<String, EngineError> {
+        self.tokenizer.chat_prompt(messages)
+    }
+
+    async fn prefill(&self, prompt: &[u32], params: &SamplingParams) -> Result<Prefilled, EngineError> {
+        if prompt.is_empty() {
+            return Err(EngineError::InvalidRequest("the prompt is empty".into()));
+        }
+        check_context(prompt.len(), params.max_tokens, self.info.seq_len)?;
+        let (reply, rx) = oneshot::channel();
+        let job = PrefillJob {
+            prompt: prompt.to_vec(),
+            params: params.clone(),
+            reply,
+        };
+        self.submit(|st| st.prefills.push_back(job))?;
+        rx.await.map_err(|_| EngineError::Stopped)?
+    }
+
+    async fn decode(
+        &self,
+        prompt: &[u32],
+        prefilled: Prefilled,
+        params: &SamplingParams,
+    ) -> Result<mpsc::Receiver<GenEvent>, EngineError> {
+        check_context(prompt.len(), params.max_tokens, self.info.seq_len)?;
+        if prefilled.kv.tokens != prompt.len() {
+            return Err(EngineError::InvalidRequest(format!(
+                "the KV cache holds {} positions but the prompt has {} tokens",
+                prefilled.kv.tokens,
+                prompt.len()
+            )));
+        }
+        if prefilled.kv.layout != self.info.kv_layout {
+            return Err(EngineError::InvalidRequest(format!(
+                "KV layout {:?} does not match this engine's {:?}",
+                prefilled.kv.layout, self.info.kv_layout
+            )));
+        }
+        if prefilled.first_token as usize >= self.info.vocab_size {
+            return Err(EngineError::InvalidRequest(format!(
+                "first token {} is outside the vocabulary",
+                prefilled.first_token
+            )));
+        }
+        // Room for every event, so the scheduler never waits on a slow reader.
+        let (tx, rx) = mpsc::channel(params.max_tokens + 2);
+        let job = DecodeJob {
+            prefilled,
+            params: params.clone(),
+            tx,
+        };
+        self.submit(|st| st.decodes.push_back(job))?;
+        Ok(rx)
+    }
+
+    async fn generate(&self, prompt: &[u32], params: &SamplingParams) -> Result<mpsc::Receiver<GenEvent>, EngineError> {
+        let prefilled = self.prefill(prompt, params).await?;
+        self.decode(prompt, prefilled, params).await
+    }
+
+    fn waiting(&self) -> usize {
+        self.shared.waiting.load(Ordering::Relaxed)
+    }
+
+    fn running(&self) -> usize {
+        self.shared.running.load(Ordering::Relaxed)
+    }
+
+    fn kv_usage(&self) -> f64 {
+        self.running() as f64 / self.batch as f64
+    }
+}
+
+/// One decoding stream in a slot.
+struct Stream {
+    tx: mpsc::Sender<GenEvent>,
+    params: SamplingParams,
+    /// Token to feed next.
+    last: u32,
+    /// Tokens sampled so far (the next one has this index).
+    sampled: u64,
+    /// Token events sent or pending.
+    emitted: usize,
+    decoder: StreamDecoder,
+    stops: StopScanner,
+    /// The newest token event, held while its text may still change.
+    pending: Option<(u32, String)>,
+}
+
+impl Stream {
+    /// Sends an event; false if the receiver is gone.
+    fn send(&self, ev: GenEvent) -> bool {
+        self.tx.try_send(ev).is_ok()
+    }
+
+    /// Handles a sampled token; returns false when the stream is over (finished or cancelled).
+    fn on_token(&mut self, tok: &Tokenizer, id: u32) -> bool {
+        self.sampled += 1;
+        if tok.stop_ids().contains(&id) {
+            return self.finish(tok, FinishReason::Stop);
+        }
+        let piece = self.decoder.push(tok, id);
+        let scanned = self.stops.push(&piece);
+        let mut text = scanned.text;
+        if let Some((pid, mut ptext)) = self.pending.take() {
+            ptext.push_str(&text);
+            text = String::new();
+            if !self.send(GenEvent::Token { id: pid, text: ptext }) {
+                return false;
+            }
+        }
+        self.emitted += 1;
+        if scanned.stopped {
+            if !self.send(GenEvent::Token { id, text }) {
+                return false;
+            }
+            return self.finish(tok, FinishReason::Stop);
+        }
+        if self.decoder.is_holding() || self.stops.is_holding() {
+            self.pending = Some((id, text));
+        } else if !self.send(GenEvent::Token { id, text }) {
+            return false;
+        }
+        if self.emitted >= self.params.max_tokens {
+            return self.finish(tok, FinishReason::Length);
+        }
+        true
+    }
+
+    /// Flushes held text and sends `Done`. Always returns false (the stream is over).
+    fn finish(&mut self, _tok: &Tokenizer, reason: FinishReason) -> bool {
+        let tail = self.decoder.finish();
+        let scanned = self.stops.push(&tail);
+        let mut text = scanned.text;
+        let mut reason = reason;
+        if scanned.stopped {
+            reason = FinishReason::Stop;
+        } else {
+            text.push_str(&self.stops.finish());
+        }
+        if let Some((pid, mut ptext)) = self.pending.take() {
+            ptext.push_str(&text);
+            self.send(GenEvent::Token { id: pid, text: ptext });
+        }
+        self.send(GenEvent::Done {
+            finish_reason: reason,
+            completion_tokens: self.emitted,
+        });
+        false
+    }
+}
+
+struct Scheduler {
+    model: Model,
+    tokenizer: Arc<Tokenizer>,
+    shared: Arc<Shared>,
+    layout: KvLayout,
+    slots: Vec<Option<Stream>>,
+    /// One cache per slot, allocated on first use and reused.
+    caches: Vec<SeqCache>,
+    prefill_cache: Option<SeqCache>,
+}
+
+impl Scheduler {
+    fn run(mut self) {
+        loop {
+            let (admitted, prefill) = {
+                let mut st = self.shared.lock();
+                loop {
+                    if st.shutdown {
+                        return;
+                    }
+                    let free = self.slots.iter().filter(|s| s.is_none()).count();
+                    let take = free.min(st.decodes.len());
+                    let admitted: Vec<DecodeJob> = st.decodes.drain(..take).collect();
+                    let prefill = st.prefills.pop_front();
+                    let active = self.slots.iter().any(Option::is_some);
+                    self.shared
+                        .waiting
+                        .store(st.prefills.len() + st.decodes.len(), Ordering::Relaxed);
+                    if !admitted.is_empty() || prefill.is_some() || active {
+                        break (admitted, prefill);
+                    }
+                    st = self.shared.wake.wait(st).unwrap_or_else(|p| p.into_inner());
+                }
+            };
+            for job in admitted {
+                self.admit(job);
+            }
+            self.publish_running();
+            if let Some(job) = prefill {
+                self.prefill(job);
+            }
+            self.step();
+            self.publish_running();
+        }
+    }
+
+    fn publish_running(&self) {
+        let n = self.slots.iter().filter(|s| s.is_some()).count();
+        self.shared.running.store(n, Ordering::Relaxed);
+    }
+
+    fn prefill(&mut self, job: PrefillJob) {
+        if job.reply.is_closed() {
+            return;
+        }
+        let span = tracing::debug_span!("prefill", tokens = job.prompt.len());
+        let _g = span.enter();
+        let started = Instant::now();
+        let cache = self.prefill_cache.get_or_insert_with(|| SeqCache::new(self.layout));
+        cache.reset();
+        let dense = job.prompt.len() > 1;
+        let result = self
+            .model
+            .forward(
+                &mut [SeqStep {
+                    tokens: &job.prompt,
+                    cache,
+                }],
+                dense,
+            )
+            .map(|logits| {
+                let first_token = sample(&logits[0], &job.params, 0);
+                Prefilled {
+                    first_token,
+                    kv: cache.export(),
+                    elapsed: started.elapsed(),
+                }
+            });
+        if let Ok(p) = &result {
+            tracing::debug!(ms = p.elapsed.as_secs_f64() * 1e3, first_token = p.first_token, "prefill done");
+        }
+        let _ = job.reply.send(result);
+    }
+
+    fn admit(&mut self, job: DecodeJob) {
+        let Some(slot) = self.slots.iter().position(Option::is_none) else {
+            // Cannot happen: admission is bounded by free slots.
+            let _ = job.tx.try_send(GenEvent::Error("no free decode slot".into()));
+            return;
+        };
+        while self.caches.len() <= slot {
+            self.caches.push(SeqCache::new(self.layout));
+        }
+        if let Err(e) = self.caches[slot].import(&job.prefilled.kv) {
+            let _ = job.tx.try_send(GenEvent::Error(e.to_string()));
+            return;
+        }
+        let mut stream = Stream {
+            tx: job.tx,
+            last: job.prefilled.first_token,
+            stops: StopScanner::new(&job.params.stop),
+            params: job.params,
+            sampled: 0,
+            emitted: 0,
+            decoder: StreamDecoder::default(),
+            pending: None,
+        };
+        if stream.params.max_tokens == 0 {
+            stream.finish(&self.tokenizer, FinishReason::Length);
+            return;
+        }
+        // The first token (index 0) came from the prefill.
+        if stream.on_token(&self.tokenizer, job.prefilled.first_token) {
+            self.slots[slot] = Some(stream);
+        }
+    }
+
+    /// One decode step for every running stream.
+    fn step(&mut self) {
+        // Cancel streams whose client is gone.
+        for s in self.slots.iter_mut() {
+            if s.as_ref().is_some_and(|st| st.tx.is_closed()) {
+                tracing::debug!("decode stream cancelled: receiver dropped");
+                *s = None;
+            }
+        }
+        let active: Vec<usize> = (0..self.slots.len()).filter(|i| self.slots[*i].is_some()).collect();
+        if active.is_empty() {
+            return;
+        }
+        let tokens: Vec<[u32; 1]> = active
+            .iter()
+            .map(|i| [self.slots[*i].as_ref().map(|s| s.last).unwrap_or(0)])
+            .collect();
+        let mut caches: Vec<Option<&mut SeqCache>> = self.caches.iter_mut().map(Some).collect();
+        let mut steps: Vec<SeqStep<'_>> = Vec::with_capacity(active.len());
+        for (i, t) in active.iter().zip(&tokens) {
+            if let Some(cache) = caches[*i].take() {
+                steps.push(SeqStep { tokens: t, cache });
+            }
+        }
+        let result = self.model.forward(&mut steps, false);
+        drop(steps);
+        match result {
+            Ok(logits) => {
+                for (i, logits) in active.iter().zip(logits) {
+                    let Some(stream) = self.slots[*i].as_mut() else { continue };
+                    let id = sample(&logits, &stream.params, stream.sampled);
+                    stream.last = id;
+                    if !stream.on_token(&self.tokenizer, id) {
+                        self.slots[*i] = None;
+                    }
+                }
+            }
+            Err(e) => {
+                tracing::error!(error = %e, "decode step failed");
+                for i in active {
+                    if let Some(s) = self.slots[i].take() {
+                        s.send(GenEvent::Error(e.to_string()));
+                    }
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,194 @@
+//! TEST FAKE: [`EchoEngine`], an [`Engine`] that computes nothing.
+//!
+//! For other crates' tests and for latency benchmarks of the serving path
+//! (gateway, transports) where model compute would only add noise. It is not
+//! a model: tokens are the prompt's bytes echoed back cyclically.
+//!
+//! - `tokenize`: one token per UTF-8 byte (vocabulary 256, no specials);
+//! - `prefill`: instant; first token = the prompt's first token; the KV cache
+//!   is a small bf16 layout (2 layers, 1 KV head, head_dim 8, S = `seq_len`)
+//!   whose bytes are a deterministic function of the prompt, so a decode can
+//!   check it received the cache of *its* prompt;
+//! - `decode`: checks the cache against the prompt (an [`GenEvent::Error`] if it
+//!   does not match), then streams token `i` = `prompt[i % len]` until
+//!   `max_tokens` (finish `Length`) or a stop sequence (finish `Stop`).
+
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use rngd_kv_wire::{Dtype, KvLayout};
+use tokio::sync::mpsc;
+
+use crate::sampling::StopScanner;
+use crate::{
+    check_context, Engine, EngineError, FinishReason, GenEvent, KvCache, ModelInfo, Prefilled, SamplingParams,
+};
+
+/// TEST FAKE engine: echoes the prompt; see the module docs.
+#[derive(Debug)]
+pub struct EchoEngine {
+    info: ModelInfo,
+    token_delay: Duration,
+}
+
+impl EchoEngine {
+    /// An echo engine named `echo` with context length `seq_len`.
+    pub fn new(seq_len: usize) -> Self {
+        EchoEngine {
+            info: ModelInfo {
+                name: "echo".into(),
+                seq_len,
+                kv_layout: KvLayout {
+                    layers: 2,
+                    kv_heads: 1,
+                    head_dim: 8,
+                    seq_len,
+                    dtype: Dtype::Bf16,
+                },
+                vocab_size: 256,
+            },
+            token_delay: Duration::ZERO,
+        }
+    }
+
+    /// Sleeps this long before each decoded token (default: none).
+    pub fn with_token_delay(mut self, delay: Duration) -> Self {
+        self.token_delay = delay;
+        self
+    }
+
+    /// The KV cache the fake "computes" for `prompt`.
+    pub fn cache_for(&self, prompt: &[u32]) -> KvCache {
+        let layout = self.info.kv_layout;
+        let mut h: u32 = 2_166_136_261;
+        for t in prompt {
+            h = (h ^ t).wrapping_mul(16_777_619);
+        }
+        let blobs = (0..layout.blob_count())
+            .map(|i| {
+                let mut b = vec![0u8; layout.blob_bytes()];
+                for (j, x) in b.iter_mut().enumerate() {
+                    *x = (h.rotate_left((i + j) as u32 % 32) >> 3) as u8 ^ (j as u8);
+                }
+                Bytes::from(b)
+            })
+            .collect();
+        KvCache {
+            layout,
+            tokens: prompt.len(),
+            blobs,
+        }
+    }
+}
+
+#[async_trait::async_trait]
+impl Engine for EchoEngine {
+    fn info(&self) -> &ModelInfo {
+        &self.info
+    }
+
+    fn tokenize(&self, text: &str) -> Result<Vec<u32>, EngineError> {
+        Ok(text.bytes().map(u32::from).collect())
+    }
+
+    fn detokenize(&self, ids: &[u32]) -> Result<String, EngineError> {
+        let bytes: Vec<u8> = ids.iter().map(|i| *i as u8).collect();
+        Ok(String::from_utf8_lossy(&bytes).into_owned())
+    }
+
+    fn chat_prompt(&self, messages: &[(String, String)]) -> Result<String, EngineError> {
+        Ok(messages.iter().map(|(r, c)| format!("{r}: {c}\n")).collect())
+    }
+
+    async fn prefill(&self, prompt: &[u32], params: &SamplingParams) -> Result<Prefilled, EngineError> {
+        if prompt.is_empty() {
+            return Err(EngineError::InvalidRequest("the prompt is empty".into()));
+        }
+        check_context(prompt.len(), params.max_tokens, self.info.seq_len)?;
+        let started = Instant::now();
+        Ok(Prefilled {
+            first_token: prompt[0],
+            kv: self.cache_for(prompt),
+            elapsed: started.elapsed(),
+        })
+    }
+
+    async fn decode(
+        &self,
+        prompt: &[u32],
+        prefilled: Prefilled,
+        params: &SamplingParams,
+    ) -> Result<mpsc::Receiver<GenEvent>, EngineError> {
+        check_context(prompt.len(), params.max_tokens, self.info.seq_len)?;
+        let (tx, rx) = mpsc::channel(params.max_tokens + 2);
+        if prefilled.kv != self.cache_for(prompt) {
+            let _ = tx.try_send(GenEvent::Error("KV cache does not belong to this prompt".into()));
+            return Ok(rx);
+        }
+        let prompt = prompt.to_vec();
+        let max = params.max_tokens;
+        let mut stops = StopScanner::new(&params.stop);
+        let delay = self.token_delay;
+        let emit = move |i: usize, stops: &mut StopScanner| {
+            let id = prompt[i % prompt.len()];
+            let scanned = stops.push(&String::from_utf8_lossy(&[id as u8]));
+            (id, scanned)
+        };
+        let mut finish = FinishReason::Length;
+        let mut n = 0;
+        if delay.is_zero() {
+            while n < max {
+                let (id, s) = emit(n, &mut stops);
+                n += 1;
+                let _ = tx.try_send(GenEvent::Token { id, text: s.text });
+                if s.stopped {
+                    finish = FinishReason::Stop;
+                    break;
+                }
+            }
+            let _ = tx.try_send(GenEvent::Done {
+                finish_reason: finish,
+                completion_tokens: n,
+            });
+        } else {
+            tokio::spawn(async move {
+                while n < max {
+                    tokio::time::sleep(delay).await;
+                    let (id, s) = emit(n, &mut stops);
+                    n += 1;
+                    if tx.send(GenEvent::Token { id, text: s.text }).await.is_err() {
+                        return;
+                    }
+                    if s.stopped {
+                        finish = FinishReason::Stop;
+                        break;
+                    }
+                }
+                let _ = tx
+                    .send(GenEvent::Done {
+                        finish_reason: finish,
+                        completion_tokens: n,
+                    })
+                    .await;
+            });
+        }
+        Ok(rx)
+    }
+
+    async fn generate(&self, prompt: &[u32], params: &SamplingParams) -> Result<mpsc::Receiver<GenEvent>, EngineError> {
+        let p = self.prefill(prompt, params).await?;
+        self.decode(prompt, p, params).await
+    }
+
+    fn waiting(&self) -> usize {
+        0
+    }
+
+    fn running(&self) -> usize {
+        0
+    }
+
+    fn kv_usage(&self) -> f64 {
+        0.0
+    }
+}

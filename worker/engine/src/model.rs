@@ -1,0 +1,481 @@
+//! The Llama forward pass on candle-core matmuls, with attention over the
+//! wire-layout cache written out by hand.
+//!
+//! One function, [`Model::forward`], serves prefill (one sequence, many
+//! positions) and decode (many sequences, one position each): the rows of all
+//! sequences are stacked and go through each projection as one matmul, while
+//! RoPE, the cache writes and attention run per sequence. Every operation is
+//! row-independent (each output row depends only on its own input row and its
+//! own cache), so a stream's tokens do not depend on which other streams share
+//! its batch.
+//!
+//! Weights: every projection is converted at load to Q8_0 (candle's fastest
+//! CPU quantized mat-vec, with the activation row quantized to Q8_0 per
+//! matmul); optionally a dequantized f32 copy serves multi-row (prefill)
+//! matmuls through candle's f32 GEMM. The embedding table is kept in f32 and
+//! the output head is tied to it when the file has no `output.weight`.
+
+use std::path::Path;
+
+use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
+use candle_core::{Device, Module, Tensor};
+
+use crate::kv::SeqCache;
+use crate::tokenizer::Meta;
+use crate::EngineError;
+
+/// Shape of a Llama model.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct Config {
+    pub(crate) vocab: usize,
+    pub(crate) hidden: usize,
+    pub(crate) ffn: usize,
+    pub(crate) layers: usize,
+    pub(crate) heads: usize,
+    pub(crate) kv_heads: usize,
+    pub(crate) head_dim: usize,
+    pub(crate) rope_dims: usize,
+    pub(crate) rope_base: f32,
+    pub(crate) eps: f32,
+}
+
+impl Config {
+    /// Reads the `llama.*` metadata of a GGUF file.
+    pub(crate) fn from_meta(meta: &Meta<'_>) -> Result<Config, EngineError> {
+        let arch = meta.string("general.architecture")?;
+        if arch != "llama" {
+            return Err(meta.invalid(format!(
+                "architecture `{arch}` is not supported (only `llama` is)"
+            )));
+        }
+        let key = |k: &str| format!("{arch}.{k}");
+        let hidden = meta.uint(&key("embedding_length"))? as usize;
+        let heads = meta.uint(&key("attention.head_count"))? as usize;
+        let kv_heads = meta
+            .opt_uint(&key("attention.head_count_kv"))
+            .map(|x| x as usize)
+            .unwrap_or(heads);
+        if heads == 0 || kv_heads == 0 || heads % kv_heads != 0 || hidden % heads != 0 {
+            return Err(meta.invalid(format!(
+                "inconsistent attention shape: {heads} heads, {kv_heads} KV heads, hidden {hidden}"
+            )));
+        }
+        let head_dim = meta
+            .opt_uint(&key("attention.key_length"))
+            .map(|x| x as usize)
+            .unwrap_or(hidden / heads);
+        let rope_dims = meta
+            .opt_uint(&key("rope.dimension_count"))
+            .map(|x| x as usize)
+            .unwrap_or(head_dim);
+        Ok(Config {
+            vocab: 0, // filled from the embedding table
+            hidden,
+            ffn: meta.uint(&key("feed_forward_length"))? as usize,
+            layers: meta.uint(&key("block_count"))? as usize,
+            heads,
+            kv_heads,
+            head_dim,
+            rope_dims: rope_dims.min(head_dim) & !1,
+            rope_base: meta.opt_f32(&key("rope.freq_base")).unwrap_or(10_000.0),
+            eps: meta
+                .opt_f32(&key("attention.layer_norm_rms_epsilon"))
+                .unwrap_or(1e-5),
+        })
+    }
+}
+
+/// A projection `y = x · Wᵀ` with `W` `[out, inp]`.
+pub(crate) struct Linear {
+    /// Q8_0 weights (or f32 when `inp` is not a multiple of 32).
+    quant: QMatMul,
+    /// f32 weights for multi-row matmuls, when enabled.
+    dense: Option<QMatMul>,
+    inp: usize,
+}
+
+impl Linear {
+    /// Builds from f32 weights `[out, inp]`.
+    fn new(w: &Tensor, keep_dense: bool) -> Result<Linear, EngineError> {
+        let (_, inp) = w.dims2()?;
+        let quant = if inp % 32 == 0 {
+            QMatMul::from_qtensor(QTensor::quantize(w, GgmlDType::Q8_0)?)?
+        } else {
+            QMatMul::Tensor(w.clone())
+        };
+        let dense = keep_dense.then(|| QMatMul::Tensor(w.clone()));
+        Ok(Linear { quant, dense, inp })
+    }
+
+    /// `rows` input rows (row-major in `x`) → output tensor `[rows, out]`.
+    fn forward(&self, x: Vec<f32>, rows: usize, dense: bool) -> Result<Tensor, EngineError> {
+        let t = Tensor::from_vec(x, (rows, self.inp), &Device::Cpu)?;
+        let w = match (&self.dense, dense) {
+            (Some(d), true) => d,
+            _ => &self.quant,
+        };
+        Ok(w.forward(&t)?)
+    }
+}
+
+/// Runs `f` on the contiguous f32 data of a CPU tensor without copying it.
+fn with_f32<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> R) -> Result<R, EngineError> {
+    let t = t.contiguous()?;
+    let (storage, layout) = t.storage_and_layout();
+    match &*storage {
+        candle_core::Storage::Cpu(cpu) => {
+            let all = cpu.as_slice::<f32>()?;
+            let n = layout.shape().elem_count();
+            Ok(f(&all[layout.start_offset()..layout.start_offset() + n]))
+        }
+        _ => Err(EngineError::Other("tensor is not on the CPU".into())),
+    }
+}
+
+struct Layer {
+    attn_norm: Vec<f32>,
+    qkv: Linear,
+    wo: Linear,
+    ffn_norm: Vec<f32>,
+    gate_up: Linear,
+    down: Linear,
+}
+
+/// A loaded Llama.
+pub(crate) struct Model {
+    pub(crate) cfg: Config,
+    embed: Vec<f32>,
+    layers: Vec<Layer>,
+    out_norm: Vec<f32>,
+    lm_head: Linear,
+    /// `[positions, rope_dims / 2]`.
+    rope_cos: Vec<f32>,
+    rope_sin: Vec<f32>,
+    max_pos: usize,
+}
+
+/// One sequence's part of a forward pass: new tokens appended to its cache.
+pub(crate) struct SeqStep<'a> {
+    pub(crate) tokens: &'a [u32],
+    pub(crate) cache: &'a mut SeqCache,
+}
+
+fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
+    let n = w.len();
+    for (row, o) in x.chunks_exact(n).zip(out.chunks_exact_mut(n)) {
+        let mut ss = 0f32;
+        for v in row {
+            ss = v.mul_add(*v, ss);
+        }
+        let scale = 1.0 / (ss / n as f32 + eps).sqrt();
+        for ((o, v), w) in o.iter_mut().zip(row).zip(w) {
+            *o = v * scale * w;
+        }
+    }
+}
+
+impl Model {
+    /// Builds the model from f32 tensors found by name (GGUF names: `token_embd.weight`,
+    /// `blk.N.attn_q.weight`, …). `max_pos` bounds the RoPE table.
+    pub(crate) fn build(
+        mut cfg: Config,
+        mut get: impl FnMut(&str) -> Result<Option<Tensor>, EngineError>,
+        max_pos: usize,
+        keep_dense: bool,
+    ) -> Result<Model, EngineError> {
+        let mut need = |name: &str| -> Result<Tensor, EngineError> {
+            get(name)?.ok_or_else(|| EngineError::Other(format!("tensor `{name}` is missing")))
+        };
+        let embed_t = need("token_embd.weight")?;
+        let (vocab, hidden) = embed_t.dims2()?;
+        if hidden != cfg.hidden {
+            return Err(EngineError::Other(format!(
+                "token_embd has width {hidden}, the metadata says {}",
+                cfg.hidden
+            )));
+        }
+        cfg.vocab = vocab;
+        let vec1 = |t: Tensor| -> Result<Vec<f32>, EngineError> { Ok(t.flatten_all()?.to_vec1::<f32>()?) };
+        let mut layers = Vec::with_capacity(cfg.layers);
+        for i in 0..cfg.layers {
+            let p = |n: &str| format!("blk.{i}.{n}.weight");
+            let q = need(&p("attn_q"))?;
+            let k = need(&p("attn_k"))?;
+            let v = need(&p("attn_v"))?;
+            let qkv = Tensor::cat(&[&q, &k, &v], 0)?;
+            let expect = (cfg.heads + 2 * cfg.kv_heads) * cfg.head_dim;
+            if qkv.dims2()? != (expect, cfg.hidden) {
+                return Err(EngineError::Other(format!(
+                    "layer {i}: q/k/v shapes {:?} {:?} {:?} do not match the metadata",
+                    q.dims(),
+                    k.dims(),
+                    v.dims()
+                )));
+            }
+            let gate = need(&p("ffn_gate"))?;
+            let up = need(&p("ffn_up"))?;
+            let gate_up = Tensor::cat(&[&gate, &up], 0)?;
+            layers.push(Layer {
+                attn_norm: vec1(need(&p("attn_norm"))?)?,
+                qkv: Linear::new(&qkv, keep_dense)?,
+                wo: Linear::new(&need(&p("attn_output"))?, keep_dense)?,
+                ffn_norm: vec1(need(&p("ffn_norm"))?)?,
+                gate_up: Linear::new(&gate_up, keep_dense)?,
+                down: Linear::new(&need(&p("ffn_down"))?, keep_dense)?,
+            });
+        }
+        let out_norm = vec1(need("output_norm.weight")?)?;
+        let lm_head = match get("output.weight")? {
+            Some(w) => Linear::new(&w, false)?,
+            None => Linear::new(&embed_t, false)?,
+        };
+        let embed = vec1(embed_t)?;
+        let half = cfg.rope_dims / 2;
+        let mut rope_cos = Vec::with_capacity(max_pos * half);
+        let mut rope_sin = Vec::with_capacity(max_pos * half);
+        for pos in 0..max_pos {
+            for i in 0..half {
+                let freq = (cfg.rope_base as f64).powf(-((2 * i) as f64) / cfg.rope_dims as f64);
+                let theta = pos as f64 * freq;
+                rope_cos.push(theta.cos() as f32);
+                rope_sin.push(theta.sin() as f32);
+            }
+        }
+        Ok(Model {
+            cfg,
+            embed,
+            layers,
+            out_norm,
+            lm_head,
+            rope_cos,
+            rope_sin,
+            max_pos,
+        })
+    }
+
+    /// Loads a GGUF Llama.
+    pub(crate) fn load_gguf(path: &Path, max_pos: usize, keep_dense: bool) -> Result<(Model, crate::tokenizer::Tokenizer), EngineError> {
+        let (content, mut file) = crate::tokenizer::read_gguf_header(path)?;
+        let meta = Meta {
+            map: &content.metadata,
+            path,
+        };
+        let cfg = Config::from_meta(&meta)?;
+        let tokenizer = crate::tokenizer::Tokenizer::from_metadata(&content.metadata, path)?;
+        let invalid = |reason: String, source: Option<candle_core::Error>| EngineError::InvalidModel {
+            path: path.to_path_buf(),
+            reason,
+            source,
+        };
+        let model = Model::build(
+            cfg,
+            |name| {
+                if !content.tensor_infos.contains_key(name) {
+                    return Ok(None);
+                }
+                let q = content
+                    .tensor(&mut file, name, &Device::Cpu)
+                    .map_err(|e| invalid(format!("reading tensor `{name}`"), Some(e)))?;
+                let t = q
+                    .dequantize(&Device::Cpu)
+                    .map_err(|e| invalid(format!("dequantizing tensor `{name}`"), Some(e)))?;
+                Ok(Some(t))
+            },
+            max_pos,
+            keep_dense,
+        )
+        .map_err(|e| match e {
+            EngineError::Other(reason) => invalid(reason, None),
+            e => e,
+        })?;
+        if model.cfg.vocab != tokenizer.vocab_size() {
+            return Err(invalid(
+                format!(
+                    "the tokenizer has {} tokens but the embedding table {} rows",
+                    tokenizer.vocab_size(),
+                    model.cfg.vocab
+                ),
+                None,
+            ));
+        }
+        Ok((model, tokenizer))
+    }
+
+    /// Applies RoPE (adjacent pairs, GGUF llama convention) to `n_heads` heads of `x` at `pos`.
+    fn rope(&self, x: &mut [f32], n_heads: usize, pos: usize) {
+        let half = self.cfg.rope_dims / 2;
+        let cos = &self.rope_cos[pos * half..(pos + 1) * half];
+        let sin = &self.rope_sin[pos * half..(pos + 1) * half];
+        for h in 0..n_heads {
+            let head = &mut x[h * self.cfg.head_dim..(h + 1) * self.cfg.head_dim];
+            for i in 0..half {
+                let (a, b) = (head[2 * i], head[2 * i + 1]);
+                head[2 * i] = a * cos[i] - b * sin[i];
+                head[2 * i + 1] = a * sin[i] + b * cos[i];
+            }
+        }
+    }
+
+    /// Runs new tokens of each sequence through the model, appending their K/V to the
+    /// sequences' caches; returns the logits of each sequence's last new token.
+    /// `dense` uses the f32 weights (if loaded) for the projections.
+    pub(crate) fn forward(&self, seqs: &mut [SeqStep<'_>], dense: bool) -> Result<Vec<Vec<f32>>, EngineError> {
+        let c = &self.cfg;
+        let d = c.hidden;
+        let hd = c.head_dim;
+        let q_width = c.heads * hd;
+        let kv_width = c.kv_heads * hd;
+        let group = c.heads / c.kv_heads;
+        let rows: usize = seqs.iter().map(|s| s.tokens.len()).sum();
+        for s in seqs.iter() {
+            if s.tokens.is_empty() {
+                return Err(EngineError::InvalidRequest("a forward step with no tokens".into()));
+            }
+            let end = s.cache.tokens + s.tokens.len();
+            if end > s.cache.layout.seq_len || end > self.max_pos {
+                return Err(EngineError::InvalidRequest(format!(
+                    "position {end} is past the context length {}",
+                    s.cache.layout.seq_len
+                )));
+            }
+            if let Some(t) = s.tokens.iter().find(|t| **t as usize >= c.vocab) {
+                return Err(EngineError::InvalidRequest(format!(
+                    "token id {t} is outside the vocabulary of {}",
+                    c.vocab
+                )));
+            }
+        }
+        let mut x = Vec::with_capacity(rows * d);
+        for s in seqs.iter() {
+            for t in s.tokens {
+                x.extend_from_slice(&self.embed[*t as usize * d..(*t as usize + 1) * d]);
+            }
+        }
+        let scale = 1.0 / (hd as f32).sqrt();
+        let mut scores = Vec::new();
+        let mut q = vec![0f32; q_width];
+        let mut k = vec![0f32; kv_width];
+        for (li, layer) in self.layers.iter().enumerate() {
+            let mut h = vec![0f32; rows * d];
+            rms_norm(&x, &layer.attn_norm, c.eps, &mut h);
+            let qkv = layer.qkv.forward(h, rows, dense)?;
+            let mut attn = vec![0f32; rows * q_width];
+            with_f32(&qkv, |qkv| {
+                let width = q_width + 2 * kv_width;
+                let mut row = 0;
+                for s in seqs.iter_mut() {
+                    let start = s.cache.tokens;
+                    // Write the new K/V first: position t attends to 0..=start+t.
+                    let mut qs = Vec::with_capacity(s.tokens.len() * q_width);
+                    for t in 0..s.tokens.len() {
+                        let r = &qkv[(row + t) * width..(row + t + 1) * width];
+                        q.copy_from_slice(&r[..q_width]);
+                        k.copy_from_slice(&r[q_width..q_width + kv_width]);
+                        self.rope(&mut q, c.heads, start + t);
+                        self.rope(&mut k, c.kv_heads, start + t);
+                        s.cache.write(li, start + t, &k, &r[q_width + kv_width..]);
+                        qs.extend_from_slice(&q);
+                    }
+                    let layout = s.cache.layout;
+                    let (kc, vc) = (&s.cache.k[li], &s.cache.v[li]);
+                    for t in 0..s.tokens.len() {
+                        let n = start + t + 1;
+                        for head in 0..c.heads {
+                            let g = head / group;
+                            let qh = &qs[t * q_width + head * hd..t * q_width + (head + 1) * hd];
+                            let out = &mut attn[(row + t) * q_width + head * hd..(row + t) * q_width + (head + 1) * hd];
+                            attend(qh, kc, vc, layout, g, n, scale, &mut scores, out);
+                        }
+                    }
+                    row += s.tokens.len();
+                }
+            })?;
+            drop(qkv);
+            let o = layer.wo.forward(attn, rows, dense)?;
+            with_f32(&o, |o| {
+                for (x, o) in x.iter_mut().zip(o) {
+                    *x += o;
+                }
+            })?;
+            let mut h = vec![0f32; rows * d];
+            rms_norm(&x, &layer.ffn_norm, c.eps, &mut h);
+            let gu = layer.gate_up.forward(h, rows, dense)?;
+            let mut act = vec![0f32; rows * c.ffn];
+            with_f32(&gu, |gu| {
+                for (r, a) in act.chunks_exact_mut(c.ffn).enumerate() {
+                    let g = &gu[r * 2 * c.ffn..r * 2 * c.ffn + c.ffn];
+                    let u = &gu[r * 2 * c.ffn + c.ffn..(r + 1) * 2 * c.ffn];
+                    for ((a, g), u) in a.iter_mut().zip(g).zip(u) {
+                        *a = g / (1.0 + (-g).exp()) * u;
+                    }
+                }
+            })?;
+            drop(gu);
+            let down = layer.down.forward(act, rows, dense)?;
+            with_f32(&down, |o| {
+                for (x, o) in x.iter_mut().zip(o) {
+                    *x += o;
+                }
+            })?;
+        }
+        // Final norm and head for the last new row of each sequence.
+        let mut last = Vec::with_capacity(seqs.len() * d);
+        let mut row = 0;
+        for s in seqs.iter_mut() {
+            row += s.tokens.len();
+            last.extend_from_slice(&x[(row - 1) * d..row * d]);
+            s.cache.tokens += s.tokens.len();
+        }
+        let mut h = vec![0f32; last.len()];
+        rms_norm(&last, &self.out_norm, c.eps, &mut h);
+        let logits = self.lm_head.forward(h, seqs.len(), false)?;
+        with_f32(&logits, |l| l.chunks_exact(c.vocab).map(<[f32]>::to_vec).collect())
+    }
+}
+
+/// Attention of one query head over positions `0..n` of KV head `g`.
+///
+/// Scores are `q · K[g][:, 0..n]`: with K stored `[head_dim, S]` this is a
+/// sum over `head_dim` of scaled contiguous rows, the same order whether the
+/// query came from a prefill or a decode step.
+#[allow(clippy::too_many_arguments)]
+fn attend(
+    q: &[f32],
+    kc: &[f32],
+    vc: &[f32],
+    layout: rngd_kv_wire::KvLayout,
+    g: usize,
+    n: usize,
+    scale: f32,
+    scores: &mut Vec<f32>,
+    out: &mut [f32],
+) {
+    let hd = layout.head_dim;
+    scores.clear();
+    scores.resize(n, 0.0);
+    for (dim, qd) in q.iter().enumerate() {
+        let at = layout.k_offset(g, dim, 0);
+        for (s, kv) in scores.iter_mut().zip(&kc[at..at + n]) {
+            *s = kv.mul_add(*qd, *s);
+        }
+    }
+    let mut max = f32::NEG_INFINITY;
+    for s in scores.iter_mut() {
+        *s *= scale;
+        max = max.max(*s);
+    }
+    let mut sum = 0f32;
+    for s in scores.iter_mut() {
+        *s = (*s - max).exp();
+        sum += *s;
+    }
+    let inv = 1.0 / sum;
+    out.fill(0.0);
+    for (pos, p) in scores.iter().enumerate() {
+        let w = p * inv;
+        let at = layout.v_offset(g, pos, 0);
+        for (o, v) in out.iter_mut().zip(&vc[at..at + hd]) {
+            *o = v.mul_add(w, *o);
+        }
+    }
+}

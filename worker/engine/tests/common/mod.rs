@@ -1,0 +1,74 @@
+//! Helpers shared by the engine's integration tests.
+#![allow(dead_code)]
+
+use std::path::PathBuf;
+
+use rngd_engine::{Engine, EngineError, FinishReason, GenEvent, SamplingParams};
+
+/// The real model: `$RNGD_PD_MODEL` or the default cache path. Panics with a
+/// message naming `rngd-pd model fetch` when it is absent.
+pub fn real_model() -> PathBuf {
+    match rngd_engine::model_fetch::resolve(None) {
+        Ok(p) => p,
+        Err(e) => panic!(
+            "this test needs the real model: {e}\n(run `rngd-pd model fetch`, or set RNGD_PD_MODEL to a GGUF file)"
+        ),
+    }
+}
+
+/// Everything a stream produced.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Output {
+    pub ids: Vec<u32>,
+    pub text: String,
+    pub finish: Option<FinishReason>,
+    pub completion_tokens: usize,
+}
+
+/// Reads a stream to its end; panics on an error event.
+pub async fn collect(mut rx: tokio::sync::mpsc::Receiver<GenEvent>) -> Output {
+    let mut out = Output {
+        ids: vec![],
+        text: String::new(),
+        finish: None,
+        completion_tokens: 0,
+    };
+    while let Some(ev) = rx.recv().await {
+        match ev {
+            GenEvent::Token { id, text } => {
+                out.ids.push(id);
+                out.text.push_str(&text);
+            }
+            GenEvent::Done {
+                finish_reason,
+                completion_tokens,
+            } => {
+                out.finish = Some(finish_reason);
+                out.completion_tokens = completion_tokens;
+            }
+            GenEvent::Error(e) => panic!("stream failed: {e}"),
+        }
+    }
+    out
+}
+
+/// Prefill and decode on one engine.
+pub async fn solo(engine: &dyn Engine, prompt: &[u32], params: &SamplingParams) -> Result<Output, EngineError> {
+    Ok(collect(engine.generate(prompt, params).await?).await)
+}
+
+/// Serializes a KV cache to raw wire bytes and back (what a transport does).
+pub fn through_the_wire(kv: &rngd_engine::KvCache) -> rngd_engine::KvCache {
+    let raw: Vec<Vec<u8>> = kv.blobs.iter().map(|b| b.to_vec()).collect();
+    let handle_blobs = rngd_kv_wire::describe(&raw);
+    assert_eq!(handle_blobs.len(), kv.layout.blob_count());
+    for (b, meta) in raw.iter().zip(&handle_blobs) {
+        assert_eq!(meta.len as usize, kv.layout.blob_bytes());
+        assert_eq!(b.len(), kv.layout.blob_bytes());
+    }
+    rngd_engine::KvCache {
+        layout: kv.layout,
+        tokens: kv.tokens,
+        blobs: raw.into_iter().map(bytes::Bytes::from).collect(),
+    }
+}
