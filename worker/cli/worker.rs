@@ -1,10 +1,10 @@
-//! `rngd-pd worker`: not wired yet.
+//! `rngd-pd worker`: a worker sidecar (prefill, decode or solo); the work is in `rngd-worker`.
 
-/// Flags.
-#[derive(Debug, clap::Args)]
-pub struct Args {}
+/// Flags (see [`rngd_worker::WorkerArgs`]).
+pub type Args = rngd_worker::WorkerArgs;
 
 /// Runs the subcommand.
-pub async fn run(_args: Args) -> anyhow::Result<()> {
-    anyhow::bail!("rngd-pd worker is not built yet")
+pub async fn run(args: Args) -> anyhow::Result<()> {
+    rngd_worker::run(args).await?;
+    Ok(())
 }

@@ -14,6 +14,12 @@ pub const AIRM_KV_TCP_TTL_S: &str = "AIRM_KV_TCP_TTL_S";
 pub const AIRM_KV_TCP_CRC: &str = "AIRM_KV_TCP_CRC";
 /// `1` logs size and SHA-256 of every blob the `tcp` transport moves.
 pub const AIRM_KV_TCP_LOG: &str = "AIRM_KV_TCP_LOG";
+/// Listen address (`host:port`) of `rngd-pd relay`; default `0.0.0.0:7070`.
+pub const AIRM_KV_RELAY_LISTEN: &str = "AIRM_KV_RELAY_LISTEN";
+/// Memory cap of the relay in bytes (all unread blobs); default 4 GiB.
+pub const AIRM_KV_RELAY_MAX_BYTES: &str = "AIRM_KV_RELAY_MAX_BYTES";
+/// Largest blob (frame body) the relay accepts, bytes; default 64 MiB.
+pub const AIRM_KV_RELAY_MAX_FRAME: &str = "AIRM_KV_RELAY_MAX_FRAME";
 /// Port of the gateway's separate KPI endpoint (`airm_*` gauges); unset = off.
 pub const AIRM_METRICS_PORT: &str = "AIRM_METRICS_PORT";
 /// Cache directory for models; default `~/.cache/rngd-pd`.
@@ -57,3 +63,10 @@ pub const HOME: &str = "HOME";
 pub fn var(name: &str) -> Option<String> {
     std::env::var(name).ok().filter(|v| !v.is_empty())
 }
+
+/// Worker: how long a decode waits for the KV pull, ms; default 30000.
+pub const RNGD_PD_KV_PULL_TIMEOUT_MS: &str = "RNGD_PD_KV_PULL_TIMEOUT_MS";
+/// Worker: how long a decode worker waits for its prefill peer (`x-prefiller-host-port`), ms; default 120000.
+pub const RNGD_PD_PREFILL_TIMEOUT_MS: &str = "RNGD_PD_PREFILL_TIMEOUT_MS";
+/// Worker: CPU threads of the `cpu` backend; default: all cores.
+pub const RNGD_PD_THREADS: &str = "RNGD_PD_THREADS";

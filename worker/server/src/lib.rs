@@ -1,1 +1,317 @@
-//! The worker sidecar: prefill / decode / solo roles over HTTP, the PD protocol and model-server metrics
+//! The worker sidecar: prefill / decode / solo roles over HTTP, the PD protocol
+//! and model-server metrics.
+//!
+//! - [`WorkerArgs`] / [`run`]: the `rngd-pd worker` process (flags, device
+//!   allocation, backend, transports, model load, serve).
+//! - [`serve`] / [`router`] / [`WorkerState`]: the same server in-process, for
+//!   tests and benchmarks.
+//! - Endpoints: `POST /v1/completions` (whole requests, PD halves,
+//!   `x-prefiller-host-port` orchestration; see `docs/pd-protocol.md`),
+//!   `GET /health`, `GET /ready`, `GET /metrics`, `GET /v1/models`.
+//! - [`error::ApiError`]: every request failure, mapped to a status in one place.
+
+pub mod args;
+mod completions;
+pub mod error;
+pub mod metrics;
+pub mod peer;
+pub mod state;
+pub mod transports;
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use axum::Router;
+use axum::extract::State;
+use axum::http::{HeaderMap, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use rngd_api::openai::{Model, ModelList};
+use rngd_engine::Engine;
+use tokio::net::TcpListener;
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+
+pub use args::{Backend, Role, WorkerArgs};
+pub use error::{ApiError, WorkerError};
+pub use metrics::WorkerMetrics;
+pub use peer::{HttpPrefillPeer, PrefillPeer};
+pub use state::{WorkerConfig, WorkerState};
+pub use transports::{FixedFactory, RegistryFactory, TransportFactory, Transports};
+
+/// The line a worker prints on stdout once it serves with the model loaded.
+pub const LISTENING_PREFIX: &str = "rngd-pd worker listening on http://";
+
+/// The worker's routes over `state`.
+pub fn router(state: WorkerState) -> Router {
+    Router::new()
+        .route("/v1/completions", post(completions::completions))
+        .route("/health", get(|| async { "ok" }))
+        .route("/ready", get(ready))
+        .route("/metrics", get(metrics_text))
+        .route("/v1/models", get(models))
+        .with_state(state)
+}
+
+async fn ready(State(state): State<WorkerState>) -> Response {
+    if state.is_ready() {
+        (StatusCode::OK, "ready").into_response()
+    } else {
+        ApiError::NotReady.into_response()
+    }
+}
+
+async fn metrics_text(State(state): State<WorkerState>) -> Response {
+    let text = state.metrics().render(state.engine().map(|e| &**e));
+    ([(header::CONTENT_TYPE, rngd_telemetry::CONTENT_TYPE)], text).into_response()
+}
+
+async fn models(State(state): State<WorkerState>) -> Response {
+    let Some(engine) = state.engine() else {
+        return ApiError::NotReady.into_response();
+    };
+    let info = engine.info();
+    let created = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0);
+    axum::Json(ModelList {
+        object: "list".into(),
+        data: vec![Model {
+            id: info.name.clone(),
+            object: "model".into(),
+            created,
+            owned_by: "rngd-pd".into(),
+            max_model_len: Some(info.seq_len as u32),
+        }],
+    })
+    .into_response()
+}
+
+/// The request id: `x-request-id` if the client sent a usable one, else a new one.
+pub(crate) fn request_id(headers: &HeaderMap) -> String {
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    if let Some(id) = headers
+        .get(rngd_api::headers::REQUEST_ID)
+        .and_then(|v| v.to_str().ok())
+        .map(str::trim)
+        .filter(|v| !v.is_empty() && v.len() <= 200)
+    {
+        return id.to_string();
+    }
+    let nanos = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_nanos())
+        .unwrap_or(0);
+    format!(
+        "w{:x}-{:x}-{:x}",
+        std::process::id(),
+        nanos as u64,
+        COUNTER.fetch_add(1, Ordering::Relaxed)
+    )
+}
+
+/// A worker serving in the background (see [`serve`]).
+#[derive(Debug)]
+pub struct RunningWorker {
+    /// The bound address.
+    pub addr: SocketAddr,
+    /// Its state (metrics, readiness).
+    pub state: WorkerState,
+    shutdown: CancellationToken,
+    task: JoinHandle<std::io::Result<()>>,
+}
+
+impl RunningWorker {
+    /// `http://addr`.
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    /// Stops accepting, finishes open requests, and waits.
+    pub async fn stop(self) -> Result<(), WorkerError> {
+        self.shutdown.cancel();
+        match self.task.await {
+            Ok(r) => r.map_err(|source| WorkerError::Io {
+                context: "serving failed".into(),
+                source,
+            }),
+            Err(e) => Err(WorkerError::Io {
+                context: "server task failed".into(),
+                source: std::io::Error::other(e),
+            }),
+        }
+    }
+}
+
+/// Serves a worker with an already loaded `engine` on `listener`, in the
+/// background (in-process use: tests, benchmarks, `rngd-pd up`).
+pub async fn serve(
+    listener: TcpListener,
+    engine: Arc<dyn Engine>,
+    transports: Transports,
+    config: WorkerConfig,
+) -> Result<RunningWorker, WorkerError> {
+    let state = WorkerState::new(config, transports)?;
+    state.set_engine(engine);
+    serve_state(listener, state)
+}
+
+/// Serves `state` on `listener` in the background (the engine may be installed later).
+pub fn serve_state(
+    listener: TcpListener,
+    state: WorkerState,
+) -> Result<RunningWorker, WorkerError> {
+    let addr = listener.local_addr().map_err(|source| WorkerError::Io {
+        context: "reading the bound address".into(),
+        source,
+    })?;
+    let shutdown = CancellationToken::new();
+    let token = shutdown.clone();
+    let app = router(state.clone());
+    let task = tokio::spawn(async move {
+        axum::serve(listener, app)
+            .with_graceful_shutdown(async move { token.cancelled().await })
+            .await
+    });
+    Ok(RunningWorker {
+        addr,
+        state,
+        shutdown,
+        task,
+    })
+}
+
+/// Checks that this build can run `backend`.
+pub fn check_backend(backend: Backend) -> Result<(), WorkerError> {
+    match backend {
+        Backend::Cpu => Ok(()),
+        Backend::Rngd => Err(WorkerError::BackendUnavailable {
+            backend: "rngd",
+            vendor: "FuriosaAI",
+        }),
+        Backend::Atom => Err(WorkerError::BackendUnavailable {
+            backend: "atom",
+            vendor: "Rebellions",
+        }),
+    }
+}
+
+/// Resolves `--chip` (device plugin allocation for `-1`) against the real device directories.
+pub fn select_device(args: &WorkerArgs) -> Result<rngd_devices::Selection, WorkerError> {
+    let (lister, prefixes): (rngd_devices::DirCardLister, &[&str]) = match args.backend {
+        Backend::Rngd => (rngd_devices::DirCardLister::rngd(), &["furiosa.ai/"]),
+        Backend::Atom => (rngd_devices::DirCardLister::atom(), &["rebellions.ai/"]),
+        Backend::Cpu => {
+            let mut l = rngd_devices::DirCardLister::rngd();
+            l.patterns
+                .extend(rngd_devices::DirCardLister::atom().patterns);
+            (l, &["furiosa.ai/", "rebellions.ai/"])
+        }
+    };
+    let pod = rngd_api::env::var(rngd_api::env::POD_UID);
+    let query = rngd_devices::AllocationQuery {
+        chip: args.chip,
+        pod_uid: pod.as_deref(),
+        checkpoint: &args.kubelet_checkpoint,
+        resource_prefixes: prefixes,
+    };
+    rngd_devices::select_chip(&query, &lister).map_err(|e| WorkerError::Devices(Box::new(e)))
+}
+
+/// Runs `rngd-pd worker`: checks the backend, picks the device, sets up the
+/// default transport, binds, loads the model (while `/health` already answers
+/// and `/ready` says 503), prints [`LISTENING_PREFIX`] + address on stdout, and
+/// serves until SIGINT/SIGTERM.
+pub async fn run(args: WorkerArgs) -> Result<(), WorkerError> {
+    check_backend(args.backend)?;
+    if args.seq_len == 0 || args.batch == 0 {
+        return Err(WorkerError::Config(
+            "--seq-len and --batch must be at least 1".into(),
+        ));
+    }
+    let device = select_device(&args)?;
+    tracing::info!(role = args.role.as_str(), backend = args.backend.as_str(), ordinal = device.ordinal, card = ?device.card, source = ?device.source, "device selected");
+    let transports = Transports::from_env(args.kv_transport.clone()).map_err(|source| {
+        WorkerError::Transport {
+            name: args.kv_transport.clone(),
+            source: Box::new(source),
+        }
+    })?;
+    // Create the default transport now: a bad configuration fails at startup,
+    // and the shm sweeper starts (it frees caches whose reader never came).
+    transports
+        .get(None)
+        .map_err(|source| WorkerError::Transport {
+            name: args.kv_transport.clone(),
+            source: Box::new(source),
+        })?;
+    let listener = TcpListener::bind((args.host.as_str(), args.port))
+        .await
+        .map_err(|source| WorkerError::Io {
+            context: format!("binding {}:{}", args.host, args.port),
+            source,
+        })?;
+    let state = WorkerState::new(WorkerConfig::from_args(&args), transports)?;
+    let running = serve_state(listener, state.clone())?;
+    tracing::info!(addr = %running.addr, "serving; loading the model");
+    let engine = load_engine(&args).await?;
+    tracing::info!(model = %engine.info().name, seq_len = engine.info().seq_len, "model loaded");
+    state.set_engine(engine);
+    {
+        use std::io::Write;
+        let mut out = std::io::stdout().lock();
+        let _ = writeln!(out, "{LISTENING_PREFIX}{}", running.addr);
+        let _ = out.flush();
+    }
+    shutdown_signal().await;
+    tracing::info!("shutting down");
+    running.stop().await
+}
+
+async fn load_engine(args: &WorkerArgs) -> Result<Arc<dyn Engine>, WorkerError> {
+    let model = args.model.clone();
+    let (seq_len, batch, threads) = (args.seq_len, args.batch, args.threads);
+    tokio::task::spawn_blocking(
+        move || -> Result<Arc<dyn Engine>, Box<rngd_engine::EngineError>> {
+            let path = rngd_engine::model_fetch::resolve(model.as_deref()).map_err(Box::new)?;
+            let mut opts = rngd_engine::cpu::CpuEngineOptions::new(path);
+            opts.seq_len = seq_len;
+            opts.batch = batch;
+            opts.threads = threads;
+            let engine: Arc<dyn Engine> =
+                rngd_engine::cpu::CpuEngine::load(opts).map_err(Box::new)?;
+            Ok(engine)
+        },
+    )
+    .await
+    .map_err(|e| WorkerError::Io {
+        context: "model loading task failed".into(),
+        source: std::io::Error::other(e),
+    })?
+    .map_err(WorkerError::Engine)
+}
+
+async fn shutdown_signal() {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{SignalKind, signal};
+        match signal(SignalKind::terminate()) {
+            Ok(mut term) => {
+                tokio::select! {
+                    _ = tokio::signal::ctrl_c() => {}
+                    _ = term.recv() => {}
+                }
+            }
+            Err(_) => {
+                let _ = tokio::signal::ctrl_c().await;
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = tokio::signal::ctrl_c().await;
+    }
+}

@@ -1,0 +1,233 @@
+//! Errors: [`WorkerError`] (startup) and [`ApiError`] (one request), with the
+//! single mapping from an [`ApiError`] to an HTTP status and OpenAI error body.
+
+use std::time::Duration;
+
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use rngd_api::openai::{CONTEXT_LENGTH_CODE, ErrorBody};
+use rngd_engine::EngineError;
+use rngd_kv_transport::KvError;
+
+/// Errors that stop a worker from starting or serving.
+#[derive(Debug, thiserror::Error)]
+pub enum WorkerError {
+    /// A vendor backend this build does not include.
+    #[error("backend {backend} needs the {vendor} runtime, which this build does not include")]
+    BackendUnavailable {
+        /// `rngd` or `atom`.
+        backend: &'static str,
+        /// `FuriosaAI` or `Rebellions`.
+        vendor: &'static str,
+    },
+    /// The chip could not be chosen.
+    #[error("device allocation failed")]
+    Devices(#[source] Box<rngd_devices::DevicesError>),
+    /// The model could not be found or loaded.
+    #[error("loading the model failed")]
+    Engine(#[source] Box<EngineError>),
+    /// The default KV transport could not be created.
+    #[error("KV transport `{name}` cannot be set up")]
+    Transport {
+        /// Transport name.
+        name: String,
+        /// Cause.
+        #[source]
+        source: Box<KvError>,
+    },
+    /// Metrics could not be registered.
+    #[error("metrics setup failed")]
+    Metrics(#[source] rngd_telemetry::TelemetryError),
+    /// Binding or serving failed.
+    #[error("{context}")]
+    Io {
+        /// What was being done.
+        context: String,
+        /// The OS error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// A flag value that cannot work.
+    #[error("invalid configuration: {0}")]
+    Config(String),
+}
+
+/// Everything a request can fail with. [`ApiError::status`] is the one place
+/// that decides the HTTP status.
+#[derive(Debug, thiserror::Error)]
+pub enum ApiError {
+    /// Malformed or unsupported input.
+    #[error("{0}")]
+    BadRequest(String),
+    /// `prompt + max_tokens > S` (message from `context_length_message`).
+    #[error("{0}")]
+    ContextLength(String),
+    /// The request asks this role for something it does not do.
+    #[error("{0}")]
+    WrongRole(String),
+    /// The model is not loaded yet.
+    #[error("the model is still loading; retry when GET /ready answers 200")]
+    NotReady,
+    /// A transport name this worker cannot create.
+    #[error("KV transport `{name}` is not available on this worker")]
+    UnknownTransport {
+        /// The name asked for.
+        name: String,
+        /// Cause.
+        #[source]
+        source: Box<KvError>,
+    },
+    /// Pushing the KV cache failed (prefill side).
+    #[error("KV push through transport `{transport}` failed for request {request_id}")]
+    KvPush {
+        /// Transport name.
+        transport: String,
+        /// Request id.
+        request_id: String,
+        /// Cause.
+        #[source]
+        source: Box<KvError>,
+    },
+    /// Pulling the KV cache failed (decode side).
+    #[error("KV pull through transport `{transport}` failed for request {request_id}")]
+    KvPull {
+        /// Transport name.
+        transport: String,
+        /// Request id.
+        request_id: String,
+        /// Cause.
+        #[source]
+        source: Box<KvError>,
+    },
+    /// The KV cache did not arrive in time (decode side).
+    #[error(
+        "KV pull through transport `{transport}` timed out after {waited:?} for request {request_id}"
+    )]
+    KvPullTimeout {
+        /// Transport name.
+        transport: String,
+        /// Request id.
+        request_id: String,
+        /// How long the decode waited.
+        waited: Duration,
+    },
+    /// The prefill peer could not be reached or answered garbage.
+    #[error("prefill worker {peer} failed for request {request_id}: {detail}")]
+    PrefillPeer {
+        /// `host:port`.
+        peer: String,
+        /// Request id.
+        request_id: String,
+        /// What happened.
+        detail: String,
+        /// Cause, if any.
+        #[source]
+        source: Option<reqwest::Error>,
+    },
+    /// The prefill peer did not answer in time.
+    #[error("prefill worker {peer} did not answer within {after:?} for request {request_id}")]
+    PrefillPeerTimeout {
+        /// `host:port`.
+        peer: String,
+        /// Request id.
+        request_id: String,
+        /// The timeout.
+        after: Duration,
+    },
+    /// The prefill peer refused the request with a 4xx (passed through).
+    #[error("prefill worker {peer} refused request {request_id}: {}", body.error.message)]
+    PrefillPeerRejected {
+        /// `host:port`.
+        peer: String,
+        /// Request id.
+        request_id: String,
+        /// Its status.
+        status: u16,
+        /// Its error body.
+        body: Box<ErrorBody>,
+    },
+    /// The engine failed.
+    #[error("engine error")]
+    Engine(#[source] Box<EngineError>),
+    /// Anything else.
+    #[error("{0}")]
+    Internal(String),
+}
+
+impl From<EngineError> for ApiError {
+    fn from(e: EngineError) -> Self {
+        match e {
+            EngineError::ContextLength(m) => ApiError::ContextLength(m),
+            EngineError::InvalidRequest(m) => ApiError::BadRequest(m),
+            other => ApiError::Engine(Box::new(other)),
+        }
+    }
+}
+
+impl ApiError {
+    /// The HTTP status of this error.
+    pub fn status(&self) -> StatusCode {
+        match self {
+            ApiError::BadRequest(_) | ApiError::ContextLength(_) | ApiError::WrongRole(_) => {
+                StatusCode::BAD_REQUEST
+            }
+            ApiError::UnknownTransport { .. } => StatusCode::BAD_REQUEST,
+            ApiError::NotReady => StatusCode::SERVICE_UNAVAILABLE,
+            ApiError::KvPush { source, .. } | ApiError::KvPull { source, .. } => match **source {
+                KvError::NotFound { .. } => StatusCode::GATEWAY_TIMEOUT,
+                KvError::BadRequest { .. } => StatusCode::BAD_REQUEST,
+                KvError::Capacity { .. } => StatusCode::SERVICE_UNAVAILABLE,
+                KvError::Io { .. } | KvError::Config { .. } => StatusCode::INTERNAL_SERVER_ERROR,
+                _ => StatusCode::BAD_GATEWAY,
+            },
+            ApiError::KvPullTimeout { .. } | ApiError::PrefillPeerTimeout { .. } => {
+                StatusCode::GATEWAY_TIMEOUT
+            }
+            ApiError::PrefillPeer { .. } => StatusCode::BAD_GATEWAY,
+            ApiError::PrefillPeerRejected { status, .. } => {
+                StatusCode::from_u16(*status).unwrap_or(StatusCode::BAD_GATEWAY)
+            }
+            ApiError::Engine(_) | ApiError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
+        }
+    }
+
+    /// The message, with the causes appended (`: cause: cause`).
+    pub fn message(&self) -> String {
+        let mut msg = self.to_string();
+        let mut src = std::error::Error::source(self);
+        while let Some(s) = src {
+            msg.push_str(": ");
+            msg.push_str(&s.to_string());
+            src = s.source();
+        }
+        msg
+    }
+
+    /// The OpenAI error body.
+    pub fn body(&self) -> ErrorBody {
+        let status = self.status();
+        let body = ErrorBody::new(ErrorBody::kind_for_status(status.as_u16()), self.message());
+        match self {
+            ApiError::ContextLength(_) => {
+                body.with_code(CONTEXT_LENGTH_CODE).with_param("max_tokens")
+            }
+            ApiError::PrefillPeerRejected { body: peer, .. } => match &peer.error.code {
+                Some(code) => body.with_code(code),
+                None => body,
+            },
+            _ => body,
+        }
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let status = self.status();
+        if status.is_server_error() {
+            tracing::warn!(status = status.as_u16(), error = %self.message(), "request failed");
+        } else {
+            tracing::debug!(status = status.as_u16(), error = %self.message(), "request refused");
+        }
+        (status, axum::Json(self.body())).into_response()
+    }
+}

@@ -1,0 +1,127 @@
+//! Shared state of a worker: configuration, engine (once loaded), transports,
+//! metrics and the prefill-peer client.
+
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
+
+use rngd_engine::Engine;
+
+use crate::args::{Role, WorkerArgs};
+use crate::error::WorkerError;
+use crate::metrics::WorkerMetrics;
+use crate::peer::{HttpPrefillPeer, PrefillPeer};
+use crate::transports::Transports;
+
+/// What a worker does and how long it waits.
+#[derive(Debug, Clone)]
+pub struct WorkerConfig {
+    /// Role.
+    pub role: Role,
+    /// How long a decode waits for the KV pull.
+    pub kv_pull_timeout: Duration,
+    /// How long a decode worker waits for its prefill peer.
+    pub prefill_timeout: Duration,
+    /// Node name (reported as `remote_engine_id` in PD responses).
+    pub node: Option<String>,
+}
+
+impl WorkerConfig {
+    /// Defaults for `role`: 30 s KV pull timeout, 120 s prefill-peer timeout.
+    pub fn new(role: Role) -> Self {
+        WorkerConfig {
+            role,
+            kv_pull_timeout: Duration::from_secs(30),
+            prefill_timeout: Duration::from_secs(120),
+            node: None,
+        }
+    }
+
+    /// The configuration the flags describe.
+    pub fn from_args(args: &WorkerArgs) -> Self {
+        WorkerConfig {
+            role: args.role,
+            kv_pull_timeout: Duration::from_millis(args.kv_pull_timeout_ms),
+            prefill_timeout: Duration::from_millis(args.prefill_timeout_ms),
+            node: args.node.clone(),
+        }
+    }
+}
+
+struct Inner {
+    config: WorkerConfig,
+    engine: OnceLock<Arc<dyn Engine>>,
+    transports: Transports,
+    metrics: WorkerMetrics,
+    peer: Arc<dyn PrefillPeer>,
+}
+
+/// Cheaply clonable handle on a worker's state (the axum state).
+#[derive(Clone)]
+pub struct WorkerState(Arc<Inner>);
+
+impl std::fmt::Debug for WorkerState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("WorkerState")
+            .field("config", &self.0.config)
+            .field("ready", &self.is_ready())
+            .finish_non_exhaustive()
+    }
+}
+
+impl WorkerState {
+    /// A worker with no engine yet (`/ready` answers 503 until [`WorkerState::set_engine`]),
+    /// calling prefill peers over HTTP.
+    pub fn new(config: WorkerConfig, transports: Transports) -> Result<Self, WorkerError> {
+        Self::with_peer(config, transports, Arc::new(HttpPrefillPeer::new()))
+    }
+
+    /// Like [`WorkerState::new`] with another prefill-peer client (tests).
+    pub fn with_peer(
+        config: WorkerConfig,
+        transports: Transports,
+        peer: Arc<dyn PrefillPeer>,
+    ) -> Result<Self, WorkerError> {
+        Ok(WorkerState(Arc::new(Inner {
+            config,
+            engine: OnceLock::new(),
+            transports,
+            metrics: WorkerMetrics::new().map_err(WorkerError::Metrics)?,
+            peer,
+        })))
+    }
+
+    /// Installs the loaded engine; returns false if one was already installed.
+    pub fn set_engine(&self, engine: Arc<dyn Engine>) -> bool {
+        self.0.engine.set(engine).is_ok()
+    }
+
+    /// The engine, once loaded.
+    pub fn engine(&self) -> Option<&Arc<dyn Engine>> {
+        self.0.engine.get()
+    }
+
+    /// Whether the model is loaded.
+    pub fn is_ready(&self) -> bool {
+        self.0.engine.get().is_some()
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &WorkerConfig {
+        &self.0.config
+    }
+
+    /// The transports.
+    pub fn transports(&self) -> &Transports {
+        &self.0.transports
+    }
+
+    /// The metrics.
+    pub fn metrics(&self) -> &WorkerMetrics {
+        &self.0.metrics
+    }
+
+    /// The prefill-peer client.
+    pub fn peer(&self) -> &dyn PrefillPeer {
+        &*self.0.peer
+    }
+}

@@ -1,0 +1,517 @@
+//! In-process workers on 127.0.0.1:0 with the echo engine and the in-memory
+//! transport: PD round trip, `x-prefiller-host-port` orchestration, streaming
+//! format, error mapping, metrics.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use rngd_api::openai::{CompletionResponse, ErrorBody};
+use rngd_engine::Engine;
+use rngd_engine::fake::EchoEngine;
+use rngd_kv_transport::KvTransport;
+use rngd_kv_transport::fake::MemoryTransport;
+use rngd_worker::{Role, RunningWorker, Transports, WorkerConfig, WorkerState};
+use serde_json::{Value, json};
+
+const SEQ_LEN: usize = 64;
+
+async fn start_with(
+    role: Role,
+    transport: &Arc<MemoryTransport>,
+    tweak: impl FnOnce(&mut WorkerConfig),
+) -> RunningWorker {
+    let mut config = WorkerConfig::new(role);
+    tweak(&mut config);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let engine: Arc<dyn Engine> = Arc::new(EchoEngine::new(SEQ_LEN));
+    let t: Arc<dyn KvTransport> = transport.clone();
+    rngd_worker::serve(listener, engine, Transports::fixed(vec![t]), config)
+        .await
+        .unwrap()
+}
+
+async fn start(role: Role, transport: &Arc<MemoryTransport>) -> RunningWorker {
+    start_with(role, transport, |_| {}).await
+}
+
+async fn post(
+    w: &RunningWorker,
+    body: &Value,
+    headers: &[(&str, &str)],
+) -> (u16, reqwest::header::HeaderMap, String) {
+    let mut req = reqwest::Client::new()
+        .post(format!("{}/v1/completions", w.url()))
+        .json(body);
+    for (k, v) in headers {
+        req = req.header(*k, *v);
+    }
+    let resp = req.send().await.unwrap();
+    let status = resp.status().as_u16();
+    let headers = resp.headers().clone();
+    (status, headers, resp.text().await.unwrap())
+}
+
+async fn completion(
+    w: &RunningWorker,
+    body: &Value,
+    headers: &[(&str, &str)],
+) -> CompletionResponse {
+    let (status, _, text) = post(w, body, headers).await;
+    assert_eq!(status, 200, "{text}");
+    serde_json::from_str(&text).unwrap()
+}
+
+async fn error(w: &RunningWorker, body: &Value, headers: &[(&str, &str)]) -> (u16, ErrorBody) {
+    let (status, _, text) = post(w, body, headers).await;
+    let body: ErrorBody =
+        serde_json::from_str(&text).unwrap_or_else(|e| panic!("not an error body ({e}): {text}"));
+    (status, body)
+}
+
+async fn metrics(w: &RunningWorker) -> String {
+    reqwest::get(format!("{}/metrics", w.url()))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap()
+}
+
+/// The value of an unlabelled sample in Prometheus text.
+fn sample(text: &str, name: &str) -> f64 {
+    text.lines()
+        .find_map(|l| l.strip_prefix(name).and_then(|r| r.strip_prefix(' ')))
+        .unwrap_or_else(|| panic!("{name} missing from metrics:\n{text}"))
+        .trim()
+        .parse()
+        .unwrap()
+}
+
+fn token_ids(r: &CompletionResponse) -> Vec<u32> {
+    r.choices[0].token_ids.clone().unwrap()
+}
+
+fn request(prompt: &str, max_tokens: u32) -> Value {
+    json!({"model": "echo", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0})
+}
+
+#[tokio::test]
+async fn pd_round_trip_matches_solo_and_releases_the_kv() {
+    let mem = Arc::new(MemoryTransport::new());
+    let (prefill, decode, solo) = (
+        start(Role::Prefill, &mem).await,
+        start_with(Role::Decode, &mem, |c| c.kv_pull_timeout = Duration::from_millis(300)).await,
+        start(Role::Solo, &mem).await,
+    );
+    let req = request("Hello, PD world", 10);
+    let want = completion(&solo, &req, &[]).await;
+    assert_eq!(want.choices[0].text, "Hello, PD ");
+    assert_eq!(want.usage.unwrap().completion_tokens, 10);
+
+    let mut pre_req = req.clone();
+    pre_req["kv_transfer_params"] = json!({"do_remote_decode": true});
+    let pre = completion(&prefill, &pre_req, &[("x-request-id", "rt-1")]).await;
+    let params = pre
+        .kv_transfer_params
+        .clone()
+        .expect("prefill answers kv_transfer_params");
+    assert!(params.do_remote_prefill);
+    assert_eq!(params.first_token, Some(token_ids(&want)[0]));
+    assert_eq!(token_ids(&pre), vec![token_ids(&want)[0]]);
+    assert_eq!(
+        params.prompt_token_ids.as_ref().unwrap().len(),
+        "Hello, PD world".len()
+    );
+    let handle = params.kv_handle.clone().unwrap();
+    assert_eq!(
+        (handle.transport.as_str(), handle.request_id.as_str()),
+        ("memory", "rt-1")
+    );
+    assert!(params.prefill_ms.is_some() && params.kv_save_ms.is_some());
+    assert_eq!(mem.held(), 1, "the prefill pushed one cache");
+
+    let mut dec_req = req.clone();
+    dec_req["kv_transfer_params"] = serde_json::to_value(&params).unwrap();
+    let got = completion(&decode, &dec_req, &[]).await;
+    assert_eq!(
+        token_ids(&got),
+        token_ids(&want),
+        "PD tokens must equal solo tokens"
+    );
+    assert_eq!(got.choices[0].text, want.choices[0].text);
+    assert_eq!(got.usage, want.usage);
+    let t = got.timings.unwrap();
+    assert!(t.kv_load_ms.is_some() && t.kv_transfer_ms.is_some() && t.ttft_ms.is_some());
+    assert_eq!(mem.held(), 0, "decode releases the KV after loading");
+
+    let m = metrics(&decode).await;
+    assert_eq!(sample(&m, "rngd_pd_worker_kv_loads_total"), 1.0);
+    assert_eq!(sample(&m, "rngd_pd_worker_prefills_total"), 0.0);
+    assert_eq!(sample(&m, "rngd_pd_worker_kv_load_ms_count"), 1.0);
+    let m = metrics(&prefill).await;
+    assert_eq!(sample(&m, "rngd_pd_worker_prefills_total"), 1.0);
+    assert_eq!(sample(&m, "rngd_pd_worker_kv_save_ms_count"), 1.0);
+    assert_eq!(sample(&m, "rngd_pd_worker_kv_loads_total"), 0.0);
+
+    // A second decode with the same (released) handle cannot find the cache.
+    let (status, body) = error(&decode, &dec_req, &[]).await;
+    assert!(status == 504 || status == 502, "{status} {body:?}");
+}
+
+#[tokio::test]
+async fn prefiller_header_orchestrates_prefill_then_decodes_here() {
+    let mem = Arc::new(MemoryTransport::new());
+    let (prefill, decode, solo) = (
+        start(Role::Prefill, &mem).await,
+        start(Role::Decode, &mem).await,
+        start(Role::Solo, &mem).await,
+    );
+    let req = request("orchestrated by the decode worker", 12);
+    let want = completion(&solo, &req, &[]).await;
+    let peer = prefill.addr.to_string();
+    let got = completion(
+        &decode,
+        &req,
+        &[
+            ("x-prefiller-host-port", &peer),
+            ("x-rngd-pd-kv-transport", "memory"),
+            ("x-request-id", "orch-1"),
+        ],
+    )
+    .await;
+    assert_eq!(token_ids(&got), token_ids(&want));
+    assert_eq!(got.id, "cmpl-orch-1");
+    let t = got.timings.unwrap();
+    assert!(t.prefill_ms.is_some() && t.kv_save_ms.is_some() && t.kv_load_ms.is_some());
+    assert_eq!(mem.held(), 0);
+    assert_eq!(
+        sample(&metrics(&prefill).await, "rngd_pd_worker_prefills_total"),
+        1.0
+    );
+    let m = metrics(&decode).await;
+    assert_eq!(sample(&m, "rngd_pd_worker_prefills_total"), 0.0);
+    assert_eq!(sample(&m, "rngd_pd_worker_kv_loads_total"), 1.0);
+
+    // Without the header a decode worker serves the whole request itself.
+    let local = completion(&decode, &req, &[]).await;
+    assert_eq!(token_ids(&local), token_ids(&want));
+    assert_eq!(
+        sample(&metrics(&decode).await, "rngd_pd_worker_prefills_total"),
+        1.0
+    );
+}
+
+/// Parses an SSE body into its `data:` payloads, checking the framing.
+fn sse_events(body: &str) -> Vec<String> {
+    assert!(
+        body.ends_with("\n\n"),
+        "SSE body must end with a blank line: {body:?}"
+    );
+    body.split("\n\n")
+        .filter(|e| !e.is_empty())
+        .map(|e| {
+            e.strip_prefix("data: ")
+                .unwrap_or_else(|| panic!("event is not a data line: {e:?}"))
+                .to_string()
+        })
+        .collect()
+}
+
+#[tokio::test]
+async fn streaming_format_and_tokens() {
+    let mem = Arc::new(MemoryTransport::new());
+    let (prefill, decode) = (
+        start(Role::Prefill, &mem).await,
+        start(Role::Decode, &mem).await,
+    );
+    let req = request("stream me", 6);
+    let want = completion(&decode, &req, &[]).await;
+
+    let mut sreq = req.clone();
+    sreq["stream"] = json!(true);
+    sreq["stream_options"] = json!({"include_usage": true});
+    for headers in [
+        vec![],
+        vec![("x-prefiller-host-port", prefill.addr.to_string())],
+    ] {
+        let h: Vec<(&str, &str)> = headers.iter().map(|(k, v)| (*k, v.as_str())).collect();
+        let (status, resp_headers, body) = post(&decode, &sreq, &h).await;
+        assert_eq!(status, 200, "{body}");
+        assert!(
+            resp_headers["content-type"]
+                .to_str()
+                .unwrap()
+                .starts_with("text/event-stream")
+        );
+        let events = sse_events(&body);
+        assert_eq!(events.last().unwrap(), "[DONE]");
+        let chunks: Vec<CompletionResponse> = events[..events.len() - 1]
+            .iter()
+            .map(|e| serde_json::from_str(e).unwrap_or_else(|err| panic!("{err}: {e}")))
+            .collect();
+        let (mut ids, mut text) = (Vec::new(), String::new());
+        for c in chunks
+            .iter()
+            .filter(|c| !c.choices.is_empty() && c.choices[0].finish_reason.is_none())
+        {
+            assert_eq!(c.object, "text_completion");
+            ids.extend(c.choices[0].token_ids.clone().unwrap());
+            text.push_str(&c.choices[0].text);
+        }
+        assert_eq!(ids, token_ids(&want));
+        assert_eq!(text, want.choices[0].text);
+        let fin = chunks
+            .iter()
+            .find(|c| {
+                c.choices
+                    .first()
+                    .is_some_and(|ch| ch.finish_reason.is_some())
+            })
+            .unwrap();
+        assert_eq!(fin.choices[0].finish_reason.as_deref(), Some("length"));
+        assert!(fin.timings.unwrap().ttft_ms.is_some());
+        let usage = chunks.last().unwrap();
+        assert!(usage.choices.is_empty());
+        assert_eq!(usage.usage, want.usage);
+        assert!(chunks.iter().all(|c| c.id == chunks[0].id));
+    }
+    assert_eq!(mem.held(), 0);
+
+    // Without include_usage there is no usage chunk.
+    sreq["stream_options"] = json!({"include_usage": false});
+    let (_, _, body) = post(&decode, &sreq, &[]).await;
+    assert!(!body.contains("\"usage\""), "{body}");
+}
+
+#[tokio::test]
+async fn errors_map_to_statuses_with_openai_bodies() {
+    let mem = Arc::new(MemoryTransport::new());
+    let prefill = start(Role::Prefill, &mem).await;
+    let decode = start_with(Role::Decode, &mem, |c| {
+        c.kv_pull_timeout = Duration::from_millis(200);
+        c.prefill_timeout = Duration::from_millis(300);
+    })
+    .await;
+
+    // Over-length: 400, code context_length_exceeded, numbers in the message.
+    let long = "x".repeat(60);
+    let (status, body) = error(&decode, &request(&long, 10), &[]).await;
+    assert_eq!(status, 400);
+    assert_eq!(body.error.code.as_deref(), Some("context_length_exceeded"));
+    for n in ["60", "10", "70", "64"] {
+        assert!(body.error.message.contains(n), "{}", body.error.message);
+    }
+    // The same through the prefiller header: the prefill's 400 is passed through.
+    let peer = prefill.addr.to_string();
+    let (status, body) = error(
+        &decode,
+        &request(&long, 10),
+        &[("x-prefiller-host-port", &peer)],
+    )
+    .await;
+    assert_eq!(status, 400);
+    assert_eq!(body.error.code.as_deref(), Some("context_length_exceeded"));
+
+    // A prefill worker refuses whole requests; a decode worker refuses prefill-only ones.
+    let (status, body) = error(&prefill, &request("hi", 3), &[]).await;
+    assert_eq!(status, 400);
+    assert!(
+        body.error.message.contains("only prefills"),
+        "{}",
+        body.error.message
+    );
+    let mut pre = request("hi", 3);
+    pre["kv_transfer_params"] = json!({"do_remote_decode": true});
+    assert_eq!(error(&decode, &pre, &[]).await.0, 400);
+
+    // Bad bodies.
+    let (status, body) = error(&decode, &json!({"model": "m"}), &[]).await;
+    assert_eq!(
+        (status, body.error.kind.as_str()),
+        (400, "invalid_request_error")
+    );
+    assert_eq!(
+        error(
+            &decode,
+            &json!({"model": "m", "prompt": "", "max_tokens": 2}),
+            &[]
+        )
+        .await
+        .0,
+        400
+    );
+    assert_eq!(
+        error(&decode, &json!({"model": "m", "prompt": "a", "n": 2}), &[])
+            .await
+            .0,
+        400
+    );
+    assert_eq!(
+        error(
+            &decode,
+            &json!({"model": "m", "prompt": [1, 999], "max_tokens": 2}),
+            &[]
+        )
+        .await
+        .0,
+        400
+    );
+
+    // Unknown transport on the prefill side: 400 naming it.
+    let mut pre = request("hi", 3);
+    pre["kv_transfer_params"] = json!({"do_remote_decode": true, "kv_transport": "carrier-pigeon"});
+    let (status, body) = error(&prefill, &pre, &[]).await;
+    assert_eq!(status, 400);
+    assert!(body.error.message.contains("carrier-pigeon"));
+
+    // Push failure: 503 (capacity) naming the transport and request.
+    mem.fail_pushes(true);
+    let mut pre = request("hi", 3);
+    pre["kv_transfer_params"] = json!({"do_remote_decode": true});
+    let (status, body) = error(&prefill, &pre, &[("x-request-id", "push-fail")]).await;
+    mem.fail_pushes(false);
+    assert!(status >= 500, "{status}");
+    assert!(body.error.message.contains("memory") && body.error.message.contains("push-fail"));
+
+    // KV never pushed: the decode answers 504 naming the transport and the request.
+    let pre_ok = completion(&prefill, &pre, &[("x-request-id", "gone-1")]).await;
+    let params = pre_ok.kv_transfer_params.unwrap();
+    mem.release(params.kv_handle.as_ref().unwrap())
+        .await
+        .unwrap();
+    let mut dec = request("hi", 3);
+    dec["kv_transfer_params"] = serde_json::to_value(&params).unwrap();
+    let (status, body) = error(&decode, &dec, &[]).await;
+    assert_eq!(status, 504, "{body:?}");
+    assert_eq!(body.error.kind, "timeout_error");
+    assert!(
+        body.error.message.contains("memory") && body.error.message.contains("gone-1"),
+        "{}",
+        body.error.message
+    );
+
+    // Corrupted KV: 502, and the cache is still released.
+    let pre_ok = completion(&prefill, &pre, &[("x-request-id", "corrupt-1")]).await;
+    assert!(mem.corrupt("corrupt-1", 1, 3));
+    let mut dec = request("hi", 3);
+    dec["kv_transfer_params"] = serde_json::to_value(pre_ok.kv_transfer_params.unwrap()).unwrap();
+    let (status, body) = error(&decode, &dec, &[]).await;
+    assert_eq!(status, 502, "{body:?}");
+    assert!(body.error.message.contains("corrupt-1"));
+    assert_eq!(mem.held(), 0);
+
+    // Prefill peer down: 502 naming it and the request id.
+    let closed = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().to_string()
+    };
+    let (status, body) = error(
+        &decode,
+        &request("hi", 3),
+        &[
+            ("x-prefiller-host-port", &closed),
+            ("x-request-id", "peer-down"),
+        ],
+    )
+    .await;
+    assert_eq!(status, 502, "{body:?}");
+    assert!(body.error.message.contains(&closed) && body.error.message.contains("peer-down"));
+
+    // Prefill peer that accepts but never answers: 504.
+    let silent = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let silent_addr = silent.local_addr().unwrap().to_string();
+    let (status, body) = error(
+        &decode,
+        &request("hi", 3),
+        &[("x-prefiller-host-port", &silent_addr)],
+    )
+    .await;
+    drop(silent);
+    assert_eq!(status, 504, "{body:?}");
+    assert!(body.error.message.contains(&silent_addr));
+
+    // Statuses are counted.
+    let m = metrics(&decode).await;
+    assert!(
+        m.contains("rngd_pd_worker_requests_total{status=\"400\"}"),
+        "{m}"
+    );
+    assert!(
+        m.contains("rngd_pd_worker_requests_total{status=\"504\"}"),
+        "{m}"
+    );
+}
+
+#[tokio::test]
+async fn not_ready_until_the_engine_is_installed() {
+    let mem: Arc<dyn KvTransport> = Arc::new(MemoryTransport::new());
+    let state =
+        WorkerState::new(WorkerConfig::new(Role::Solo), Transports::fixed(vec![mem])).unwrap();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let w = rngd_worker::serve_state(listener, state.clone()).unwrap();
+    let get = |p: &'static str| {
+        let url = format!("{}{p}", w.url());
+        async move { reqwest::get(url).await.unwrap().status().as_u16() }
+    };
+    assert_eq!(get("/health").await, 200);
+    assert_eq!(get("/ready").await, 503);
+    assert_eq!(get("/v1/models").await, 503);
+    let (status, body) = error(&w, &request("hi", 2), &[]).await;
+    assert_eq!(status, 503);
+    assert!(body.error.message.contains("loading"));
+    assert!(state.set_engine(Arc::new(EchoEngine::new(SEQ_LEN))));
+    assert_eq!(get("/ready").await, 200);
+    let models: Value = reqwest::get(format!("{}/v1/models", w.url()))
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(models["data"][0]["id"], "echo");
+    assert_eq!(models["data"][0]["max_model_len"], SEQ_LEN);
+    assert_eq!(
+        completion(&w, &request("hi", 2), &[]).await.choices[0].text,
+        "hi"
+    );
+    w.stop().await.unwrap();
+}
+
+#[tokio::test]
+async fn metrics_expose_the_model_server_protocol() {
+    let mem = Arc::new(MemoryTransport::new());
+    let w = start(Role::Solo, &mem).await;
+    completion(&w, &request("count me", 4), &[]).await;
+    let resp = reqwest::get(format!("{}/metrics", w.url())).await.unwrap();
+    assert!(
+        resp.headers()["content-type"]
+            .to_str()
+            .unwrap()
+            .starts_with("text/plain")
+    );
+    let m = resp.text().await.unwrap();
+    assert_eq!(sample(&m, "vllm:num_requests_waiting"), 0.0);
+    assert_eq!(sample(&m, "vllm:num_requests_running"), 0.0);
+    assert_eq!(sample(&m, "vllm:kv_cache_usage_perc"), 0.0);
+    assert_eq!(sample(&m, "rngd_pd_worker_prefills_total"), 1.0);
+    assert_eq!(sample(&m, "rngd_pd_worker_decode_tokens_per_s_count"), 1.0);
+    assert!(
+        m.contains("rngd_pd_worker_requests_total{status=\"200\"} 1"),
+        "{m}"
+    );
+    assert!(m.contains("# TYPE rngd_pd_worker_prefill_ms histogram"));
+}
+
+#[test]
+fn vendor_backends_fail_with_the_exact_message() {
+    let err = rngd_worker::check_backend(rngd_worker::Backend::Rngd).unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "backend rngd needs the FuriosaAI runtime, which this build does not include"
+    );
+    let err = rngd_worker::check_backend(rngd_worker::Backend::Atom).unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "backend atom needs the Rebellions runtime, which this build does not include"
+    );
+    rngd_worker::check_backend(rngd_worker::Backend::Cpu).unwrap();
+}
