@@ -1,1 +1,430 @@
-//! `rngd-pd bench kv`: KV transport throughput against memcpy / raw TCP in the same run
+//! `rngd-pd bench kv`: KV transport throughput against memcpy / raw TCP in the same run.
+//!
+//! Moves full Llama-3.1-8B S=512 requests (64 × 1 MiB = 67.1 MB) through a
+//! transport (push on one client, pull on another, release), `--in-flight`
+//! at a time, and in the same run measures the baseline on the same bytes:
+//! a plain memcpy into fresh memory for `shm`, a raw loopback TCP stream into
+//! fresh memory for `tcp` (with an in-process relay). Rounds of baseline and
+//! transport alternate; the report gives medians over rounds. Gb/s are
+//! gigabits (10⁹ bit) of KV payload per second of wall time.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use bytes::{Bytes, BytesMut};
+use rngd_kv_transport::relay::{self, RelayConfig};
+use rngd_kv_transport::tcp::TcpTransport;
+use rngd_kv_transport::{KvError, KvPayload, KvTransport, TransportConfig, conformance, registry};
+use rngd_kv_wire::KvLayout;
+use serde::Serialize;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+
+/// Flags of `rngd-pd bench kv`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct Args {
+    /// Transport to measure: `shm` or `tcp`.
+    #[arg(long, default_value = "shm")]
+    pub transport: String,
+    /// Requests in flight at once.
+    #[arg(long = "in-flight", default_value_t = 8)]
+    pub in_flight: usize,
+    /// Requests per round.
+    #[arg(long, default_value_t = 16)]
+    pub requests: usize,
+    /// Rounds (each: one baseline pass and one transport pass).
+    #[arg(long, default_value_t = 3)]
+    pub rounds: usize,
+    /// Skip CRC-32 on the tcp transport (as `AIRM_KV_TCP_CRC=0`).
+    #[arg(long = "no-crc")]
+    pub no_crc: bool,
+    /// Print a last line with the report as one JSON object.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// Result of a run (also the `--json` line).
+#[derive(Debug, Clone, Serialize)]
+pub struct Report {
+    /// Transport measured.
+    pub transport: String,
+    /// Payload bytes per request.
+    pub bytes_per_request: u64,
+    /// Requests in flight.
+    pub in_flight: usize,
+    /// Requests per round.
+    pub requests: usize,
+    /// Rounds.
+    pub rounds: usize,
+    /// What the baseline is (`memcpy` or `raw_tcp_loopback`).
+    pub baseline: String,
+    /// Median over rounds of the transport's throughput, Gb/s.
+    pub gbps_median: f64,
+    /// Median over rounds of the baseline's throughput, Gb/s.
+    pub baseline_gbps_median: f64,
+    /// `gbps_median / baseline_gbps_median`.
+    pub ratio_vs_baseline: f64,
+    /// Median push→pull→release time of one request, ms.
+    pub ms_per_request_median: f64,
+    /// Median time of one baseline request, ms.
+    pub baseline_ms_per_request_median: f64,
+    /// Whether CRC-32 was on.
+    pub crc: bool,
+    /// Every checked request came back byte-exact.
+    pub byte_exact: bool,
+}
+
+/// Errors of the benchmark.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// A transport operation failed.
+    #[error("transport: {0}")]
+    Transport(#[from] KvError),
+    /// Local I/O (temporary directory, baseline sockets) failed.
+    #[error("{context}")]
+    Io {
+        /// What was being done.
+        context: String,
+        /// The OS error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// Bad flags.
+    #[error("invalid arguments: {0}")]
+    Args(String),
+    /// A benchmark task panicked or was cancelled.
+    #[error("benchmark task failed: {0}")]
+    Task(#[from] tokio::task::JoinError),
+}
+
+fn io(context: &str) -> impl FnOnce(std::io::Error) -> Error + '_ {
+    move |source| Error::Io {
+        context: context.to_string(),
+        source,
+    }
+}
+
+fn median(v: &mut [f64]) -> f64 {
+    if v.is_empty() {
+        return 0.0;
+    }
+    v.sort_by(f64::total_cmp);
+    let n = v.len();
+    if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    }
+}
+
+/// One pass: total wall time and per-request latencies.
+struct Pass {
+    wall: Duration,
+    latencies_ms: Vec<f64>,
+}
+
+impl Pass {
+    fn gbps(&self, bytes: u64, requests: usize) -> f64 {
+        (bytes as f64 * requests as f64 * 8.0) / self.wall.as_secs_f64() / 1e9
+    }
+}
+
+/// Runs `requests` jobs, `in_flight` at a time; `job(i)` returns its latency.
+async fn drive<F, Fut>(requests: usize, in_flight: usize, job: F) -> Result<Pass, Error>
+where
+    F: Fn(usize) -> Fut + Send + Sync + 'static,
+    Fut: std::future::Future<Output = Result<(), Error>> + Send,
+{
+    let job = Arc::new(job);
+    let next = Arc::new(AtomicUsize::new(0));
+    let started = Instant::now();
+    let mut workers = Vec::new();
+    for _ in 0..in_flight {
+        let (job, next) = (job.clone(), next.clone());
+        workers.push(tokio::spawn(async move {
+            let mut lat = Vec::new();
+            loop {
+                let i = next.fetch_add(1, Ordering::Relaxed);
+                if i >= requests {
+                    return Ok::<_, Error>(lat);
+                }
+                let t = Instant::now();
+                job(i).await?;
+                lat.push(t.elapsed().as_secs_f64() * 1e3);
+            }
+        }));
+    }
+    let mut latencies_ms = Vec::new();
+    for w in workers {
+        latencies_ms.extend(w.await??);
+    }
+    Ok(Pass {
+        wall: started.elapsed(),
+        latencies_ms,
+    })
+}
+
+/// The memcpy baseline: copy every blob into fresh memory.
+async fn memcpy_pass(blobs: Arc<Vec<Bytes>>, requests: usize, in_flight: usize) -> Result<Pass, Error> {
+    drive(requests, in_flight, move |_| {
+        let blobs = blobs.clone();
+        async move {
+            tokio::task::spawn_blocking(move || {
+                let total: usize = blobs.iter().map(|b| b.len()).sum();
+                let mut dst = Vec::<u8>::with_capacity(total);
+                for b in blobs.iter() {
+                    dst.extend_from_slice(b);
+                }
+                std::hint::black_box(&dst);
+            })
+            .await?;
+            Ok(())
+        }
+    })
+    .await
+}
+
+/// The raw TCP baseline: stream every blob over a loopback connection into
+/// fresh memory on the other side, which acknowledges with one byte.
+async fn raw_tcp_pass(blobs: Arc<Vec<Bytes>>, requests: usize, in_flight: usize) -> Result<Pass, Error> {
+    let total: usize = blobs.iter().map(|b| b.len()).sum();
+    let listener = TcpListener::bind("127.0.0.1:0")
+        .await
+        .map_err(io("binding the raw TCP sink"))?;
+    let addr = listener.local_addr().map_err(io("sink address"))?;
+    let sink = tokio::spawn(async move {
+        loop {
+            let Ok((mut s, _)) = listener.accept().await else { return };
+            let _ = s.set_nodelay(true);
+            tokio::spawn(async move {
+                loop {
+                    let mut buf = BytesMut::with_capacity(total);
+                    while buf.len() < total {
+                        match s.read_buf(&mut buf).await {
+                            Ok(0) | Err(_) => return,
+                            Ok(_) => {}
+                        }
+                    }
+                    std::hint::black_box(&buf);
+                    if s.write_all(&[1]).await.is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    // One connection per in-flight slot, opened before timing starts.
+    let mut conns = Vec::new();
+    for _ in 0..in_flight {
+        let s = TcpStream::connect(addr).await.map_err(io("connecting to the sink"))?;
+        let _ = s.set_nodelay(true);
+        conns.push(tokio::sync::Mutex::new(s));
+    }
+    let conns = Arc::new(conns);
+    let pass = drive(requests, in_flight, move |i| {
+        let (blobs, conns) = (blobs.clone(), conns.clone());
+        async move {
+            // Worker k always finds a free connection: at most `in_flight` jobs run.
+            let mut s = loop {
+                if let Some(s) = conns.iter().find_map(|c| c.try_lock().ok()) {
+                    break s;
+                }
+                tokio::task::yield_now().await;
+            };
+            let _ = i;
+            for b in blobs.iter() {
+                s.write_all(b).await.map_err(io("raw TCP write"))?;
+            }
+            let mut ack = [0u8; 1];
+            s.read_exact(&mut ack).await.map_err(io("raw TCP ack"))?;
+            Ok(())
+        }
+    })
+    .await;
+    sink.abort();
+    pass
+}
+
+/// One transport pass: push on `a`, pull on `b`, release. The first request
+/// of each round is compared with the source after the pass.
+async fn transport_pass(
+    a: Arc<dyn KvTransport>,
+    b: Arc<dyn KvTransport>,
+    blobs: Arc<Vec<Bytes>>,
+    requests: usize,
+    in_flight: usize,
+    round: usize,
+) -> Result<(Pass, bool), Error> {
+    let sample = Arc::new(std::sync::Mutex::new(None::<Vec<Bytes>>));
+    let s2 = sample.clone();
+    let src = blobs.clone();
+    let pass = drive(requests, in_flight, move |i| {
+        let (a, b, blobs, sample) = (a.clone(), b.clone(), src.clone(), s2.clone());
+        async move {
+            let payload = KvPayload {
+                request_id: format!("bench-{}-{round}-{i}", std::process::id()),
+                layout: KvLayout::LLAMA31_8B_S512,
+                tokens: 512,
+                blobs: blobs.to_vec(),
+            };
+            let handle = a.push(payload).await?;
+            let got = b.pull(&handle, Duration::from_secs(60)).await?;
+            b.release(&handle).await?;
+            if i == 0 {
+                *sample.lock().expect("sample lock") = Some(got);
+            }
+            Ok(())
+        }
+    })
+    .await?;
+    let got = sample.lock().expect("sample lock").take();
+    let exact = got.is_some_and(|g| g.as_slice() == blobs.as_slice());
+    Ok((pass, exact))
+}
+
+/// Runs the benchmark and prints human lines (and with `--json` a last JSON line).
+pub async fn run(args: Args) -> Result<Report, Error> {
+    if args.in_flight == 0 || args.requests == 0 || args.rounds == 0 {
+        return Err(Error::Args(
+            "--in-flight, --requests and --rounds must be positive".into(),
+        ));
+    }
+    let layout = KvLayout::LLAMA31_8B_S512;
+    let blobs: Arc<Vec<Bytes>> = Arc::new(conformance::full_request("bench-source", 7).blobs);
+    let bytes_per_request = layout.request_bytes() as u64;
+    let shm_dir;
+    let mut relay_stop = None;
+    let (a, b, baseline): (Arc<dyn KvTransport>, Arc<dyn KvTransport>, &str) =
+        match args.transport.as_str() {
+            "shm" => {
+                shm_dir = tempfile::Builder::new()
+                    .prefix("rngd_kv_bench")
+                    .tempdir_in("/dev/shm")
+                    .map_err(io("creating a bench directory in /dev/shm"))?;
+                let cfg = TransportConfig {
+                    shm_root: PathBuf::from(shm_dir.path()),
+                    ..TransportConfig::default()
+                };
+                (
+                    registry::by_name("shm", &cfg)?,
+                    registry::by_name("shm", &cfg)?,
+                    "memcpy",
+                )
+            }
+            "tcp" => {
+                let listener = TcpListener::bind("127.0.0.1:0")
+                    .await
+                    .map_err(io("binding the relay"))?;
+                let addr = listener.local_addr().map_err(io("relay address"))?;
+                let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+                let cfg = RelayConfig {
+                    listen: addr.to_string(),
+                    max_bytes: (args.in_flight as u64 + 2) * bytes_per_request,
+                    ..RelayConfig::default()
+                };
+                let task = tokio::spawn(relay::serve(listener, cfg, async {
+                    let _ = rx.await;
+                }));
+                relay_stop = Some((tx, task));
+                let cfg = TransportConfig {
+                    tcp_addr: Some(addr.to_string()),
+                    tcp_crc: !args.no_crc,
+                    ..TransportConfig::default()
+                };
+                (
+                    Arc::new(TcpTransport::connect_to(addr.to_string(), &cfg)),
+                    Arc::new(TcpTransport::connect_to(addr.to_string(), &cfg)),
+                    "raw_tcp_loopback",
+                )
+            }
+            other => {
+                return Err(Error::Args(format!(
+                    "--transport {other}: this benchmark measures shm or tcp"
+                )));
+            }
+        };
+    println!(
+        "bench kv: transport {} vs {baseline}, {} requests × {:.1} MB ({} blobs), {} in flight, {} rounds",
+        args.transport,
+        args.requests,
+        bytes_per_request as f64 / 1e6,
+        layout.blob_count(),
+        args.in_flight,
+        args.rounds
+    );
+    let (mut t_gbps, mut b_gbps, mut t_lat, mut b_lat) = (vec![], vec![], vec![], vec![]);
+    let mut byte_exact = true;
+    // Warm-up: one request each way (page cache, connections, allocator).
+    let _ = transport_pass(a.clone(), b.clone(), blobs.clone(), 1, 1, usize::MAX).await?;
+    for round in 0..args.rounds {
+        let base = if args.transport == "shm" {
+            memcpy_pass(blobs.clone(), args.requests, args.in_flight).await?
+        } else {
+            raw_tcp_pass(blobs.clone(), args.requests, args.in_flight).await?
+        };
+        let (pass, exact) = transport_pass(
+            a.clone(),
+            b.clone(),
+            blobs.clone(),
+            args.requests,
+            args.in_flight,
+            round,
+        )
+        .await?;
+        byte_exact &= exact;
+        let (tg, bg) = (
+            pass.gbps(bytes_per_request, args.requests),
+            base.gbps(bytes_per_request, args.requests),
+        );
+        println!(
+            "round {round}: {} {tg:.2} Gb/s ({:.1} ms/request), {baseline} {bg:.2} Gb/s ({:.1} ms/request), ratio {:.2}, byte-exact {exact}",
+            args.transport,
+            median(&mut pass.latencies_ms.clone()),
+            median(&mut base.latencies_ms.clone()),
+            tg / bg
+        );
+        t_gbps.push(tg);
+        b_gbps.push(bg);
+        t_lat.extend(pass.latencies_ms);
+        b_lat.extend(base.latencies_ms);
+    }
+    if let Some((tx, task)) = relay_stop {
+        let _ = tx.send(());
+        task.await??;
+    }
+    let gbps_median = median(&mut t_gbps);
+    let baseline_gbps_median = median(&mut b_gbps);
+    let report = Report {
+        transport: args.transport.clone(),
+        bytes_per_request,
+        in_flight: args.in_flight,
+        requests: args.requests,
+        rounds: args.rounds,
+        baseline: baseline.into(),
+        gbps_median,
+        baseline_gbps_median,
+        ratio_vs_baseline: gbps_median / baseline_gbps_median,
+        ms_per_request_median: median(&mut t_lat),
+        baseline_ms_per_request_median: median(&mut b_lat),
+        crc: args.transport == "shm" || !args.no_crc,
+        byte_exact,
+    };
+    println!(
+        "{}: {:.2} Gb/s median, {baseline} {:.2} Gb/s, ratio {:.2}, {:.1} ms/request median, byte-exact {}",
+        report.transport,
+        report.gbps_median,
+        report.baseline_gbps_median,
+        report.ratio_vs_baseline,
+        report.ms_per_request_median,
+        report.byte_exact
+    );
+    if args.json {
+        println!(
+            "{}",
+            serde_json::to_string(&report).expect("report serializes")
+        );
+    }
+    Ok(report)
+}

@@ -1,0 +1,137 @@
+//! [`TransportConfig`]: every knob of the transports, read from the environment.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use rngd_api::env;
+
+use crate::KvError;
+
+/// Default root of the `shm` transport.
+pub const DEFAULT_SHM_ROOT: &str = "/dev/shm/rngd_kv_cluster";
+/// Default lifetime of an unread request (both transports).
+pub const DEFAULT_TTL: Duration = Duration::from_secs(60);
+
+/// Configuration of the transports (one struct for all of them).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TransportConfig {
+    /// `shm`: directory holding published requests (`PD_SHM_ROOT`).
+    pub shm_root: PathBuf,
+    /// `shm`: age after which the sweeper removes an unread request (`AIRM_KV_SHM_TTL_S`).
+    pub shm_ttl: Duration,
+    /// `tcp`: `host:port` of the relay (`AIRM_KV_TCP_ADDR`); required by `tcp`.
+    pub tcp_addr: Option<String>,
+    /// `tcp`: lifetime of unread blobs in a relay this process starts (`AIRM_KV_TCP_TTL_S`).
+    pub tcp_ttl: Duration,
+    /// `tcp`: verify CRC-32 (`AIRM_KV_TCP_CRC`, `0` = off).
+    pub tcp_crc: bool,
+    /// `tcp`: log size and SHA-256 of every blob (`AIRM_KV_TCP_LOG=1`).
+    pub tcp_log: bool,
+}
+
+impl Default for TransportConfig {
+    fn default() -> Self {
+        TransportConfig {
+            shm_root: PathBuf::from(DEFAULT_SHM_ROOT),
+            shm_ttl: DEFAULT_TTL,
+            tcp_addr: None,
+            tcp_ttl: DEFAULT_TTL,
+            tcp_crc: true,
+            tcp_log: false,
+        }
+    }
+}
+
+impl TransportConfig {
+    /// Reads the configuration from the process environment.
+    pub fn from_env() -> Result<Self, KvError> {
+        Self::from_lookup(env::var)
+    }
+
+    /// Reads the configuration through `lookup` (a variable name → its
+    /// non-empty value); [`TransportConfig::from_env`] passes the real environment.
+    pub fn from_lookup(lookup: impl Fn(&str) -> Option<String>) -> Result<Self, KvError> {
+        let mut cfg = TransportConfig::default();
+        if let Some(root) = lookup(env::PD_SHM_ROOT) {
+            cfg.shm_root = PathBuf::from(root);
+        }
+        if let Some(v) = lookup(env::AIRM_KV_SHM_TTL_S) {
+            cfg.shm_ttl = parse_secs(env::AIRM_KV_SHM_TTL_S, &v)?;
+        }
+        cfg.tcp_addr = lookup(env::AIRM_KV_TCP_ADDR);
+        if let Some(v) = lookup(env::AIRM_KV_TCP_TTL_S) {
+            cfg.tcp_ttl = parse_secs(env::AIRM_KV_TCP_TTL_S, &v)?;
+        }
+        if let Some(v) = lookup(env::AIRM_KV_TCP_CRC) {
+            cfg.tcp_crc = parse_flag(env::AIRM_KV_TCP_CRC, &v)?;
+        }
+        if let Some(v) = lookup(env::AIRM_KV_TCP_LOG) {
+            cfg.tcp_log = parse_flag(env::AIRM_KV_TCP_LOG, &v)?;
+        }
+        Ok(cfg)
+    }
+}
+
+/// Parses a positive number of seconds (fractions allowed).
+pub(crate) fn parse_secs(name: &str, v: &str) -> Result<Duration, KvError> {
+    match v.trim().parse::<f64>() {
+        Ok(s) if s.is_finite() && s > 0.0 => Ok(Duration::from_secs_f64(s)),
+        _ => Err(KvError::Config {
+            detail: format!("{name}={v:?}: expected a positive number of seconds"),
+        }),
+    }
+}
+
+/// Parses `0/1/true/false/yes/no/on/off`.
+pub(crate) fn parse_flag(name: &str, v: &str) -> Result<bool, KvError> {
+    match v.trim().to_ascii_lowercase().as_str() {
+        "1" | "true" | "yes" | "on" => Ok(true),
+        "0" | "false" | "no" | "off" => Ok(false),
+        _ => Err(KvError::Config {
+            detail: format!("{name}={v:?}: expected 0 or 1"),
+        }),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+
+    #[test]
+    fn defaults_and_overrides() {
+        let cfg = TransportConfig::from_lookup(|_| None).unwrap();
+        assert_eq!(cfg, TransportConfig::default());
+        assert_eq!(cfg.shm_root, PathBuf::from("/dev/shm/rngd_kv_cluster"));
+        let vars: HashMap<&str, &str> = [
+            (env::PD_SHM_ROOT, "/tmp/x"),
+            (env::AIRM_KV_SHM_TTL_S, "2.5"),
+            (env::AIRM_KV_TCP_ADDR, "10.0.0.1:7000"),
+            (env::AIRM_KV_TCP_TTL_S, "5"),
+            (env::AIRM_KV_TCP_CRC, "0"),
+            (env::AIRM_KV_TCP_LOG, "1"),
+        ]
+        .into();
+        let cfg =
+            TransportConfig::from_lookup(|k| vars.get(k).map(|v| v.to_string())).unwrap();
+        assert_eq!(cfg.shm_root, PathBuf::from("/tmp/x"));
+        assert_eq!(cfg.shm_ttl, Duration::from_millis(2500));
+        assert_eq!(cfg.tcp_addr.as_deref(), Some("10.0.0.1:7000"));
+        assert_eq!(cfg.tcp_ttl, Duration::from_secs(5));
+        assert!(!cfg.tcp_crc);
+        assert!(cfg.tcp_log);
+    }
+
+    #[test]
+    fn bad_values_name_the_variable() {
+        let err = TransportConfig::from_lookup(|k| {
+            (k == env::AIRM_KV_SHM_TTL_S).then(|| "-3".to_string())
+        })
+        .unwrap_err();
+        assert!(err.to_string().contains(env::AIRM_KV_SHM_TTL_S), "{err}");
+        let err =
+            TransportConfig::from_lookup(|k| (k == env::AIRM_KV_TCP_CRC).then(|| "maybe".into()))
+                .unwrap_err();
+        assert!(err.to_string().contains(env::AIRM_KV_TCP_CRC), "{err}");
+    }
+}

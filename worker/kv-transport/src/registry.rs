@@ -1,0 +1,60 @@
+//! Transports selected by name.
+//!
+//! A new transport (e.g. `nixl-ucx`) is added by appending its name to
+//! [`KNOWN`] and one arm to [`by_name`].
+
+use std::sync::Arc;
+
+use rngd_api::env;
+
+use crate::{KvError, KvTransport, TransportConfig, shm::ShmTransport, tcp::TcpTransport};
+
+/// Names of the transports this build can create.
+pub const KNOWN: &[&str] = &["shm", "tcp"];
+
+/// Default transport when `AIRM_KV_TRANSPORT` is unset.
+pub const DEFAULT: &str = "shm";
+
+/// Creates the transport named by `AIRM_KV_TRANSPORT` (default `shm`),
+/// configured from the environment ([`TransportConfig::from_env`]).
+pub fn from_env() -> Result<Arc<dyn KvTransport>, KvError> {
+    let name = env::var(env::AIRM_KV_TRANSPORT).unwrap_or_else(|| DEFAULT.to_string());
+    by_name(&name, &TransportConfig::from_env()?)
+}
+
+/// Creates the transport `name` with `cfg`. An unknown name is an error that
+/// lists [`KNOWN`].
+///
+/// `shm` starts its TTL sweeper when called inside a tokio runtime.
+pub fn by_name(name: &str, cfg: &TransportConfig) -> Result<Arc<dyn KvTransport>, KvError> {
+    match name.trim() {
+        "shm" => Ok(Arc::new(ShmTransport::new(cfg)?)),
+        "tcp" => Ok(Arc::new(TcpTransport::new(cfg)?)),
+        other => Err(KvError::UnknownTransport {
+            name: other.to_string(),
+            known: KNOWN.join(", "),
+        }),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn unknown_name_lists_known_ones() {
+        let err = by_name("carrier-pigeon", &TransportConfig::default())
+            .err()
+            .expect("unknown name must fail");
+        let msg = err.to_string();
+        assert!(msg.contains("carrier-pigeon") && msg.contains("shm, tcp"), "{msg}");
+    }
+
+    #[test]
+    fn tcp_needs_an_address() {
+        let err = by_name("tcp", &TransportConfig::default())
+            .err()
+            .expect("tcp without address must fail");
+        assert!(err.to_string().contains("AIRM_KV_TCP_ADDR"), "{err}");
+    }
+}

@@ -1,0 +1,520 @@
+//! The `shm` transport: one file per request under `PD_SHM_ROOT`
+//! (default `/dev/shm/rngd_kv_cluster`).
+//!
+//! - push: blobs are written to a temporary name (`.tmp.<key>.<pid>.<n>`, mode
+//!   0600) and published with an atomic `rename` to `<key>.kv`; a failed write
+//!   (e.g. ENOSPC) removes the temporary file, so no partial file is ever visible;
+//! - pull: waits (polling) until `<key>.kv` exists, maps it with memmap2,
+//!   checks header and CRC-32 of every blob, then unlinks it: the returned
+//!   [`Bytes`] borrow the mapping, so nothing is copied and the memory goes
+//!   away with the last `Bytes`;
+//! - a sweeper task removes files older than the TTL (`AIRM_KV_SHM_TTL_S`).
+//!
+//! File layout (little-endian): magic `RNGDKV01`, u32 version, u32 blob count,
+//! u64 payload offset, u64 payload bytes, then per blob (u64 len, u32 crc32),
+//! zero padding up to the payload offset (a multiple of 4096), then the blobs
+//! back to back in wire order.
+
+use std::fs::{File, OpenOptions};
+use std::io;
+use std::os::unix::fs::{FileExt, OpenOptionsExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Weak};
+use std::time::{Duration, Instant, SystemTime};
+
+use bytes::Bytes;
+use rngd_kv_wire::{BlobMeta, KvHandle};
+
+use crate::{KvError, KvPayload, KvTransport, TransportConfig, check_handle, sanitize_key};
+
+/// Registry name.
+pub const NAME: &str = "shm";
+
+const MAGIC: &[u8; 8] = b"RNGDKV01";
+const VERSION: u32 = 1;
+const FIXED_HEADER: usize = 32;
+const BLOB_ENTRY: usize = 12;
+const PAGE: usize = 4096;
+/// Extension of published request files.
+pub const EXT: &str = "kv";
+const TMP_PREFIX: &str = ".tmp.";
+
+/// How the transport writes bytes into a file: the disk edge, behind a trait
+/// so tests can inject faults (ENOSPC) without a full disk.
+pub trait ShmWriter: Send + Sync + 'static {
+    /// Writes all of `bytes` at `offset` of `file`.
+    fn write_all_at(&self, file: &File, bytes: &[u8], offset: u64) -> io::Result<()>;
+}
+
+/// Offset of the first blob in a request file of `blob_count` blobs (the
+/// header padded to a page); blob `i` follows blobs `0..i` back to back.
+pub const fn data_offset(blob_count: usize) -> u64 {
+    ((FIXED_HEADER + BLOB_ENTRY * blob_count).div_ceil(PAGE) * PAGE) as u64
+}
+
+/// The real writer: `pwrite` until done.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct FileWriter;
+
+impl ShmWriter for FileWriter {
+    fn write_all_at(&self, file: &File, bytes: &[u8], offset: u64) -> io::Result<()> {
+        FileExt::write_all_at(file, bytes, offset)
+    }
+}
+
+/// The `shm` transport. Cheap to share (`Arc` inside).
+#[derive(Clone)]
+pub struct ShmTransport {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    root: PathBuf,
+    location: String,
+    ttl: Duration,
+    writer: Arc<dyn ShmWriter>,
+}
+
+impl std::fmt::Debug for ShmTransport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ShmTransport")
+            .field("root", &self.inner.root)
+            .field("ttl", &self.inner.ttl)
+            .finish()
+    }
+}
+
+fn io_err(context: String) -> impl FnOnce(io::Error) -> KvError {
+    move |source| KvError::Io {
+        transport: NAME,
+        context,
+        source,
+    }
+}
+
+fn is_no_space(e: &io::Error) -> bool {
+    matches!(e.raw_os_error(), Some(libc::ENOSPC) | Some(libc::EDQUOT))
+        || e.kind() == io::ErrorKind::StorageFull
+}
+
+impl ShmTransport {
+    /// Creates the transport on `cfg.shm_root` (created with mode 0700) with
+    /// the real file writer. Inside a tokio runtime this also starts the TTL
+    /// sweeper, which stops when the last clone is dropped.
+    pub fn new(cfg: &TransportConfig) -> Result<Self, KvError> {
+        Self::with_writer(cfg, Arc::new(FileWriter))
+    }
+
+    /// Like [`ShmTransport::new`] with a custom [`ShmWriter`] (tests).
+    pub fn with_writer(cfg: &TransportConfig, writer: Arc<dyn ShmWriter>) -> Result<Self, KvError> {
+        let root = cfg.shm_root.clone();
+        std::fs::create_dir_all(&root)
+            .map_err(io_err(format!("creating {}", root.display())))?;
+        std::fs::set_permissions(&root, std::fs::Permissions::from_mode(0o700))
+            .map_err(io_err(format!("setting mode 0700 on {}", root.display())))?;
+        let inner = Arc::new(Inner {
+            location: root.display().to_string(),
+            root,
+            ttl: cfg.shm_ttl,
+            writer,
+        });
+        if let Ok(rt) = tokio::runtime::Handle::try_current() {
+            rt.spawn(sweeper(Arc::downgrade(&inner)));
+        }
+        Ok(ShmTransport { inner })
+    }
+
+    /// The directory this transport publishes into.
+    pub fn root(&self) -> &Path {
+        &self.inner.root
+    }
+
+    /// Path of the published file for `request_id`.
+    pub fn path_of(&self, request_id: &str) -> Result<PathBuf, KvError> {
+        let key = sanitize_key(NAME, request_id)?;
+        Ok(self.inner.root.join(format!("{key}.{EXT}")))
+    }
+
+    /// Files currently in the root (published and temporary): the leak counter.
+    pub fn held_files(&self) -> Result<usize, KvError> {
+        let dir = std::fs::read_dir(&self.inner.root)
+            .map_err(io_err(format!("listing {}", self.inner.root.display())))?;
+        Ok(dir.filter(|e| e.is_ok()).count())
+    }
+
+    /// Removes every file older than the TTL now; returns how many were removed.
+    pub fn sweep(&self) -> Result<usize, KvError> {
+        self.inner.sweep()
+    }
+}
+
+impl Inner {
+    fn sweep(&self) -> Result<usize, KvError> {
+        let now = SystemTime::now();
+        let mut removed = 0;
+        let dir = std::fs::read_dir(&self.root)
+            .map_err(io_err(format!("listing {}", self.root.display())))?;
+        for entry in dir.flatten() {
+            let Ok(meta) = entry.metadata() else { continue };
+            let Ok(modified) = meta.modified() else { continue };
+            let age = now.duration_since(modified).unwrap_or_default();
+            if meta.is_file() && age >= self.ttl {
+                match std::fs::remove_file(entry.path()) {
+                    Ok(()) => {
+                        removed += 1;
+                        tracing::info!(path = %entry.path().display(), ?age, "shm: removed expired KV file");
+                    }
+                    Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+                    Err(e) => {
+                        tracing::warn!(path = %entry.path().display(), error = %e, "shm: sweep failed")
+                    }
+                }
+            }
+        }
+        Ok(removed)
+    }
+
+    fn write_request(&self, key: &str, blobs: &[Bytes]) -> Result<Vec<BlobMeta>, KvError> {
+        static SEQ: AtomicU64 = AtomicU64::new(0);
+        let tmp = self.root.join(format!(
+            "{TMP_PREFIX}{key}.{}.{}",
+            std::process::id(),
+            SEQ.fetch_add(1, Ordering::Relaxed)
+        ));
+        let file = OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(&tmp)
+            .map_err(|e| self.write_error(&tmp, e))?;
+        let guard = TmpGuard(Some(tmp.clone()));
+        let header_len = FIXED_HEADER + BLOB_ENTRY * blobs.len();
+        let data_offset = data_offset(blobs.len()) as usize;
+        let total: u64 = blobs.iter().map(|b| b.len() as u64).sum();
+        file.set_len(data_offset as u64 + total)
+            .map_err(|e| self.write_error(&tmp, e))?;
+        let mut metas = Vec::with_capacity(blobs.len());
+        let mut offset = data_offset as u64;
+        for blob in blobs {
+            // CRC right before the write: the blob is still in cache for the copy.
+            metas.push(BlobMeta {
+                len: blob.len() as u64,
+                crc32: rngd_kv_wire::crc32(blob),
+            });
+            self.writer
+                .write_all_at(&file, blob, offset)
+                .map_err(|e| self.write_error(&tmp, e))?;
+            offset += blob.len() as u64;
+        }
+        let mut header = Vec::with_capacity(header_len);
+        header.extend_from_slice(MAGIC);
+        header.extend_from_slice(&VERSION.to_le_bytes());
+        header.extend_from_slice(&(blobs.len() as u32).to_le_bytes());
+        header.extend_from_slice(&(data_offset as u64).to_le_bytes());
+        header.extend_from_slice(&total.to_le_bytes());
+        for m in &metas {
+            header.extend_from_slice(&m.len.to_le_bytes());
+            header.extend_from_slice(&m.crc32.to_le_bytes());
+        }
+        self.writer
+            .write_all_at(&file, &header, 0)
+            .map_err(|e| self.write_error(&tmp, e))?;
+        drop(file);
+        let path = self.root.join(format!("{key}.{EXT}"));
+        std::fs::rename(&tmp, &path).map_err(|e| self.write_error(&path, e))?;
+        guard.disarm();
+        Ok(metas)
+    }
+
+    fn write_error(&self, path: &Path, e: io::Error) -> KvError {
+        if is_no_space(&e) {
+            KvError::Capacity {
+                transport: NAME,
+                detail: format!("no space left for {} in {}", path.display(), self.root.display()),
+                source: Some(e),
+            }
+        } else {
+            KvError::Io {
+                transport: NAME,
+                context: format!("writing {}", path.display()),
+                source: e,
+            }
+        }
+    }
+}
+
+/// Removes a temporary file unless disarmed (published).
+struct TmpGuard(Option<PathBuf>);
+
+impl TmpGuard {
+    fn disarm(mut self) {
+        self.0 = None;
+    }
+}
+
+impl Drop for TmpGuard {
+    fn drop(&mut self) {
+        if let Some(p) = self.0.take() {
+            let _ = std::fs::remove_file(&p);
+        }
+    }
+}
+
+async fn sweeper(inner: Weak<Inner>) {
+    let period = match inner.upgrade() {
+        Some(i) => (i.ttl / 4).clamp(Duration::from_millis(10), Duration::from_secs(5)),
+        None => return,
+    };
+    loop {
+        tokio::time::sleep(period).await;
+        let Some(inner) = inner.upgrade() else { return };
+        let _ = tokio::task::spawn_blocking(move || {
+            if let Err(e) = inner.sweep() {
+                tracing::warn!(error = %e, "shm: sweep failed");
+            }
+        })
+        .await;
+    }
+}
+
+/// Maps a published file and checks it against the handle.
+fn load(path: &Path, file: File, handle: &KvHandle) -> Result<Vec<Bytes>, KvError> {
+    let corrupt = |detail: String| KvError::Protocol {
+        transport: NAME,
+        peer: path.display().to_string(),
+        detail,
+    };
+    let len = file
+        .metadata()
+        .map_err(io_err(format!("stat {}", path.display())))?
+        .len() as usize;
+    if len < FIXED_HEADER {
+        return Err(corrupt(format!("file of {len} bytes has no header")));
+    }
+    // SAFETY: the file lives in a 0700 directory owned by this user; writers
+    // never modify a published file in place (they write a temporary file and
+    // rename it over), and removal only unlinks, so the mapped pages stay valid
+    // and unchanged for the lifetime of the mapping.
+    let map = unsafe { memmap2::MmapOptions::new().populate().map(&file) }
+        .map_err(io_err(format!("mapping {}", path.display())))?;
+    let h = &map[..];
+    let u32_at = |o: usize| u32::from_le_bytes(h[o..o + 4].try_into().expect("4 bytes"));
+    let u64_at = |o: usize| u64::from_le_bytes(h[o..o + 8].try_into().expect("8 bytes"));
+    if &h[..8] != MAGIC || u32_at(8) != VERSION {
+        return Err(corrupt("bad magic or version".into()));
+    }
+    let count = u32_at(12) as usize;
+    let data_offset = u64_at(16) as usize;
+    let total = u64_at(24) as usize;
+    if count != handle.blobs.len() {
+        return Err(corrupt(format!(
+            "file has {count} blobs, the handle {}",
+            handle.blobs.len()
+        )));
+    }
+    let header_len = FIXED_HEADER + BLOB_ENTRY * count;
+    if header_len > len || data_offset < header_len || data_offset.saturating_add(total) != len {
+        return Err(corrupt(format!(
+            "header ({count} blobs, payload {total} at {data_offset}) does not fit a file of {len} bytes"
+        )));
+    }
+    let mut ranges = Vec::with_capacity(count);
+    let mut offset = data_offset;
+    for i in 0..count {
+        let blob_len = u64_at(FIXED_HEADER + BLOB_ENTRY * i) as usize;
+        if blob_len as u64 != handle.blobs[i].len || offset + blob_len > len {
+            return Err(corrupt(format!(
+                "blob {i} is {blob_len} bytes in the file, {} in the handle",
+                handle.blobs[i].len
+            )));
+        }
+        ranges.push(offset..offset + blob_len);
+        offset += blob_len;
+    }
+    let whole = Bytes::from_owner(map);
+    let blobs: Vec<Bytes> = ranges.into_iter().map(|r| whole.slice(r)).collect();
+    crate::verify_all(NAME, handle, &blobs)?;
+    Ok(blobs)
+}
+
+#[async_trait::async_trait]
+impl KvTransport for ShmTransport {
+    fn name(&self) -> &'static str {
+        NAME
+    }
+
+    async fn push(&self, payload: KvPayload) -> Result<KvHandle, KvError> {
+        let key = sanitize_key(NAME, &payload.request_id)?;
+        let started = Instant::now();
+        let inner = self.inner.clone();
+        let blobs = payload.blobs;
+        let (metas, blobs) = tokio::task::spawn_blocking(move || {
+            let r = inner.write_request(&key, &blobs);
+            (r, blobs)
+        })
+        .await
+        .map_err(|e| KvError::Io {
+            transport: NAME,
+            context: "push task failed".into(),
+            source: io::Error::other(e),
+        })?;
+        let metas = metas?;
+        let bytes: usize = blobs.iter().map(|b| b.len()).sum();
+        tracing::debug!(request_id = %payload.request_id, bytes, ms = started.elapsed().as_secs_f64() * 1e3, "shm: pushed");
+        Ok(KvHandle {
+            request_id: payload.request_id,
+            transport: NAME.into(),
+            location: self.inner.location.clone(),
+            layout: payload.layout,
+            tokens: payload.tokens,
+            blobs: metas,
+        })
+    }
+
+    async fn pull(&self, handle: &KvHandle, timeout: Duration) -> Result<Vec<Bytes>, KvError> {
+        check_handle(NAME, handle)?;
+        if handle.location != self.inner.location {
+            return Err(KvError::BadRequest {
+                transport: NAME,
+                detail: format!(
+                    "handle of request `{}` points at {}, this transport uses {}",
+                    handle.request_id, handle.location, self.inner.location
+                ),
+            });
+        }
+        let path = self.path_of(&handle.request_id)?;
+        let started = Instant::now();
+        let deadline = started + timeout;
+        let mut backoff = Duration::from_millis(1);
+        let file = loop {
+            match File::open(&path) {
+                Ok(f) => break f,
+                Err(e) if e.kind() == io::ErrorKind::NotFound => {
+                    let now = Instant::now();
+                    if now >= deadline {
+                        return Err(KvError::NotFound {
+                            transport: NAME,
+                            request_id: handle.request_id.clone(),
+                            waited: now - started,
+                        });
+                    }
+                    tokio::time::sleep(backoff.min(deadline - now)).await;
+                    backoff = (backoff * 2).min(Duration::from_millis(16));
+                }
+                Err(e) => return Err(io_err(format!("opening {}", path.display()))(e)),
+            }
+        };
+        let h = handle.clone();
+        let blobs = tokio::task::spawn_blocking(move || {
+            let blobs = load(&path, file, &h)?;
+            // The reader releases: the mapping stays valid after the unlink.
+            match std::fs::remove_file(&path) {
+                Ok(()) => {}
+                Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+                Err(e) => return Err(io_err(format!("removing {}", path.display()))(e)),
+            }
+            Ok(blobs)
+        })
+        .await
+        .map_err(|e| KvError::Io {
+            transport: NAME,
+            context: "pull task failed".into(),
+            source: io::Error::other(e),
+        })??;
+        tracing::debug!(request_id = %handle.request_id, bytes = handle.total_bytes(), ms = started.elapsed().as_secs_f64() * 1e3, "shm: pulled");
+        Ok(blobs)
+    }
+
+    async fn release(&self, handle: &KvHandle) -> Result<(), KvError> {
+        check_handle(NAME, handle)?;
+        let path = self.path_of(&handle.request_id)?;
+        match std::fs::remove_file(&path) {
+            Ok(()) => Ok(()),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
+            Err(e) => Err(io_err(format!("removing {}", path.display()))(e)),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rngd_kv_wire::KvLayout;
+
+    /// Fails with ENOSPC once `budget` bytes have been written.
+    struct FullDisk {
+        budget: u64,
+        written: std::sync::Mutex<u64>,
+    }
+
+    impl ShmWriter for FullDisk {
+        fn write_all_at(&self, file: &File, bytes: &[u8], offset: u64) -> io::Result<()> {
+            let mut w = self.written.lock().unwrap();
+            if *w + bytes.len() as u64 > self.budget {
+                return Err(io::Error::from_raw_os_error(libc::ENOSPC));
+            }
+            *w += bytes.len() as u64;
+            FileExt::write_all_at(file, bytes, offset)
+        }
+    }
+
+    fn cfg(dir: &Path) -> TransportConfig {
+        TransportConfig {
+            shm_root: dir.join("kv"),
+            ..TransportConfig::default()
+        }
+    }
+
+    fn payload(id: &str) -> KvPayload {
+        KvPayload {
+            request_id: id.into(),
+            layout: KvLayout::LLAMA31_8B_S512,
+            tokens: 3,
+            blobs: vec![Bytes::from(vec![7u8; 5000]), Bytes::from(vec![9u8; 3000])],
+        }
+    }
+
+    #[tokio::test]
+    async fn injected_enospc_is_capacity_and_leaves_no_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let writer = Arc::new(FullDisk {
+            budget: 6000,
+            written: Default::default(),
+        });
+        let t = ShmTransport::with_writer(&cfg(dir.path()), writer).unwrap();
+        let err = t.push(payload("r1")).await.unwrap_err();
+        assert!(matches!(err, KvError::Capacity { .. }), "{err}");
+        assert!(err.to_string().contains("no space"), "{err}");
+        assert_eq!(t.held_files().unwrap(), 0);
+    }
+
+    #[tokio::test]
+    async fn files_and_dir_are_private() {
+        let dir = tempfile::tempdir().unwrap();
+        let t = ShmTransport::new(&cfg(dir.path())).unwrap();
+        let h = t.push(payload("r/../2")).await.unwrap();
+        let mode = std::fs::metadata(t.root()).unwrap().permissions().mode();
+        assert_eq!(mode & 0o777, 0o700);
+        let path = t.path_of("r/../2").unwrap();
+        assert_eq!(path.parent().unwrap(), t.root());
+        let mode = std::fs::metadata(&path).unwrap().permissions().mode();
+        assert_eq!(mode & 0o777, 0o600);
+        let blobs = t.pull(&h, Duration::from_secs(1)).await.unwrap();
+        assert_eq!(blobs[0], vec![7u8; 5000]);
+        assert!(!path.exists(), "the reader unlinks after load");
+    }
+
+    #[tokio::test]
+    async fn foreign_handles_are_rejected() {
+        let dir = tempfile::tempdir().unwrap();
+        let t = ShmTransport::new(&cfg(dir.path())).unwrap();
+        let mut h = t.push(payload("r3")).await.unwrap();
+        h.location = "/etc".into();
+        let err = t.pull(&h, Duration::from_millis(10)).await.unwrap_err();
+        assert!(matches!(err, KvError::BadRequest { .. }), "{err}");
+        h.transport = "tcp".into();
+        let err = t.release(&h).await.unwrap_err();
+        assert!(matches!(err, KvError::BadRequest { .. }), "{err}");
+    }
+}

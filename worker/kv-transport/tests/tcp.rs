@@ -1,0 +1,366 @@
+//! The `tcp` transport against an in-process relay on 127.0.0.1: the
+//! conformance suite, plus the relay's own guarantees (frame limits, memory
+//! cap, CRC on PUT, restart during a push, connection pooling).
+
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use rngd_kv_transport::conformance::{self, Harness};
+use rngd_kv_transport::frame::{ErrCode, FLAG_CRC, HEADER_LEN, Header, Op};
+use rngd_kv_transport::relay::{self, RelayConfig, RelayStats};
+use rngd_kv_transport::tcp::TcpTransport;
+use rngd_kv_transport::{KvError, KvHandle, KvTransport, TransportConfig, sanitize_key};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::oneshot;
+use tokio::task::JoinHandle;
+
+/// A relay running in this process; restartable on the same port.
+struct TestRelay {
+    addr: SocketAddr,
+    cfg: RelayConfig,
+    running: Mutex<Option<(oneshot::Sender<()>, JoinHandle<Result<(), KvError>>)>>,
+}
+
+impl TestRelay {
+    async fn start(cfg: RelayConfig) -> Arc<TestRelay> {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let r = Arc::new(TestRelay {
+            addr,
+            cfg,
+            running: Mutex::new(None),
+        });
+        r.spawn(listener);
+        r
+    }
+
+    fn spawn(&self, listener: TcpListener) {
+        let (tx, rx) = oneshot::channel();
+        let task = tokio::spawn(relay::serve(listener, self.cfg.clone(), async {
+            let _ = rx.await;
+        }));
+        *self.running.lock().unwrap() = Some((tx, task));
+    }
+
+    async fn stop(&self) {
+        let running = self.running.lock().unwrap().take();
+        if let Some((tx, task)) = running {
+            let _ = tx.send(());
+            task.await.unwrap().unwrap();
+        }
+    }
+
+    async fn restart(&self) {
+        self.stop().await;
+        let listener = TcpListener::bind(self.addr).await.unwrap();
+        self.spawn(listener);
+    }
+
+    fn client(&self, cfg: &TransportConfig) -> TcpTransport {
+        TcpTransport::connect_to(self.addr.to_string(), cfg)
+    }
+}
+
+struct TcpHarness {
+    relay: Arc<TestRelay>,
+    probe: TcpTransport,
+}
+
+fn ttl_cfg(ttl: Duration) -> RelayConfig {
+    RelayConfig {
+        listen: "127.0.0.1:0".into(),
+        ttl,
+        ..RelayConfig::default()
+    }
+}
+
+fn busy(s: &RelayStats) -> usize {
+    s.keys + s.waiters + s.puts_in_progress
+}
+
+/// Reads one reply frame (header and body) from a raw connection.
+async fn read_frame(s: &mut TcpStream) -> std::io::Result<(Header, Vec<u8>)> {
+    let mut hb = [0u8; HEADER_LEN];
+    s.read_exact(&mut hb).await?;
+    let h = Header::decode(&hb).expect("relay speaks the protocol");
+    let mut body = vec![0u8; h.body_len as usize];
+    s.read_exact(&mut body).await?;
+    Ok((h, body))
+}
+
+async fn raw_frame(s: &mut TcpStream, h: Header, key: &str, body: &[u8]) {
+    s.write_all(&h.encode()).await.unwrap();
+    s.write_all(key.as_bytes()).await.unwrap();
+    s.write_all(body).await.unwrap();
+}
+
+#[async_trait::async_trait]
+impl Harness for TcpHarness {
+    fn make(&self) -> Arc<dyn KvTransport> {
+        Arc::new(self.relay.client(&TransportConfig::default()))
+    }
+
+    async fn held(&self) -> Result<usize, KvError> {
+        Ok(busy(&self.probe.stats().await?))
+    }
+
+    /// Replaces a stored blob by a copy with one byte flipped, PUT with the
+    /// CRC of the corrupt bytes, so the relay accepts it and only the
+    /// receiver's check against the handle can catch it.
+    async fn corrupt(&self, handle: &KvHandle, index: usize) -> Result<(), KvError> {
+        let key = sanitize_key("tcp", &handle.request_id)?;
+        let mut s = TcpStream::connect(self.relay.addr).await.unwrap();
+        let mut get = Header::new(Op::Get, 1);
+        get.key_len = key.len() as u16;
+        get.index = index as u32;
+        get.arg = 1000;
+        raw_frame(&mut s, get, &key, b"").await;
+        let (h, mut blob) = read_frame(&mut s).await.unwrap();
+        assert_eq!(h.op, Op::Ok, "{}", String::from_utf8_lossy(&blob));
+        let mid = blob.len() / 2;
+        blob[mid] ^= 0x40;
+        let mut put = Header::new(Op::Put, 2);
+        put.key_len = key.len() as u16;
+        put.index = index as u32;
+        put.body_len = blob.len() as u64;
+        put.crc32 = rngd_kv_wire::crc32(&blob);
+        put.flags = FLAG_CRC;
+        raw_frame(&mut s, put, &key, &blob).await;
+        let (h, msg) = read_frame(&mut s).await.unwrap();
+        assert_eq!(h.op, Op::Ok, "{}", String::from_utf8_lossy(&msg));
+        Ok(())
+    }
+
+    fn ttl(&self) -> Duration {
+        self.relay.cfg.ttl
+    }
+
+    async fn restart(&self) -> Result<bool, KvError> {
+        self.relay.restart().await;
+        Ok(true)
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tcp_passes_the_conformance_suite() {
+    let relay = TestRelay::start(ttl_cfg(Duration::from_millis(400))).await;
+    let h = TcpHarness {
+        probe: relay.client(&TransportConfig::default()),
+        relay,
+    };
+    let report = conformance::run_all(&h).await.unwrap_or_else(|e| panic!("{e}"));
+    for (check, note) in &report.passed {
+        eprintln!("tcp conformance: {check}: {note}");
+    }
+    assert_eq!(report.passed.len(), 8, "{report:?}");
+    assert!(report.not_applicable.is_empty());
+    h.relay.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn oversize_and_malformed_frames_close_only_their_connection() {
+    let relay = TestRelay::start(RelayConfig {
+        max_frame: 1 << 20,
+        ..ttl_cfg(Duration::from_secs(30))
+    })
+    .await;
+    let t = relay.client(&TransportConfig::default());
+    // Oversize: the relay answers TooLarge and closes.
+    let mut s = TcpStream::connect(relay.addr).await.unwrap();
+    let mut h = Header::new(Op::Put, 9);
+    h.key_len = 1;
+    h.body_len = 2 << 20;
+    raw_frame(&mut s, h, "k", b"").await;
+    let (reply, msg) = read_frame(&mut s).await.unwrap();
+    assert_eq!(reply.op, Op::Err);
+    assert_eq!(ErrCode::from_u32(reply.arg), ErrCode::TooLarge);
+    assert!(String::from_utf8_lossy(&msg).contains("exceeds"));
+    let mut rest = Vec::new();
+    assert_eq!(s.read_to_end(&mut rest).await.unwrap(), 0, "connection closed");
+    // Malformed: garbage instead of a header.
+    let mut s = TcpStream::connect(relay.addr).await.unwrap();
+    s.write_all(&[0xAB; HEADER_LEN]).await.unwrap();
+    let (reply, _) = read_frame(&mut s).await.unwrap();
+    assert_eq!(ErrCode::from_u32(reply.arg), ErrCode::Malformed);
+    assert_eq!(s.read_to_end(&mut rest).await.unwrap(), 0, "connection closed");
+    // The relay still serves everyone else.
+    let p = conformance::payload("after-bad-frames", 5, 4, 1 << 19);
+    let want = p.blobs.clone();
+    let handle = t.push(p).await.unwrap();
+    assert_eq!(t.pull(&handle, Duration::from_secs(10)).await.unwrap(), want);
+    t.release(&handle).await.unwrap();
+    // A client blob over the limit is a clear bad request.
+    let err = t
+        .push(conformance::payload("too-big", 6, 1, 2 << 20))
+        .await
+        .unwrap_err();
+    assert!(matches!(err, KvError::BadRequest { .. }), "{err}");
+    relay.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn relay_rejects_a_bad_crc_and_keeps_the_connection() {
+    let relay = TestRelay::start(ttl_cfg(Duration::from_secs(30))).await;
+    let mut s = TcpStream::connect(relay.addr).await.unwrap();
+    let body = vec![5u8; 1000];
+    let mut h = Header::new(Op::Put, 1);
+    h.key_len = 3;
+    h.body_len = body.len() as u64;
+    h.crc32 = rngd_kv_wire::crc32(&body) ^ 1;
+    h.flags = FLAG_CRC;
+    raw_frame(&mut s, h, "key", &body).await;
+    let (reply, msg) = read_frame(&mut s).await.unwrap();
+    assert_eq!(ErrCode::from_u32(reply.arg), ErrCode::Crc);
+    assert!(String::from_utf8_lossy(&msg).contains("CRC-32"));
+    raw_frame(&mut s, Header::new(Op::Stats, 2), "", b"").await;
+    let (reply, stats) = read_frame(&mut s).await.unwrap();
+    assert_eq!(reply.op, Op::Ok);
+    let stats: RelayStats = serde_json::from_slice(&stats).unwrap();
+    assert_eq!((stats.blobs, stats.bytes), (0, 0), "nothing stored");
+    relay.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn memory_cap_is_a_capacity_error_and_leaves_nothing() {
+    let relay = TestRelay::start(RelayConfig {
+        max_bytes: 4 << 20,
+        ..ttl_cfg(Duration::from_secs(30))
+    })
+    .await;
+    let t = relay.client(&TransportConfig::default());
+    let err = t
+        .push(conformance::payload("big", 1, 8, 1 << 20))
+        .await
+        .unwrap_err();
+    assert!(matches!(err, KvError::Capacity { .. }), "{err}");
+    let s = t.stats().await.unwrap();
+    assert_eq!((s.keys, s.bytes), (0, 0), "partial request removed: {s:?}");
+    // Within the cap it works.
+    let p = conformance::payload("fits", 2, 3, 1 << 20);
+    let want = p.blobs.clone();
+    let handle = t.push(p).await.unwrap();
+    assert_eq!(t.pull(&handle, Duration::from_secs(10)).await.unwrap(), want);
+    t.release(&handle).await.unwrap();
+    relay.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn crc_off_still_moves_bytes_exactly() {
+    let relay = TestRelay::start(ttl_cfg(Duration::from_secs(30))).await;
+    let cfg = TransportConfig {
+        tcp_crc: false,
+        tcp_log: true,
+        ..TransportConfig::default()
+    };
+    let t = relay.client(&cfg);
+    let p = conformance::payload("nocrc", 3, 4, 4096);
+    let want = p.blobs.clone();
+    let handle = t.push(p).await.unwrap();
+    assert!(handle.blobs.iter().all(|b| b.crc32 == 0));
+    assert_eq!(t.pull(&handle, Duration::from_secs(10)).await.unwrap(), want);
+    t.release(&handle).await.unwrap();
+    relay.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_are_pooled() {
+    let relay = TestRelay::start(ttl_cfg(Duration::from_secs(30))).await;
+    let t = relay.client(&TransportConfig::default());
+    for i in 0..20 {
+        let p = conformance::payload(&format!("pool-{i}"), i, 2, 1000);
+        let handle = t.push(p).await.unwrap();
+        t.pull(&handle, Duration::from_secs(5)).await.unwrap();
+        t.release(&handle).await.unwrap();
+    }
+    let s = t.stats().await.unwrap();
+    assert_eq!(s.connections, 1, "sequential requests share one connection: {s:?}");
+    assert_eq!(t.idle_connections(), 1);
+    relay.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn relay_stopping_mid_push_is_a_clear_error_for_the_pusher() {
+    let relay = TestRelay::start(ttl_cfg(Duration::from_secs(30))).await;
+    let t = relay.client(&TransportConfig::default());
+    let big = conformance::full_request("mid-push", 1);
+    let blobs: Vec<Bytes> = big.blobs.clone();
+    let mut caught = None;
+    for attempt in 0..20 {
+        let mut p = big.clone();
+        p.request_id = format!("mid-push-{attempt}");
+        p.blobs = blobs.clone();
+        let t2 = t.clone();
+        let push = tokio::spawn(async move { t2.push(p).await });
+        // Wait until the relay is receiving a PUT body of this push.
+        let probe = relay.client(&TransportConfig::default());
+        let mut in_body = false;
+        while !push.is_finished() {
+            if probe.stats().await.map(|s| s.puts_in_progress > 0).unwrap_or(false) {
+                in_body = true;
+                break;
+            }
+        }
+        if !in_body {
+            let h = push.await.unwrap().unwrap();
+            t.release(&h).await.unwrap();
+            continue;
+        }
+        let started = Instant::now();
+        relay.restart().await;
+        let res = push.await.unwrap();
+        caught = Some((res, started.elapsed()));
+        break;
+    }
+    let (res, took) = caught.expect("never caught a push in flight in 20 attempts");
+    match res {
+        Err(e @ KvError::ConnectionLost { .. }) => {
+            assert!(took < Duration::from_secs(10), "error came after {took:?}");
+            assert!(e.to_string().contains(&relay.addr.to_string()), "{e}");
+        }
+        Err(e) => panic!("expected ConnectionLost, got {e}"),
+        // The push finished against the old relay just before it stopped:
+        // then its handle must not pull from the new one.
+        Ok(h) => {
+            let err = t.pull(&h, Duration::from_secs(5)).await.unwrap_err();
+            assert!(matches!(err, KvError::ConnectionLost { .. }), "{err}");
+        }
+    }
+    // The pusher recovers on the restarted relay.
+    let h = t
+        .push(conformance::payload("after", 2, 2, 100))
+        .await
+        .unwrap();
+    t.release(&h).await.unwrap();
+    relay.stop().await;
+}
+
+#[test]
+fn relay_args_read_flags_and_env_names() {
+    use clap::Parser;
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        args: relay::RelayArgs,
+    }
+    let cli = Cli::try_parse_from([
+        "relay",
+        "--listen",
+        "127.0.0.1:9999",
+        "--ttl-s",
+        "2.5",
+        "--max-bytes",
+        "1000",
+        "--max-frame",
+        "100",
+    ])
+    .unwrap();
+    let cfg = cli.args.config().unwrap();
+    assert_eq!(cfg.listen, "127.0.0.1:9999");
+    assert_eq!(cfg.ttl, Duration::from_millis(2500));
+    assert_eq!((cfg.max_bytes, cfg.max_frame), (1000, 100));
+    let cli = Cli::try_parse_from(["relay", "--ttl-s", "0"]).unwrap();
+    assert!(cli.args.config().is_err(), "a zero TTL is rejected");
+}
