@@ -1,0 +1,362 @@
+//! Real worker processes (`rngd-pd worker`, release build, real model):
+//! prefill on one, decode on another, over `shm` and `tcp`; the tokens equal a
+//! solo worker's; the decode worker loads KV and never prefills; the
+//! `x-prefiller-host-port` path gives the same tokens; KV left behind by a
+//! killed worker is gone once the TTL passes.
+//!
+//! Needs the model: `RNGD_PD_MODEL`, or the default cache filled by
+//! `rngd-pd model fetch`.
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use serde_json::{Value, json};
+
+/// Serializes the tests of this file: each starts model-loading processes.
+static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+const STARTUP: Duration = Duration::from_secs(600);
+const TTL_S: &str = "1.5";
+
+fn model() -> PathBuf {
+    match rngd_engine::model_fetch::resolve(None) {
+        Ok(p) => p,
+        Err(e) => panic!("the worker tests need the real model: {e} (run `rngd-pd model fetch` or set RNGD_PD_MODEL)"),
+    }
+}
+
+/// A child process killed on drop.
+struct Proc {
+    name: String,
+    child: Child,
+    addr: String,
+    log: PathBuf,
+}
+
+impl Proc {
+    /// Starts `rngd-pd <args>` and waits for the stdout line starting with `prefix`.
+    fn start(name: &str, dir: &Path, args: &[&str], envs: &[(&str, String)], prefix: &str) -> Proc {
+        let log = dir.join(format!("{name}.log"));
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_rngd-pd"));
+        cmd.args(args)
+            .env("RUST_LOG", "info")
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(std::fs::File::create(&log).unwrap());
+        for (k, v) in envs {
+            cmd.env(k, v);
+        }
+        let mut child = cmd.spawn().unwrap_or_else(|e| panic!("spawning {name}: {e}"));
+        let stdout = child.stdout.take().unwrap();
+        let (tx, rx) = mpsc::channel();
+        let p = prefix.to_string();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines() {
+                let Ok(line) = line else { break };
+                if let Some(addr) = line.strip_prefix(&p) {
+                    let _ = tx.send(addr.trim().to_string());
+                }
+            }
+        });
+        let mut proc = Proc {
+            name: name.to_string(),
+            child,
+            addr: String::new(),
+            log,
+        };
+        match rx.recv_timeout(STARTUP) {
+            Ok(addr) => proc.addr = addr,
+            Err(_) => {
+                let status = proc.child.try_wait().ok().flatten();
+                panic!(
+                    "{name} did not print `{prefix}…` (exit status {status:?}); its log:\n{}",
+                    std::fs::read_to_string(&proc.log).unwrap_or_default()
+                );
+            }
+        }
+        proc
+    }
+
+    fn worker(name: &str, dir: &Path, role: &str, envs: &[(&str, String)]) -> Proc {
+        let mut p = Proc::start(
+            name,
+            dir,
+            &["worker", "--role", role, "--port", "0"],
+            envs,
+            "rngd-pd worker listening on http://",
+        );
+        p.addr = p.addr.trim_start_matches("http://").to_string();
+        p
+    }
+
+    fn url(&self, path: &str) -> String {
+        format!("http://{}{path}", self.addr)
+    }
+
+    /// SIGKILL, no cleanup.
+    fn kill(mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        if std::thread::panicking() {
+            eprintln!(
+                "--- log of {} ---\n{}",
+                self.name,
+                std::fs::read_to_string(&self.log).unwrap_or_default()
+            );
+        }
+    }
+}
+
+struct Env {
+    dir: tempfile::TempDir,
+    envs: Vec<(&'static str, String)>,
+}
+
+impl Env {
+    fn new() -> Env {
+        let dir = tempfile::tempdir().unwrap();
+        let envs = vec![
+            ("RNGD_PD_MODEL", model().display().to_string()),
+            ("PD_SHM_ROOT", dir.path().join("shm").display().to_string()),
+            ("AIRM_KV_SHM_TTL_S", TTL_S.to_string()),
+            ("AIRM_KV_TCP_TTL_S", TTL_S.to_string()),
+            ("RNGD_PD_KV_PULL_TIMEOUT_MS", "3000".to_string()),
+        ];
+        Env { dir, envs }
+    }
+
+    fn shm_files(&self) -> usize {
+        std::fs::read_dir(self.dir.path().join("shm")).map(|d| d.count()).unwrap_or(0)
+    }
+
+    fn start_relay(&mut self) -> Proc {
+        let relay = Proc::start(
+            "relay",
+            self.dir.path(),
+            &["relay", "--listen", "127.0.0.1:0", "--ttl-s", TTL_S],
+            &[],
+            "relay listening on ",
+        );
+        self.envs.push(("AIRM_KV_TCP_ADDR", relay.addr.clone()));
+        relay
+    }
+
+    fn worker(&self, name: &str, role: &str) -> Proc {
+        Proc::worker(name, self.dir.path(), role, &self.envs)
+    }
+}
+
+const PROMPTS: &[&str] = &[
+    "The capital of France is",
+    "Write a haiku about the sea.\n",
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+];
+
+fn request(prompt: &str) -> Value {
+    json!({"model": "smollm2", "prompt": prompt, "max_tokens": 12, "temperature": 0})
+}
+
+async fn post(url: &str, body: &Value, headers: &[(&str, &str)]) -> (u16, String) {
+    let mut req = reqwest::Client::new().post(url).json(body);
+    for (k, v) in headers {
+        req = req.header(*k, *v);
+    }
+    let resp = req.send().await.unwrap_or_else(|e| panic!("POST {url}: {e}"));
+    let status = resp.status().as_u16();
+    (status, resp.text().await.unwrap())
+}
+
+async fn complete(w: &Proc, body: &Value, headers: &[(&str, &str)]) -> Value {
+    let (status, text) = post(&w.url("/v1/completions"), body, headers).await;
+    assert_eq!(status, 200, "{} answered {status}: {text}", w.name);
+    serde_json::from_str(&text).unwrap()
+}
+
+fn ids(v: &Value) -> Vec<u64> {
+    v["choices"][0]["token_ids"]
+        .as_array()
+        .unwrap_or_else(|| panic!("no token_ids in {v}"))
+        .iter()
+        .map(|t| t.as_u64().unwrap())
+        .collect()
+}
+
+async fn metric(w: &Proc, name: &str) -> f64 {
+    let text = reqwest::get(w.url("/metrics")).await.unwrap().text().await.unwrap();
+    text.lines()
+        .find_map(|l| l.strip_prefix(name).and_then(|r| r.strip_prefix(' ')))
+        .unwrap_or_else(|| panic!("{name} missing from {}'s metrics:\n{text}", w.name))
+        .trim()
+        .parse()
+        .unwrap()
+}
+
+/// Reference tokens from a solo worker (stopped afterwards to save memory).
+async fn solo_tokens(env: &Env) -> Vec<Vec<u64>> {
+    let solo = env.worker("solo", "solo");
+    let mut out = Vec::new();
+    for p in PROMPTS {
+        let r = complete(&solo, &request(p), &[]).await;
+        assert_eq!(r["choices"][0]["finish_reason"], "length");
+        out.push(ids(&r));
+    }
+    solo.kill();
+    out
+}
+
+/// Two-step PD through the worker API, as an orchestrator does it.
+async fn two_step(prefill: &Proc, decode: &Proc, prompt: &str, transport: &str, rid: &str) -> Value {
+    let mut pre = request(prompt);
+    pre["kv_transfer_params"] = json!({"do_remote_decode": true, "kv_transport": transport});
+    let answer = complete(prefill, &pre, &[("x-request-id", rid)]).await;
+    let params = answer["kv_transfer_params"].clone();
+    assert_eq!(params["do_remote_prefill"], true, "{answer}");
+    assert_eq!(params["kv_handle"]["transport"], transport);
+    let mut dec = request(prompt);
+    dec["kv_transfer_params"] = params;
+    complete(decode, &dec, &[]).await
+}
+
+async fn pd_matches_solo(transport: &str) {
+    let _serial = SERIAL.lock().await;
+    let mut env = Env::new();
+    let want = solo_tokens(&env).await;
+    let _relay = (transport == "tcp").then(|| env.start_relay());
+    let prefill = env.worker("prefill", "prefill");
+    let decode = env.worker("decode", "decode");
+
+    for (i, p) in PROMPTS.iter().enumerate() {
+        let got = two_step(&prefill, &decode, p, transport, &format!("{transport}-two-step-{i}")).await;
+        assert_eq!(ids(&got), want[i], "{transport}: PD tokens differ from solo for prompt {i}");
+        let t = &got["timings"];
+        assert!(t["kv_load_ms"].is_number() && t["prefill_ms"].is_number(), "{got}");
+    }
+    for (i, p) in PROMPTS.iter().enumerate() {
+        let rid = format!("{transport}-header-{i}");
+        let got = complete(
+            &decode,
+            &request(p),
+            &[("x-prefiller-host-port", &prefill.addr), ("x-rngd-pd-kv-transport", transport), ("x-request-id", &rid)],
+        )
+        .await;
+        assert_eq!(ids(&got), want[i], "{transport}: x-prefiller-host-port tokens differ for prompt {i}");
+    }
+    // Streaming through the header path gives the same tokens.
+    let mut s = request(PROMPTS[0]);
+    s["stream"] = json!(true);
+    let (status, body) =
+        post(&decode.url("/v1/completions"), &s, &[("x-prefiller-host-port", &prefill.addr), ("x-rngd-pd-kv-transport", transport)]).await;
+    assert_eq!(status, 200, "{body}");
+    assert!(body.ends_with("data: [DONE]\n\n"), "{body}");
+    let streamed: Vec<u64> = body
+        .split("\n\n")
+        .filter_map(|e| e.strip_prefix("data: "))
+        .filter(|d| *d != "[DONE]")
+        .flat_map(|d| {
+            let v: Value = serde_json::from_str(d).unwrap();
+            v["choices"][0]["token_ids"].as_array().cloned().unwrap_or_default()
+        })
+        .map(|t| t.as_u64().unwrap())
+        .collect();
+    assert_eq!(streamed, want[0]);
+
+    let n = (2 * PROMPTS.len() + 1) as f64;
+    assert_eq!(metric(&decode, "rngd_pd_worker_kv_loads_total").await, n);
+    assert_eq!(metric(&decode, "rngd_pd_worker_prefills_total").await, 0.0, "the decode worker must not prefill");
+    assert_eq!(metric(&prefill, "rngd_pd_worker_prefills_total").await, n);
+    assert_eq!(metric(&prefill, "rngd_pd_worker_kv_save_ms_count").await, n);
+    if transport == "shm" {
+        assert_eq!(env.shm_files(), 0, "decode released every cache");
+    }
+}
+
+#[tokio::test]
+async fn pd_over_shm_matches_solo() {
+    pd_matches_solo("shm").await;
+}
+
+#[tokio::test]
+async fn pd_over_tcp_matches_solo() {
+    pd_matches_solo("tcp").await;
+}
+
+/// Waits until `cond` holds, polling, or panics after `limit` (the TTL sweep is time-based).
+async fn eventually(limit: Duration, what: &str, mut cond: impl FnMut() -> bool) {
+    let start = Instant::now();
+    while !cond() {
+        assert!(start.elapsed() < limit, "{what}: not within {limit:?}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+fn push(rid: &'static str, transport: &'static str, w: &Proc) -> impl std::future::Future<Output = Value> + use<> {
+    let mut pre = request(PROMPTS[0]);
+    pre["kv_transfer_params"] = json!({"do_remote_decode": true, "kv_transport": transport});
+    let url = w.url("/v1/completions");
+    async move {
+        let (status, text) = post(&url, &pre, &[("x-request-id", rid)]).await;
+        assert_eq!(status, 200, "{text}");
+        let v: Value = serde_json::from_str(&text).unwrap();
+        v["kv_transfer_params"].clone()
+    }
+}
+
+/// A decode of an expired cache answers 5xx naming the transport and the request.
+async fn assert_expired(decode: &Proc, params: Value, transport: &str, rid: &str) {
+    let mut dec = request(PROMPTS[0]);
+    dec["kv_transfer_params"] = params;
+    let (status, text) = post(&decode.url("/v1/completions"), &dec, &[]).await;
+    assert!(status >= 500, "{transport}: {status} {text}");
+    assert!(text.contains(transport) && text.contains(rid), "{text}");
+}
+
+#[tokio::test]
+async fn killed_workers_leave_nothing_behind_in_shm_after_the_ttl() {
+    let _serial = SERIAL.lock().await;
+    let env = Env::new();
+    let prefill = env.worker("prefill-1", "prefill");
+    let decode = env.worker("decode", "decode");
+
+    // Prefill killed right after the push: the file is there, then the decode worker's sweeper removes it.
+    let stale = push("killed-after-push", "shm", &prefill).await;
+    prefill.kill();
+    assert_eq!(env.shm_files(), 1, "the pushed cache is in shm");
+    eventually(Duration::from_secs(20), "the shm cache of a killed prefill is swept", || env.shm_files() == 0).await;
+    assert_expired(&decode, stale, "shm", "killed-after-push").await;
+
+    // Decode killed before it pulls: the prefill worker's sweeper removes the cache.
+    let prefill = env.worker("prefill-2", "prefill");
+    push("decode-killed", "shm", &prefill).await;
+    decode.kill();
+    assert_eq!(env.shm_files(), 1);
+    eventually(Duration::from_secs(20), "the shm cache nobody pulled is swept", || env.shm_files() == 0).await;
+}
+
+#[tokio::test]
+async fn killed_prefill_leaves_nothing_in_the_relay_after_the_ttl() {
+    let _serial = SERIAL.lock().await;
+    let mut env = Env::new();
+    let _relay = env.start_relay();
+    let prefill = env.worker("prefill", "prefill");
+    let decode = env.worker("decode", "decode");
+    // Control: a fresh push can be decoded.
+    let fresh = push("tcp-fresh", "tcp", &prefill).await;
+    let mut dec = request(PROMPTS[0]);
+    dec["kv_transfer_params"] = fresh;
+    complete(&decode, &dec, &[]).await;
+    // Killed after the push: once the relay's TTL has passed, the cache is gone.
+    let stale = push("tcp-killed-after-push", "tcp", &prefill).await;
+    prefill.kill();
+    tokio::time::sleep(Duration::from_secs_f64(TTL_S.parse::<f64>().unwrap() * 2.0)).await;
+    assert_expired(&decode, stale, "tcp", "tcp-killed-after-push").await;
+}
