@@ -1,10 +1,10 @@
-//! `rngd-pd relay`: not wired yet.
+//! `rngd-pd relay`: the KV relay server of the `tcp` transport.
 
-/// Flags.
-#[derive(Debug, clap::Args)]
-pub struct Args {}
+/// Flags (each also from its environment variable).
+pub type Args = rngd_kv_transport::relay::RelayArgs;
 
-/// Runs the subcommand.
-pub async fn run(_args: Args) -> anyhow::Result<()> {
-    anyhow::bail!("rngd-pd relay is not built yet")
+/// Runs the relay until Ctrl-C / SIGTERM.
+pub async fn run(args: Args) -> anyhow::Result<()> {
+    rngd_kv_transport::relay::run(args).await?;
+    Ok(())
 }
