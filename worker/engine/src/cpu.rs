@@ -61,6 +61,11 @@ impl CpuEngineOptions {
     }
 }
 
+/// Threads candle's compute pools use in this process.
+pub fn compute_threads() -> usize {
+    candle_core::utils::get_num_threads()
+}
+
 struct PrefillJob {
     prompt: Vec<u32>,
     params: SamplingParams,

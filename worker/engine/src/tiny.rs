@@ -4,7 +4,8 @@
 //! forward, cache and sampling), small enough that a test builds it in
 //! milliseconds. Its tokenizer is byte-level (256 byte tokens, three merges)
 //! with the ChatML control tokens, so chat rendering and streaming
-//! detokenization work too. Its outputs are meaningless text.
+//! detokenization work too. Its outputs are meaningless text, and its
+//! control tokens (EOS) have near-zero embeddings so it seldom stops early.
 
 use std::sync::Arc;
 
@@ -119,7 +120,17 @@ pub(crate) fn model(cfg: &TinyConfig, seq_len: usize) -> Result<Model, EngineErr
             let salt = name.bytes().fold(0u64, |h, b| h.wrapping_mul(131).wrapping_add(u64::from(b)));
             let layer_part = name.strip_prefix("blk.").and_then(|r| r.split_once('.'));
             let t = match layer_part.map(|(_, n)| n).unwrap_or(name) {
-                "token_embd.weight" => random((vocab, d), 1.0, s, salt)?,
+                "token_embd.weight" => {
+                    // Control tokens get near-zero rows, so the tied head rarely picks
+                    // EOS and tests see long generations.
+                    let t = random((vocab, d), 1.0, s, salt)?;
+                    let mut rows = Vec::with_capacity(vocab);
+                    for r in 0..vocab {
+                        let row = t.narrow(0, r, 1)?;
+                        rows.push(if r as u32 >= TINY_ENDOFTEXT { (row * 0.01)? } else { row });
+                    }
+                    Tensor::cat(&rows, 0)?
+                }
                 "output_norm.weight" | "attn_norm.weight" | "ffn_norm.weight" => Tensor::ones(d, candle_core::DType::F32, &Device::Cpu)?,
                 "attn_q.weight" | "attn_output.weight" => random((d, d), 2.0 * inv(d), s, salt)?,
                 "attn_k.weight" | "attn_v.weight" => random((kvw, d), 2.0 * inv(d), s, salt)?,

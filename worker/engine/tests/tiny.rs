@@ -42,6 +42,7 @@ async fn a_corrupted_cache_changes_the_tokens() {
     let p = prompt(30, 9);
     let params = SamplingParams::greedy(30);
     let s = solo(&*a, &p, &params).await.unwrap();
+    assert!(s.ids.len() >= 10, "tiny model stopped after {} tokens", s.ids.len());
     let pre = a.prefill(&p, &params).await.unwrap();
     let mut kv = through_the_wire(&pre.kv);
     for b in kv.blobs.iter_mut() {
@@ -130,11 +131,7 @@ async fn max_tokens_and_event_accounting() {
     let p = prompt(8, 1);
     let out = solo(&*e, &p, &SamplingParams::greedy(10)).await.unwrap();
     assert_eq!(out.completion_tokens, out.ids.len());
-    if out.finish == Some(FinishReason::Length) {
-        assert_eq!(out.ids.len(), 10);
-    } else {
-        assert!(out.ids.len() < 10);
-    }
+    assert_eq!((out.ids.len(), out.finish), (10, Some(FinishReason::Length)));
     assert_eq!(out.text, e.detokenize(&out.ids).unwrap());
     let zero = solo(&*e, &p, &SamplingParams::greedy(0)).await.unwrap();
     assert_eq!((zero.ids.len(), zero.finish), (0, Some(FinishReason::Length)));
