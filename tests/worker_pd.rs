@@ -360,3 +360,19 @@ async fn killed_prefill_leaves_nothing_in_the_relay_after_the_ttl() {
     tokio::time::sleep(Duration::from_secs_f64(TTL_S.parse::<f64>().unwrap() * 2.0)).await;
     assert_expired(&decode, stale, "tcp", "tcp-killed-after-push").await;
 }
+
+#[test]
+fn vendor_backends_refuse_to_start_without_their_runtime() {
+    for (backend, vendor) in [("rngd", "FuriosaAI"), ("atom", "Rebellions")] {
+        let out = Command::new(env!("CARGO_BIN_EXE_rngd-pd"))
+            .args(["worker", "--backend", backend, "--port", "0"])
+            .env("RNGD_PD_MODEL", "/nonexistent/model.gguf")
+            .output()
+            .unwrap();
+        assert!(!out.status.success(), "{backend} must not start");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        let want = format!("backend {backend} needs the {vendor} runtime, which this build does not include");
+        assert!(stderr.contains(&want), "stderr of --backend {backend}: {stderr}");
+        assert!(out.stdout.is_empty(), "nothing may claim to listen: {}", String::from_utf8_lossy(&out.stdout));
+    }
+}

@@ -100,7 +100,10 @@ async fn pd_round_trip_matches_solo_and_releases_the_kv() {
     let mem = Arc::new(MemoryTransport::new());
     let (prefill, decode, solo) = (
         start(Role::Prefill, &mem).await,
-        start_with(Role::Decode, &mem, |c| c.kv_pull_timeout = Duration::from_millis(300)).await,
+        start_with(Role::Decode, &mem, |c| {
+            c.kv_pull_timeout = Duration::from_millis(300)
+        })
+        .await,
         start(Role::Solo, &mem).await,
     );
     let req = request("Hello, PD world", 10);
@@ -514,4 +517,51 @@ fn vendor_backends_fail_with_the_exact_message() {
         "backend atom needs the Rebellions runtime, which this build does not include"
     );
     rngd_worker::check_backend(rngd_worker::Backend::Cpu).unwrap();
+}
+
+#[tokio::test]
+async fn pd_through_an_in_process_tcp_relay() {
+    use rngd_kv_transport::TransportConfig;
+    use rngd_kv_transport::relay::{RelayConfig, serve as relay_serve};
+    use rngd_worker::RegistryFactory;
+
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let relay_addr = listener.local_addr().unwrap().to_string();
+    let stop = tokio_util::sync::CancellationToken::new();
+    let relay_stop = stop.clone();
+    let relay = tokio::spawn(relay_serve(listener, RelayConfig::default(), async move {
+        relay_stop.cancelled().await
+    }));
+    let config = TransportConfig {
+        tcp_addr: Some(relay_addr),
+        ..TransportConfig::default()
+    };
+    let start_tcp = |role| {
+        let config = config.clone();
+        async move {
+            let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+            let engine: Arc<dyn Engine> = Arc::new(EchoEngine::new(SEQ_LEN));
+            let transports = Transports::new("tcp", RegistryFactory { config });
+            rngd_worker::serve(listener, engine, transports, WorkerConfig::new(role))
+                .await
+                .unwrap()
+        }
+    };
+    let (prefill, decode) = (
+        start_tcp(Role::Prefill).await,
+        start_tcp(Role::Decode).await,
+    );
+    let req = request("over the relay", 8);
+    let want = completion(&decode, &req, &[]).await;
+    let got = completion(
+        &decode,
+        &req,
+        &[("x-prefiller-host-port", &prefill.addr.to_string())],
+    )
+    .await;
+    assert_eq!(token_ids(&got), token_ids(&want));
+    let m = metrics(&decode).await;
+    assert_eq!(sample(&m, "rngd_pd_worker_kv_loads_total"), 1.0);
+    stop.cancel();
+    relay.await.unwrap().unwrap();
 }
