@@ -1,16 +1,153 @@
 //! A proxy-wasm (ABI 0.2.1) host on wasmtime that runs policy modules sandboxed
 //! and swaps them at runtime. Used by the gateway and the ext-proc endpoint picker.
+//!
+//! - [`PolicyRuntime`]: compile, self-test, serve decisions from a pool of warm
+//!   instances, hot-swap, watch the module file.
+//! - [`admin_router`]: `GET`/`PUT /admin/policy`.
+//! - [`check`]: `rngd-pd policy check FILE.wasm`.
+//!
+//! The decision contract is `docs/policy-abi.md`.
 
-use std::path::PathBuf;
+mod abi;
+mod admin;
+mod check;
+mod guest;
+mod runtime;
 
+use std::path::{Path, PathBuf};
+use std::time::{Duration, SystemTime};
+
+pub use admin::admin_router;
+pub use check::{CheckArgs, check};
 pub use rngd_policy_core::{Decision, Endpoint, LocalResponse, Route};
+pub use runtime::PolicyRuntime;
+
+/// A boxed error cause (wasmtime's own error type is converted into this).
+pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
 
 /// Errors of the policy host.
 #[derive(Debug, thiserror::Error)]
 pub enum PolicyError {
-    /// Placeholder until the host lands.
-    #[error("{0}")]
-    Other(String),
+    /// Reading a module file failed.
+    #[error("reading policy module {path}: {source}")]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// Cause.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The wasmtime engine could not be set up.
+    #[error("setting up the wasm engine: {source}")]
+    Engine {
+        /// Cause.
+        #[source]
+        source: BoxError,
+    },
+    /// The bytes are not a valid wasm module.
+    #[error("compiling the policy module: {source}")]
+    Compile {
+        /// Cause.
+        #[source]
+        source: BoxError,
+    },
+    /// The module is wasm but not a proxy-wasm 0.2.1 HTTP filter this host can
+    /// run (missing export, unknown import, wrong signature).
+    #[error("the module is not a usable proxy-wasm 0.2.1 filter: {detail}")]
+    Abi {
+        /// What is wrong.
+        detail: String,
+    },
+    /// `proxy_on_vm_start` or `proxy_on_configure` returned false.
+    #[error("the module rejected its {phase}{}", fmt_guest_log(.guest_log))]
+    Rejected {
+        /// `vm start` or `plugin configuration`.
+        phase: &'static str,
+        /// Error lines the guest logged.
+        guest_log: Vec<String>,
+    },
+    /// A canned request failed while a new module was tested; the old module
+    /// (if any) stays active.
+    #[error("self-test failed on canned request '{request}': {source}")]
+    SelfTest {
+        /// Name of the canned request.
+        request: &'static str,
+        /// Cause.
+        #[source]
+        source: Box<PolicyError>,
+    },
+    /// The guest trapped (panic, `unreachable`, out-of-bounds access, …). The
+    /// instance was discarded.
+    #[error("policy guest trapped: {message}{}", fmt_guest_log(.guest_log))]
+    GuestTrap {
+        /// Trap description.
+        message: String,
+        /// Error lines the guest logged (a Rust guest's panic message).
+        guest_log: Vec<String>,
+    },
+    /// The guest ran past its time limit (epoch interruption).
+    #[error("policy guest exceeded its time limit of {limit:?}")]
+    GuestTimeout {
+        /// The limit.
+        limit: Duration,
+    },
+    /// The guest tried to grow its memory past the cap.
+    #[error("policy guest exceeded its memory cap of {limit} bytes")]
+    GuestMemory {
+        /// The cap in bytes.
+        limit: usize,
+    },
+    /// The guest finished without routing (`x-gateway-destination-endpoint`)
+    /// or rejecting (local response).
+    #[error("policy made no decision: {detail}")]
+    NoDecision {
+        /// What it did instead.
+        detail: String,
+    },
+    /// The request is larger than the sandbox accepts.
+    #[error("{what} of {size} bytes exceeds the policy input limit of {max} bytes")]
+    InputTooLarge {
+        /// Which input.
+        what: &'static str,
+        /// Its size.
+        size: usize,
+        /// The limit.
+        max: usize,
+    },
+    /// The runtime is shutting down or a worker thread failed.
+    #[error("policy runtime unavailable: {detail}")]
+    Unavailable {
+        /// Why.
+        detail: String,
+    },
+}
+
+fn fmt_guest_log(lines: &[String]) -> String {
+    if lines.is_empty() { String::new() } else { format!(" (guest log: {})", lines.join(" | ")) }
+}
+
+impl PolicyError {
+    /// Whether the guest misbehaved on a request (trap, timeout, memory cap):
+    /// the request fails with a 500-class error and `policy_traps_total` counts it.
+    pub fn is_guest_fault(&self) -> bool {
+        matches!(
+            self,
+            PolicyError::GuestTrap { .. } | PolicyError::GuestTimeout { .. } | PolicyError::GuestMemory { .. }
+        )
+    }
+
+    /// The HTTP status an edge answers with for this error.
+    pub fn http_status(&self) -> u16 {
+        match self {
+            PolicyError::InputTooLarge { .. } => 413,
+            PolicyError::Unavailable { .. } => 503,
+            PolicyError::Compile { .. }
+            | PolicyError::Abi { .. }
+            | PolicyError::Rejected { .. }
+            | PolicyError::SelfTest { .. } => 422,
+            _ => 500,
+        }
+    }
 }
 
 /// One request as the policy sees it.
@@ -33,4 +170,80 @@ pub struct PolicySource {
     pub module: PathBuf,
     /// Plugin configuration (JSON) passed to `proxy_on_configure`.
     pub config: Vec<u8>,
+}
+
+/// Resource limits of the sandbox.
+#[derive(Debug, Clone)]
+pub struct SandboxLimits {
+    /// Linear memory cap per instance. Default 64 MiB.
+    pub memory_bytes: usize,
+    /// Wall-time cap of one guest call. Default 50 ms.
+    pub call_timeout: Duration,
+    /// Epoch ticker period (the timeout's resolution). Default 1 ms.
+    pub epoch_tick: Duration,
+    /// Warm instances kept per module, and the number of decisions that run
+    /// at once (`decide` waits for a slot beyond that). Default 4.
+    pub instances: usize,
+    /// Largest header map, header value set by the guest, or local response
+    /// header block, in bytes. Default 64 KiB.
+    pub max_header_bytes: usize,
+    /// Largest request body passed to the guest. Default 4 MiB.
+    pub max_body_bytes: usize,
+}
+
+impl Default for SandboxLimits {
+    fn default() -> Self {
+        SandboxLimits {
+            memory_bytes: 64 << 20,
+            call_timeout: Duration::from_millis(50),
+            epoch_tick: Duration::from_millis(1),
+            instances: 4,
+            max_header_bytes: 64 << 10,
+            max_body_bytes: 4 << 20,
+        }
+    }
+}
+
+/// The active module.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct ModuleInfo {
+    /// SHA-256 of the module bytes, lowercase hex.
+    pub sha256: String,
+    /// When it became active.
+    pub loaded_at: SystemTime,
+    /// File it was loaded from; `None` for a module uploaded as bytes.
+    pub path: Option<PathBuf>,
+}
+
+/// Lowercase hex SHA-256 of `bytes`.
+pub fn sha256_hex(bytes: &[u8]) -> String {
+    use sha2::Digest;
+    sha2::Sha256::digest(bytes).iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// Path of a guest built by `policies/build.sh`:
+/// `$CARGO_TARGET_DIR/<target>/release/<name>.wasm` (`-` in `name` becomes
+/// `_`; the target dir defaults to `<workspace>/target`).
+///
+/// # Panics
+/// When the file does not exist, with a message saying to run `policies/build.sh`.
+pub fn built_module(name: &str, target: &str) -> PathBuf {
+    match find_built_module(name, target) {
+        Ok(p) => p,
+        Err(p) => panic!(
+            "policy module {} not found: build the guests first with `policies/build.sh` \
+             (CARGO_TARGET_DIR must match the one used there)",
+            p.display()
+        ),
+    }
+}
+
+/// Like [`built_module`] but returns the expected path as the error instead
+/// of panicking.
+pub fn find_built_module(name: &str, target: &str) -> Result<PathBuf, PathBuf> {
+    let dir = std::env::var_os("CARGO_TARGET_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../../target"));
+    let p = dir.join(target).join("release").join(format!("{}.wasm", name.replace('-', "_")));
+    if p.is_file() { Ok(p) } else { Err(p) }
 }

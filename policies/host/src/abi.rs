@@ -1,0 +1,629 @@
+//! The host side of the proxy-wasm ABI 0.2.1 (HTTP filter subset) on wasmtime:
+//! every `env.proxy_*` import a `proxy-wasm` 0.2.5 guest links, plus the five
+//! WASI preview-1 functions a `wasm32-wasip1` guest imports (stubs without
+//! capabilities). Every guest pointer and length is bounds-checked: a guest
+//! that passes garbage gets `InvalidMemoryAccess` (6) and the host stays sound.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use wasmtime::{Caller, Linker, Memory, ResourceLimiter, TypedFunc};
+
+use crate::SandboxLimits;
+
+/// Status codes of the ABI (`proxy_status_t`).
+pub(crate) mod status {
+    pub const OK: u32 = 0;
+    pub const NOT_FOUND: u32 = 1;
+    pub const BAD_ARGUMENT: u32 = 2;
+    pub const INVALID_MEMORY_ACCESS: u32 = 6;
+    pub const INTERNAL_FAILURE: u32 = 10;
+}
+
+const MAP_REQUEST_HEADERS: u32 = 0;
+const BUFFER_REQUEST_BODY: u32 = 0;
+const BUFFER_VM_CONFIGURATION: u32 = 6;
+const BUFFER_PLUGIN_CONFIGURATION: u32 = 7;
+/// WASI `errno` for "bad file descriptor".
+const WASI_EBADF: i32 = 8;
+
+/// Memory cap of a store; records when the guest hit it.
+pub(crate) struct Limiter {
+    pub memory_bytes: usize,
+    pub hit: bool,
+}
+
+impl ResourceLimiter for Limiter {
+    fn memory_growing(&mut self, _current: usize, desired: usize, _maximum: Option<usize>) -> wasmtime::Result<bool> {
+        if desired > self.memory_bytes {
+            self.hit = true;
+            // An error (not `Ok(false)`) traps at the `memory.grow`, so a Rust
+            // guest's allocation failure is reported as the memory cap.
+            return Err(wasmtime::format_err!(
+                "guest memory cap of {} bytes reached (asked for {desired})",
+                self.memory_bytes
+            ));
+        }
+        Ok(true)
+    }
+
+    fn table_growing(&mut self, _current: usize, desired: usize, _maximum: Option<usize>) -> wasmtime::Result<bool> {
+        Ok(desired <= 100_000)
+    }
+}
+
+/// The request the guest is looking at, and what it did to it.
+#[derive(Default)]
+pub(crate) struct RequestState {
+    /// Current request headers (after the guest's edits).
+    pub headers: Vec<(String, String)>,
+    /// Request body.
+    pub body: Vec<u8>,
+    /// `rngd_pd.endpoints` JSON.
+    pub endpoints: Option<Arc<str>>,
+    /// `rngd_pd.endpoints_version`.
+    pub endpoints_version: Option<Arc<str>>,
+    /// `rngd_pd.prompt_tokens`.
+    pub prompt_tokens: Option<String>,
+    /// Headers the guest set, replaced or added, in order.
+    pub set: Vec<(String, String)>,
+    /// Header names the guest removed.
+    pub removed: Vec<String>,
+    /// A local response the guest sent.
+    pub local: Option<rngd_policy_core::LocalResponse>,
+}
+
+/// Per-store host state.
+pub(crate) struct HostState {
+    pub limiter: Limiter,
+    pub memory: Option<Memory>,
+    pub alloc: Option<TypedFunc<u32, u32>>,
+    pub plugin_config: Arc<[u8]>,
+    pub req: RequestState,
+    pub max_header_bytes: usize,
+    metrics: HashMap<u32, (String, u64)>,
+    shared: HashMap<String, (Vec<u8>, u32)>,
+    /// Last guest log lines at error level (for reports).
+    pub errors: Vec<String>,
+}
+
+impl HostState {
+    /// Fresh state for a new instance.
+    pub fn new(limits: &SandboxLimits, plugin_config: Arc<[u8]>) -> Self {
+        HostState {
+            limiter: Limiter { memory_bytes: limits.memory_bytes, hit: false },
+            memory: None,
+            alloc: None,
+            plugin_config,
+            req: RequestState::default(),
+            max_header_bytes: limits.max_header_bytes,
+            metrics: HashMap::new(),
+            shared: HashMap::new(),
+            errors: Vec::new(),
+        }
+    }
+}
+
+type Cx<'a> = Caller<'a, HostState>;
+type R = wasmtime::Result<u32>;
+
+/// A guest memory range, bounds-checked.
+fn range(len_of_memory: usize, ptr: u32, len: u32) -> Option<std::ops::Range<usize>> {
+    let start = ptr as usize;
+    let end = start.checked_add(len as usize)?;
+    (end <= len_of_memory).then_some(start..end)
+}
+
+fn read(cx: &Cx<'_>, ptr: u32, len: u32) -> Result<Vec<u8>, u32> {
+    let mem = cx.data().memory.ok_or(status::INTERNAL_FAILURE)?;
+    let data = mem.data(cx);
+    let r = range(data.len(), ptr, len).ok_or(status::INVALID_MEMORY_ACCESS)?;
+    Ok(data[r].to_vec())
+}
+
+fn read_str(cx: &Cx<'_>, ptr: u32, len: u32) -> Result<String, u32> {
+    String::from_utf8(read(cx, ptr, len)?).map_err(|_| status::BAD_ARGUMENT)
+}
+
+fn write(cx: &mut Cx<'_>, ptr: u32, bytes: &[u8]) -> Result<(), u32> {
+    let mem = cx.data().memory.ok_or(status::INTERNAL_FAILURE)?;
+    let data = mem.data_mut(cx);
+    let r = range(data.len(), ptr, bytes.len() as u32).ok_or(status::INVALID_MEMORY_ACCESS)?;
+    data[r].copy_from_slice(bytes);
+    Ok(())
+}
+
+fn check_slot(cx: &Cx<'_>, ptr: u32, len: u32) -> Result<(), u32> {
+    let mem = cx.data().memory.ok_or(status::INTERNAL_FAILURE)?;
+    range(mem.data_size(cx), ptr, len).map(|_| ()).ok_or(status::INVALID_MEMORY_ACCESS)
+}
+
+/// Copies `bytes` into guest memory it allocates (`malloc` /
+/// `proxy_on_memory_allocate`) and stores pointer and length at the two
+/// return slots. Empty data stores a null pointer.
+fn give(cx: &mut Cx<'_>, bytes: &[u8], ret_ptr: u32, ret_len: u32) -> wasmtime::Result<u32> {
+    if let Err(s) = check_slot(cx, ret_ptr, 4).and_then(|_| check_slot(cx, ret_len, 4)) {
+        return Ok(s);
+    }
+    let Ok(len) = u32::try_from(bytes.len()) else {
+        return Ok(status::BAD_ARGUMENT);
+    };
+    let ptr = if bytes.is_empty() {
+        0
+    } else {
+        let Some(alloc) = cx.data().alloc.clone() else {
+            return Ok(status::INTERNAL_FAILURE);
+        };
+        let p = alloc.call(&mut *cx, len)?;
+        if p == 0 {
+            return Ok(status::INTERNAL_FAILURE);
+        }
+        if let Err(s) = write(cx, p, bytes) {
+            return Ok(s);
+        }
+        p
+    };
+    Ok(match write(cx, ret_ptr, &ptr.to_le_bytes()).and_then(|_| write(cx, ret_len, &len.to_le_bytes())) {
+        Ok(()) => status::OK,
+        Err(s) => s,
+    })
+}
+
+/// Serializes header pairs in the ABI's map encoding.
+pub(crate) fn encode_map(pairs: &[(String, String)]) -> Vec<u8> {
+    let size = 4 + pairs.iter().map(|(k, v)| 8 + k.len() + v.len() + 2).sum::<usize>();
+    let mut out = Vec::with_capacity(size);
+    out.extend_from_slice(&(pairs.len() as u32).to_le_bytes());
+    for (k, v) in pairs {
+        out.extend_from_slice(&(k.len() as u32).to_le_bytes());
+        out.extend_from_slice(&(v.len() as u32).to_le_bytes());
+    }
+    for (k, v) in pairs {
+        out.extend_from_slice(k.as_bytes());
+        out.push(0);
+        out.extend_from_slice(v.as_bytes());
+        out.push(0);
+    }
+    out
+}
+
+/// Parses the ABI's map encoding; `None` if malformed.
+pub(crate) fn decode_map(bytes: &[u8]) -> Option<Vec<(String, String)>> {
+    if bytes.is_empty() {
+        return Some(Vec::new());
+    }
+    let word = |at: usize| -> Option<usize> { Some(u32::from_le_bytes(bytes.get(at..at + 4)?.try_into().ok()?) as usize) };
+    let n = word(0)?;
+    let mut p = 4usize.checked_add(n.checked_mul(8)?)?;
+    if p > bytes.len() {
+        return None;
+    }
+    let mut out = Vec::with_capacity(n);
+    for i in 0..n {
+        let kl = word(4 + i * 8)?;
+        let vl = word(8 + i * 8)?;
+        let k = bytes.get(p..p.checked_add(kl)?)?;
+        p = p.checked_add(kl + 1)?;
+        let v = bytes.get(p..p.checked_add(vl)?)?;
+        p = p.checked_add(vl + 1)?;
+        out.push((String::from_utf8(k.to_vec()).ok()?, String::from_utf8(v.to_vec()).ok()?));
+    }
+    Some(out)
+}
+
+fn header_get<'a>(headers: &'a [(String, String)], key: &str) -> Option<&'a str> {
+    headers.iter().find(|(k, _)| k.eq_ignore_ascii_case(key)).map(|(_, v)| v.as_str())
+}
+
+fn record_set(req: &mut RequestState, key: &str, value: &str) {
+    req.removed.retain(|k| !k.eq_ignore_ascii_case(key));
+    match req.set.iter_mut().find(|(k, _)| k.eq_ignore_ascii_case(key)) {
+        Some(slot) => slot.1 = value.to_string(),
+        None => req.set.push((key.to_ascii_lowercase(), value.to_string())),
+    }
+}
+
+fn header_replace(cx: &mut Cx<'_>, map: u32, kp: u32, kl: u32, vp: u32, vl: u32, add: bool) -> R {
+    if map != MAP_REQUEST_HEADERS {
+        return Ok(status::BAD_ARGUMENT);
+    }
+    let max = cx.data().max_header_bytes;
+    if kl as usize + vl as usize > max {
+        tracing::warn!(bytes = kl as u64 + vl as u64, max, "policy guest set an oversized header; refused");
+        return Ok(status::BAD_ARGUMENT);
+    }
+    let (k, v) = match read_str(cx, kp, kl).and_then(|k| read_str(cx, vp, vl).map(|v| (k, v))) {
+        Ok(kv) => kv,
+        Err(s) => return Ok(s),
+    };
+    let req = &mut cx.data_mut().req;
+    let value = match (add, header_get(&req.headers, &k)) {
+        (true, Some(old)) => format!("{old},{v}"),
+        _ => v,
+    };
+    req.headers.retain(|(name, _)| !name.eq_ignore_ascii_case(&k));
+    req.headers.push((k.to_ascii_lowercase(), value.clone()));
+    record_set(req, &k, &value);
+    Ok(status::OK)
+}
+
+fn now_nanos() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64)
+}
+
+/// Defines every import on `linker`.
+pub(crate) fn define(linker: &mut Linker<HostState>) -> wasmtime::Result<()> {
+    let env = "env";
+    linker.func_wrap(env, "proxy_log", |mut cx: Cx<'_>, level: u32, p: u32, l: u32| -> R {
+        let msg = match read(&cx, p, l) {
+            Ok(m) => String::from_utf8_lossy(&m).into_owned(),
+            Err(s) => return Ok(s),
+        };
+        match level {
+            0 => tracing::trace!(target: "policy_guest", "{msg}"),
+            1 => tracing::debug!(target: "policy_guest", "{msg}"),
+            2 => tracing::info!(target: "policy_guest", "{msg}"),
+            3 => tracing::warn!(target: "policy_guest", "{msg}"),
+            _ => {
+                tracing::error!(target: "policy_guest", "{msg}");
+                let errors = &mut cx.data_mut().errors;
+                if errors.len() < 16 {
+                    errors.push(msg);
+                }
+            }
+        }
+        Ok(status::OK)
+    })?;
+    linker.func_wrap(env, "proxy_get_log_level", |mut cx: Cx<'_>, ret: u32| -> R {
+        Ok(write(&mut cx, ret, &2u32.to_le_bytes()).map_or_else(|s| s, |_| status::OK))
+    })?;
+    linker.func_wrap(env, "proxy_get_current_time_nanoseconds", |mut cx: Cx<'_>, ret: u32| -> R {
+        Ok(write(&mut cx, ret, &now_nanos().to_le_bytes()).map_or_else(|s| s, |_| status::OK))
+    })?;
+    linker.func_wrap(env, "proxy_set_tick_period_milliseconds", |_: Cx<'_>, _period: u32| -> R {
+        // Ticks are never delivered by this host.
+        Ok(status::BAD_ARGUMENT)
+    })?;
+    linker.func_wrap(
+        env,
+        "proxy_get_buffer_bytes",
+        |mut cx: Cx<'_>, kind: u32, start: u32, max: u32, rp: u32, rl: u32| -> R {
+            let data: Vec<u8> = {
+                let st = cx.data();
+                let whole: &[u8] = match kind {
+                    BUFFER_REQUEST_BODY => &st.req.body,
+                    BUFFER_PLUGIN_CONFIGURATION => &st.plugin_config,
+                    BUFFER_VM_CONFIGURATION => &[],
+                    _ => return Ok(status::NOT_FOUND),
+                };
+                let s = (start as usize).min(whole.len());
+                let e = s.saturating_add(max as usize).min(whole.len());
+                whole[s..e].to_vec()
+            };
+            give(&mut cx, &data, rp, rl)
+        },
+    )?;
+    linker.func_wrap(env, "proxy_set_buffer_bytes", |_: Cx<'_>, _: u32, _: u32, _: u32, _: u32, _: u32| -> R {
+        // Policies decide; they do not rewrite bodies.
+        Ok(status::BAD_ARGUMENT)
+    })?;
+    linker.func_wrap(env, "proxy_get_header_map_pairs", |mut cx: Cx<'_>, map: u32, rp: u32, rl: u32| -> R {
+        if map != MAP_REQUEST_HEADERS {
+            return give(&mut cx, &[], rp, rl);
+        }
+        let bytes = encode_map(&cx.data().req.headers);
+        give(&mut cx, &bytes, rp, rl)
+    })?;
+    linker.func_wrap(env, "proxy_set_header_map_pairs", |mut cx: Cx<'_>, map: u32, p: u32, l: u32| -> R {
+        if map != MAP_REQUEST_HEADERS {
+            return Ok(status::BAD_ARGUMENT);
+        }
+        if l as usize > cx.data().max_header_bytes {
+            return Ok(status::BAD_ARGUMENT);
+        }
+        let bytes = match read(&cx, p, l) {
+            Ok(b) => b,
+            Err(s) => return Ok(s),
+        };
+        let Some(pairs) = decode_map(&bytes) else {
+            return Ok(status::BAD_ARGUMENT);
+        };
+        let req = &mut cx.data_mut().req;
+        for (k, _) in &req.headers {
+            if !pairs.iter().any(|(n, _)| n.eq_ignore_ascii_case(k)) {
+                req.removed.push(k.clone());
+            }
+        }
+        req.set.retain(|(k, _)| pairs.iter().any(|(n, _)| n.eq_ignore_ascii_case(k)));
+        for (k, v) in &pairs {
+            record_set(req, k, v);
+        }
+        req.headers = pairs;
+        Ok(status::OK)
+    })?;
+    linker.func_wrap(
+        env,
+        "proxy_get_header_map_value",
+        |mut cx: Cx<'_>, map: u32, kp: u32, kl: u32, rp: u32, rl: u32| -> R {
+            let key = match read_str(&cx, kp, kl) {
+                Ok(k) => k,
+                Err(s) => return Ok(s),
+            };
+            if map != MAP_REQUEST_HEADERS {
+                return Ok(if map <= 7 { status::NOT_FOUND } else { status::BAD_ARGUMENT });
+            }
+            let Some(v) = header_get(&cx.data().req.headers, &key).map(|v| v.as_bytes().to_vec()) else {
+                return Ok(status::NOT_FOUND);
+            };
+            give(&mut cx, &v, rp, rl)
+        },
+    )?;
+    linker.func_wrap(env, "proxy_remove_header_map_value", |mut cx: Cx<'_>, map: u32, kp: u32, kl: u32| -> R {
+        if map != MAP_REQUEST_HEADERS {
+            return Ok(status::BAD_ARGUMENT);
+        }
+        let key = match read_str(&cx, kp, kl) {
+            Ok(k) => k,
+            Err(s) => return Ok(s),
+        };
+        let req = &mut cx.data_mut().req;
+        req.headers.retain(|(k, _)| !k.eq_ignore_ascii_case(&key));
+        req.set.retain(|(k, _)| !k.eq_ignore_ascii_case(&key));
+        if !req.removed.iter().any(|k| k.eq_ignore_ascii_case(&key)) {
+            req.removed.push(key.to_ascii_lowercase());
+        }
+        Ok(status::OK)
+    })?;
+    linker.func_wrap(
+        env,
+        "proxy_replace_header_map_value",
+        |mut cx: Cx<'_>, map: u32, kp: u32, kl: u32, vp: u32, vl: u32| -> R {
+            header_replace(&mut cx, map, kp, kl, vp, vl, false)
+        },
+    )?;
+    linker.func_wrap(
+        env,
+        "proxy_add_header_map_value",
+        |mut cx: Cx<'_>, map: u32, kp: u32, kl: u32, vp: u32, vl: u32| -> R {
+            header_replace(&mut cx, map, kp, kl, vp, vl, true)
+        },
+    )?;
+    linker.func_wrap(env, "proxy_get_property", |mut cx: Cx<'_>, pp: u32, pl: u32, rp: u32, rl: u32| -> R {
+        let path = match read(&cx, pp, pl) {
+            Ok(p) => p,
+            Err(s) => return Ok(s),
+        };
+        let value: Option<Vec<u8>> = {
+            let req = &cx.data().req;
+            match path.as_slice() {
+                b"rngd_pd\0endpoints" => req.endpoints.as_ref().map(|s| s.as_bytes().to_vec()),
+                b"rngd_pd\0endpoints_version" => req.endpoints_version.as_ref().map(|s| s.as_bytes().to_vec()),
+                b"rngd_pd\0prompt_tokens" => req.prompt_tokens.as_ref().map(|s| s.as_bytes().to_vec()),
+                b"plugin_name" => Some(b"rngd-pd-policy".to_vec()),
+                _ => None,
+            }
+        };
+        match value {
+            Some(v) => give(&mut cx, &v, rp, rl),
+            None => Ok(status::NOT_FOUND),
+        }
+    })?;
+    linker.func_wrap(env, "proxy_set_property", |_: Cx<'_>, _: u32, _: u32, _: u32, _: u32| -> R {
+        Ok(status::BAD_ARGUMENT)
+    })?;
+    linker.func_wrap(
+        env,
+        "proxy_get_shared_data",
+        |mut cx: Cx<'_>, kp: u32, kl: u32, rp: u32, rl: u32, rc: u32| -> R {
+            let key = match read_str(&cx, kp, kl) {
+                Ok(k) => k,
+                Err(s) => return Ok(s),
+            };
+            let Some((v, cas)) = cx.data().shared.get(&key).cloned() else {
+                return Ok(status::NOT_FOUND);
+            };
+            if let Err(s) = write(&mut cx, rc, &cas.to_le_bytes()) {
+                return Ok(s);
+            }
+            give(&mut cx, &v, rp, rl)
+        },
+    )?;
+    linker.func_wrap(
+        env,
+        "proxy_set_shared_data",
+        |mut cx: Cx<'_>, kp: u32, kl: u32, vp: u32, vl: u32, cas: u32| -> R {
+            if vl as usize > cx.data().max_header_bytes {
+                return Ok(status::BAD_ARGUMENT);
+            }
+            let (k, v) = match read_str(&cx, kp, kl).and_then(|k| read(&cx, vp, vl).map(|v| (k, v))) {
+                Ok(kv) => kv,
+                Err(s) => return Ok(s),
+            };
+            let shared = &mut cx.data_mut().shared;
+            let current = shared.get(&k).map_or(0, |(_, c)| *c);
+            if cas != 0 && cas != current {
+                return Ok(8); // CasMismatch
+            }
+            shared.insert(k, (v, current.wrapping_add(1)));
+            Ok(status::OK)
+        },
+    )?;
+    // Shared queues, HTTP and gRPC callouts, foreign functions: not offered.
+    linker.func_wrap(env, "proxy_register_shared_queue", |_: Cx<'_>, _: u32, _: u32, _: u32| -> R {
+        Ok(status::BAD_ARGUMENT)
+    })?;
+    linker.func_wrap(
+        env,
+        "proxy_resolve_shared_queue",
+        |_: Cx<'_>, _: u32, _: u32, _: u32, _: u32, _: u32| -> R { Ok(status::NOT_FOUND) },
+    )?;
+    linker.func_wrap(env, "proxy_dequeue_shared_queue", |_: Cx<'_>, _: u32, _: u32, _: u32| -> R {
+        Ok(status::NOT_FOUND)
+    })?;
+    linker.func_wrap(env, "proxy_enqueue_shared_queue", |_: Cx<'_>, _: u32, _: u32, _: u32| -> R {
+        Ok(status::NOT_FOUND)
+    })?;
+    linker.func_wrap(env, "proxy_continue_stream", |_: Cx<'_>, _: u32| -> R {
+        // Decisions are synchronous: there is nothing paused to resume.
+        Ok(status::OK)
+    })?;
+    linker.func_wrap(env, "proxy_close_stream", |_: Cx<'_>, _: u32| -> R { Ok(status::BAD_ARGUMENT) })?;
+    linker.func_wrap(
+        env,
+        "proxy_send_local_response",
+        |mut cx: Cx<'_>, code: u32, dp: u32, dl: u32, bp: u32, bl: u32, hp: u32, hl: u32, _grpc: i32| -> R {
+            let max = cx.data().max_header_bytes;
+            if hl as usize > max || bl as usize > max.saturating_mul(16) {
+                return Ok(status::BAD_ARGUMENT);
+            }
+            let (details, body, hdrs) = match (read(&cx, dp, dl), read(&cx, bp, bl), read(&cx, hp, hl)) {
+                (Ok(d), Ok(b), Ok(h)) => (d, b, h),
+                (Err(s), _, _) | (_, Err(s), _) | (_, _, Err(s)) => return Ok(s),
+            };
+            let Some(headers) = decode_map(&hdrs) else {
+                return Ok(status::BAD_ARGUMENT);
+            };
+            let Ok(status_code) = u16::try_from(code) else {
+                return Ok(status::BAD_ARGUMENT);
+            };
+            if !(200..=599).contains(&status_code) {
+                return Ok(status::BAD_ARGUMENT);
+            }
+            tracing::debug!(status = status_code, details = %String::from_utf8_lossy(&details), "policy sent a local response");
+            cx.data_mut().req.local = Some(rngd_policy_core::LocalResponse { status: status_code, body, headers });
+            Ok(status::OK)
+        },
+    )?;
+    linker.func_wrap(
+        env,
+        "proxy_http_call",
+        |_: Cx<'_>, _: u32, _: u32, _: u32, _: u32, _: u32, _: u32, _: u32, _: u32, _: u32, _: u32| -> R {
+            Ok(status::BAD_ARGUMENT)
+        },
+    )?;
+    linker.func_wrap(
+        env,
+        "proxy_grpc_call",
+        |_: Cx<'_>, _: u32, _: u32, _: u32, _: u32, _: u32, _: u32, _: u32, _: u32, _: u32, _: u32, _: u32, _: u32| -> R {
+            Ok(status::BAD_ARGUMENT)
+        },
+    )?;
+    linker.func_wrap(
+        env,
+        "proxy_grpc_stream",
+        |_: Cx<'_>, _: u32, _: u32, _: u32, _: u32, _: u32, _: u32, _: u32, _: u32, _: u32| -> R {
+            Ok(status::BAD_ARGUMENT)
+        },
+    )?;
+    linker.func_wrap(env, "proxy_grpc_send", |_: Cx<'_>, _: u32, _: u32, _: u32, _: u32| -> R {
+        Ok(status::NOT_FOUND)
+    })?;
+    linker.func_wrap(env, "proxy_grpc_cancel", |_: Cx<'_>, _: u32| -> R { Ok(status::NOT_FOUND) })?;
+    linker.func_wrap(env, "proxy_grpc_close", |_: Cx<'_>, _: u32| -> R { Ok(status::NOT_FOUND) })?;
+    linker.func_wrap(env, "proxy_get_status", |_: Cx<'_>, _: u32, _: u32, _: u32| -> R { Ok(status::NOT_FOUND) })?;
+    linker.func_wrap(env, "proxy_set_effective_context", |_: Cx<'_>, _: u32| -> R { Ok(status::OK) })?;
+    linker.func_wrap(
+        env,
+        "proxy_call_foreign_function",
+        |_: Cx<'_>, _: u32, _: u32, _: u32, _: u32, _: u32, _: u32| -> R { Ok(status::NOT_FOUND) },
+    )?;
+    linker.func_wrap(env, "proxy_done", |_: Cx<'_>| -> R { Ok(status::OK) })?;
+    linker.func_wrap(env, "proxy_define_metric", |mut cx: Cx<'_>, _kind: u32, np: u32, nl: u32, rid: u32| -> R {
+        let name = match read_str(&cx, np, nl) {
+            Ok(n) => n,
+            Err(s) => return Ok(s),
+        };
+        let metrics = &mut cx.data_mut().metrics;
+        if metrics.len() >= 1024 {
+            return Ok(status::BAD_ARGUMENT);
+        }
+        let id = metrics.iter().find(|(_, (n, _))| *n == name).map(|(id, _)| *id).unwrap_or(metrics.len() as u32 + 1);
+        metrics.entry(id).or_insert((name, 0));
+        Ok(write(&mut cx, rid, &id.to_le_bytes()).map_or_else(|s| s, |_| status::OK))
+    })?;
+    linker.func_wrap(env, "proxy_get_metric", |mut cx: Cx<'_>, id: u32, ret: u32| -> R {
+        let Some(v) = cx.data().metrics.get(&id).map(|(_, v)| *v) else {
+            return Ok(status::NOT_FOUND);
+        };
+        Ok(write(&mut cx, ret, &v.to_le_bytes()).map_or_else(|s| s, |_| status::OK))
+    })?;
+    linker.func_wrap(env, "proxy_record_metric", |mut cx: Cx<'_>, id: u32, value: u64| -> R {
+        match cx.data_mut().metrics.get_mut(&id) {
+            Some(m) => {
+                m.1 = value;
+                Ok(status::OK)
+            }
+            None => Ok(status::NOT_FOUND),
+        }
+    })?;
+    linker.func_wrap(env, "proxy_increment_metric", |mut cx: Cx<'_>, id: u32, offset: i64| -> R {
+        match cx.data_mut().metrics.get_mut(&id) {
+            Some(m) => {
+                m.1 = m.1.wrapping_add_signed(offset);
+                Ok(status::OK)
+            }
+            None => Ok(status::NOT_FOUND),
+        }
+    })?;
+
+    // WASI preview 1: stubs with no capabilities.
+    let wasi = "wasi_snapshot_preview1";
+    linker.func_wrap(wasi, "random_get", |mut cx: Cx<'_>, p: u32, l: u32| -> wasmtime::Result<i32> {
+        // Deterministic filler: the sandbox offers no entropy source. Only
+        // hash-map seeding in the guest's std reads this.
+        let mut seed = now_nanos() | 1;
+        let bytes: Vec<u8> = (0..l)
+            .map(|_| {
+                seed ^= seed << 13;
+                seed ^= seed >> 7;
+                seed ^= seed << 17;
+                seed as u8
+            })
+            .collect();
+        Ok(write(&mut cx, p, &bytes).map_or(WASI_EBADF, |_| 0))
+    })?;
+    linker.func_wrap(wasi, "environ_sizes_get", |mut cx: Cx<'_>, count: u32, size: u32| -> wasmtime::Result<i32> {
+        let ok = write(&mut cx, count, &0u32.to_le_bytes()).and_then(|_| write(&mut cx, size, &0u32.to_le_bytes()));
+        Ok(if ok.is_ok() { 0 } else { WASI_EBADF })
+    })?;
+    linker.func_wrap(wasi, "environ_get", |_: Cx<'_>, _: u32, _: u32| -> wasmtime::Result<i32> { Ok(0) })?;
+    linker.func_wrap(
+        wasi,
+        "fd_write",
+        |mut cx: Cx<'_>, fd: u32, iovs: u32, n: u32, written: u32| -> wasmtime::Result<i32> {
+            // stdout/stderr go to the log (a panicking guest prints its message here);
+            // no other descriptor exists.
+            if fd != 1 && fd != 2 {
+                return Ok(WASI_EBADF);
+            }
+            let mut total = 0u32;
+            let mut text = Vec::new();
+            for i in 0..n.min(64) {
+                let Ok(iov) = read(&cx, iovs.wrapping_add(i * 8), 8) else {
+                    return Ok(WASI_EBADF);
+                };
+                let p = u32::from_le_bytes([iov[0], iov[1], iov[2], iov[3]]);
+                let l = u32::from_le_bytes([iov[4], iov[5], iov[6], iov[7]]).min(64 * 1024);
+                let Ok(chunk) = read(&cx, p, l) else {
+                    return Ok(WASI_EBADF);
+                };
+                total = total.saturating_add(l);
+                text.extend_from_slice(&chunk);
+            }
+            let line = String::from_utf8_lossy(&text).trim_end().to_string();
+            if !line.is_empty() {
+                tracing::warn!(target: "policy_guest", fd, "{line}");
+                let errors = &mut cx.data_mut().errors;
+                if errors.len() < 16 {
+                    errors.push(line);
+                }
+            }
+            Ok(write(&mut cx, written, &total.to_le_bytes()).map_or(WASI_EBADF, |_| 0))
+        },
+    )?;
+    linker.func_wrap(wasi, "proc_exit", |_: Cx<'_>, code: u32| -> wasmtime::Result<()> {
+        Err(wasmtime::format_err!("guest called proc_exit({code})"))
+    })?;
+    Ok(())
+}

@@ -1,0 +1,81 @@
+//! `rngd-pd policy check FILE.wasm`: compile, instantiate, run the built-in
+//! canned requests and print the decisions.
+
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use rngd_policy_core::Decision;
+
+use crate::guest::{Guest, SnapshotProps};
+use crate::runtime::{canned_requests, compile, sandbox_engine, sandbox_linker};
+use crate::{PolicyError, SandboxLimits, sha256_hex};
+
+/// Arguments of `rngd-pd policy check`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct CheckArgs {
+    /// The `.wasm` module.
+    pub module: PathBuf,
+    /// Plugin configuration file (JSON); default `{}`.
+    #[arg(long)]
+    pub config: Option<PathBuf>,
+}
+
+impl CheckArgs {
+    /// Reads the configuration and runs [`check`].
+    pub fn run(&self) -> Result<String, PolicyError> {
+        let config = match &self.config {
+            Some(p) => std::fs::read(p).map_err(|e| PolicyError::Io { path: p.clone(), source: e })?,
+            None => b"{}".to_vec(),
+        };
+        check(&self.module, &config)
+    }
+}
+
+struct StopOnDrop(Arc<AtomicBool>);
+
+impl Drop for StopOnDrop {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::Relaxed);
+    }
+}
+
+/// Compiles and instantiates the module with `config`, runs the canned
+/// requests and returns a printable report of the decisions; any guest fault
+/// or missing decision is an error.
+pub fn check(path: &Path, config: &[u8]) -> Result<String, PolicyError> {
+    let wasm = std::fs::read(path).map_err(|e| PolicyError::Io { path: path.to_path_buf(), source: e })?;
+    let limits = SandboxLimits { instances: 1, ..SandboxLimits::default() };
+    let stop = StopOnDrop(Arc::new(AtomicBool::new(false)));
+    let engine = sandbox_engine(&limits, stop.0.clone())?;
+    let linker = sandbox_linker(&engine)?;
+    let pre = compile(&engine, &linker, &wasm)?;
+    let mut guest = Guest::new(&engine, &pre, &limits, config.to_vec().into())?;
+    let mut out = String::new();
+    let _ = writeln!(out, "module  {} ({} bytes, sha256 {})", path.display(), wasm.len(), sha256_hex(&wasm));
+    for (i, (name, req)) in canned_requests().into_iter().enumerate() {
+        let snap = req.endpoints.as_ref().map(|eps| SnapshotProps {
+            json: serde_json::to_string(eps).unwrap_or_default().into(),
+            version: format!("check-{i}").into(),
+        });
+        let decision = guest
+            .run(&req, snap.as_ref())
+            .map_err(|e| PolicyError::SelfTest { request: name, source: Box::new(e) })?;
+        let line = match decision {
+            Decision::Route(r) => format!(
+                "route  decode={} prefill={} transport={}",
+                r.decode,
+                r.prefill.as_deref().unwrap_or("(local)"),
+                r.kv_transport.as_deref().unwrap_or("-")
+            ),
+            Decision::Reject(l) => format!(
+                "reject {} {}",
+                l.status,
+                l.message().unwrap_or_else(|| String::from_utf8_lossy(&l.body).into_owned())
+            ),
+        };
+        let _ = writeln!(out, "{name:<32} {line}");
+    }
+    Ok(out)
+}

@@ -1,0 +1,240 @@
+//! One sandboxed guest instance: instantiation from an `InstancePre`, the root
+//! context lifecycle (`_initialize`, `proxy_on_vm_start`, `proxy_on_configure`)
+//! and the HTTP context lifecycle of one request.
+
+use std::sync::Arc;
+
+use rngd_api::headers;
+use rngd_policy_core::{Decision, Route};
+use wasmtime::{Engine, InstancePre, Module, Store, Trap, TypedFunc};
+
+use crate::abi::{HostState, RequestState};
+use crate::{PolicyError, PolicyRequest, SandboxLimits};
+
+const ROOT_CONTEXT: u32 = 1;
+
+/// The endpoint snapshot as the guest reads it: JSON plus a version.
+#[derive(Clone)]
+pub(crate) struct SnapshotProps {
+    pub json: Arc<str>,
+    pub version: Arc<str>,
+}
+
+/// Checks the module's exports before any instance exists.
+pub(crate) fn check_exports(module: &Module) -> Result<(), PolicyError> {
+    let has = |n: &str| module.get_export(n).is_some();
+    let mut missing: Vec<&str> = [
+        "memory",
+        "proxy_on_vm_start",
+        "proxy_on_configure",
+        "proxy_on_context_create",
+        "proxy_on_request_headers",
+    ]
+    .into_iter()
+    .filter(|n| !has(n))
+    .collect();
+    if !has("malloc") && !has("proxy_on_memory_allocate") {
+        missing.push("malloc or proxy_on_memory_allocate");
+    }
+    if !has("proxy_abi_version_0_2_1") && !has("proxy_abi_version_0_2_0") {
+        missing.push("proxy_abi_version_0_2_1");
+    }
+    if missing.is_empty() {
+        Ok(())
+    } else {
+        Err(PolicyError::Abi { detail: format!("missing exports: {}", missing.join(", ")) })
+    }
+}
+
+/// A live instance with its request entry points.
+pub(crate) struct Guest {
+    store: Store<HostState>,
+    on_context_create: TypedFunc<(u32, u32), ()>,
+    on_request_headers: TypedFunc<(u32, u32, u32), u32>,
+    on_request_body: Option<TypedFunc<(u32, u32, u32), u32>>,
+    on_done: Option<TypedFunc<u32, u32>>,
+    on_delete: Option<TypedFunc<u32, ()>>,
+    next_context: u32,
+    deadline_ticks: u64,
+    limits: SandboxLimits,
+}
+
+fn typed<P: wasmtime::WasmParams, R: wasmtime::WasmResults>(
+    instance: &wasmtime::Instance,
+    store: &mut Store<HostState>,
+    name: &str,
+) -> Result<Option<TypedFunc<P, R>>, PolicyError> {
+    match instance.get_func(&mut *store, name) {
+        None => Ok(None),
+        Some(f) => f
+            .typed::<P, R>(&*store)
+            .map(Some)
+            .map_err(|e| PolicyError::Abi { detail: format!("export {name}: {e}") }),
+    }
+}
+
+impl Guest {
+    /// Instantiates and configures a fresh instance.
+    pub fn new(
+        engine: &Engine,
+        pre: &InstancePre<HostState>,
+        limits: &SandboxLimits,
+        config: Arc<[u8]>,
+    ) -> Result<Guest, PolicyError> {
+        let mut store = Store::new(engine, HostState::new(limits, config.clone()));
+        store.limiter(|s| &mut s.limiter);
+        store.epoch_deadline_trap();
+        let tick = limits.epoch_tick.as_nanos().max(1);
+        let deadline_ticks = (limits.call_timeout.as_nanos().div_ceil(tick) as u64).max(1) + 1;
+        store.set_epoch_deadline(deadline_ticks);
+        let instance = match pre.instantiate(&mut store) {
+            Ok(i) => i,
+            Err(e) => return Err(classify(&store, e, limits)),
+        };
+        let memory = instance
+            .get_memory(&mut store, "memory")
+            .ok_or_else(|| PolicyError::Abi { detail: "no exported memory".into() })?;
+        let alloc = match typed::<u32, u32>(&instance, &mut store, "malloc")? {
+            Some(f) => f,
+            None => typed::<u32, u32>(&instance, &mut store, "proxy_on_memory_allocate")?
+                .ok_or_else(|| PolicyError::Abi { detail: "no allocator export".into() })?,
+        };
+        store.data_mut().memory = Some(memory);
+        store.data_mut().alloc = Some(alloc);
+        let need = |what: &str| PolicyError::Abi { detail: format!("missing export {what}") };
+        let on_vm_start =
+            typed::<(u32, u32), u32>(&instance, &mut store, "proxy_on_vm_start")?.ok_or_else(|| need("proxy_on_vm_start"))?;
+        let on_configure = typed::<(u32, u32), u32>(&instance, &mut store, "proxy_on_configure")?
+            .ok_or_else(|| need("proxy_on_configure"))?;
+        let on_context_create = typed::<(u32, u32), ()>(&instance, &mut store, "proxy_on_context_create")?
+            .ok_or_else(|| need("proxy_on_context_create"))?;
+        let on_request_headers = typed::<(u32, u32, u32), u32>(&instance, &mut store, "proxy_on_request_headers")?
+            .ok_or_else(|| need("proxy_on_request_headers"))?;
+        let on_request_body = typed::<(u32, u32, u32), u32>(&instance, &mut store, "proxy_on_request_body")?;
+        let on_done = typed::<u32, u32>(&instance, &mut store, "proxy_on_done")?;
+        let on_delete = typed::<u32, ()>(&instance, &mut store, "proxy_on_delete")?;
+
+        if let Some(init) = typed::<(), ()>(&instance, &mut store, "_initialize")? {
+            store.set_epoch_deadline(deadline_ticks);
+            init.call(&mut store, ()).map_err(|e| classify(&store, e, limits))?;
+        }
+        store.set_epoch_deadline(deadline_ticks);
+        on_context_create.call(&mut store, (ROOT_CONTEXT, 0)).map_err(|e| classify(&store, e, limits))?;
+        store.set_epoch_deadline(deadline_ticks);
+        let ok = on_vm_start.call(&mut store, (ROOT_CONTEXT, 0)).map_err(|e| classify(&store, e, limits))?;
+        if ok == 0 {
+            return Err(PolicyError::Rejected { phase: "vm start", guest_log: store.data().errors.clone() });
+        }
+        store.set_epoch_deadline(deadline_ticks);
+        let ok = on_configure
+            .call(&mut store, (ROOT_CONTEXT, config.len() as u32))
+            .map_err(|e| classify(&store, e, limits))?;
+        if ok == 0 {
+            return Err(PolicyError::Rejected { phase: "plugin configuration", guest_log: store.data().errors.clone() });
+        }
+        store.data_mut().errors.clear();
+        Ok(Guest {
+            store,
+            on_context_create,
+            on_request_headers,
+            on_request_body,
+            on_done,
+            on_delete,
+            next_context: ROOT_CONTEXT + 1,
+            deadline_ticks,
+            limits: limits.clone(),
+        })
+    }
+
+    /// Runs one request through a new HTTP context. On `Err` with
+    /// [`PolicyError::is_guest_fault`] the instance must be dropped.
+    pub fn run(&mut self, req: &PolicyRequest, snapshot: Option<&SnapshotProps>) -> Result<Decision, PolicyError> {
+        let ctx = self.next_context;
+        self.next_context = self.next_context.checked_add(1).unwrap_or(ROOT_CONTEXT + 1);
+        {
+            let st = &mut self.store.data_mut().req;
+            st.headers.clear();
+            st.headers.extend(req.headers.iter().cloned());
+            st.body.clear();
+            st.body.extend_from_slice(&req.body);
+            st.endpoints = snapshot.map(|s| s.json.clone());
+            st.endpoints_version = snapshot.map(|s| s.version.clone());
+            st.prompt_tokens = req.prompt_tokens.map(|n| n.to_string());
+            st.set.clear();
+            st.removed.clear();
+            st.local = None;
+        }
+        let result = self.run_context(ctx, req);
+        let st = std::mem::take(&mut self.store.data_mut().req);
+        result?;
+        decision_of(st)
+    }
+
+    fn run_context(&mut self, ctx: u32, req: &PolicyRequest) -> Result<(), PolicyError> {
+        let end_of_stream = u32::from(req.body.is_empty());
+        self.arm();
+        self.on_context_create.call(&mut self.store, (ctx, ROOT_CONTEXT)).map_err(|e| self.fault(e))?;
+        self.arm();
+        self.on_request_headers
+            .call(&mut self.store, (ctx, req.headers.len() as u32, end_of_stream))
+            .map_err(|e| self.fault(e))?;
+        if end_of_stream == 0
+            && self.store.data().req.local.is_none()
+            && let Some(body) = self.on_request_body.clone()
+        {
+            self.arm();
+            body.call(&mut self.store, (ctx, req.body.len() as u32, 1)).map_err(|e| self.fault(e))?;
+        }
+        if let Some(done) = self.on_done.clone() {
+            self.arm();
+            done.call(&mut self.store, ctx).map_err(|e| self.fault(e))?;
+        }
+        if let Some(delete) = self.on_delete.clone() {
+            self.arm();
+            delete.call(&mut self.store, ctx).map_err(|e| self.fault(e))?;
+        }
+        Ok(())
+    }
+
+    fn arm(&mut self) {
+        self.store.set_epoch_deadline(self.deadline_ticks);
+    }
+
+    fn fault(&self, e: wasmtime::Error) -> PolicyError {
+        classify(&self.store, e, &self.limits)
+    }
+}
+
+/// Maps a wasmtime call error to the matching guest fault.
+fn classify(store: &Store<HostState>, e: wasmtime::Error, limits: &SandboxLimits) -> PolicyError {
+    if store.data().limiter.hit {
+        return PolicyError::GuestMemory { limit: limits.memory_bytes };
+    }
+    if let Some(Trap::Interrupt) = e.downcast_ref::<Trap>() {
+        return PolicyError::GuestTimeout { limit: limits.call_timeout };
+    }
+    PolicyError::GuestTrap { message: format!("{e:#}"), guest_log: store.data().errors.clone() }
+}
+
+/// Reads the decision out of what the guest did to the request.
+fn decision_of(st: RequestState) -> Result<Decision, PolicyError> {
+    if let Some(local) = st.local {
+        return Ok(Decision::Reject(local));
+    }
+    let get = |name: &str| st.set.iter().find(|(k, _)| k == name).map(|(_, v)| v.clone());
+    let Some(decode) = get(headers::DESTINATION_ENDPOINT) else {
+        return Err(PolicyError::NoDecision {
+            detail: format!(
+                "neither {} was set nor a local response sent (headers set: {:?})",
+                headers::DESTINATION_ENDPOINT,
+                st.set.iter().map(|(k, _)| k.as_str()).collect::<Vec<_>>()
+            ),
+        });
+    };
+    Ok(Decision::Route(Route {
+        decode,
+        prefill: get(headers::PREFILLER_HOST_PORT),
+        kv_transport: get(headers::KV_TRANSPORT),
+        headers: st.set,
+    }))
+}
