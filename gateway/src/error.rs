@@ -1,0 +1,394 @@
+//! Errors of the gateway.
+//!
+//! - [`GatewayError`]: failures of the library outside a request (startup,
+//!   configuration, binding).
+//! - [`ApiError`]: everything a request can fail with. It is the ONE place that
+//!   decides the HTTP status and the OpenAI-style message a client sees; causes
+//!   are logged in full and never leak into the body beyond a curated message.
+
+use std::fmt;
+
+use axum::http::{HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use rngd_api::openai::ErrorBody;
+
+/// A boxed error cause (trait objects from pluggable edges: policy, tokenizer, scraper).
+pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
+
+/// Errors of the gateway library outside a request.
+#[derive(Debug, thiserror::Error)]
+pub enum GatewayError {
+    /// The configuration is unusable.
+    #[error("configuration: {0}")]
+    Config(String),
+    /// A file could not be read.
+    #[error("reading {path}: {source}")]
+    Read {
+        /// The file.
+        path: String,
+        /// Cause.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The endpoints file is not a JSON list of endpoints.
+    #[error("endpoints file {path}: {source}")]
+    Endpoints {
+        /// The file.
+        path: String,
+        /// Cause.
+        #[source]
+        source: serde_json::Error,
+    },
+    /// Binding or serving a listener failed.
+    #[error("listener {addr}: {source}")]
+    Listen {
+        /// Address.
+        addr: String,
+        /// Cause.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The tokenizer could not be loaded.
+    #[error("tokenizer: {0}")]
+    Tokenizer(#[source] BoxError),
+    /// The policy could not be loaded.
+    #[error("policy: {0}")]
+    Policy(#[source] BoxError),
+    /// Metrics could not be registered.
+    #[error("metrics: {0}")]
+    Metrics(#[from] rngd_telemetry::TelemetryError),
+    /// The HTTP client could not be built.
+    #[error("http client: {0}")]
+    Client(#[source] reqwest::Error),
+}
+
+/// The stage of the PD flow an upstream failure happened in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Stage {
+    /// The call to the prefill worker.
+    Prefill,
+    /// The call to the decode (or only) worker.
+    Decode,
+}
+
+impl Stage {
+    /// `prefill` or `decode`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Stage::Prefill => "prefill",
+            Stage::Decode => "decode",
+        }
+    }
+}
+
+impl fmt::Display for Stage {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// Everything a request can fail with; [`IntoResponse`] maps each to a status
+/// and an OpenAI-style error body, here and nowhere else.
+#[derive(Debug, thiserror::Error)]
+pub enum ApiError {
+    /// Malformed JSON, wrong types, unsupported values → 400.
+    #[error("{message}")]
+    BadRequest {
+        /// Message for the client.
+        message: String,
+        /// Offending parameter.
+        param: Option<String>,
+    },
+    /// The requested model is not served → 404.
+    #[error("model '{0}' does not exist")]
+    ModelNotFound(String),
+    /// No route → 404.
+    #[error("no route for {0}")]
+    NotFound(String),
+    /// Body over the limit → 413.
+    #[error("request body exceeds the limit of {limit} bytes")]
+    PayloadTooLarge {
+        /// The limit.
+        limit: usize,
+    },
+    /// The body could not be read from the client → 400.
+    #[error("reading the request body: {0}")]
+    BodyRead(#[source] BoxError),
+    /// The policy answered locally (reject): its status and body pass through.
+    #[error("policy rejected the request with status {status}")]
+    PolicyReject {
+        /// HTTP status chosen by the policy.
+        status: u16,
+        /// Body (OpenAI-style JSON) chosen by the policy.
+        body: Vec<u8>,
+    },
+    /// The policy failed (trap, timeout, memory cap, bad output) → 500.
+    #[error("routing policy failed: {0}")]
+    Policy(#[source] BoxError),
+    /// The tokenizer failed on the prompt → 400.
+    #[error("tokenizing the prompt: {0}")]
+    Tokenize(#[source] BoxError),
+    /// A worker could not be reached or broke the protocol → 502.
+    #[error("{stage} worker {address} failed: {detail}")]
+    Upstream {
+        /// Which call.
+        stage: Stage,
+        /// Worker `host:port`.
+        address: String,
+        /// What went wrong (curated, no internals).
+        detail: String,
+        /// Cause, logged.
+        #[source]
+        source: Option<BoxError>,
+    },
+    /// A worker answered with an error status.
+    #[error("{stage} worker {address} answered {status}: {message}")]
+    UpstreamStatus {
+        /// Which call.
+        stage: Stage,
+        /// Worker `host:port`.
+        address: String,
+        /// Its status.
+        status: u16,
+        /// Its error message (from its OpenAI error body, if any).
+        message: String,
+        /// Its error code, if any.
+        code: Option<String>,
+    },
+    /// A worker did not answer in time → 504.
+    #[error("{stage} worker {address} timed out after {after_ms} ms")]
+    Timeout {
+        /// Which call.
+        stage: Stage,
+        /// Worker `host:port`.
+        address: String,
+        /// The timeout.
+        after_ms: u64,
+    },
+    /// A bug or an impossible state → 500.
+    #[error("internal error: {0}")]
+    Internal(String),
+}
+
+impl ApiError {
+    /// A 400 with a message.
+    pub fn bad_request(message: impl Into<String>) -> Self {
+        ApiError::BadRequest {
+            message: message.into(),
+            param: None,
+        }
+    }
+
+    /// A 400 naming the offending parameter.
+    pub fn bad_param(param: &str, message: impl Into<String>) -> Self {
+        ApiError::BadRequest {
+            message: message.into(),
+            param: Some(param.to_string()),
+        }
+    }
+
+    /// The HTTP status this error maps to.
+    pub fn status(&self) -> StatusCode {
+        match self {
+            ApiError::BadRequest { .. } | ApiError::BodyRead(_) | ApiError::Tokenize(_) => {
+                StatusCode::BAD_REQUEST
+            }
+            ApiError::ModelNotFound(_) | ApiError::NotFound(_) => StatusCode::NOT_FOUND,
+            ApiError::PayloadTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
+            ApiError::PolicyReject { status, .. } => {
+                StatusCode::from_u16(*status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR)
+            }
+            ApiError::Policy(_) | ApiError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
+            ApiError::Upstream { .. } => StatusCode::BAD_GATEWAY,
+            // A worker's client error (bad sampling value, over-length) is the
+            // client's: pass it through. Anything else from a worker is a
+            // failed stage.
+            ApiError::UpstreamStatus { status, .. } => match *status {
+                400 | 404 | 413 | 422 => {
+                    StatusCode::from_u16(*status).unwrap_or(StatusCode::BAD_GATEWAY)
+                }
+                504 => StatusCode::GATEWAY_TIMEOUT,
+                _ => StatusCode::BAD_GATEWAY,
+            },
+            ApiError::Timeout { .. } => StatusCode::GATEWAY_TIMEOUT,
+        }
+    }
+
+    /// The OpenAI-style body the client sees.
+    pub fn body(&self) -> ErrorBody {
+        let status = self.status().as_u16();
+        let kind = ErrorBody::kind_for_status(status);
+        match self {
+            ApiError::BadRequest { message, param } => {
+                let b = ErrorBody::new(kind, message.clone());
+                match param {
+                    Some(p) => b.with_param(p),
+                    None => b,
+                }
+            }
+            ApiError::ModelNotFound(m) => {
+                ErrorBody::new(kind, format!("The model '{m}' does not exist"))
+                    .with_param("model")
+                    .with_code("model_not_found")
+            }
+            ApiError::NotFound(p) => ErrorBody::new(kind, format!("no route for {p}")),
+            ApiError::PayloadTooLarge { limit } => ErrorBody::new(
+                kind,
+                format!("request body exceeds the limit of {limit} bytes"),
+            )
+            .with_code("request_too_large"),
+            ApiError::BodyRead(_) => ErrorBody::new(kind, "the request body could not be read"),
+            ApiError::PolicyReject { status, body } => policy_body(*status, body),
+            ApiError::Policy(_) => {
+                ErrorBody::new(kind, "the routing policy failed on this request")
+                    .with_code("policy_error")
+            }
+            ApiError::Tokenize(_) => {
+                ErrorBody::new(kind, "the prompt could not be tokenized").with_param("prompt")
+            }
+            ApiError::Upstream {
+                stage,
+                address,
+                detail,
+                ..
+            } => ErrorBody::new(
+                kind,
+                format!("{stage} stage failed: worker {address}: {detail}"),
+            )
+            .with_code(&format!("{stage}_failed")),
+            ApiError::UpstreamStatus {
+                stage,
+                address,
+                status: up,
+                message,
+                code,
+            } => {
+                if self.status().is_client_error() {
+                    let b = ErrorBody::new(kind, message.clone());
+                    match code {
+                        Some(c) => b.with_code(c),
+                        None => b,
+                    }
+                } else {
+                    ErrorBody::new(
+                        kind,
+                        format!("{stage} stage failed: worker {address} answered {up}: {message}"),
+                    )
+                    .with_code(&format!("{stage}_failed"))
+                }
+            }
+            ApiError::Timeout {
+                stage,
+                address,
+                after_ms,
+            } => ErrorBody::new(
+                kind,
+                format!(
+                    "{stage} stage timed out: worker {address} did not answer within {after_ms} ms"
+                ),
+            )
+            .with_code(&format!("{stage}_timeout")),
+            ApiError::Internal(_) => ErrorBody::new(kind, "internal error"),
+        }
+    }
+}
+
+/// The policy's local response body as an OpenAI error: passed through when it
+/// already is one, wrapped otherwise.
+fn policy_body(status: u16, body: &[u8]) -> ErrorBody {
+    if let Ok(b) = serde_json::from_slice::<ErrorBody>(body) {
+        return b;
+    }
+    let text = String::from_utf8_lossy(body);
+    let text = text.trim();
+    let message = if text.is_empty() {
+        format!("request rejected by the routing policy (status {status})")
+    } else {
+        text.chars().take(1000).collect()
+    };
+    ErrorBody::new(ErrorBody::kind_for_status(status), message)
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let status = self.status();
+        if status.is_server_error() {
+            tracing::warn!(status = status.as_u16(), error = %self, cause = ?std::error::Error::source(&self), "request failed");
+        } else {
+            tracing::debug!(status = status.as_u16(), error = %self, "request refused");
+        }
+        let body = serde_json::to_vec(&self.body()).unwrap_or_else(|_| b"{\"error\":{}}".to_vec());
+        let mut resp = (status, body).into_response();
+        resp.headers_mut().insert(
+            http::header::CONTENT_TYPE,
+            HeaderValue::from_static("application/json"),
+        );
+        resp
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn statuses() {
+        assert_eq!(ApiError::bad_request("x").status(), 400);
+        assert_eq!(ApiError::ModelNotFound("m".into()).status(), 404);
+        assert_eq!(ApiError::PayloadTooLarge { limit: 1 }.status(), 413);
+        assert_eq!(ApiError::Policy("trap".into()).status(), 500);
+        let up = ApiError::Upstream {
+            stage: Stage::Prefill,
+            address: "a:1".into(),
+            detail: "connection refused".into(),
+            source: None,
+        };
+        assert_eq!(up.status(), 502);
+        assert!(up.body().error.message.contains("prefill"));
+        let t = ApiError::Timeout {
+            stage: Stage::Decode,
+            address: "a:1".into(),
+            after_ms: 5,
+        };
+        assert_eq!(t.status(), 504);
+        assert!(t.body().error.message.contains("decode"));
+    }
+
+    #[test]
+    fn policy_reject_passes_status_and_json_through() {
+        let body =
+            serde_json::to_vec(&ErrorBody::new("invalid_request_error", "too long").with_code("c"))
+                .unwrap();
+        let e = ApiError::PolicyReject { status: 429, body };
+        assert_eq!(e.status(), 429);
+        assert_eq!(e.body().error.message, "too long");
+        let e = ApiError::PolicyReject {
+            status: 503,
+            body: b"no endpoint".to_vec(),
+        };
+        assert_eq!(e.body().error.message, "no endpoint");
+        assert_eq!(e.body().error.kind, "server_error");
+    }
+
+    #[test]
+    fn upstream_client_errors_pass_through() {
+        let e = ApiError::UpstreamStatus {
+            stage: Stage::Decode,
+            address: "a:1".into(),
+            status: 400,
+            message: "bad temperature".into(),
+            code: None,
+        };
+        assert_eq!(e.status(), 400);
+        assert_eq!(e.body().error.message, "bad temperature");
+        let e = ApiError::UpstreamStatus {
+            stage: Stage::Prefill,
+            address: "a:1".into(),
+            status: 500,
+            message: "boom".into(),
+            code: None,
+        };
+        assert_eq!(e.status(), 502);
+        assert!(e.body().error.message.contains("prefill stage failed"));
+    }
+}
