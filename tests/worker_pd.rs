@@ -131,6 +131,9 @@ impl Env {
             ("AIRM_KV_SHM_TTL_S", TTL_S.to_string()),
             ("AIRM_KV_TCP_TTL_S", TTL_S.to_string()),
             ("RNGD_PD_KV_PULL_TIMEOUT_MS", "3000".to_string()),
+            // As the Helm chart runs cpu workers: the device lookup finds no card, which the cpu backend only logs.
+            ("RNGD_PD_CHIP", "-1".to_string()),
+            ("RNGD_PD_KUBELET_CHECKPOINT", dir.path().join("no-checkpoint").display().to_string()),
         ];
         Env { dir, envs }
     }

@@ -232,8 +232,21 @@ pub async fn run(args: WorkerArgs) -> Result<(), WorkerError> {
             "--seq-len and --batch must be at least 1".into(),
         ));
     }
-    let device = select_device(&args)?;
-    tracing::info!(role = args.role.as_str(), backend = args.backend.as_str(), ordinal = device.ordinal, card = ?device.card, source = ?device.source, "device selected");
+    match select_device(&args) {
+        Ok(d) => tracing::info!(
+            role = args.role.as_str(),
+            backend = args.backend.as_str(),
+            ordinal = d.ordinal,
+            card = ?d.card,
+            source = ?d.source,
+            "device selected"
+        ),
+        // The cpu backend uses no card: a failed lookup (no cards on a CPU node) is only reported.
+        Err(e) if args.backend == Backend::Cpu => {
+            tracing::info!(error = %e, "cpu backend: no NPU card is used")
+        }
+        Err(e) => return Err(e),
+    }
     let transports = Transports::from_env(args.kv_transport.clone()).map_err(|source| {
         WorkerError::Transport {
             name: args.kv_transport.clone(),
