@@ -1,1 +1,342 @@
-//! `rngd-pd bench gateway`: latency the gateway adds over calling a worker directly
+//! `rngd-pd bench gateway`: the latency the gateway adds (policy + proxying)
+//! over calling the decode worker directly.
+//!
+//! Both paths run in the same process and the same run, against the same
+//! in-process decode worker serving a **fake instant engine**
+//! (`rngd_engine::fake::EchoEngine`), so the model does not dominate. The
+//! gateway runs the real wasm policy module (`pd_default`). Requests are
+//! short prompts (under the policy's disaggregation threshold), so both paths
+//! do the same worker work: the difference is the gateway alone. Direct and
+//! gateway requests alternate, one at a time, after a warm-up.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use rngd_gateway::launch::{LaunchOptions, PolicyChoice, TokenizerChoice};
+use rngd_gateway::{BoxError, GatewayConfig, PromptTokenizer, endpoints};
+use rngd_policy_core::Role;
+use serde::Serialize;
+
+/// Errors of the benchmark.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// The policy module is missing.
+    #[error(
+        "policy module not found at {0}: build it with `policies/build.sh` or pass --policy PATH"
+    )]
+    PolicyMissing(PathBuf),
+    /// The in-process worker failed to start.
+    #[error("worker: {0}")]
+    Worker(String),
+    /// The gateway failed to start.
+    #[error("gateway: {0}")]
+    Gateway(#[from] rngd_gateway::GatewayError),
+    /// Binding a listener failed.
+    #[error("binding: {0}")]
+    Bind(#[source] std::io::Error),
+    /// A request failed.
+    #[error("{path} request: {source}")]
+    Request {
+        /// `direct` or `gateway`.
+        path: &'static str,
+        /// Cause.
+        #[source]
+        source: reqwest::Error,
+    },
+    /// A request answered with an error status.
+    #[error("{path} request answered {status}: {body}")]
+    Status {
+        /// `direct` or `gateway`.
+        path: &'static str,
+        /// Status.
+        status: u16,
+        /// Body.
+        body: String,
+    },
+    /// The two paths answered differently.
+    #[error("gateway and direct answers differ: {0}")]
+    Mismatch(String),
+}
+
+/// Flags.
+#[derive(Debug, Clone, clap::Args)]
+pub struct Args {
+    /// Measured requests per path.
+    #[arg(long, default_value_t = 2000)]
+    pub requests: usize,
+    /// Warm-up requests per path (not measured).
+    #[arg(long, default_value_t = 200)]
+    pub warmup: usize,
+    /// Tokens generated per request.
+    #[arg(long, default_value_t = 8)]
+    pub max_tokens: u32,
+    /// Stream the responses (SSE) instead of one JSON body.
+    #[arg(long)]
+    pub stream: bool,
+    /// Policy module; default: the `pd_default` guest built by `policies/build.sh`.
+    #[arg(long)]
+    pub policy: Option<PathBuf>,
+    /// Print only the JSON line.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// The result.
+#[derive(Debug, Clone, Serialize)]
+pub struct Report {
+    /// What served the requests (a fake instant engine).
+    pub engine: String,
+    /// Policy module used by the gateway.
+    pub policy: String,
+    /// Measured requests per path.
+    pub requests: usize,
+    /// Tokens generated per request.
+    pub max_tokens: u32,
+    /// Whether responses were streamed.
+    pub stream: bool,
+    /// Direct to the decode worker, p50 ms.
+    pub direct_p50_ms: f64,
+    /// Direct, p99 ms.
+    pub direct_p99_ms: f64,
+    /// Through the gateway, p50 ms.
+    pub gateway_p50_ms: f64,
+    /// Through the gateway, p99 ms.
+    pub gateway_p99_ms: f64,
+    /// gateway_p50 − direct_p50, ms.
+    pub added_p50_ms: f64,
+    /// gateway_p99 − direct_p99, ms.
+    pub added_p99_ms: f64,
+    /// The target for `added_p99_ms`.
+    pub target_added_p99_ms: f64,
+}
+
+/// One token per UTF-8 byte, like `EchoEngine` (benchmark tokenizer).
+struct ByteTokenizer;
+
+impl PromptTokenizer for ByteTokenizer {
+    fn model_name(&self) -> &str {
+        "echo"
+    }
+    fn count(&self, text: &str) -> Result<usize, BoxError> {
+        Ok(text.len())
+    }
+    fn chat_prompt(&self, messages: &[(String, String)]) -> Result<String, BoxError> {
+        Ok(messages
+            .iter()
+            .map(|(r, c)| format!("{r}: {c}\n"))
+            .collect())
+    }
+}
+
+fn pct(sorted: &[f64], p: f64) -> f64 {
+    if sorted.is_empty() {
+        return 0.0;
+    }
+    let rank = ((p / 100.0) * sorted.len() as f64).ceil() as usize;
+    sorted[rank.clamp(1, sorted.len()) - 1]
+}
+
+async fn one(
+    client: &reqwest::Client,
+    path: &'static str,
+    url: &str,
+    body: &serde_json::Value,
+) -> Result<(Duration, Vec<u8>), Error> {
+    let t = Instant::now();
+    let resp = client
+        .post(url)
+        .json(body)
+        .send()
+        .await
+        .map_err(|source| Error::Request { path, source })?;
+    let status = resp.status().as_u16();
+    let bytes = resp
+        .bytes()
+        .await
+        .map_err(|source| Error::Request { path, source })?;
+    let took = t.elapsed();
+    if status != 200 {
+        return Err(Error::Status {
+            path,
+            status,
+            body: String::from_utf8_lossy(&bytes).into_owned(),
+        });
+    }
+    Ok((took, bytes.to_vec()))
+}
+
+fn text_of(stream: bool, bytes: &[u8]) -> String {
+    if !stream {
+        let v: serde_json::Value = serde_json::from_slice(bytes).unwrap_or_default();
+        return v["choices"][0]["text"].as_str().unwrap_or("").to_string();
+    }
+    let mut out = String::new();
+    for line in String::from_utf8_lossy(bytes).lines() {
+        if let Some(d) = line.strip_prefix("data: ")
+            && let Ok(v) = serde_json::from_str::<serde_json::Value>(d)
+            && let Some(t) = v["choices"][0]["text"].as_str()
+        {
+            out.push_str(t);
+        }
+    }
+    out
+}
+
+/// Runs the benchmark.
+pub async fn run(args: Args) -> Result<Report, Error> {
+    let policy = match &args.policy {
+        Some(p) if p.is_file() => p.clone(),
+        Some(p) => return Err(Error::PolicyMissing(p.clone())),
+        None => rngd_policy_host::find_built_module("pd_default", "wasm32-unknown-unknown")
+            .map_err(Error::PolicyMissing)?,
+    };
+    // The decode worker, on the fake instant engine.
+    let engine = Arc::new(rngd_engine::fake::EchoEngine::new(512));
+    let transports =
+        rngd_worker::Transports::from_env("shm").map_err(|e| Error::Worker(e.to_string()))?;
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .map_err(Error::Bind)?;
+    let worker = rngd_worker::serve(
+        l,
+        engine,
+        transports,
+        rngd_worker::WorkerConfig::new(rngd_worker::Role::Decode),
+    )
+    .await
+    .map_err(|e| Error::Worker(e.to_string()))?;
+    let worker_addr = worker.addr.to_string();
+
+    let launched = rngd_gateway::launch::launch(LaunchOptions {
+        listen: "127.0.0.1:0".into(),
+        kpi_listen: None,
+        endpoints: vec![endpoints::local_endpoint(
+            worker_addr.clone(),
+            Role::Decode,
+            512,
+            &["shm".into()],
+        )],
+        policy: PolicyChoice::Wasm {
+            module: policy.clone(),
+            config: Vec::new(),
+            limits: Default::default(),
+            watch_every: None,
+        },
+        admin_token: None,
+        tokenizer: TokenizerChoice::Custom(Arc::new(ByteTokenizer)),
+        config: GatewayConfig::default(),
+        scrape_every: Duration::from_millis(50),
+        stale_after: Duration::from_secs(2),
+    })
+    .await?;
+    // Ready: the first scrape has marked the worker healthy.
+    launched
+        .gateway
+        .endpoints()
+        .scrape_once(&rngd_gateway::HttpLoadSource::new(Duration::from_secs(2))?)
+        .await;
+
+    let client = reqwest::Client::builder()
+        .tcp_nodelay(true)
+        .build()
+        .map_err(|source| Error::Request {
+            path: "client",
+            source,
+        })?;
+    let direct_url = format!("http://{worker_addr}/v1/completions");
+    let gateway_url = format!("http://{}/v1/completions", launched.addr);
+    let body = serde_json::json!({
+        "model": "echo", "prompt": "tiny prompt", "max_tokens": args.max_tokens,
+        "temperature": 0, "stream": args.stream,
+    });
+    // Same answer both ways, or the comparison means nothing.
+    let (_, a) = one(&client, "direct", &direct_url, &body).await?;
+    let (_, b) = one(&client, "gateway", &gateway_url, &body).await?;
+    let (ta, tb) = (text_of(args.stream, &a), text_of(args.stream, &b));
+    if ta != tb || ta.is_empty() {
+        return Err(Error::Mismatch(format!("direct {ta:?} vs gateway {tb:?}")));
+    }
+    for _ in 0..args.warmup {
+        one(&client, "direct", &direct_url, &body).await?;
+        one(&client, "gateway", &gateway_url, &body).await?;
+    }
+    let mut direct = Vec::with_capacity(args.requests);
+    let mut gateway = Vec::with_capacity(args.requests);
+    for i in 0..args.requests {
+        // Alternate which path goes first so neither gets a systematic edge.
+        if i % 2 == 0 {
+            direct.push(
+                one(&client, "direct", &direct_url, &body)
+                    .await?
+                    .0
+                    .as_secs_f64()
+                    * 1e3,
+            );
+            gateway.push(
+                one(&client, "gateway", &gateway_url, &body)
+                    .await?
+                    .0
+                    .as_secs_f64()
+                    * 1e3,
+            );
+        } else {
+            gateway.push(
+                one(&client, "gateway", &gateway_url, &body)
+                    .await?
+                    .0
+                    .as_secs_f64()
+                    * 1e3,
+            );
+            direct.push(
+                one(&client, "direct", &direct_url, &body)
+                    .await?
+                    .0
+                    .as_secs_f64()
+                    * 1e3,
+            );
+        }
+    }
+    direct.sort_by(f64::total_cmp);
+    gateway.sort_by(f64::total_cmp);
+    launched.shutdown();
+    let _ = launched.join().await;
+    let _ = worker.stop().await;
+    let r = |x: f64| (x * 1000.0).round() / 1000.0;
+    let report = Report {
+        engine: "EchoEngine (fake instant engine: measures the gateway, not a model)".into(),
+        policy: policy.display().to_string(),
+        requests: args.requests,
+        max_tokens: args.max_tokens,
+        stream: args.stream,
+        direct_p50_ms: r(pct(&direct, 50.0)),
+        direct_p99_ms: r(pct(&direct, 99.0)),
+        gateway_p50_ms: r(pct(&gateway, 50.0)),
+        gateway_p99_ms: r(pct(&gateway, 99.0)),
+        added_p50_ms: r(pct(&gateway, 50.0) - pct(&direct, 50.0)),
+        added_p99_ms: r(pct(&gateway, 99.0) - pct(&direct, 99.0)),
+        target_added_p99_ms: 1.0,
+    };
+    if !args.json {
+        println!("gateway overhead benchmark — engine: {}", report.engine);
+        println!("policy module: {}", report.policy);
+        println!(
+            "{} requests per path, max_tokens {}, stream {}",
+            report.requests, report.max_tokens, report.stream
+        );
+        println!(
+            "direct : p50 {:.3} ms  p99 {:.3} ms",
+            report.direct_p50_ms, report.direct_p99_ms
+        );
+        println!(
+            "gateway: p50 {:.3} ms  p99 {:.3} ms",
+            report.gateway_p50_ms, report.gateway_p99_ms
+        );
+        println!(
+            "added  : p50 {:.3} ms  p99 {:.3} ms (target ≤ {} ms at p99)",
+            report.added_p50_ms, report.added_p99_ms, report.target_added_p99_ms
+        );
+    }
+    println!("{}", serde_json::to_string(&report).unwrap_or_default());
+    Ok(report)
+}
