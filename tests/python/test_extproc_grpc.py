@@ -1,0 +1,154 @@
+"""`rngd-pd ext-proc` alone, driven by an independent ext_proc client (grpcio +
+xds-protos): protocol edge cases. The endpoints file lists fake model servers
+(Python) whose `/metrics` the picker scrapes; the policy is the real
+pd_default.wasm.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from epp.helpers import (
+    BUFFERED,
+    ExtProc,
+    ModelServerFake,
+    body_req,
+    endpoint_json,
+    exchange,
+    headers_req,
+    immediate,
+    lb_destination,
+    policy_module,
+    post_headers,
+    set_headers,
+    streamed_request_chunks,
+)
+
+
+@pytest.fixture(scope="module")
+def epp(tmp_path_factory):
+    busy = ModelServerFake(waiting=5, running=2, kv=0.5)
+    idle = ModelServerFake(waiting=0, running=0, kv=0.0)
+    d = tmp_path_factory.mktemp("epp")
+    eps = d / "endpoints.json"
+    eps.write_text(json.dumps([endpoint_json(busy.address), endpoint_json(idle.address)]))
+    cfg = d / "policy.json"
+    cfg.write_text(json.dumps({"disaggregation_threshold_tokens": 100000}))
+    e = ExtProc(eps, policy_module(), cfg)
+    e.busy, e.idle = busy, idle
+    # Wait (by polling) until the first scrapes made both fakes healthy: a GET routes.
+    deadline = time.monotonic() + 30
+    while True:
+        r = exchange(e.grpc, [headers_req([(":method", "GET"), (":path", "/v1/models")], end_of_stream=True)])
+        if immediate(r) is None:
+            break
+        assert time.monotonic() < deadline, f"no endpoint became healthy: {r}"
+        time.sleep(0.05)
+    yield e
+    code = e.stop()
+    busy.close()
+    idle.close()
+    assert code == 0, f"ext-proc exited with {code} on SIGINT"
+
+
+def completion(prompt="Hello there", **extra) -> bytes:
+    return json.dumps({"model": "SmolLM2-135M-Instruct", "prompt": prompt, "max_tokens": 4, **extra}).encode()
+
+
+def test_body_split_across_many_chunks(epp):
+    body = completion()
+    msgs = [post_headers()] + [body_req(body[i : i + 3], i + 3 >= len(body)) for i in range(0, len(body), 3)]
+    resps = exchange(epp.grpc, msgs)
+    first = resps[0]
+    assert first.WhichOneof("response") == "request_headers", resps
+    assert first.request_headers.response.clear_route_cache
+    hdrs = set_headers(first)
+    # Scraped load steers the pick: the idle fake wins over the busy one.
+    assert hdrs["x-gateway-destination-endpoint"] == epp.idle.address
+    assert hdrs["content-length"] == str(len(body))
+    assert lb_destination(first) == epp.idle.address
+    chunks = streamed_request_chunks(resps)
+    assert b"".join(c for c, _ in chunks) == body
+    assert chunks[-1][1] and not any(e for _, e in chunks[:-1])
+
+
+def test_empty_body_is_400(epp):
+    resps = exchange(epp.grpc, [post_headers(), body_req(b"", True)])
+    im = immediate(resps)
+    assert im is not None and im.status.code == 400, resps
+    assert json.loads(im.body)["error"]["type"] == "invalid_request_error"
+
+
+def test_get_without_body_is_routed_at_once(epp):
+    resps = exchange(epp.grpc, [headers_req([(":method", "GET"), (":path", "/v1/models")], end_of_stream=True)])
+    assert len(resps) == 1 and resps[0].WhichOneof("response") == "request_headers"
+    hdrs = set_headers(resps[0])
+    assert hdrs["x-gateway-destination-endpoint"] in (epp.idle.address, epp.busy.address)
+    assert "content-length" not in hdrs
+
+
+def test_malformed_json_is_400(epp):
+    resps = exchange(epp.grpc, [post_headers(), body_req(b'{"model": "m", "prompt": ', True)])
+    im = immediate(resps)
+    assert im is not None and im.status.code == 400
+    assert len(resps) == 1, "the stream closes after the immediate response"
+
+
+def test_missing_model_is_400(epp):
+    resps = exchange(epp.grpc, [post_headers(), body_req(b'{"prompt": "hi"}', True)])
+    im = immediate(resps)
+    assert im is not None and im.status.code == 400
+    assert json.loads(im.body)["error"]["code"] == "missing_model"
+
+
+def test_one_megabyte_body_resent_in_chunks(epp):
+    body = completion(pad="x" * (1 << 20))
+    assert len(body) > 1_000_000
+    msgs = [post_headers()] + [body_req(body[i : i + 32768], i + 32768 >= len(body)) for i in range(0, len(body), 32768)]
+    resps = exchange(epp.grpc, msgs)
+    assert immediate(resps) is None, immediate(resps)
+    assert set_headers(resps[0])["content-length"] == str(len(body))
+    chunks = streamed_request_chunks(resps)
+    assert all(len(c) <= 62_000 for c, _ in chunks)
+    assert len(chunks) == -(-len(body) // 62_000)
+    assert b"".join(c for c, _ in chunks) == body
+    assert chunks[-1][1]
+
+
+def test_subset_hint(epp):
+    body = completion()
+    # A hint naming only the busy endpoint overrides the load-based choice.
+    resps = exchange(epp.grpc, [post_headers(subset=[epp.busy.address]), body_req(body, True)])
+    assert set_headers(resps[0])["x-gateway-destination-endpoint"] == epp.busy.address
+    # Empty hint, or one naming no known endpoint: 503.
+    for subset in ([], ["192.0.2.1:8000"]):
+        resps = exchange(epp.grpc, [post_headers(subset=subset), body_req(body, True)])
+        im = immediate(resps)
+        assert im is not None and im.status.code == 503, (subset, resps)
+
+
+def test_buffered_mode(epp):
+    body = completion()
+    resps = exchange(epp.grpc, [post_headers(mode=BUFFERED), body_req(body, True)])
+    assert [r.WhichOneof("response") for r in resps] == ["request_headers", "request_body"]
+    assert not resps[0].request_headers.response.HasField("header_mutation")
+    assert resps[1].request_body.response.clear_route_cache
+    assert set_headers(resps[1])["x-gateway-destination-endpoint"] == epp.idle.address
+    assert lb_destination(resps[1]) == epp.idle.address
+
+
+def test_over_length_prompt_gets_policy_400(epp):
+    # Without a tokenizer the policy estimates bytes/8: 8 KB of prompt cannot fit 512.
+    resps = exchange(epp.grpc, [post_headers(), body_req(completion(prompt="word " * 2000), True)])
+    im = immediate(resps)
+    assert im is not None and im.status.code == 400
+    assert json.loads(im.body)["error"]["code"] == "context_length_exceeded"
+
+
+def test_picker_metrics(epp):
+    text = epp.metrics_text()
+    assert 'rngd_pd_epp_picks_total{result="route"}' in text
+    assert "rngd_pd_epp_pick_us_bucket" in text
