@@ -12,8 +12,12 @@ use crate::{CoreError, Decision, Endpoint, LocalResponse, PolicyConfig, Role, Ro
 /// What the decision reads from one request.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct RequestInput<'a> {
-    /// Request body (JSON), possibly empty.
-    pub body: &'a [u8],
+    /// Request body (JSON), possibly empty; `None` = not available to the
+    /// policy (Envoy does not deliver it before the headers go upstream).
+    pub body: Option<&'a [u8]>,
+    /// `content-length` of the request, used for the prompt estimate when the
+    /// body is not available.
+    pub content_length: Option<u64>,
     /// Prompt tokens counted by the host, if it passed them.
     pub prompt_tokens: Option<u64>,
     /// The subset hint header (comma-separated `ip:port`), if present.
@@ -69,10 +73,10 @@ fn best<'e>(config: &PolicyConfig, candidates: impl Iterator<Item = &'e Endpoint
 
 /// Decides one request against an endpoint set (the default policy).
 pub fn decide(config: &PolicyConfig, endpoints: &[Endpoint], input: &RequestInput<'_>) -> Decision {
-    let (max_tokens, prompt_bytes) = if input.body.iter().all(u8::is_ascii_whitespace) {
-        (config.default_max_tokens, 0)
-    } else {
-        match serde_json::from_slice::<BodyView<'_>>(input.body) {
+    let (max_tokens, prompt_bytes) = match input.body {
+        None => (config.default_max_tokens, input.content_length.unwrap_or(0) as usize),
+        Some(body) if body.iter().all(u8::is_ascii_whitespace) => (config.default_max_tokens, 0),
+        Some(body) => match serde_json::from_slice::<BodyView<'_>>(body) {
             Ok(b) => (
                 b.max_tokens.or(b.max_completion_tokens).unwrap_or(config.default_max_tokens),
                 b.prompt.map_or(0, |r| r.get().len()) + b.messages.map_or(0, |r| r.get().len()),
@@ -84,7 +88,7 @@ pub fn decide(config: &PolicyConfig, endpoints: &[Endpoint], input: &RequestInpu
                     None,
                 ));
             }
-        }
+        },
     };
     let prompt = input
         .prompt_tokens
@@ -221,14 +225,16 @@ impl PdPolicy {
         PdPolicy { config, cache: SnapshotCache::default() }
     }
 
-    /// Decides one request. `prompt_tokens` is the decimal property text,
+    /// Decides one request. `body: None` = decide without the body (estimate
+    /// from `content_length`). `prompt_tokens` is the decimal property text,
     /// `version` the snapshot version property, `fetch_endpoints` reads the
     /// snapshot property (called only when the version changed or is absent).
     /// No snapshot → the configured static pool.
     pub fn decide(
         &mut self,
         subset: Option<&str>,
-        body: &[u8],
+        body: Option<&[u8]>,
+        content_length: Option<u64>,
         prompt_tokens: Option<&[u8]>,
         version: Option<&[u8]>,
         fetch_endpoints: impl FnOnce() -> Option<Vec<u8>>,
@@ -244,7 +250,7 @@ impl PdPolicy {
                 ));
             }
         };
-        let input = RequestInput { body, prompt_tokens, subset };
+        let input = RequestInput { body, content_length, prompt_tokens, subset };
         match self.cache.get(version, fetch_endpoints) {
             Ok(Some(eps)) => decide(&self.config, eps, &input),
             Ok(None) => decide(&self.config, &self.config.static_endpoints, &input),
@@ -300,7 +306,7 @@ mod tests {
         let r = route(decide(
             &PolicyConfig::default(),
             &eps,
-            &RequestInput { body: &b, prompt_tokens: Some(100), subset: None },
+            &RequestInput { content_length: None, body: Some(&b), prompt_tokens: Some(100), subset: None },
         ));
         assert_eq!(r.decode, "10.0.0.2:1");
         assert_eq!(r.prefill.as_deref(), Some("10.0.0.4:1"));
@@ -308,7 +314,7 @@ mod tests {
         let short = route(decide(
             &PolicyConfig::default(),
             &eps,
-            &RequestInput { body: &b, prompt_tokens: Some(5), subset: None },
+            &RequestInput { content_length: None, body: Some(&b), prompt_tokens: Some(5), subset: None },
         ));
         assert_eq!(short.prefill, None);
         assert_eq!(short.headers.len(), 1);
@@ -321,7 +327,7 @@ mod tests {
         let r = route(decide(
             &PolicyConfig::default(),
             &eps,
-            &RequestInput { body: &b, prompt_tokens: Some(100), subset: Some("d:2, p:1") },
+            &RequestInput { content_length: None, body: Some(&b), prompt_tokens: Some(100), subset: Some("d:2, p:1") },
         ));
         assert_eq!((r.decode.as_str(), r.kv_transport.as_deref()), ("d:2", Some("shm")));
     }
@@ -331,15 +337,15 @@ mod tests {
         let b = body(10, 100);
         let cfg = PolicyConfig { max_queue_depth: Some(2), ..PolicyConfig::default() };
         let eps = vec![ep("d:1", Role::Decode, "", 2), ep("d:2", Role::Solo, "", 5)];
-        let too_long = decide(&cfg, &eps, &RequestInput { body: &b, prompt_tokens: Some(450), subset: None });
+        let too_long = decide(&cfg, &eps, &RequestInput { content_length: None, body: Some(&b), prompt_tokens: Some(450), subset: None });
         let l = too_long.rejection().expect("rejects");
         assert_eq!(l.status, 400);
         assert_eq!(l.message().unwrap(), context_length_message(450, 100, 512));
-        let full = decide(&cfg, &eps, &RequestInput { body: &b, prompt_tokens: Some(4), subset: None });
+        let full = decide(&cfg, &eps, &RequestInput { content_length: None, body: Some(&b), prompt_tokens: Some(4), subset: None });
         assert_eq!(full.rejection().map(|l| l.status), Some(429));
-        let none = decide(&cfg, &eps, &RequestInput { body: &b, prompt_tokens: Some(4), subset: Some("x:1") });
+        let none = decide(&cfg, &eps, &RequestInput { content_length: None, body: Some(&b), prompt_tokens: Some(4), subset: Some("x:1") });
         assert_eq!(none.rejection().map(|l| l.status), Some(503));
-        let bad = decide(&cfg, &eps, &RequestInput { body: b"{", prompt_tokens: None, subset: None });
+        let bad = decide(&cfg, &eps, &RequestInput { content_length: None, body: Some(b"{"), prompt_tokens: None, subset: None });
         assert_eq!(bad.rejection().map(|l| l.status), Some(400));
     }
 
@@ -348,10 +354,17 @@ mod tests {
         let eps = vec![ep("d:1", Role::Decode, "", 0)];
         // 4100 prompt bytes / 8 ≥ 512 → rejected without a host count.
         let b = body(4100, 16);
-        let d = decide(&PolicyConfig::default(), &eps, &RequestInput { body: &b, prompt_tokens: None, subset: None });
+        let d = decide(&PolicyConfig::default(), &eps, &RequestInput { content_length: None, body: Some(&b), prompt_tokens: None, subset: None });
         assert_eq!(d.rejection().map(|l| l.status), Some(400));
         let off = PolicyConfig { estimate_bytes_per_token: 0, ..PolicyConfig::default() };
-        assert!(decide(&off, &eps, &RequestInput { body: &b, prompt_tokens: None, subset: None }).route().is_some());
+        assert!(decide(&off, &eps, &RequestInput { content_length: None, body: Some(&b), prompt_tokens: None, subset: None }).route().is_some());
+        // Without the body: the estimate comes from content-length.
+        let d = decide(
+            &PolicyConfig::default(),
+            &eps,
+            &RequestInput { body: None, content_length: Some(b.len() as u64), prompt_tokens: None, subset: None },
+        );
+        assert_eq!(d.rejection().map(|l| l.status), Some(400));
     }
 
     #[test]
@@ -369,7 +382,7 @@ mod tests {
     fn static_pool_when_no_snapshot() {
         let cfg = PolicyConfig { static_endpoints: vec![ep("s:1", Role::Solo, "", 0)], ..PolicyConfig::default() };
         let mut p = PdPolicy::new(cfg);
-        let r = route(p.decide(None, b"", None, None, || None));
+        let r = route(p.decide(None, Some(b""), None, None, None, || None));
         assert_eq!(r.decode, "s:1");
     }
 }

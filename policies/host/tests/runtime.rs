@@ -46,7 +46,7 @@ fn req(body: &str, endpoints: Option<Vec<Endpoint>>, prompt_tokens: Option<usize
 fn runtime(name: &str, target: &str, config: &str) -> Result<Arc<PolicyRuntime>, PolicyError> {
     PolicyRuntime::new(
         PolicySource { module: built_module(name, target), config: config.as_bytes().to_vec() },
-        SandboxLimits { call_timeout: Duration::from_millis(40), memory_bytes: 32 << 20, ..SandboxLimits::default() },
+        SandboxLimits { call_timeout: Duration::from_millis(250), memory_bytes: 32 << 20, ..SandboxLimits::default() },
     )
 }
 
@@ -132,6 +132,13 @@ async fn static_pool_and_queue_limit() {
     let rt = runtime("pd-default", "wasm32-unknown-unknown", &cfg.replace("\"queue_depth\":9", "\"queue_depth\":0")).unwrap();
     let d = rt.decide(req("", None, None)).await.unwrap();
     assert_eq!(d.route().map(|r| r.decode.as_str()), Some("192.0.2.1:80"));
+    // Without a snapshot the policy decides on the headers (as in Envoy): the
+    // prompt is estimated from content-length, 4000 bytes / 8 > 256 tokens.
+    let body = format!(r#"{{"prompt":"{}"}}"#, "y".repeat(3990));
+    let mut r = req(&body, None, None);
+    r.headers.push(("content-length".into(), body.len().to_string()));
+    let d = rt.decide(r).await.unwrap();
+    assert_eq!(d.rejection().map(|l| l.status), Some(400));
 }
 
 #[tokio::test]

@@ -46,7 +46,7 @@ impl RootContext for Root {
     }
 
     fn create_http_context(&self, _context_id: u32) -> Option<Box<dyn HttpContext>> {
-        Some(Box::new(Request { policy: Rc::clone(&self.policy) }))
+        Some(Box::new(Request { policy: Rc::clone(&self.policy), decided: false }))
     }
 
     fn get_type(&self) -> Option<ContextType> {
@@ -57,6 +57,8 @@ impl RootContext for Root {
 /// One request.
 struct Request {
     policy: Rc<RefCell<PdPolicy>>,
+    /// Set once the decision was applied (a later body callback is ignored).
+    decided: bool,
 }
 
 fn path(p: &str) -> Vec<&str> {
@@ -64,13 +66,16 @@ fn path(p: &str) -> Vec<&str> {
 }
 
 impl Request {
-    fn decide_and_apply(&self, body: &[u8]) -> Action {
+    fn decide_and_apply(&mut self, body: Option<&[u8]>) -> Action {
+        self.decided = true;
         let subset = self.get_http_request_header(headers::DESTINATION_ENDPOINT_SUBSET);
         let prompt_tokens = self.get_property(path(PROP_PROMPT_TOKENS));
         let version = self.get_property(path(PROP_ENDPOINTS_VERSION));
+        let content_length = self.get_http_request_header("content-length").and_then(|v| v.trim().parse().ok());
         let decision = self.policy.borrow_mut().decide(
             subset.as_deref(),
             body,
+            content_length,
             prompt_tokens.as_deref(),
             version.as_deref(),
             || self.get_property(path(PROP_ENDPOINTS)),
@@ -100,18 +105,26 @@ impl Context for Request {}
 impl HttpContext for Request {
     fn on_http_request_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
         if end_of_stream {
-            self.decide_and_apply(&[])
-        } else {
-            // Hold the headers until the whole body is here: the decision reads it.
+            self.decide_and_apply(Some(&[]))
+        } else if self.get_property(path(PROP_ENDPOINTS_VERSION)).is_some() {
+            // An rngd-pd host (it passes a snapshot) delivers the whole body
+            // next: hold the headers, the decision reads the body.
             Action::Pause
+        } else {
+            // Envoy's own wasm filter does not deliver the body to a filter
+            // that paused its headers: decide now, estimating from content-length.
+            self.decide_and_apply(None)
         }
     }
 
     fn on_http_request_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
+        if self.decided {
+            return Action::Continue;
+        }
         if !end_of_stream {
             return Action::Pause;
         }
         let body = self.get_http_request_body(0, body_size).unwrap_or_default();
-        self.decide_and_apply(&body)
+        self.decide_and_apply(Some(&body))
     }
 }
