@@ -1,13 +1,20 @@
-//! `rngd-pd policy …`: not wired yet.
+//! `rngd-pd policy …`: work with policy modules.
 
 /// Policy subcommands.
 #[derive(Debug, clap::Subcommand)]
 pub enum Command {
-    /// Validate a policy module.
-    Check {},
+    /// Validate a module: compile, instantiate, run the built-in canned
+    /// requests and print the decisions. Exits non-zero if the module is bad.
+    Check(rngd_policy_host::CheckArgs),
 }
 
 /// Runs the subcommand.
-pub async fn run(_cmd: Command) -> anyhow::Result<()> {
-    anyhow::bail!("rngd-pd policy is not built yet")
+pub async fn run(cmd: Command) -> anyhow::Result<()> {
+    match cmd {
+        Command::Check(args) => {
+            let report = tokio::task::spawn_blocking(move || args.run()).await??;
+            println!("{report}");
+            Ok(())
+        }
+    }
 }
