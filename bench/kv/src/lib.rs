@@ -167,7 +167,11 @@ where
 }
 
 /// The memcpy baseline: copy every blob into fresh memory.
-async fn memcpy_pass(blobs: Arc<Vec<Bytes>>, requests: usize, in_flight: usize) -> Result<Pass, Error> {
+async fn memcpy_pass(
+    blobs: Arc<Vec<Bytes>>,
+    requests: usize,
+    in_flight: usize,
+) -> Result<Pass, Error> {
     drive(requests, in_flight, move |_| {
         let blobs = blobs.clone();
         async move {
@@ -188,7 +192,11 @@ async fn memcpy_pass(blobs: Arc<Vec<Bytes>>, requests: usize, in_flight: usize) 
 
 /// The raw TCP baseline: stream every blob over a loopback connection into
 /// fresh memory on the other side, which acknowledges with one byte.
-async fn raw_tcp_pass(blobs: Arc<Vec<Bytes>>, requests: usize, in_flight: usize) -> Result<Pass, Error> {
+async fn raw_tcp_pass(
+    blobs: Arc<Vec<Bytes>>,
+    requests: usize,
+    in_flight: usize,
+) -> Result<Pass, Error> {
     let total: usize = blobs.iter().map(|b| b.len()).sum();
     let listener = TcpListener::bind("127.0.0.1:0")
         .await
@@ -196,7 +204,9 @@ async fn raw_tcp_pass(blobs: Arc<Vec<Bytes>>, requests: usize, in_flight: usize)
     let addr = listener.local_addr().map_err(io("sink address"))?;
     let sink = tokio::spawn(async move {
         loop {
-            let Ok((mut s, _)) = listener.accept().await else { return };
+            let Ok((mut s, _)) = listener.accept().await else {
+                return;
+            };
             let _ = s.set_nodelay(true);
             tokio::spawn(async move {
                 loop {
@@ -218,7 +228,9 @@ async fn raw_tcp_pass(blobs: Arc<Vec<Bytes>>, requests: usize, in_flight: usize)
     // One connection per in-flight slot, opened before timing starts.
     let mut conns = Vec::new();
     for _ in 0..in_flight {
-        let s = TcpStream::connect(addr).await.map_err(io("connecting to the sink"))?;
+        let s = TcpStream::connect(addr)
+            .await
+            .map_err(io("connecting to the sink"))?;
         let _ = s.set_nodelay(true);
         conns.push(tokio::sync::Mutex::new(s));
     }

@@ -112,8 +112,7 @@ mod tests {
             (env::AIRM_KV_TCP_LOG, "1"),
         ]
         .into();
-        let cfg =
-            TransportConfig::from_lookup(|k| vars.get(k).map(|v| v.to_string())).unwrap();
+        let cfg = TransportConfig::from_lookup(|k| vars.get(k).map(|v| v.to_string())).unwrap();
         assert_eq!(cfg.shm_root, PathBuf::from("/tmp/x"));
         assert_eq!(cfg.shm_ttl, Duration::from_millis(2500));
         assert_eq!(cfg.tcp_addr.as_deref(), Some("10.0.0.1:7000"));

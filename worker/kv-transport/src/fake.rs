@@ -68,7 +68,10 @@ impl MemoryTransport {
             return false;
         };
         let mut store = self.locked();
-        let Some(b) = store.get_mut(&key).and_then(|(blobs, _)| blobs.get_mut(blob)) else {
+        let Some(b) = store
+            .get_mut(&key)
+            .and_then(|(blobs, _)| blobs.get_mut(blob))
+        else {
             return false;
         };
         if byte >= b.len() {

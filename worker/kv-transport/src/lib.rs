@@ -34,7 +34,9 @@ pub use config::TransportConfig;
 pub enum KvError {
     /// The request's cache did not show up in time, or the transport does not
     /// hold it (never pushed, already released, or expired). Maps to 404/504.
-    #[error("transport `{transport}`: KV cache of request `{request_id}` not found within {waited:?}")]
+    #[error(
+        "transport `{transport}`: KV cache of request `{request_id}` not found within {waited:?}"
+    )]
     NotFound {
         /// Transport name.
         transport: &'static str,

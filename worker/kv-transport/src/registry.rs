@@ -47,7 +47,10 @@ mod tests {
             .err()
             .expect("unknown name must fail");
         let msg = err.to_string();
-        assert!(msg.contains("carrier-pigeon") && msg.contains("shm, tcp"), "{msg}");
+        assert!(
+            msg.contains("carrier-pigeon") && msg.contains("shm, tcp"),
+            "{msg}"
+        );
     }
 
     #[test]

@@ -440,13 +440,16 @@ async fn connection(
     gets.cancel();
     drop(tx);
     let abort = writer.abort_handle();
-    if tokio::time::timeout(Duration::from_secs(2), writer).await.is_err() {
+    if tokio::time::timeout(Duration::from_secs(2), writer)
+        .await
+        .is_err()
+    {
         abort.abort();
     }
 }
 
 async fn write_replies(wr: OwnedWriteHalf, mut rx: mpsc::Receiver<Reply>) {
-    let mut wr = tokio::io::BufWriter::with_capacity(64 * 1024, wr);
+    let mut wr = tokio::io::BufWriter::with_capacity(crate::tcp::IO_BUF, wr);
     while let Some(reply) = rx.recv().await {
         let res = async {
             wr.write_all(&reply.header.encode()).await?;
@@ -472,7 +475,7 @@ async fn read_requests(
     tx: &mpsc::Sender<Reply>,
     cancel: &CancellationToken,
 ) -> Result<(), String> {
-    let mut rd = BufReader::with_capacity(64 * 1024, rd);
+    let mut rd = BufReader::with_capacity(crate::tcp::IO_BUF, rd);
     let epoch = relay.epoch;
     let send = |r: Reply| async move { tx.send(r).await.map_err(|_| "writer gone".to_string()) };
     loop {
@@ -485,13 +488,27 @@ async fn read_requests(
         let h = match Header::decode(&hb) {
             Ok(h) => h,
             Err(e) => {
-                send(err_reply(0, epoch, ErrCode::Malformed, format!("malformed frame: {e}"), true)).await?;
+                send(err_reply(
+                    0,
+                    epoch,
+                    ErrCode::Malformed,
+                    format!("malformed frame: {e}"),
+                    true,
+                ))
+                .await?;
                 return Err(format!("malformed frame: {e}"));
             }
         };
         if h.key_len as usize > MAX_KEY_LEN {
             let msg = format!("key of {} bytes exceeds {MAX_KEY_LEN}", h.key_len);
-            send(err_reply(h.seq, epoch, ErrCode::Malformed, msg.clone(), true)).await?;
+            send(err_reply(
+                h.seq,
+                epoch,
+                ErrCode::Malformed,
+                msg.clone(),
+                true,
+            ))
+            .await?;
             return Err(msg);
         }
         let mut kb = vec![0u8; h.key_len as usize];
@@ -502,7 +519,14 @@ async fn read_requests(
             Ok(k) if !k.is_empty() || h.op == Op::Stats => k,
             _ => {
                 discard(&mut rd, h.body_len.min(relay.cfg.max_frame)).await?;
-                send(err_reply(h.seq, epoch, ErrCode::BadRequest, "empty or non-UTF-8 key".into(), false)).await?;
+                send(err_reply(
+                    h.seq,
+                    epoch,
+                    ErrCode::BadRequest,
+                    "empty or non-UTF-8 key".into(),
+                    false,
+                ))
+                .await?;
                 continue;
             }
         };
@@ -511,12 +535,26 @@ async fn read_requests(
                 "frame body of {} bytes exceeds the relay's maximum of {}",
                 h.body_len, relay.cfg.max_frame
             );
-            send(err_reply(h.seq, epoch, ErrCode::TooLarge, msg.clone(), true)).await?;
+            send(err_reply(
+                h.seq,
+                epoch,
+                ErrCode::TooLarge,
+                msg.clone(),
+                true,
+            ))
+            .await?;
             return Err(msg);
         }
         if h.op != Op::Put && h.body_len != 0 {
             let msg = format!("{:?} frame with a body", h.op);
-            send(err_reply(h.seq, epoch, ErrCode::Malformed, msg.clone(), true)).await?;
+            send(err_reply(
+                h.seq,
+                epoch,
+                ErrCode::Malformed,
+                msg.clone(),
+                true,
+            ))
+            .await?;
             return Err(msg);
         }
         match h.op {
@@ -611,7 +649,14 @@ async fn read_requests(
             }
             Op::Ok | Op::Err => {
                 let msg = format!("reply op {:?} sent to the relay", h.op);
-                send(err_reply(h.seq, epoch, ErrCode::Malformed, msg.clone(), true)).await?;
+                send(err_reply(
+                    h.seq,
+                    epoch,
+                    ErrCode::Malformed,
+                    msg.clone(),
+                    true,
+                ))
+                .await?;
                 return Err(msg);
             }
         }

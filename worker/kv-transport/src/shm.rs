@@ -109,8 +109,7 @@ impl ShmTransport {
     /// Like [`ShmTransport::new`] with a custom [`ShmWriter`] (tests).
     pub fn with_writer(cfg: &TransportConfig, writer: Arc<dyn ShmWriter>) -> Result<Self, KvError> {
         let root = cfg.shm_root.clone();
-        std::fs::create_dir_all(&root)
-            .map_err(io_err(format!("creating {}", root.display())))?;
+        std::fs::create_dir_all(&root).map_err(io_err(format!("creating {}", root.display())))?;
         std::fs::set_permissions(&root, std::fs::Permissions::from_mode(0o700))
             .map_err(io_err(format!("setting mode 0700 on {}", root.display())))?;
         let inner = Arc::new(Inner {
@@ -157,7 +156,9 @@ impl Inner {
             .map_err(io_err(format!("listing {}", self.root.display())))?;
         for entry in dir.flatten() {
             let Ok(meta) = entry.metadata() else { continue };
-            let Ok(modified) = meta.modified() else { continue };
+            let Ok(modified) = meta.modified() else {
+                continue;
+            };
             let age = now.duration_since(modified).unwrap_or_default();
             if meta.is_file() && age >= self.ttl {
                 match std::fs::remove_file(entry.path()) {
@@ -231,7 +232,11 @@ impl Inner {
         if is_no_space(&e) {
             KvError::Capacity {
                 transport: NAME,
-                detail: format!("no space left for {} in {}", path.display(), self.root.display()),
+                detail: format!(
+                    "no space left for {} in {}",
+                    path.display(),
+                    self.root.display()
+                ),
                 source: Some(e),
             }
         } else {

@@ -13,9 +13,9 @@
 //! from the handle.
 
 use std::io;
+use std::sync::Arc;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicU32, Ordering};
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -38,7 +38,10 @@ pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 /// Extra time a pull allows the relay beyond the caller's timeout before
 /// declaring it unresponsive.
 const GRACE: Duration = Duration::from_secs(5);
-const IO_BUF: usize = 256 * 1024;
+/// Buffer size for frame headers and small bodies. Small on purpose: a body
+/// at least this large bypasses the buffer and goes straight between the
+/// socket and the blob's own memory, so blobs are not copied twice.
+pub(crate) const IO_BUF: usize = 8 * 1024;
 
 /// The `tcp` transport. Cheap to clone; clones share the connection pool.
 #[derive(Clone)]
@@ -80,7 +83,13 @@ fn lost(peer: &str, detail: &str, e: io::Error) -> KvError {
 
 /// Whether an error means "this connection is dead" (worth one retry on a fresh one).
 fn is_dead_connection(e: &KvError) -> bool {
-    matches!(e, KvError::ConnectionLost { source: Some(_), .. })
+    matches!(
+        e,
+        KvError::ConnectionLost {
+            source: Some(_),
+            ..
+        }
+    )
 }
 
 /// Splits a handle location `host:port#epoch` (epoch hex; absent = any).
@@ -210,7 +219,13 @@ impl Client {
         self.idle.lock().expect("pool poisoned").clear();
     }
 
-    async fn send(&self, conn: &mut Conn, h: &Header, key: &[u8], body: &[u8]) -> Result<(), KvError> {
+    async fn send(
+        &self,
+        conn: &mut Conn,
+        h: &Header,
+        key: &[u8],
+        body: &[u8],
+    ) -> Result<(), KvError> {
         let peer = &self.addr;
         conn.wr
             .write_all(&h.encode())
@@ -370,7 +385,9 @@ impl Client {
                     log_blob("push", request_id, i, blob);
                 }
             }
-            wr.flush().await.map_err(|e| lost(peer, "write failed", e))?;
+            wr.flush()
+                .await
+                .map_err(|e| lost(peer, "write failed", e))?;
             Ok::<_, KvError>(metas)
         };
         let read = async {
@@ -467,7 +484,10 @@ impl Client {
                 .map_err(|e| lost(&self.addr, "read failed", e))?;
             out[i] = Some(body);
         }
-        Ok(out.into_iter().map(|b| b.expect("every index filled")).collect())
+        Ok(out
+            .into_iter()
+            .map(|b| b.expect("every index filled"))
+            .collect())
     }
 
     async fn del_on(&self, conn: &mut Conn, key: &str) -> Result<(), KvError> {
@@ -614,7 +634,10 @@ mod tests {
 
     #[test]
     fn location_carries_the_epoch() {
-        assert_eq!(parse_location("10.0.0.1:7070#00000000000000ff"), ("10.0.0.1:7070", 255));
+        assert_eq!(
+            parse_location("10.0.0.1:7070#00000000000000ff"),
+            ("10.0.0.1:7070", 255)
+        );
         assert_eq!(parse_location("relay:7070"), ("relay:7070", 0));
     }
 }

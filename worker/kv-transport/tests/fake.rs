@@ -20,7 +20,10 @@ impl Harness for FakeHarness {
     }
 
     async fn corrupt(&self, handle: &KvHandle, index: usize) -> Result<(), KvError> {
-        assert!(self.0.corrupt(&handle.request_id, index, 0), "blob to corrupt");
+        assert!(
+            self.0.corrupt(&handle.request_id, index, 0),
+            "blob to corrupt"
+        );
         Ok(())
     }
 
@@ -35,8 +38,12 @@ impl Harness for FakeHarness {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn memory_transport_passes_the_conformance_suite() {
-    let h = FakeHarness(Arc::new(MemoryTransport::with_ttl(Duration::from_millis(300))));
-    let report = conformance::run_all(&h).await.unwrap_or_else(|e| panic!("{e}"));
+    let h = FakeHarness(Arc::new(MemoryTransport::with_ttl(Duration::from_millis(
+        300,
+    ))));
+    let report = conformance::run_all(&h)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(report.passed.len(), 7, "{report:?}");
     assert_eq!(report.not_applicable.len(), 1);
 }

@@ -80,8 +80,24 @@ fn request_crosses_network_namespaces_byte_exact() {
         must(ip(&["link", "add", &a, "type", "veth", "peer", "name", &b]));
         must(ip(&["link", "set", &a, "netns", &nr]));
         must(ip(&["link", "set", &b, "netns", peer_ns]));
-        must(ip(&["-n", &nr, "addr", "add", &format!("10.231.{subnet}.1/24"), "dev", &a]));
-        must(ip(&["-n", peer_ns, "addr", "add", &format!("10.231.{subnet}.2/24"), "dev", &b]));
+        must(ip(&[
+            "-n",
+            &nr,
+            "addr",
+            "add",
+            &format!("10.231.{subnet}.1/24"),
+            "dev",
+            &a,
+        ]));
+        must(ip(&[
+            "-n",
+            peer_ns,
+            "addr",
+            "add",
+            &format!("10.231.{subnet}.2/24"),
+            "dev",
+            &b,
+        ]));
         must(ip(&["-n", &nr, "link", "set", &a, "up"]));
         must(ip(&["-n", peer_ns, "link", "set", &b, "up"]));
     }
@@ -108,7 +124,14 @@ fn request_crosses_network_namespaces_byte_exact() {
 
     let push = Command::new("ip")
         .args(["netns", "exec", &np, PEER, "push"])
-        .args(["--addr", &format!("10.231.1.1:{port}"), "--id", "netns-req", "--seed", "77"])
+        .args([
+            "--addr",
+            &format!("10.231.1.1:{port}"),
+            "--id",
+            "netns-req",
+            "--seed",
+            "77",
+        ])
         .output()
         .expect("running the push peer");
     assert!(

@@ -73,7 +73,9 @@ impl Harness for ShmHarness {
 async fn shm_passes_the_conformance_suite() {
     let dir = tempfile::tempdir_in("/dev/shm").expect("/dev/shm must be writable");
     let h = ShmHarness::new(dir.path().join("kv"), Duration::from_millis(400));
-    let report = conformance::run_all(&h).await.unwrap_or_else(|e| panic!("{e}"));
+    let report = conformance::run_all(&h)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
     for (check, note) in &report.passed {
         eprintln!("shm conformance: {check}: {note}");
     }
@@ -109,7 +111,13 @@ impl TinyTmpfs {
     fn mount(size: &str) -> Self {
         let dir = tempfile::tempdir().unwrap();
         let out = Command::new("mount")
-            .args(["-t", "tmpfs", "-o", &format!("size={size},mode=0700"), "tmpfs"])
+            .args([
+                "-t",
+                "tmpfs",
+                "-o",
+                &format!("size={size},mode=0700"),
+                "tmpfs",
+            ])
             .arg(dir.path())
             .output()
             .expect("running mount");

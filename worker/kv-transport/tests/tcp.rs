@@ -17,11 +17,14 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 
+/// The stop signal and task of a running relay.
+type Running = (oneshot::Sender<()>, JoinHandle<Result<(), KvError>>);
+
 /// A relay running in this process; restartable on the same port.
 struct TestRelay {
     addr: SocketAddr,
     cfg: RelayConfig,
-    running: Mutex<Option<(oneshot::Sender<()>, JoinHandle<Result<(), KvError>>)>>,
+    running: Mutex<Option<Running>>,
 }
 
 impl TestRelay {
@@ -151,7 +154,9 @@ async fn tcp_passes_the_conformance_suite() {
         probe: relay.client(&TransportConfig::default()),
         relay,
     };
-    let report = conformance::run_all(&h).await.unwrap_or_else(|e| panic!("{e}"));
+    let report = conformance::run_all(&h)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
     for (check, note) in &report.passed {
         eprintln!("tcp conformance: {check}: {note}");
     }
@@ -179,18 +184,29 @@ async fn oversize_and_malformed_frames_close_only_their_connection() {
     assert_eq!(ErrCode::from_u32(reply.arg), ErrCode::TooLarge);
     assert!(String::from_utf8_lossy(&msg).contains("exceeds"));
     let mut rest = Vec::new();
-    assert_eq!(s.read_to_end(&mut rest).await.unwrap(), 0, "connection closed");
+    assert_eq!(
+        s.read_to_end(&mut rest).await.unwrap(),
+        0,
+        "connection closed"
+    );
     // Malformed: garbage instead of a header.
     let mut s = TcpStream::connect(relay.addr).await.unwrap();
     s.write_all(&[0xAB; HEADER_LEN]).await.unwrap();
     let (reply, _) = read_frame(&mut s).await.unwrap();
     assert_eq!(ErrCode::from_u32(reply.arg), ErrCode::Malformed);
-    assert_eq!(s.read_to_end(&mut rest).await.unwrap(), 0, "connection closed");
+    assert_eq!(
+        s.read_to_end(&mut rest).await.unwrap(),
+        0,
+        "connection closed"
+    );
     // The relay still serves everyone else.
     let p = conformance::payload("after-bad-frames", 5, 4, 1 << 19);
     let want = p.blobs.clone();
     let handle = t.push(p).await.unwrap();
-    assert_eq!(t.pull(&handle, Duration::from_secs(10)).await.unwrap(), want);
+    assert_eq!(
+        t.pull(&handle, Duration::from_secs(10)).await.unwrap(),
+        want
+    );
     t.release(&handle).await.unwrap();
     // A client blob over the limit is a clear bad request.
     let err = t
@@ -242,7 +258,10 @@ async fn memory_cap_is_a_capacity_error_and_leaves_nothing() {
     let p = conformance::payload("fits", 2, 3, 1 << 20);
     let want = p.blobs.clone();
     let handle = t.push(p).await.unwrap();
-    assert_eq!(t.pull(&handle, Duration::from_secs(10)).await.unwrap(), want);
+    assert_eq!(
+        t.pull(&handle, Duration::from_secs(10)).await.unwrap(),
+        want
+    );
     t.release(&handle).await.unwrap();
     relay.stop().await;
 }
@@ -260,7 +279,10 @@ async fn crc_off_still_moves_bytes_exactly() {
     let want = p.blobs.clone();
     let handle = t.push(p).await.unwrap();
     assert!(handle.blobs.iter().all(|b| b.crc32 == 0));
-    assert_eq!(t.pull(&handle, Duration::from_secs(10)).await.unwrap(), want);
+    assert_eq!(
+        t.pull(&handle, Duration::from_secs(10)).await.unwrap(),
+        want
+    );
     t.release(&handle).await.unwrap();
     relay.stop().await;
 }
@@ -276,7 +298,10 @@ async fn connections_are_pooled() {
         t.release(&handle).await.unwrap();
     }
     let s = t.stats().await.unwrap();
-    assert_eq!(s.connections, 1, "sequential requests share one connection: {s:?}");
+    assert_eq!(
+        s.connections, 1,
+        "sequential requests share one connection: {s:?}"
+    );
     assert_eq!(t.idle_connections(), 1);
     relay.stop().await;
 }
@@ -298,7 +323,12 @@ async fn relay_stopping_mid_push_is_a_clear_error_for_the_pusher() {
         let probe = relay.client(&TransportConfig::default());
         let mut in_body = false;
         while !push.is_finished() {
-            if probe.stats().await.map(|s| s.puts_in_progress > 0).unwrap_or(false) {
+            if probe
+                .stats()
+                .await
+                .map(|s| s.puts_in_progress > 0)
+                .unwrap_or(false)
+            {
                 in_body = true;
                 break;
             }

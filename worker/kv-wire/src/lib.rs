@@ -147,7 +147,7 @@ impl KvLayout {
     pub const fn blob_of(index: usize) -> (usize, BlobKind) {
         (
             index / 2,
-            if index % 2 == 0 {
+            if index.is_multiple_of(2) {
                 BlobKind::K
             } else {
                 BlobKind::V
@@ -319,8 +319,14 @@ mod tests {
         handle.verify(1, &blobs[1]).unwrap();
         let mut bad = blobs[1].clone();
         bad[7] ^= 1;
-        assert!(matches!(handle.verify(1, &bad), Err(WireError::Crc { index: 1, .. })));
-        assert!(matches!(handle.verify(0, &bad[..3]), Err(WireError::BlobSize { .. })));
+        assert!(matches!(
+            handle.verify(1, &bad),
+            Err(WireError::Crc { index: 1, .. })
+        ));
+        assert!(matches!(
+            handle.verify(0, &bad[..3]),
+            Err(WireError::BlobSize { .. })
+        ));
         let json = serde_json::to_string(&handle).unwrap();
         let back: KvHandle = serde_json::from_str(&json).unwrap();
         assert_eq!(back, handle);

@@ -1,0 +1,40 @@
+//! A small run of the benchmark per transport: the report is filled in and
+//! the bytes came back exact (speed is only reported, never asserted).
+
+use rngd_bench_kv::{Args, run};
+
+fn args(transport: &str) -> Args {
+    Args {
+        transport: transport.into(),
+        in_flight: 2,
+        requests: 2,
+        rounds: 1,
+        no_crc: false,
+        json: true,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shm_run_reports_byte_exact_figures() {
+    let r = run(args("shm")).await.unwrap();
+    assert_eq!(r.transport, "shm");
+    assert_eq!(r.baseline, "memcpy");
+    assert_eq!(r.bytes_per_request, 67_108_864);
+    assert!(r.byte_exact);
+    assert!(r.gbps_median > 0.0 && r.baseline_gbps_median > 0.0);
+    assert!((r.ratio_vs_baseline - r.gbps_median / r.baseline_gbps_median).abs() < 1e-9);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tcp_run_reports_byte_exact_figures() {
+    let r = run(args("tcp")).await.unwrap();
+    assert_eq!(r.baseline, "raw_tcp_loopback");
+    assert!(r.byte_exact && r.crc);
+    assert!(r.ms_per_request_median > 0.0);
+}
+
+#[tokio::test]
+async fn unknown_transport_is_an_argument_error() {
+    let err = run(args("pigeon")).await.unwrap_err();
+    assert!(err.to_string().contains("pigeon"), "{err}");
+}
