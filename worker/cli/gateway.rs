@@ -1,10 +1,213 @@
-//! `rngd-pd gateway`: not wired yet.
+//! `rngd-pd gateway`: the OpenAI-compatible gateway. Parses flags and starts
+//! [`rngd_gateway::launch`].
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::Context;
+use rngd_api::env;
+use rngd_gateway::launch::{LaunchOptions, PolicyChoice, TokenizerChoice};
+use rngd_gateway::{GatewayConfig, endpoints};
+use rngd_policy_core::Role;
+
+/// Start of the line naming the KPI endpoint (printed before the listening line).
+pub const KPI_PREFIX: &str = "rngd-pd gateway kpi metrics on http://";
 
 /// Flags.
 #[derive(Debug, clap::Args)]
-pub struct Args {}
+pub struct Args {
+    /// Listen address `HOST:PORT` (port 0 = pick one; the bound address is printed).
+    #[arg(long, default_value = "127.0.0.1:8000")]
+    pub listen: String,
+    /// Prefill worker URL (`http://HOST:PORT`); repeat for several.
+    #[arg(long = "prefill", value_name = "URL")]
+    pub prefill: Vec<String>,
+    /// Decode worker URL (`http://HOST:PORT`); repeat for several.
+    #[arg(long = "decode", value_name = "URL")]
+    pub decode: Vec<String>,
+    /// Solo worker URL (whole requests only); repeat for several.
+    #[arg(long = "solo", value_name = "URL")]
+    pub solo: Vec<String>,
+    /// Endpoints file: a JSON list of endpoints (address, role, vendor, node, seq_len, transports).
+    #[arg(long, env = env::RNGD_PD_ENDPOINTS)]
+    pub endpoints: Option<PathBuf>,
+    /// Policy module (`.wasm`, proxy-wasm 0.2.1); default: the built `pd_default` guest.
+    #[arg(long, env = env::RNGD_PD_POLICY)]
+    pub policy: Option<PathBuf>,
+    /// Plugin configuration of the policy (JSON file).
+    #[arg(long, env = env::RNGD_PD_POLICY_CONFIG)]
+    pub policy_config: Option<PathBuf>,
+    /// Model file (GGUF) whose tokenizer counts prompt tokens; default: the cached model.
+    #[arg(long, env = env::RNGD_PD_MODEL)]
+    pub model: Option<PathBuf>,
+    /// Extra accepted model name (alias); repeat for several.
+    #[arg(long = "served-model-name")]
+    pub served_model_name: Vec<String>,
+    /// Bearer token of `PUT /admin/policy`; unset = admin API off.
+    #[arg(long, env = env::RNGD_PD_ADMIN_TOKEN)]
+    pub admin_token: Option<String>,
+    /// Compiled context length of the workers given by URL.
+    #[arg(long, env = env::RNGD_PD_SEQ_LEN, default_value_t = 512)]
+    pub seq_len: u32,
+    /// KV transports the workers given by URL support.
+    #[arg(long = "worker-transport", default_values_t = ["shm".to_string(), "tcp".to_string()])]
+    pub worker_transports: Vec<String>,
+    /// Port of the separate KPI endpoint (`airm_*` gauges); unset = off.
+    #[arg(long, env = env::AIRM_METRICS_PORT)]
+    pub metrics_port: Option<u16>,
+    /// Host of the KPI endpoint.
+    #[arg(long, default_value = "127.0.0.1")]
+    pub metrics_host: String,
+    /// Largest request body, bytes.
+    #[arg(long, default_value_t = 1 << 20)]
+    pub body_limit: usize,
+    /// Prefill call timeout, ms.
+    #[arg(long, default_value_t = 120_000)]
+    pub prefill_timeout_ms: u64,
+    /// Decode call timeout (to the first byte when streaming), ms.
+    #[arg(long, default_value_t = 600_000)]
+    pub decode_timeout_ms: u64,
+    /// Longest silence inside a streamed decode, ms.
+    #[arg(long, default_value_t = 60_000)]
+    pub stream_idle_timeout_ms: u64,
+    /// Worker `/metrics` scrape period, ms.
+    #[arg(long, default_value_t = 50)]
+    pub scrape_interval_ms: u64,
+    /// Load data older than this marks an endpoint unhealthy, ms.
+    #[arg(long, default_value_t = 2_000)]
+    pub stale_after_ms: u64,
+    /// Policy file change check period, ms (0 = no hot reload).
+    #[arg(long, default_value_t = 1_000)]
+    pub policy_watch_ms: u64,
+}
+
+/// The default policy module: next to this executable's target dir, else
+/// `$CARGO_TARGET_DIR`.
+pub fn default_policy_module() -> anyhow::Result<PathBuf> {
+    let name = "pd_default.wasm";
+    let mut tried = Vec::new();
+    if let Ok(exe) = std::env::current_exe() {
+        // <target>/release/rngd-pd → <target>/wasm32-unknown-unknown/release/pd_default.wasm
+        if let Some(target) = exe.parent().and_then(|p| p.parent()) {
+            let p = target.join("wasm32-unknown-unknown/release").join(name);
+            if p.is_file() {
+                return Ok(p);
+            }
+            tried.push(p);
+        }
+    }
+    match rngd_policy_host::find_built_module("pd_default", "wasm32-unknown-unknown") {
+        Ok(p) => Ok(p),
+        Err(p) => {
+            tried.push(p);
+            let list: Vec<String> = tried.iter().map(|p| p.display().to_string()).collect();
+            anyhow::bail!(
+                "the default policy module was not found (looked at {}): build it with `policies/build.sh`, \
+                 or pass --policy PATH.wasm",
+                list.join(", ")
+            )
+        }
+    }
+}
+
+fn endpoints_from(args: &Args) -> anyhow::Result<Vec<rngd_policy_core::Endpoint>> {
+    let mut eps = Vec::new();
+    if let Some(path) = &args.endpoints {
+        eps.extend(endpoints::load_endpoints_file(path)?);
+    }
+    for (urls, role) in [
+        (&args.prefill, Role::Prefill),
+        (&args.decode, Role::Decode),
+        (&args.solo, Role::Solo),
+    ] {
+        for url in urls {
+            eps.push(endpoints::local_endpoint(
+                endpoints::address_of(url)?,
+                role,
+                args.seq_len,
+                &args.worker_transports,
+            ));
+        }
+    }
+    Ok(eps)
+}
 
 /// Runs the subcommand.
-pub async fn run(_args: Args) -> anyhow::Result<()> {
-    anyhow::bail!("rngd-pd gateway is not built yet")
+pub async fn run(args: Args) -> anyhow::Result<()> {
+    let endpoints = endpoints_from(&args)?;
+    let module = match &args.policy {
+        Some(p) => p.clone(),
+        None => default_policy_module()?,
+    };
+    let policy_config = match &args.policy_config {
+        Some(p) => std::fs::read(p)
+            .with_context(|| format!("reading the policy configuration {}", p.display()))?,
+        None => Vec::new(),
+    };
+    let model = rngd_engine::model_fetch::resolve(args.model.as_deref())?;
+    let opts = LaunchOptions {
+        listen: args.listen.clone(),
+        kpi_listen: args
+            .metrics_port
+            .map(|p| format!("{}:{p}", args.metrics_host)),
+        endpoints,
+        policy: PolicyChoice::Wasm {
+            module,
+            config: policy_config,
+            limits: Default::default(),
+            watch_every: (args.policy_watch_ms > 0)
+                .then(|| Duration::from_millis(args.policy_watch_ms)),
+        },
+        admin_token: args.admin_token.clone(),
+        tokenizer: TokenizerChoice::Gguf(model),
+        config: GatewayConfig {
+            model_aliases: args.served_model_name.clone(),
+            seq_len: args.seq_len,
+            body_limit: args.body_limit,
+            prefill_timeout: Duration::from_millis(args.prefill_timeout_ms),
+            decode_timeout: Duration::from_millis(args.decode_timeout_ms),
+            stream_idle_timeout: Duration::from_millis(args.stream_idle_timeout_ms),
+            ..GatewayConfig::default()
+        },
+        scrape_every: Duration::from_millis(args.scrape_interval_ms.max(1)),
+        stale_after: Duration::from_millis(args.stale_after_ms),
+    };
+    let launched = rngd_gateway::launch::launch(opts).await?;
+    // The KPI line comes first: readers stop at the listening line.
+    if let Some(k) = launched.kpi_addr {
+        println!("{KPI_PREFIX}{k}/metrics");
+    }
+    println!("rngd-pd gateway listening on http://{}", launched.addr);
+    println!("rngd-pd gateway model {}", launched.gateway.model_name());
+    use std::io::Write;
+    let _ = std::io::stdout().flush();
+    shutdown_signal().await;
+    tracing::info!("gateway stopping");
+    launched.shutdown();
+    launched.join().await?;
+    Ok(())
+}
+
+/// Resolves on Ctrl-C or SIGTERM.
+pub async fn shutdown_signal() {
+    let ctrl_c = tokio::signal::ctrl_c();
+    #[cfg(unix)]
+    {
+        let mut term =
+            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+                Ok(s) => s,
+                Err(_) => {
+                    let _ = ctrl_c.await;
+                    return;
+                }
+            };
+        tokio::select! {
+            _ = ctrl_c => {}
+            _ = term.recv() => {}
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = ctrl_c.await;
+    }
 }

@@ -1,10 +1,444 @@
-//! `rngd-pd up`: not wired yet.
+//! `rngd-pd up`: the whole local stack in one command, on the CPU backend.
+//!
+//! Fetches the model if it is missing, then starts — as child processes of this
+//! same executable, on loopback — the KV relay, a prefill worker, a decode
+//! worker and the gateway, reading each one's printed address. Prints the URLs
+//! and a ready-to-paste curl, then waits; Ctrl-C / SIGTERM (or any child
+//! exiting) stops every child and removes the stack's shm directory.
+
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use rngd_api::env;
+use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio::process::{Child, Command};
 
 /// Flags.
 #[derive(Debug, clap::Args)]
-pub struct Args {}
+pub struct Args {
+    /// Host every server binds to.
+    #[arg(long, default_value = "127.0.0.1")]
+    pub host: String,
+    /// Gateway port (0 = pick).
+    #[arg(long, default_value_t = 8000)]
+    pub gateway_port: u16,
+    /// Prefill worker port (0 = pick).
+    #[arg(long, default_value_t = 0)]
+    pub prefill_port: u16,
+    /// Decode worker port (0 = pick).
+    #[arg(long, default_value_t = 0)]
+    pub decode_port: u16,
+    /// KV relay port (0 = pick).
+    #[arg(long, default_value_t = 0)]
+    pub relay_port: u16,
+    /// Port of the gateway's KPI endpoint (`airm_*`); unset = off.
+    #[arg(long, env = env::AIRM_METRICS_PORT)]
+    pub metrics_port: Option<u16>,
+    /// Model file (GGUF); default: the cached SmolLM2-135M-Instruct, fetched if missing.
+    #[arg(long, env = env::RNGD_PD_MODEL)]
+    pub model: Option<PathBuf>,
+    /// KV transport between prefill and decode: `shm` or `tcp`.
+    #[arg(long, default_value = "shm")]
+    pub kv_transport: String,
+    /// Policy module (`.wasm`); default: the `pd_default` guest built by `policies/build.sh`.
+    #[arg(long, env = env::RNGD_PD_POLICY)]
+    pub policy: Option<PathBuf>,
+    /// Policy plugin configuration (JSON file); default: the default policy's
+    /// defaults, with the chosen transport.
+    #[arg(long, env = env::RNGD_PD_POLICY_CONFIG)]
+    pub policy_config: Option<PathBuf>,
+    /// Compiled context length.
+    #[arg(long, env = env::RNGD_PD_SEQ_LEN, default_value_t = 512)]
+    pub seq_len: u32,
+    /// CPU threads per worker (default: the worker's own default).
+    #[arg(long)]
+    pub threads: Option<usize>,
+    /// How long to wait for the workers to load the model, seconds.
+    #[arg(long, default_value_t = 600)]
+    pub ready_timeout_s: u64,
+}
+
+/// A started child and what it printed.
+struct Proc {
+    name: &'static str,
+    child: Child,
+}
+
+/// The children, stopped (killed and reaped) on drop or `stop`.
+struct Stack {
+    procs: Vec<Proc>,
+    shm_root: PathBuf,
+    scratch: PathBuf,
+}
+
+impl Stack {
+    async fn stop(&mut self) {
+        // Reverse start order: the gateway first, the relay last.
+        for p in self.procs.iter_mut().rev() {
+            let _ = p.child.start_kill();
+        }
+        for p in self.procs.iter_mut().rev() {
+            match tokio::time::timeout(Duration::from_secs(10), p.child.wait()).await {
+                Ok(Ok(status)) => tracing::debug!(child = p.name, %status, "child stopped"),
+                Ok(Err(e)) => eprintln!("rngd-pd up: waiting for {}: {e}", p.name),
+                Err(_) => eprintln!("rngd-pd up: {} did not stop within 10 s", p.name),
+            }
+        }
+        self.procs.clear();
+        self.cleanup_dirs();
+    }
+
+    fn cleanup_dirs(&self) {
+        for d in [&self.shm_root, &self.scratch] {
+            if d.exists()
+                && let Err(e) = std::fs::remove_dir_all(d)
+            {
+                eprintln!("rngd-pd up: removing {}: {e}", d.display());
+            }
+        }
+    }
+}
+
+impl Drop for Stack {
+    fn drop(&mut self) {
+        for p in &mut self.procs {
+            let _ = p.child.start_kill();
+        }
+        self.cleanup_dirs();
+    }
+}
+
+/// Starts `exe ARGS`, returns once a stdout line starts with `prefix`: the
+/// rest of that line and the lines printed before it. Later stdout lines are
+/// echoed to stderr prefixed with the child's name.
+async fn start(
+    stack: &mut Stack,
+    name: &'static str,
+    args: &[String],
+    envs: &[(&str, String)],
+    prefix: &str,
+) -> anyhow::Result<(String, Vec<String>)> {
+    let exe = std::env::current_exe().context("locating this executable")?;
+    let mut cmd = Command::new(&exe);
+    cmd.args(args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .kill_on_drop(true);
+    for (k, v) in envs {
+        cmd.env(k, v);
+    }
+    let mut child = cmd
+        .spawn()
+        .with_context(|| format!("starting {name}: {} {}", exe.display(), args.join(" ")))?;
+    let stdout = child.stdout.take().context("child stdout")?;
+    stack.procs.push(Proc { name, child });
+    let mut lines = BufReader::new(stdout).lines();
+    let mut before = Vec::new();
+    let found = loop {
+        match lines.next_line().await {
+            Ok(Some(line)) => {
+                if let Some(rest) = line.strip_prefix(prefix) {
+                    break rest.trim().to_string();
+                }
+                eprintln!("[{name}] {line}");
+                before.push(line);
+            }
+            Ok(None) => bail!("{name} exited before printing its address (see its log above)"),
+            Err(e) => bail!("reading {name}'s output: {e}"),
+        }
+    };
+    tokio::spawn(async move {
+        while let Ok(Some(line)) = lines.next_line().await {
+            eprintln!("[{name}] {line}");
+        }
+    });
+    Ok((found, before))
+}
+
+/// Polls `url` until it answers 200, a child exits, or the deadline passes.
+async fn wait_ready(
+    stack: &mut Stack,
+    what: &str,
+    url: &str,
+    timeout: Duration,
+) -> anyhow::Result<()> {
+    let deadline = Instant::now() + timeout;
+    loop {
+        if let Ok((200, _)) = rngd_gateway::probe::get(url, Duration::from_secs(2)).await {
+            return Ok(());
+        }
+        for p in &mut stack.procs {
+            if let Ok(Some(status)) = p.child.try_wait() {
+                bail!("{} exited ({status}) while waiting for {what}", p.name);
+            }
+        }
+        if Instant::now() > deadline {
+            bail!("{what} not ready at {url} after {} s", timeout.as_secs());
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+fn ensure_model(model: Option<&Path>) -> anyhow::Result<PathBuf> {
+    if let Some(p) = model {
+        if !p.is_file() {
+            bail!("model file {} does not exist", p.display());
+        }
+        return Ok(p.to_path_buf());
+    }
+    let default = rngd_engine::model_fetch::default_model_path();
+    if default.is_file() {
+        return Ok(default);
+    }
+    let cache = rngd_engine::model_fetch::default_cache_dir();
+    eprintln!(
+        "rngd-pd up: model not found at {}; fetching it into {} …",
+        default.display(),
+        cache.display()
+    );
+    let p = rngd_engine::model_fetch::fetch(&cache)
+        .context("fetching the default model (or pass --model PATH)")?;
+    eprintln!("rngd-pd up: model ready at {}", p.display());
+    Ok(p)
+}
 
 /// Runs the subcommand.
-pub async fn run(_args: Args) -> anyhow::Result<()> {
-    anyhow::bail!("rngd-pd up is not built yet")
+pub async fn run(args: Args) -> anyhow::Result<()> {
+    if !matches!(args.kv_transport.as_str(), "shm" | "tcp") {
+        bail!(
+            "--kv-transport must be shm or tcp, not {}",
+            args.kv_transport
+        );
+    }
+    let model = {
+        let m = args.model.clone();
+        tokio::task::spawn_blocking(move || ensure_model(m.as_deref())).await??
+    };
+    let policy = match &args.policy {
+        Some(p) if p.is_file() => p.clone(),
+        Some(p) => bail!("policy module {} does not exist", p.display()),
+        None => crate::gateway::default_policy_module()?,
+    };
+    let pid = std::process::id();
+    let mut stack = Stack {
+        procs: Vec::new(),
+        shm_root: PathBuf::from(format!("/dev/shm/rngd_pd_up_{pid}")),
+        scratch: std::env::temp_dir().join(format!("rngd_pd_up_{pid}")),
+    };
+    std::fs::create_dir_all(&stack.scratch).context("creating the scratch directory")?;
+    let result = bring_up(&args, &model, &policy, &mut stack).await;
+    let outcome = match result {
+        Ok(()) => {
+            let mut exited = None;
+            tokio::select! {
+                _ = crate::gateway::shutdown_signal() => eprintln!("rngd-pd up: stopping"),
+                name = watch_children(&mut stack) => exited = Some(name),
+            }
+            match exited {
+                Some(name) => Err(anyhow::anyhow!("{name} exited; stopping the stack")),
+                None => Ok(()),
+            }
+        }
+        Err(e) => Err(e),
+    };
+    stack.stop().await;
+    eprintln!("rngd-pd up: stopped");
+    outcome
+}
+
+/// Resolves with the name of the first child that exits.
+async fn watch_children(stack: &mut Stack) -> &'static str {
+    loop {
+        for p in &mut stack.procs {
+            if let Ok(Some(_)) = p.child.try_wait() {
+                return p.name;
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+async fn bring_up(
+    args: &Args,
+    model: &Path,
+    policy: &Path,
+    stack: &mut Stack,
+) -> anyhow::Result<()> {
+    let host = &args.host;
+    let model_s = model.display().to_string();
+
+    // KV relay (the `tcp` transport's server).
+    let (relay, _) = start(
+        stack,
+        "relay",
+        &[
+            "relay".into(),
+            "--listen".into(),
+            format!("{host}:{}", args.relay_port),
+        ],
+        &[],
+        "relay listening on ",
+    )
+    .await?;
+    let relay = relay
+        .trim_start_matches("tcp://")
+        .trim_start_matches("http://")
+        .to_string();
+
+    let envs = [
+        (env::PD_SHM_ROOT, stack.shm_root.display().to_string()),
+        (env::AIRM_KV_TCP_ADDR, relay.clone()),
+    ];
+    let mut urls = Vec::new();
+    for (name, role, port) in [
+        ("prefill", "prefill", args.prefill_port),
+        ("decode", "decode", args.decode_port),
+    ] {
+        let mut a: Vec<String> = vec![
+            "worker".into(),
+            "--role".into(),
+            role.into(),
+            "--backend".into(),
+            "cpu".into(),
+            "--host".into(),
+            host.clone(),
+            "--port".into(),
+            port.to_string(),
+            "--model".into(),
+            model_s.clone(),
+            "--kv-transport".into(),
+            args.kv_transport.clone(),
+            "--seq-len".into(),
+            args.seq_len.to_string(),
+        ];
+        if let Some(t) = args.threads {
+            a.extend(["--threads".into(), t.to_string()]);
+        }
+        let name: &'static str = if name == "prefill" {
+            "prefill"
+        } else {
+            "decode"
+        };
+        let (addr, _) = start(stack, name, &a, &envs, "rngd-pd worker listening on ").await?;
+        let url = if addr.starts_with("http://") {
+            addr
+        } else {
+            format!("http://{addr}")
+        };
+        urls.push(url);
+    }
+    let (prefill_url, decode_url) = (urls[0].clone(), urls[1].clone());
+    let ready = Duration::from_secs(args.ready_timeout_s);
+    wait_ready(
+        stack,
+        "the prefill worker",
+        &format!("{prefill_url}/ready"),
+        ready,
+    )
+    .await?;
+    wait_ready(
+        stack,
+        "the decode worker",
+        &format!("{decode_url}/ready"),
+        ready,
+    )
+    .await?;
+
+    // The policy's configuration: the user's, or the defaults with the chosen
+    // transport for these same-node workers.
+    let policy_config = match &args.policy_config {
+        Some(p) => p.clone(),
+        None => {
+            let p = stack.scratch.join("policy-config.json");
+            let cfg = serde_json::json!({
+                "same_node_transport": args.kv_transport,
+                "cross_node_transport": args.kv_transport,
+            });
+            std::fs::write(&p, serde_json::to_vec_pretty(&cfg)?)
+                .context("writing the policy configuration")?;
+            p
+        }
+    };
+
+    // The gateway.
+    let mut g: Vec<String> = vec![
+        "gateway".into(),
+        "--listen".into(),
+        format!("{host}:{}", args.gateway_port),
+        "--prefill".into(),
+        prefill_url.clone(),
+        "--decode".into(),
+        decode_url.clone(),
+        "--policy".into(),
+        policy.display().to_string(),
+        "--policy-config".into(),
+        policy_config.display().to_string(),
+        "--model".into(),
+        model_s.clone(),
+        "--seq-len".into(),
+        args.seq_len.to_string(),
+    ];
+    if let Some(p) = args.metrics_port {
+        g.extend([
+            "--metrics-port".into(),
+            p.to_string(),
+            "--metrics-host".into(),
+            host.clone(),
+        ]);
+    }
+    let (gw, before) = start(stack, "gateway", &g, &[], "rngd-pd gateway listening on ").await?;
+    let kpis = before
+        .iter()
+        .find_map(|l| l.strip_prefix(crate::gateway::KPI_PREFIX))
+        .map(|rest| format!("http://{rest}"));
+    let gw = if gw.starts_with("http://") {
+        gw
+    } else {
+        format!("http://{gw}")
+    };
+    wait_ready(
+        stack,
+        "the gateway",
+        &format!("{gw}/health"),
+        Duration::from_secs(60),
+    )
+    .await?;
+
+    // The Envoy ext-proc endpoint picker would start here once `rngd-pd
+    // ext-proc` exists, pointed at the same workers.
+
+    let (_, models) =
+        rngd_gateway::probe::get(&format!("{gw}/v1/models"), Duration::from_secs(5)).await?;
+    let models: serde_json::Value = serde_json::from_str(&models).context("parsing /v1/models")?;
+    let model_name = models["data"][0]["id"]
+        .as_str()
+        .unwrap_or("default")
+        .to_string();
+    println!("rngd-pd up: relay     tcp://{relay}");
+    println!("rngd-pd up: prefill   {prefill_url}");
+    println!("rngd-pd up: decode    {decode_url}");
+    println!("rngd-pd up: shm root  {}", stack.shm_root.display());
+    println!("rngd-pd up: transport {}", args.kv_transport);
+    if let Some(k) = kpis {
+        println!("rngd-pd up: kpis      {k}");
+    }
+    println!("rngd-pd up: model     {model_name}");
+    println!("rngd-pd up: gateway   {gw}");
+    let body = serde_json::json!({
+        "model": model_name,
+        "prompt": "The capital of France is",
+        "max_tokens": 16,
+        "temperature": 0
+    });
+    println!(
+        "rngd-pd up: try       curl -s {gw}/v1/completions -H 'content-type: application/json' -d '{}'",
+        body.to_string().replace('\'', "'\\''")
+    );
+    println!("rngd-pd up: ready (Ctrl-C stops everything)");
+    use std::io::Write;
+    let _ = std::io::stdout().flush();
+    Ok(())
 }
