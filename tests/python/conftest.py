@@ -1,0 +1,164 @@
+"""Fixtures that start the real local stack (`rngd-pd up`) and a solo worker.
+
+The binary is `$RNGD_PD_BIN`, else `$CARGO_TARGET_DIR/release/rngd-pd`
+(default target dir `~/.cache/rngd-pd/target`). Readiness is read from the
+processes' printed lines and by polling HTTP endpoints; nothing sleeps a fixed
+time to wait for a server.
+"""
+
+import os
+import signal
+import subprocess
+import threading
+import time
+
+import pytest
+import requests
+
+
+def rngd_bin():
+    b = os.environ.get("RNGD_PD_BIN")
+    if not b:
+        target = os.environ.get("CARGO_TARGET_DIR") or os.path.expanduser("~/.cache/rngd-pd/target")
+        b = os.path.join(target, "release", "rngd-pd")
+    if not os.path.isfile(b):
+        pytest.fail(f"rngd-pd binary not found at {b}: build it with `cargo build --release` or set RNGD_PD_BIN")
+    return b
+
+
+def model_path():
+    m = os.environ.get("RNGD_PD_MODEL")
+    if m:
+        return m
+    cache = os.environ.get("RNGD_PD_CACHE") or os.path.expanduser("~/.cache/rngd-pd")
+    return os.path.join(cache, "models", "SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+class Proc:
+    """A child process whose stdout lines are collected by a reader thread."""
+
+    def __init__(self, name, args, env=None):
+        self.name = name
+        self.lines = []
+        self.cond = threading.Condition()
+        self.done = False
+        self.p = subprocess.Popen(
+            args,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=None,  # inherited: pytest shows it on failure
+            text=True,
+            env=env,
+            start_new_session=True,
+        )
+        self.t = threading.Thread(target=self._read, daemon=True)
+        self.t.start()
+
+    def _read(self):
+        for line in self.p.stdout:
+            with self.cond:
+                self.lines.append(line.rstrip("\n"))
+                self.cond.notify_all()
+        with self.cond:
+            self.done = True
+            self.cond.notify_all()
+
+    def wait_line(self, prefix, timeout):
+        """Returns the rest of the first stdout line starting with `prefix`."""
+        deadline = time.monotonic() + timeout
+        with self.cond:
+            while True:
+                for line in self.lines:
+                    if line.startswith(prefix):
+                        return line[len(prefix):].strip()
+                if self.done:
+                    pytest.fail(f"{self.name} exited (code {self.p.poll()}) before printing {prefix!r}; output: {self.lines}")
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    pytest.fail(f"{self.name} did not print {prefix!r} within {timeout} s; output: {self.lines}")
+                self.cond.wait(left)
+
+    def stop(self, sig=signal.SIGINT, timeout=30):
+        if self.p.poll() is None:
+            self.p.send_signal(sig)
+            try:
+                self.p.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.p.pid, signal.SIGKILL)
+                self.p.wait(10)
+                pytest.fail(f"{self.name} did not stop on {sig!r} within {timeout} s")
+        return self.p.returncode
+
+
+def poll_ok(url, timeout, proc=None):
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            r = requests.get(url, timeout=2)
+            if r.status_code == 200:
+                return r
+        except requests.RequestException:
+            pass
+        if proc is not None and proc.p.poll() is not None:
+            pytest.fail(f"{proc.name} exited (code {proc.p.returncode}) while waiting for {url}")
+        if time.monotonic() > deadline:
+            pytest.fail(f"{url} not ready within {timeout} s")
+        time.sleep(0.1)
+
+
+def free_port():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Stack:
+    def __init__(self, proc, transport):
+        self.proc = proc
+        self.transport = transport
+        self.gateway = proc.wait_line("rngd-pd up: gateway", 900)
+        self.prefill = proc.wait_line("rngd-pd up: prefill", 5)
+        self.decode = proc.wait_line("rngd-pd up: decode", 5)
+        self.shm_root = proc.wait_line("rngd-pd up: shm root", 5)
+        self.kpis = proc.wait_line("rngd-pd up: kpis", 5)
+        self.model = proc.wait_line("rngd-pd up: model", 5)
+        proc.wait_line("rngd-pd up: ready", 5)
+        poll_ok(self.gateway + "/health", 60, proc)
+
+
+def start_stack(transport):
+    proc = Proc(
+        f"rngd-pd up ({transport})",
+        [rngd_bin(), "up", "--gateway-port", "0", "--metrics-port", "0", "--kv-transport", transport],
+    )
+    try:
+        return Stack(proc, transport)
+    except BaseException:
+        proc.stop()
+        raise
+
+
+@pytest.fixture(scope="session", params=["shm", "tcp"])
+def stack(request):
+    """`rngd-pd up` with the given KV transport; stopped (and checked clean) at the end."""
+    s = start_stack(request.param)
+    yield s
+    code = s.proc.stop()
+    assert code == 0, f"rngd-pd up exited with {code} on SIGINT"
+    assert not os.path.exists(s.shm_root), f"shm root {s.shm_root} left behind"
+
+
+@pytest.fixture(scope="session")
+def solo():
+    """A solo worker on the same model: the single-worker reference."""
+    proc = Proc("solo worker", [rngd_bin(), "worker", "--role", "solo", "--port", "0", "--model", model_path()])
+    try:
+        url = proc.wait_line("rngd-pd worker listening on", 120)
+        if not url.startswith("http"):
+            url = "http://" + url
+        poll_ok(url + "/ready", 600, proc)
+        yield url
+    finally:
+        proc.stop(signal.SIGTERM)
