@@ -37,7 +37,13 @@ pub struct Args {
 
 impl Default for Args {
     fn default() -> Self {
-        Args { endpoints: 64, iterations: 20_000, fresh_iterations: 300, module: None, json: false }
+        Args {
+            endpoints: 64,
+            iterations: 20_000,
+            fresh_iterations: 300,
+            module: None,
+            json: false,
+        }
     }
 }
 
@@ -92,8 +98,16 @@ fn snapshot(n: usize) -> Vec<Endpoint> {
     (0..n)
         .map(|i| Endpoint {
             address: format!("10.1.{}.{}:8000", i / 250, i % 250 + 1),
-            role: if i % 2 == 0 { Role::Decode } else { Role::Prefill },
-            vendor: if i % 2 == 0 { Vendor::Atom } else { Vendor::Rngd },
+            role: if i % 2 == 0 {
+                Role::Decode
+            } else {
+                Role::Prefill
+            },
+            vendor: if i % 2 == 0 {
+                Vendor::Atom
+            } else {
+                Vendor::Rngd
+            },
             node: format!("node-{}", i / 4),
             seq_len: 4096,
             queue_depth: ((i * 7) % 5) as u32,
@@ -126,7 +140,12 @@ fn request(endpoints: Vec<Endpoint>) -> PolicyRequest {
         r#"{{"model":"smollm2-135m","messages":[{{"role":"system","content":"You are a helpful assistant."}},{{"role":"user","content":"{}"}}],"max_tokens":128,"temperature":0,"stream":true}}"#,
         "Summarize the benefits of prefill/decode disaggregation for LLM serving. ".repeat(4)
     );
-    PolicyRequest { headers: hdrs, body: body.into_bytes(), endpoints: Some(endpoints), prompt_tokens: Some(210) }
+    PolicyRequest {
+        headers: hdrs,
+        body: body.into_bytes(),
+        endpoints: Some(endpoints),
+        prompt_tokens: Some(210),
+    }
 }
 
 fn percentile(sorted: &[f64], p: f64) -> f64 {
@@ -137,7 +156,10 @@ fn percentile(sorted: &[f64], p: f64) -> f64 {
     sorted[i.min(sorted.len() - 1)]
 }
 
-fn timed(n: usize, mut f: impl FnMut() -> Result<Decision, Error>) -> Result<(Vec<f64>, Decision), Error> {
+fn timed(
+    n: usize,
+    mut f: impl FnMut() -> Result<Decision, Error>,
+) -> Result<(Vec<f64>, Decision), Error> {
     let mut last = f()?;
     let mut us = Vec::with_capacity(n);
     for _ in 0..n {
@@ -152,7 +174,8 @@ fn timed(n: usize, mut f: impl FnMut() -> Result<Decision, Error>) -> Result<(Ve
 /// Runs the benchmark (blocking work on a blocking thread) and prints a
 /// summary (unless `--json`) followed by the JSON line.
 pub async fn run(args: Args) -> Result<Report, Error> {
-    let report = tokio::task::spawn_blocking(move || measure(&args).map(|r| (r, args.json))).await??;
+    let report =
+        tokio::task::spawn_blocking(move || measure(&args).map(|r| (r, args.json))).await??;
     let (report, json) = report;
     if !json {
         println!(
@@ -175,15 +198,22 @@ pub async fn run(args: Args) -> Result<Report, Error> {
 fn measure(args: &Args) -> Result<Report, Error> {
     let module = match &args.module {
         Some(p) => p.clone(),
-        None => rngd_policy_host::find_built_module("pd_default", "wasm32-unknown-unknown").map_err(Error::MissingModule)?,
+        None => rngd_policy_host::find_built_module("pd_default", "wasm32-unknown-unknown")
+            .map_err(Error::MissingModule)?,
     };
     if !module.is_file() {
         return Err(Error::MissingModule(module));
     }
     let config = b"{}".to_vec();
     let runtime = PolicyRuntime::new(
-        PolicySource { module, config: config.clone() },
-        SandboxLimits { instances: 1, ..SandboxLimits::default() },
+        PolicySource {
+            module,
+            config: config.clone(),
+        },
+        SandboxLimits {
+            instances: 1,
+            ..SandboxLimits::default()
+        },
     )?;
     let req = request(snapshot(args.endpoints));
 
@@ -195,7 +225,12 @@ fn measure(args: &Args) -> Result<Report, Error> {
     let (fresh, _) = timed(args.fresh_iterations, || Ok(runtime.decide_fresh(&req)?))?;
 
     // Native: the same core logic with the same inputs and snapshot caching.
-    let mut policy = PdPolicy::new(PolicyConfig::from_json(&config).map_err(|e| PolicyError::NoDecision { detail: e.to_string() })?);
+    let mut policy =
+        PdPolicy::new(
+            PolicyConfig::from_json(&config).map_err(|e| PolicyError::NoDecision {
+                detail: e.to_string(),
+            })?,
+        );
     let json = serde_json::to_vec(req.endpoints.as_deref().unwrap_or_default()).unwrap_or_default();
     let version = b"1".to_vec();
     let mut native_once = || -> Result<Decision, Error> {
@@ -205,14 +240,24 @@ fn measure(args: &Args) -> Result<Report, Error> {
             .find(|(k, _)| k.eq_ignore_ascii_case(headers::DESTINATION_ENDPOINT_SUBSET))
             .map(|(_, v)| v.as_str());
         let prompt = req.prompt_tokens.map(|n| n.to_string());
-        Ok(policy.decide(subset, Some(&req.body), None, prompt.as_deref().map(str::as_bytes), Some(&version), || Some(json.clone())))
+        Ok(policy.decide(
+            subset,
+            Some(&req.body),
+            None,
+            prompt.as_deref().map(str::as_bytes),
+            Some(&version),
+            || Some(json.clone()),
+        ))
     };
     for _ in 0..1000 {
         native_once()?;
     }
     let (native, native_decision) = timed(args.iterations, native_once)?;
     if wasm_decision != native_decision {
-        return Err(Error::Mismatch { wasm: Box::new(wasm_decision), native: Box::new(native_decision) });
+        return Err(Error::Mismatch {
+            wasm: Box::new(wasm_decision),
+            native: Box::new(native_decision),
+        });
     }
     let wasm_p99 = percentile(&wasm, 0.99);
     let native_p99 = percentile(&native, 0.99);
@@ -223,7 +268,11 @@ fn measure(args: &Args) -> Result<Report, Error> {
         wasm_p99_us: wasm_p99,
         native_p50_us: percentile(&native, 0.5),
         native_p99_us: native_p99,
-        ratio_p99: if native_p99 > 0.0 { wasm_p99 / native_p99 } else { 0.0 },
+        ratio_p99: if native_p99 > 0.0 {
+            wasm_p99 / native_p99
+        } else {
+            0.0
+        },
         fresh_instance_p50_us: percentile(&fresh, 0.5),
         fresh_instance_p99_us: percentile(&fresh, 0.99),
         module_sha256: runtime.active().sha256,
@@ -236,8 +285,16 @@ mod tests {
 
     #[tokio::test]
     async fn runs_and_agrees_with_native() {
-        let args = Args { endpoints: 8, iterations: 200, fresh_iterations: 5, json: true, module: None };
-        let r = run(args).await.expect("bench runs (build the guests with policies/build.sh first)");
+        let args = Args {
+            endpoints: 8,
+            iterations: 200,
+            fresh_iterations: 5,
+            json: true,
+            module: None,
+        };
+        let r = run(args)
+            .await
+            .expect("bench runs (build the guests with policies/build.sh first)");
         assert_eq!(r.endpoints, 8);
         assert!(r.wasm_p50_us > 0.0 && r.native_p50_us > 0.0 && r.fresh_instance_p50_us > 0.0);
         assert!(r.wasm_p50_us <= r.wasm_p99_us);

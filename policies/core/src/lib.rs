@@ -139,7 +139,10 @@ impl Decision {
 impl LocalResponse {
     /// An OpenAI-style JSON error response (`{"error":{...}}`).
     pub fn error(status: u16, message: impl Into<String>, code: Option<&str>) -> Self {
-        let mut body = rngd_api::openai::ErrorBody::new(rngd_api::openai::ErrorBody::kind_for_status(status), message);
+        let mut body = rngd_api::openai::ErrorBody::new(
+            rngd_api::openai::ErrorBody::kind_for_status(status),
+            message,
+        );
         if let Some(code) = code {
             body = body.with_code(code);
         }
@@ -153,7 +156,9 @@ impl LocalResponse {
 
     /// The `error.message` of the body, if it is an OpenAI-style error.
     pub fn message(&self) -> Option<String> {
-        serde_json::from_slice::<rngd_api::openai::ErrorBody>(&self.body).ok().map(|b| b.error.message)
+        serde_json::from_slice::<rngd_api::openai::ErrorBody>(&self.body)
+            .ok()
+            .map(|b| b.error.message)
     }
 }
 

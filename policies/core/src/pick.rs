@@ -59,7 +59,10 @@ fn supports(e: &Endpoint, transport: &str) -> bool {
 }
 
 /// Lowest score first, ties broken by address so a decision is deterministic.
-fn best<'e>(config: &PolicyConfig, candidates: impl Iterator<Item = &'e Endpoint>) -> Option<&'e Endpoint> {
+fn best<'e>(
+    config: &PolicyConfig,
+    candidates: impl Iterator<Item = &'e Endpoint>,
+) -> Option<&'e Endpoint> {
     let mut best: Option<(&Endpoint, f64)> = None;
     for e in candidates {
         let s = config.score(e);
@@ -74,11 +77,16 @@ fn best<'e>(config: &PolicyConfig, candidates: impl Iterator<Item = &'e Endpoint
 /// Decides one request against an endpoint set (the default policy).
 pub fn decide(config: &PolicyConfig, endpoints: &[Endpoint], input: &RequestInput<'_>) -> Decision {
     let (max_tokens, prompt_bytes) = match input.body {
-        None => (config.default_max_tokens, input.content_length.unwrap_or(0) as usize),
+        None => (
+            config.default_max_tokens,
+            input.content_length.unwrap_or(0) as usize,
+        ),
         Some(body) if body.iter().all(u8::is_ascii_whitespace) => (config.default_max_tokens, 0),
         Some(body) => match serde_json::from_slice::<BodyView<'_>>(body) {
             Ok(b) => (
-                b.max_tokens.or(b.max_completion_tokens).unwrap_or(config.default_max_tokens),
+                b.max_tokens
+                    .or(b.max_completion_tokens)
+                    .unwrap_or(config.default_max_tokens),
                 b.prompt.map_or(0, |r| r.get().len()) + b.messages.map_or(0, |r| r.get().len()),
             ),
             Err(e) => {
@@ -97,11 +105,17 @@ pub fn decide(config: &PolicyConfig, endpoints: &[Endpoint], input: &RequestInpu
     let decoders: Vec<&Endpoint> = endpoints
         .iter()
         .filter(|e| {
-            matches!(e.role, Role::Decode | Role::Solo) && e.healthy && in_subset(input.subset, &e.address)
+            matches!(e.role, Role::Decode | Role::Solo)
+                && e.healthy
+                && in_subset(input.subset, &e.address)
         })
         .collect();
     if decoders.is_empty() {
-        let why = if input.subset.is_some() { " in the requested subset" } else { "" };
+        let why = if input.subset.is_some() {
+            " in the requested subset"
+        } else {
+            ""
+        };
         return Decision::Reject(LocalResponse::error(
             503,
             format!("no healthy decode endpoint{why} is available"),
@@ -109,7 +123,11 @@ pub fn decide(config: &PolicyConfig, endpoints: &[Endpoint], input: &RequestInpu
         ));
     }
     let fitting: Vec<&Endpoint> = match prompt {
-        Some(p) => decoders.iter().copied().filter(|e| p + max_tokens <= u64::from(e.seq_len)).collect(),
+        Some(p) => decoders
+            .iter()
+            .copied()
+            .filter(|e| p + max_tokens <= u64::from(e.seq_len))
+            .collect(),
         None => decoders.clone(),
     };
     if fitting.is_empty() {
@@ -138,9 +156,13 @@ pub fn decide(config: &PolicyConfig, endpoints: &[Endpoint], input: &RequestInpu
         decode: decode.address.clone(),
         prefill: None,
         kv_transport: None,
-        headers: vec![(headers::DESTINATION_ENDPOINT.to_string(), decode.address.clone())],
+        headers: vec![(
+            headers::DESTINATION_ENDPOINT.to_string(),
+            decode.address.clone(),
+        )],
     };
-    let disaggregate = decode.role == Role::Decode && prompt.is_none_or(|p| p >= config.disaggregation_threshold_tokens);
+    let disaggregate = decode.role == Role::Decode
+        && prompt.is_none_or(|p| p >= config.disaggregation_threshold_tokens);
     if disaggregate {
         let prefill = best(
             config,
@@ -159,11 +181,19 @@ pub fn decide(config: &PolicyConfig, endpoints: &[Endpoint], input: &RequestInpu
                 options.push(config.same_node_transport.as_str());
             }
             options.push(config.cross_node_transport.as_str());
-            if let Some(t) = options.into_iter().find(|t| supports(prefill, t) && supports(decode, t)) {
+            if let Some(t) = options
+                .into_iter()
+                .find(|t| supports(prefill, t) && supports(decode, t))
+            {
                 route.prefill = Some(prefill.address.clone());
                 route.kv_transport = Some(t.to_string());
-                route.headers.push((headers::PREFILLER_HOST_PORT.to_string(), prefill.address.clone()));
-                route.headers.push((headers::KV_TRANSPORT.to_string(), t.to_string()));
+                route.headers.push((
+                    headers::PREFILLER_HOST_PORT.to_string(),
+                    prefill.address.clone(),
+                ));
+                route
+                    .headers
+                    .push((headers::KV_TRANSPORT.to_string(), t.to_string()));
             }
         }
     }
@@ -197,7 +227,8 @@ impl SnapshotCache {
         let Some(json) = fetch() else {
             return Ok(None);
         };
-        self.endpoints = serde_json::from_slice(&json).map_err(|source| CoreError::Snapshot { source })?;
+        self.endpoints =
+            serde_json::from_slice(&json).map_err(|source| CoreError::Snapshot { source })?;
         match version {
             Some(v) => {
                 self.version.clear();
@@ -222,7 +253,10 @@ pub struct PdPolicy {
 impl PdPolicy {
     /// A policy with this configuration.
     pub fn new(config: PolicyConfig) -> Self {
-        PdPolicy { config, cache: SnapshotCache::default() }
+        PdPolicy {
+            config,
+            cache: SnapshotCache::default(),
+        }
     }
 
     /// Decides one request. `body: None` = decide without the body (estimate
@@ -245,12 +279,20 @@ impl PdPolicy {
             Some(None) => {
                 return Decision::Reject(LocalResponse::error(
                     500,
-                    format!("property {} is not a decimal number", crate::PROP_PROMPT_TOKENS),
+                    format!(
+                        "property {} is not a decimal number",
+                        crate::PROP_PROMPT_TOKENS
+                    ),
                     None,
                 ));
             }
         };
-        let input = RequestInput { body, content_length, prompt_tokens, subset };
+        let input = RequestInput {
+            body,
+            content_length,
+            prompt_tokens,
+            subset,
+        };
         match self.cache.get(version, fetch_endpoints) {
             Ok(Some(eps)) => decide(&self.config, eps, &input),
             Ok(None) => decide(&self.config, &self.config.static_endpoints, &input),
@@ -284,7 +326,11 @@ mod tests {
     }
 
     fn body(prompt_chars: usize, max_tokens: u32) -> Vec<u8> {
-        format!(r#"{{"model":"m","prompt":"{}","max_tokens":{max_tokens}}}"#, "a".repeat(prompt_chars)).into_bytes()
+        format!(
+            r#"{{"model":"m","prompt":"{}","max_tokens":{max_tokens}}}"#,
+            "a".repeat(prompt_chars)
+        )
+        .into_bytes()
     }
 
     fn route(d: Decision) -> Route {
@@ -306,7 +352,12 @@ mod tests {
         let r = route(decide(
             &PolicyConfig::default(),
             &eps,
-            &RequestInput { content_length: None, body: Some(&b), prompt_tokens: Some(100), subset: None },
+            &RequestInput {
+                content_length: None,
+                body: Some(&b),
+                prompt_tokens: Some(100),
+                subset: None,
+            },
         ));
         assert_eq!(r.decode, "10.0.0.2:1");
         assert_eq!(r.prefill.as_deref(), Some("10.0.0.4:1"));
@@ -314,7 +365,12 @@ mod tests {
         let short = route(decide(
             &PolicyConfig::default(),
             &eps,
-            &RequestInput { content_length: None, body: Some(&b), prompt_tokens: Some(5), subset: None },
+            &RequestInput {
+                content_length: None,
+                body: Some(&b),
+                prompt_tokens: Some(5),
+                subset: None,
+            },
         ));
         assert_eq!(short.prefill, None);
         assert_eq!(short.headers.len(), 1);
@@ -322,30 +378,81 @@ mod tests {
 
     #[test]
     fn same_node_uses_shm_and_subset_limits_choice() {
-        let eps = vec![ep("d:1", Role::Decode, "n1", 0), ep("d:2", Role::Decode, "n2", 0), ep("p:1", Role::Prefill, "n2", 0)];
+        let eps = vec![
+            ep("d:1", Role::Decode, "n1", 0),
+            ep("d:2", Role::Decode, "n2", 0),
+            ep("p:1", Role::Prefill, "n2", 0),
+        ];
         let b = body(10, 5);
         let r = route(decide(
             &PolicyConfig::default(),
             &eps,
-            &RequestInput { content_length: None, body: Some(&b), prompt_tokens: Some(100), subset: Some("d:2, p:1") },
+            &RequestInput {
+                content_length: None,
+                body: Some(&b),
+                prompt_tokens: Some(100),
+                subset: Some("d:2, p:1"),
+            },
         ));
-        assert_eq!((r.decode.as_str(), r.kv_transport.as_deref()), ("d:2", Some("shm")));
+        assert_eq!(
+            (r.decode.as_str(), r.kv_transport.as_deref()),
+            ("d:2", Some("shm"))
+        );
     }
 
     #[test]
     fn rejects_with_the_right_status() {
         let b = body(10, 100);
-        let cfg = PolicyConfig { max_queue_depth: Some(2), ..PolicyConfig::default() };
+        let cfg = PolicyConfig {
+            max_queue_depth: Some(2),
+            ..PolicyConfig::default()
+        };
         let eps = vec![ep("d:1", Role::Decode, "", 2), ep("d:2", Role::Solo, "", 5)];
-        let too_long = decide(&cfg, &eps, &RequestInput { content_length: None, body: Some(&b), prompt_tokens: Some(450), subset: None });
+        let too_long = decide(
+            &cfg,
+            &eps,
+            &RequestInput {
+                content_length: None,
+                body: Some(&b),
+                prompt_tokens: Some(450),
+                subset: None,
+            },
+        );
         let l = too_long.rejection().expect("rejects");
         assert_eq!(l.status, 400);
         assert_eq!(l.message().unwrap(), context_length_message(450, 100, 512));
-        let full = decide(&cfg, &eps, &RequestInput { content_length: None, body: Some(&b), prompt_tokens: Some(4), subset: None });
+        let full = decide(
+            &cfg,
+            &eps,
+            &RequestInput {
+                content_length: None,
+                body: Some(&b),
+                prompt_tokens: Some(4),
+                subset: None,
+            },
+        );
         assert_eq!(full.rejection().map(|l| l.status), Some(429));
-        let none = decide(&cfg, &eps, &RequestInput { content_length: None, body: Some(&b), prompt_tokens: Some(4), subset: Some("x:1") });
+        let none = decide(
+            &cfg,
+            &eps,
+            &RequestInput {
+                content_length: None,
+                body: Some(&b),
+                prompt_tokens: Some(4),
+                subset: Some("x:1"),
+            },
+        );
         assert_eq!(none.rejection().map(|l| l.status), Some(503));
-        let bad = decide(&cfg, &eps, &RequestInput { content_length: None, body: Some(b"{"), prompt_tokens: None, subset: None });
+        let bad = decide(
+            &cfg,
+            &eps,
+            &RequestInput {
+                content_length: None,
+                body: Some(b"{"),
+                prompt_tokens: None,
+                subset: None,
+            },
+        );
         assert_eq!(bad.rejection().map(|l| l.status), Some(400));
     }
 
@@ -354,15 +461,45 @@ mod tests {
         let eps = vec![ep("d:1", Role::Decode, "", 0)];
         // 4100 prompt bytes / 8 ≥ 512 → rejected without a host count.
         let b = body(4100, 16);
-        let d = decide(&PolicyConfig::default(), &eps, &RequestInput { content_length: None, body: Some(&b), prompt_tokens: None, subset: None });
+        let d = decide(
+            &PolicyConfig::default(),
+            &eps,
+            &RequestInput {
+                content_length: None,
+                body: Some(&b),
+                prompt_tokens: None,
+                subset: None,
+            },
+        );
         assert_eq!(d.rejection().map(|l| l.status), Some(400));
-        let off = PolicyConfig { estimate_bytes_per_token: 0, ..PolicyConfig::default() };
-        assert!(decide(&off, &eps, &RequestInput { content_length: None, body: Some(&b), prompt_tokens: None, subset: None }).route().is_some());
+        let off = PolicyConfig {
+            estimate_bytes_per_token: 0,
+            ..PolicyConfig::default()
+        };
+        assert!(
+            decide(
+                &off,
+                &eps,
+                &RequestInput {
+                    content_length: None,
+                    body: Some(&b),
+                    prompt_tokens: None,
+                    subset: None
+                }
+            )
+            .route()
+            .is_some()
+        );
         // Without the body: the estimate comes from content-length.
         let d = decide(
             &PolicyConfig::default(),
             &eps,
-            &RequestInput { body: None, content_length: Some(b.len() as u64), prompt_tokens: None, subset: None },
+            &RequestInput {
+                body: None,
+                content_length: Some(b.len() as u64),
+                prompt_tokens: None,
+                subset: None,
+            },
         );
         assert_eq!(d.rejection().map(|l| l.status), Some(400));
     }
@@ -371,16 +508,36 @@ mod tests {
     fn snapshot_cache_reuses_by_version() {
         let json = serde_json::to_vec(&vec![ep("d:1", Role::Decode, "", 0)]).unwrap();
         let mut c = SnapshotCache::default();
-        assert_eq!(c.get(Some(b"1"), || Some(json.clone())).unwrap().unwrap().len(), 1);
-        assert_eq!(c.get(Some(b"1"), || panic!("must not refetch")).unwrap().unwrap().len(), 1);
-        assert!(c.get(Some(b"2"), || Some(b"[]".to_vec())).unwrap().unwrap().is_empty());
+        assert_eq!(
+            c.get(Some(b"1"), || Some(json.clone()))
+                .unwrap()
+                .unwrap()
+                .len(),
+            1
+        );
+        assert_eq!(
+            c.get(Some(b"1"), || panic!("must not refetch"))
+                .unwrap()
+                .unwrap()
+                .len(),
+            1
+        );
+        assert!(
+            c.get(Some(b"2"), || Some(b"[]".to_vec()))
+                .unwrap()
+                .unwrap()
+                .is_empty()
+        );
         assert!(c.get(None, || None).unwrap().is_none());
         assert!(c.get(Some(b"3"), || Some(b"{".to_vec())).is_err());
     }
 
     #[test]
     fn static_pool_when_no_snapshot() {
-        let cfg = PolicyConfig { static_endpoints: vec![ep("s:1", Role::Solo, "", 0)], ..PolicyConfig::default() };
+        let cfg = PolicyConfig {
+            static_endpoints: vec![ep("s:1", Role::Solo, "", 0)],
+            ..PolicyConfig::default()
+        };
         let mut p = PdPolicy::new(cfg);
         let r = route(p.decide(None, Some(b""), None, None, None, || None));
         assert_eq!(r.decode, "s:1");

@@ -66,7 +66,8 @@ impl Context for Root {}
 impl RootContext for Root {
     fn on_configure(&mut self, _size: usize) -> bool {
         let bytes = self.get_plugin_configuration().unwrap_or_default();
-        let config: serde_json::Value = serde_json::from_slice(&bytes).unwrap_or(serde_json::Value::Null);
+        let config: serde_json::Value =
+            serde_json::from_slice(&bytes).unwrap_or(serde_json::Value::Null);
         if let Some(m) = config.get("fault").and_then(|v| v.as_str()) {
             self.mode = m.to_string();
         }
@@ -81,7 +82,10 @@ impl RootContext for Root {
     }
 
     fn create_http_context(&self, _context_id: u32) -> Option<Box<dyn HttpContext>> {
-        Some(Box::new(Request { mode: self.mode.clone(), destination: self.destination.clone() }))
+        Some(Box::new(Request {
+            mode: self.mode.clone(),
+            destination: self.destination.clone(),
+        }))
     }
 
     fn get_type(&self) -> Option<ContextType> {
@@ -134,7 +138,9 @@ fn huge_header_call() -> u32 {
     let key = b"x-huge";
     let value = vec![b'v'; 4 << 20];
     // SAFETY: a wasm import; both ranges are live guest memory.
-    unsafe { proxy_replace_header_map_value(0, key.as_ptr(), key.len(), value.as_ptr(), value.len()) }
+    unsafe {
+        proxy_replace_header_map_value(0, key.as_ptr(), key.len(), value.as_ptr(), value.len())
+    }
 }
 
 impl Context for Request {}
@@ -152,7 +158,9 @@ impl Request {
 
 impl HttpContext for Request {
     fn on_http_request_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
-        let mode = self.get_http_request_header("x-fault").unwrap_or_else(|| self.mode.clone());
+        let mode = self
+            .get_http_request_header("x-fault")
+            .unwrap_or_else(|| self.mode.clone());
         match mode.as_str() {
             "none" => self.route(&[]),
             "loop" => spin(),

@@ -35,7 +35,12 @@ pub(crate) struct Limiter {
 }
 
 impl ResourceLimiter for Limiter {
-    fn memory_growing(&mut self, _current: usize, desired: usize, _maximum: Option<usize>) -> wasmtime::Result<bool> {
+    fn memory_growing(
+        &mut self,
+        _current: usize,
+        desired: usize,
+        _maximum: Option<usize>,
+    ) -> wasmtime::Result<bool> {
         if desired > self.memory_bytes {
             self.hit = true;
             // An error (not `Ok(false)`) traps at the `memory.grow`, so a Rust
@@ -48,7 +53,12 @@ impl ResourceLimiter for Limiter {
         Ok(true)
     }
 
-    fn table_growing(&mut self, _current: usize, desired: usize, _maximum: Option<usize>) -> wasmtime::Result<bool> {
+    fn table_growing(
+        &mut self,
+        _current: usize,
+        desired: usize,
+        _maximum: Option<usize>,
+    ) -> wasmtime::Result<bool> {
         Ok(desired <= 100_000)
     }
 }
@@ -92,7 +102,10 @@ impl HostState {
     /// Fresh state for a new instance.
     pub fn new(limits: &SandboxLimits, plugin_config: Arc<[u8]>) -> Self {
         HostState {
-            limiter: Limiter { memory_bytes: limits.memory_bytes, hit: false },
+            limiter: Limiter {
+                memory_bytes: limits.memory_bytes,
+                hit: false,
+            },
             memory: None,
             alloc: None,
             plugin_config,
@@ -136,7 +149,9 @@ fn write(cx: &mut Cx<'_>, ptr: u32, bytes: &[u8]) -> Result<(), u32> {
 
 fn check_slot(cx: &Cx<'_>, ptr: u32, len: u32) -> Result<(), u32> {
     let mem = cx.data().memory.ok_or(status::INTERNAL_FAILURE)?;
-    range(mem.data_size(cx), ptr, len).map(|_| ()).ok_or(status::INVALID_MEMORY_ACCESS)
+    range(mem.data_size(cx), ptr, len)
+        .map(|_| ())
+        .ok_or(status::INVALID_MEMORY_ACCESS)
 }
 
 /// Copies `bytes` into guest memory it allocates (`malloc` /
@@ -164,15 +179,22 @@ fn give(cx: &mut Cx<'_>, bytes: &[u8], ret_ptr: u32, ret_len: u32) -> wasmtime::
         }
         p
     };
-    Ok(match write(cx, ret_ptr, &ptr.to_le_bytes()).and_then(|_| write(cx, ret_len, &len.to_le_bytes())) {
-        Ok(()) => status::OK,
-        Err(s) => s,
-    })
+    Ok(
+        match write(cx, ret_ptr, &ptr.to_le_bytes())
+            .and_then(|_| write(cx, ret_len, &len.to_le_bytes()))
+        {
+            Ok(()) => status::OK,
+            Err(s) => s,
+        },
+    )
 }
 
 /// Serializes header pairs in the ABI's map encoding.
 pub(crate) fn encode_map(pairs: &[(String, String)]) -> Vec<u8> {
-    let size = 4 + pairs.iter().map(|(k, v)| 8 + k.len() + v.len() + 2).sum::<usize>();
+    let size = 4 + pairs
+        .iter()
+        .map(|(k, v)| 8 + k.len() + v.len() + 2)
+        .sum::<usize>();
     let mut out = Vec::with_capacity(size);
     out.extend_from_slice(&(pairs.len() as u32).to_le_bytes());
     for (k, v) in pairs {
@@ -193,7 +215,9 @@ pub(crate) fn decode_map(bytes: &[u8]) -> Option<Vec<(String, String)>> {
     if bytes.is_empty() {
         return Some(Vec::new());
     }
-    let word = |at: usize| -> Option<usize> { Some(u32::from_le_bytes(bytes.get(at..at + 4)?.try_into().ok()?) as usize) };
+    let word = |at: usize| -> Option<usize> {
+        Some(u32::from_le_bytes(bytes.get(at..at + 4)?.try_into().ok()?) as usize)
+    };
     let n = word(0)?;
     let mut p = 4usize.checked_add(n.checked_mul(8)?)?;
     if p > bytes.len() {
@@ -207,18 +231,28 @@ pub(crate) fn decode_map(bytes: &[u8]) -> Option<Vec<(String, String)>> {
         p = p.checked_add(kl + 1)?;
         let v = bytes.get(p..p.checked_add(vl)?)?;
         p = p.checked_add(vl + 1)?;
-        out.push((String::from_utf8(k.to_vec()).ok()?, String::from_utf8(v.to_vec()).ok()?));
+        out.push((
+            String::from_utf8(k.to_vec()).ok()?,
+            String::from_utf8(v.to_vec()).ok()?,
+        ));
     }
     Some(out)
 }
 
 fn header_get<'a>(headers: &'a [(String, String)], key: &str) -> Option<&'a str> {
-    headers.iter().find(|(k, _)| k.eq_ignore_ascii_case(key)).map(|(_, v)| v.as_str())
+    headers
+        .iter()
+        .find(|(k, _)| k.eq_ignore_ascii_case(key))
+        .map(|(_, v)| v.as_str())
 }
 
 fn record_set(req: &mut RequestState, key: &str, value: &str) {
     req.removed.retain(|k| !k.eq_ignore_ascii_case(key));
-    match req.set.iter_mut().find(|(k, _)| k.eq_ignore_ascii_case(key)) {
+    match req
+        .set
+        .iter_mut()
+        .find(|(k, _)| k.eq_ignore_ascii_case(key))
+    {
         Some(slot) => slot.1 = value.to_string(),
         None => req.set.push((key.to_ascii_lowercase(), value.to_string())),
     }
@@ -230,7 +264,11 @@ fn header_replace(cx: &mut Cx<'_>, map: u32, kp: u32, kl: u32, vp: u32, vl: u32,
     }
     let max = cx.data().max_header_bytes;
     if kl as usize + vl as usize > max {
-        tracing::warn!(bytes = kl as u64 + vl as u64, max, "policy guest set an oversized header; refused");
+        tracing::warn!(
+            bytes = kl as u64 + vl as u64,
+            max,
+            "policy guest set an oversized header; refused"
+        );
         return Ok(status::BAD_ARGUMENT);
     }
     let (k, v) = match read_str(cx, kp, kl).and_then(|k| read_str(cx, vp, vl).map(|v| (k, v))) {
@@ -242,49 +280,68 @@ fn header_replace(cx: &mut Cx<'_>, map: u32, kp: u32, kl: u32, vp: u32, vl: u32,
         (true, Some(old)) => format!("{old},{v}"),
         _ => v,
     };
-    req.headers.retain(|(name, _)| !name.eq_ignore_ascii_case(&k));
+    req.headers
+        .retain(|(name, _)| !name.eq_ignore_ascii_case(&k));
     req.headers.push((k.to_ascii_lowercase(), value.clone()));
     record_set(req, &k, &value);
     Ok(status::OK)
 }
 
 fn now_nanos() -> u64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64)
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64)
 }
 
 /// Defines every import on `linker`.
 pub(crate) fn define(linker: &mut Linker<HostState>) -> wasmtime::Result<()> {
     let env = "env";
-    linker.func_wrap(env, "proxy_log", |mut cx: Cx<'_>, level: u32, p: u32, l: u32| -> R {
-        let msg = match read(&cx, p, l) {
-            Ok(m) => String::from_utf8_lossy(&m).into_owned(),
-            Err(s) => return Ok(s),
-        };
-        match level {
-            0 => tracing::trace!(target: "policy_guest", "{msg}"),
-            1 => tracing::debug!(target: "policy_guest", "{msg}"),
-            2 => tracing::info!(target: "policy_guest", "{msg}"),
-            3 => tracing::warn!(target: "policy_guest", "{msg}"),
-            _ => {
-                tracing::error!(target: "policy_guest", "{msg}");
-                let errors = &mut cx.data_mut().errors;
-                if errors.len() < 16 {
-                    errors.push(msg);
+    linker.func_wrap(
+        env,
+        "proxy_log",
+        |mut cx: Cx<'_>, level: u32, p: u32, l: u32| -> R {
+            let msg = match read(&cx, p, l) {
+                Ok(m) => String::from_utf8_lossy(&m).into_owned(),
+                Err(s) => return Ok(s),
+            };
+            match level {
+                0 => tracing::trace!(target: "policy_guest", "{msg}"),
+                1 => tracing::debug!(target: "policy_guest", "{msg}"),
+                2 => tracing::info!(target: "policy_guest", "{msg}"),
+                3 => tracing::warn!(target: "policy_guest", "{msg}"),
+                _ => {
+                    tracing::error!(target: "policy_guest", "{msg}");
+                    let errors = &mut cx.data_mut().errors;
+                    if errors.len() < 16 {
+                        errors.push(msg);
+                    }
                 }
             }
-        }
-        Ok(status::OK)
-    })?;
-    linker.func_wrap(env, "proxy_get_log_level", |mut cx: Cx<'_>, ret: u32| -> R {
-        Ok(write(&mut cx, ret, &2u32.to_le_bytes()).map_or_else(|s| s, |_| status::OK))
-    })?;
-    linker.func_wrap(env, "proxy_get_current_time_nanoseconds", |mut cx: Cx<'_>, ret: u32| -> R {
-        Ok(write(&mut cx, ret, &now_nanos().to_le_bytes()).map_or_else(|s| s, |_| status::OK))
-    })?;
-    linker.func_wrap(env, "proxy_set_tick_period_milliseconds", |_: Cx<'_>, _period: u32| -> R {
-        // Ticks are never delivered by this host.
-        Ok(status::BAD_ARGUMENT)
-    })?;
+            Ok(status::OK)
+        },
+    )?;
+    linker.func_wrap(
+        env,
+        "proxy_get_log_level",
+        |mut cx: Cx<'_>, ret: u32| -> R {
+            Ok(write(&mut cx, ret, &2u32.to_le_bytes()).map_or_else(|s| s, |_| status::OK))
+        },
+    )?;
+    linker.func_wrap(
+        env,
+        "proxy_get_current_time_nanoseconds",
+        |mut cx: Cx<'_>, ret: u32| -> R {
+            Ok(write(&mut cx, ret, &now_nanos().to_le_bytes()).map_or_else(|s| s, |_| status::OK))
+        },
+    )?;
+    linker.func_wrap(
+        env,
+        "proxy_set_tick_period_milliseconds",
+        |_: Cx<'_>, _period: u32| -> R {
+            // Ticks are never delivered by this host.
+            Ok(status::BAD_ARGUMENT)
+        },
+    )?;
     linker.func_wrap(
         env,
         "proxy_get_buffer_bytes",
@@ -304,44 +361,57 @@ pub(crate) fn define(linker: &mut Linker<HostState>) -> wasmtime::Result<()> {
             give(&mut cx, &data, rp, rl)
         },
     )?;
-    linker.func_wrap(env, "proxy_set_buffer_bytes", |_: Cx<'_>, _: u32, _: u32, _: u32, _: u32, _: u32| -> R {
-        // Policies decide; they do not rewrite bodies.
-        Ok(status::BAD_ARGUMENT)
-    })?;
-    linker.func_wrap(env, "proxy_get_header_map_pairs", |mut cx: Cx<'_>, map: u32, rp: u32, rl: u32| -> R {
-        if map != MAP_REQUEST_HEADERS {
-            return give(&mut cx, &[], rp, rl);
-        }
-        let bytes = encode_map(&cx.data().req.headers);
-        give(&mut cx, &bytes, rp, rl)
-    })?;
-    linker.func_wrap(env, "proxy_set_header_map_pairs", |mut cx: Cx<'_>, map: u32, p: u32, l: u32| -> R {
-        if map != MAP_REQUEST_HEADERS {
-            return Ok(status::BAD_ARGUMENT);
-        }
-        if l as usize > cx.data().max_header_bytes {
-            return Ok(status::BAD_ARGUMENT);
-        }
-        let bytes = match read(&cx, p, l) {
-            Ok(b) => b,
-            Err(s) => return Ok(s),
-        };
-        let Some(pairs) = decode_map(&bytes) else {
-            return Ok(status::BAD_ARGUMENT);
-        };
-        let req = &mut cx.data_mut().req;
-        for (k, _) in &req.headers {
-            if !pairs.iter().any(|(n, _)| n.eq_ignore_ascii_case(k)) {
-                req.removed.push(k.clone());
+    linker.func_wrap(
+        env,
+        "proxy_set_buffer_bytes",
+        |_: Cx<'_>, _: u32, _: u32, _: u32, _: u32, _: u32| -> R {
+            // Policies decide; they do not rewrite bodies.
+            Ok(status::BAD_ARGUMENT)
+        },
+    )?;
+    linker.func_wrap(
+        env,
+        "proxy_get_header_map_pairs",
+        |mut cx: Cx<'_>, map: u32, rp: u32, rl: u32| -> R {
+            if map != MAP_REQUEST_HEADERS {
+                return give(&mut cx, &[], rp, rl);
             }
-        }
-        req.set.retain(|(k, _)| pairs.iter().any(|(n, _)| n.eq_ignore_ascii_case(k)));
-        for (k, v) in &pairs {
-            record_set(req, k, v);
-        }
-        req.headers = pairs;
-        Ok(status::OK)
-    })?;
+            let bytes = encode_map(&cx.data().req.headers);
+            give(&mut cx, &bytes, rp, rl)
+        },
+    )?;
+    linker.func_wrap(
+        env,
+        "proxy_set_header_map_pairs",
+        |mut cx: Cx<'_>, map: u32, p: u32, l: u32| -> R {
+            if map != MAP_REQUEST_HEADERS {
+                return Ok(status::BAD_ARGUMENT);
+            }
+            if l as usize > cx.data().max_header_bytes {
+                return Ok(status::BAD_ARGUMENT);
+            }
+            let bytes = match read(&cx, p, l) {
+                Ok(b) => b,
+                Err(s) => return Ok(s),
+            };
+            let Some(pairs) = decode_map(&bytes) else {
+                return Ok(status::BAD_ARGUMENT);
+            };
+            let req = &mut cx.data_mut().req;
+            for (k, _) in &req.headers {
+                if !pairs.iter().any(|(n, _)| n.eq_ignore_ascii_case(k)) {
+                    req.removed.push(k.clone());
+                }
+            }
+            req.set
+                .retain(|(k, _)| pairs.iter().any(|(n, _)| n.eq_ignore_ascii_case(k)));
+            for (k, v) in &pairs {
+                record_set(req, k, v);
+            }
+            req.headers = pairs;
+            Ok(status::OK)
+        },
+    )?;
     linker.func_wrap(
         env,
         "proxy_get_header_map_value",
@@ -351,30 +421,39 @@ pub(crate) fn define(linker: &mut Linker<HostState>) -> wasmtime::Result<()> {
                 Err(s) => return Ok(s),
             };
             if map != MAP_REQUEST_HEADERS {
-                return Ok(if map <= 7 { status::NOT_FOUND } else { status::BAD_ARGUMENT });
+                return Ok(if map <= 7 {
+                    status::NOT_FOUND
+                } else {
+                    status::BAD_ARGUMENT
+                });
             }
-            let Some(v) = header_get(&cx.data().req.headers, &key).map(|v| v.as_bytes().to_vec()) else {
+            let Some(v) = header_get(&cx.data().req.headers, &key).map(|v| v.as_bytes().to_vec())
+            else {
                 return Ok(status::NOT_FOUND);
             };
             give(&mut cx, &v, rp, rl)
         },
     )?;
-    linker.func_wrap(env, "proxy_remove_header_map_value", |mut cx: Cx<'_>, map: u32, kp: u32, kl: u32| -> R {
-        if map != MAP_REQUEST_HEADERS {
-            return Ok(status::BAD_ARGUMENT);
-        }
-        let key = match read_str(&cx, kp, kl) {
-            Ok(k) => k,
-            Err(s) => return Ok(s),
-        };
-        let req = &mut cx.data_mut().req;
-        req.headers.retain(|(k, _)| !k.eq_ignore_ascii_case(&key));
-        req.set.retain(|(k, _)| !k.eq_ignore_ascii_case(&key));
-        if !req.removed.iter().any(|k| k.eq_ignore_ascii_case(&key)) {
-            req.removed.push(key.to_ascii_lowercase());
-        }
-        Ok(status::OK)
-    })?;
+    linker.func_wrap(
+        env,
+        "proxy_remove_header_map_value",
+        |mut cx: Cx<'_>, map: u32, kp: u32, kl: u32| -> R {
+            if map != MAP_REQUEST_HEADERS {
+                return Ok(status::BAD_ARGUMENT);
+            }
+            let key = match read_str(&cx, kp, kl) {
+                Ok(k) => k,
+                Err(s) => return Ok(s),
+            };
+            let req = &mut cx.data_mut().req;
+            req.headers.retain(|(k, _)| !k.eq_ignore_ascii_case(&key));
+            req.set.retain(|(k, _)| !k.eq_ignore_ascii_case(&key));
+            if !req.removed.iter().any(|k| k.eq_ignore_ascii_case(&key)) {
+                req.removed.push(key.to_ascii_lowercase());
+            }
+            Ok(status::OK)
+        },
+    )?;
     linker.func_wrap(
         env,
         "proxy_replace_header_map_value",
@@ -389,29 +468,40 @@ pub(crate) fn define(linker: &mut Linker<HostState>) -> wasmtime::Result<()> {
             header_replace(&mut cx, map, kp, kl, vp, vl, true)
         },
     )?;
-    linker.func_wrap(env, "proxy_get_property", |mut cx: Cx<'_>, pp: u32, pl: u32, rp: u32, rl: u32| -> R {
-        let path = match read(&cx, pp, pl) {
-            Ok(p) => p,
-            Err(s) => return Ok(s),
-        };
-        let value: Option<Vec<u8>> = {
-            let req = &cx.data().req;
-            match path.as_slice() {
-                b"rngd_pd\0endpoints" => req.endpoints.as_ref().map(|s| s.as_bytes().to_vec()),
-                b"rngd_pd\0endpoints_version" => req.endpoints_version.as_ref().map(|s| s.as_bytes().to_vec()),
-                b"rngd_pd\0prompt_tokens" => req.prompt_tokens.as_ref().map(|s| s.as_bytes().to_vec()),
-                b"plugin_name" => Some(b"rngd-pd-policy".to_vec()),
-                _ => None,
+    linker.func_wrap(
+        env,
+        "proxy_get_property",
+        |mut cx: Cx<'_>, pp: u32, pl: u32, rp: u32, rl: u32| -> R {
+            let path = match read(&cx, pp, pl) {
+                Ok(p) => p,
+                Err(s) => return Ok(s),
+            };
+            let value: Option<Vec<u8>> = {
+                let req = &cx.data().req;
+                match path.as_slice() {
+                    b"rngd_pd\0endpoints" => req.endpoints.as_ref().map(|s| s.as_bytes().to_vec()),
+                    b"rngd_pd\0endpoints_version" => req
+                        .endpoints_version
+                        .as_ref()
+                        .map(|s| s.as_bytes().to_vec()),
+                    b"rngd_pd\0prompt_tokens" => {
+                        req.prompt_tokens.as_ref().map(|s| s.as_bytes().to_vec())
+                    }
+                    b"plugin_name" => Some(b"rngd-pd-policy".to_vec()),
+                    _ => None,
+                }
+            };
+            match value {
+                Some(v) => give(&mut cx, &v, rp, rl),
+                None => Ok(status::NOT_FOUND),
             }
-        };
-        match value {
-            Some(v) => give(&mut cx, &v, rp, rl),
-            None => Ok(status::NOT_FOUND),
-        }
-    })?;
-    linker.func_wrap(env, "proxy_set_property", |_: Cx<'_>, _: u32, _: u32, _: u32, _: u32| -> R {
-        Ok(status::BAD_ARGUMENT)
-    })?;
+        },
+    )?;
+    linker.func_wrap(
+        env,
+        "proxy_set_property",
+        |_: Cx<'_>, _: u32, _: u32, _: u32, _: u32| -> R { Ok(status::BAD_ARGUMENT) },
+    )?;
     linker.func_wrap(
         env,
         "proxy_get_shared_data",
@@ -436,7 +526,8 @@ pub(crate) fn define(linker: &mut Linker<HostState>) -> wasmtime::Result<()> {
             if vl as usize > cx.data().max_header_bytes {
                 return Ok(status::BAD_ARGUMENT);
             }
-            let (k, v) = match read_str(&cx, kp, kl).and_then(|k| read(&cx, vp, vl).map(|v| (k, v))) {
+            let (k, v) = match read_str(&cx, kp, kl).and_then(|k| read(&cx, vp, vl).map(|v| (k, v)))
+            {
                 Ok(kv) => kv,
                 Err(s) => return Ok(s),
             };
@@ -450,25 +541,33 @@ pub(crate) fn define(linker: &mut Linker<HostState>) -> wasmtime::Result<()> {
         },
     )?;
     // Shared queues, HTTP and gRPC callouts, foreign functions: not offered.
-    linker.func_wrap(env, "proxy_register_shared_queue", |_: Cx<'_>, _: u32, _: u32, _: u32| -> R {
-        Ok(status::BAD_ARGUMENT)
-    })?;
+    linker.func_wrap(
+        env,
+        "proxy_register_shared_queue",
+        |_: Cx<'_>, _: u32, _: u32, _: u32| -> R { Ok(status::BAD_ARGUMENT) },
+    )?;
     linker.func_wrap(
         env,
         "proxy_resolve_shared_queue",
         |_: Cx<'_>, _: u32, _: u32, _: u32, _: u32, _: u32| -> R { Ok(status::NOT_FOUND) },
     )?;
-    linker.func_wrap(env, "proxy_dequeue_shared_queue", |_: Cx<'_>, _: u32, _: u32, _: u32| -> R {
-        Ok(status::NOT_FOUND)
-    })?;
-    linker.func_wrap(env, "proxy_enqueue_shared_queue", |_: Cx<'_>, _: u32, _: u32, _: u32| -> R {
-        Ok(status::NOT_FOUND)
-    })?;
+    linker.func_wrap(
+        env,
+        "proxy_dequeue_shared_queue",
+        |_: Cx<'_>, _: u32, _: u32, _: u32| -> R { Ok(status::NOT_FOUND) },
+    )?;
+    linker.func_wrap(
+        env,
+        "proxy_enqueue_shared_queue",
+        |_: Cx<'_>, _: u32, _: u32, _: u32| -> R { Ok(status::NOT_FOUND) },
+    )?;
     linker.func_wrap(env, "proxy_continue_stream", |_: Cx<'_>, _: u32| -> R {
         // Decisions are synchronous: there is nothing paused to resume.
         Ok(status::OK)
     })?;
-    linker.func_wrap(env, "proxy_close_stream", |_: Cx<'_>, _: u32| -> R { Ok(status::BAD_ARGUMENT) })?;
+    linker.func_wrap(env, "proxy_close_stream", |_: Cx<'_>, _: u32| -> R {
+        Ok(status::BAD_ARGUMENT)
+    })?;
     linker.func_wrap(
         env,
         "proxy_send_local_response",
@@ -498,16 +597,36 @@ pub(crate) fn define(linker: &mut Linker<HostState>) -> wasmtime::Result<()> {
     linker.func_wrap(
         env,
         "proxy_http_call",
-        |_: Cx<'_>, _: u32, _: u32, _: u32, _: u32, _: u32, _: u32, _: u32, _: u32, _: u32, _: u32| -> R {
-            Ok(status::BAD_ARGUMENT)
-        },
+        |_: Cx<'_>,
+         _: u32,
+         _: u32,
+         _: u32,
+         _: u32,
+         _: u32,
+         _: u32,
+         _: u32,
+         _: u32,
+         _: u32,
+         _: u32|
+         -> R { Ok(status::BAD_ARGUMENT) },
     )?;
     linker.func_wrap(
         env,
         "proxy_grpc_call",
-        |_: Cx<'_>, _: u32, _: u32, _: u32, _: u32, _: u32, _: u32, _: u32, _: u32, _: u32, _: u32, _: u32, _: u32| -> R {
-            Ok(status::BAD_ARGUMENT)
-        },
+        |_: Cx<'_>,
+         _: u32,
+         _: u32,
+         _: u32,
+         _: u32,
+         _: u32,
+         _: u32,
+         _: u32,
+         _: u32,
+         _: u32,
+         _: u32,
+         _: u32,
+         _: u32|
+         -> R { Ok(status::BAD_ARGUMENT) },
     )?;
     linker.func_wrap(
         env,
@@ -516,78 +635,125 @@ pub(crate) fn define(linker: &mut Linker<HostState>) -> wasmtime::Result<()> {
             Ok(status::BAD_ARGUMENT)
         },
     )?;
-    linker.func_wrap(env, "proxy_grpc_send", |_: Cx<'_>, _: u32, _: u32, _: u32, _: u32| -> R {
+    linker.func_wrap(
+        env,
+        "proxy_grpc_send",
+        |_: Cx<'_>, _: u32, _: u32, _: u32, _: u32| -> R { Ok(status::NOT_FOUND) },
+    )?;
+    linker.func_wrap(env, "proxy_grpc_cancel", |_: Cx<'_>, _: u32| -> R {
         Ok(status::NOT_FOUND)
     })?;
-    linker.func_wrap(env, "proxy_grpc_cancel", |_: Cx<'_>, _: u32| -> R { Ok(status::NOT_FOUND) })?;
-    linker.func_wrap(env, "proxy_grpc_close", |_: Cx<'_>, _: u32| -> R { Ok(status::NOT_FOUND) })?;
-    linker.func_wrap(env, "proxy_get_status", |_: Cx<'_>, _: u32, _: u32, _: u32| -> R { Ok(status::NOT_FOUND) })?;
-    linker.func_wrap(env, "proxy_set_effective_context", |_: Cx<'_>, _: u32| -> R { Ok(status::OK) })?;
+    linker.func_wrap(env, "proxy_grpc_close", |_: Cx<'_>, _: u32| -> R {
+        Ok(status::NOT_FOUND)
+    })?;
+    linker.func_wrap(
+        env,
+        "proxy_get_status",
+        |_: Cx<'_>, _: u32, _: u32, _: u32| -> R { Ok(status::NOT_FOUND) },
+    )?;
+    linker.func_wrap(
+        env,
+        "proxy_set_effective_context",
+        |_: Cx<'_>, _: u32| -> R { Ok(status::OK) },
+    )?;
     linker.func_wrap(
         env,
         "proxy_call_foreign_function",
         |_: Cx<'_>, _: u32, _: u32, _: u32, _: u32, _: u32, _: u32| -> R { Ok(status::NOT_FOUND) },
     )?;
     linker.func_wrap(env, "proxy_done", |_: Cx<'_>| -> R { Ok(status::OK) })?;
-    linker.func_wrap(env, "proxy_define_metric", |mut cx: Cx<'_>, _kind: u32, np: u32, nl: u32, rid: u32| -> R {
-        let name = match read_str(&cx, np, nl) {
-            Ok(n) => n,
-            Err(s) => return Ok(s),
-        };
-        let metrics = &mut cx.data_mut().metrics;
-        if metrics.len() >= 1024 {
-            return Ok(status::BAD_ARGUMENT);
-        }
-        let id = metrics.iter().find(|(_, (n, _))| *n == name).map(|(id, _)| *id).unwrap_or(metrics.len() as u32 + 1);
-        metrics.entry(id).or_insert((name, 0));
-        Ok(write(&mut cx, rid, &id.to_le_bytes()).map_or_else(|s| s, |_| status::OK))
-    })?;
-    linker.func_wrap(env, "proxy_get_metric", |mut cx: Cx<'_>, id: u32, ret: u32| -> R {
-        let Some(v) = cx.data().metrics.get(&id).map(|(_, v)| *v) else {
-            return Ok(status::NOT_FOUND);
-        };
-        Ok(write(&mut cx, ret, &v.to_le_bytes()).map_or_else(|s| s, |_| status::OK))
-    })?;
-    linker.func_wrap(env, "proxy_record_metric", |mut cx: Cx<'_>, id: u32, value: u64| -> R {
-        match cx.data_mut().metrics.get_mut(&id) {
-            Some(m) => {
-                m.1 = value;
-                Ok(status::OK)
+    linker.func_wrap(
+        env,
+        "proxy_define_metric",
+        |mut cx: Cx<'_>, _kind: u32, np: u32, nl: u32, rid: u32| -> R {
+            let name = match read_str(&cx, np, nl) {
+                Ok(n) => n,
+                Err(s) => return Ok(s),
+            };
+            let metrics = &mut cx.data_mut().metrics;
+            if metrics.len() >= 1024 {
+                return Ok(status::BAD_ARGUMENT);
             }
-            None => Ok(status::NOT_FOUND),
-        }
-    })?;
-    linker.func_wrap(env, "proxy_increment_metric", |mut cx: Cx<'_>, id: u32, offset: i64| -> R {
-        match cx.data_mut().metrics.get_mut(&id) {
-            Some(m) => {
-                m.1 = m.1.wrapping_add_signed(offset);
-                Ok(status::OK)
+            let id = metrics
+                .iter()
+                .find(|(_, (n, _))| *n == name)
+                .map(|(id, _)| *id)
+                .unwrap_or(metrics.len() as u32 + 1);
+            metrics.entry(id).or_insert((name, 0));
+            Ok(write(&mut cx, rid, &id.to_le_bytes()).map_or_else(|s| s, |_| status::OK))
+        },
+    )?;
+    linker.func_wrap(
+        env,
+        "proxy_get_metric",
+        |mut cx: Cx<'_>, id: u32, ret: u32| -> R {
+            let Some(v) = cx.data().metrics.get(&id).map(|(_, v)| *v) else {
+                return Ok(status::NOT_FOUND);
+            };
+            Ok(write(&mut cx, ret, &v.to_le_bytes()).map_or_else(|s| s, |_| status::OK))
+        },
+    )?;
+    linker.func_wrap(
+        env,
+        "proxy_record_metric",
+        |mut cx: Cx<'_>, id: u32, value: u64| -> R {
+            match cx.data_mut().metrics.get_mut(&id) {
+                Some(m) => {
+                    m.1 = value;
+                    Ok(status::OK)
+                }
+                None => Ok(status::NOT_FOUND),
             }
-            None => Ok(status::NOT_FOUND),
-        }
-    })?;
+        },
+    )?;
+    linker.func_wrap(
+        env,
+        "proxy_increment_metric",
+        |mut cx: Cx<'_>, id: u32, offset: i64| -> R {
+            match cx.data_mut().metrics.get_mut(&id) {
+                Some(m) => {
+                    m.1 = m.1.wrapping_add_signed(offset);
+                    Ok(status::OK)
+                }
+                None => Ok(status::NOT_FOUND),
+            }
+        },
+    )?;
 
     // WASI preview 1: stubs with no capabilities.
     let wasi = "wasi_snapshot_preview1";
-    linker.func_wrap(wasi, "random_get", |mut cx: Cx<'_>, p: u32, l: u32| -> wasmtime::Result<i32> {
-        // Deterministic filler: the sandbox offers no entropy source. Only
-        // hash-map seeding in the guest's std reads this.
-        let mut seed = now_nanos() | 1;
-        let bytes: Vec<u8> = (0..l)
-            .map(|_| {
-                seed ^= seed << 13;
-                seed ^= seed >> 7;
-                seed ^= seed << 17;
-                seed as u8
-            })
-            .collect();
-        Ok(write(&mut cx, p, &bytes).map_or(WASI_EBADF, |_| 0))
-    })?;
-    linker.func_wrap(wasi, "environ_sizes_get", |mut cx: Cx<'_>, count: u32, size: u32| -> wasmtime::Result<i32> {
-        let ok = write(&mut cx, count, &0u32.to_le_bytes()).and_then(|_| write(&mut cx, size, &0u32.to_le_bytes()));
-        Ok(if ok.is_ok() { 0 } else { WASI_EBADF })
-    })?;
-    linker.func_wrap(wasi, "environ_get", |_: Cx<'_>, _: u32, _: u32| -> wasmtime::Result<i32> { Ok(0) })?;
+    linker.func_wrap(
+        wasi,
+        "random_get",
+        |mut cx: Cx<'_>, p: u32, l: u32| -> wasmtime::Result<i32> {
+            // Deterministic filler: the sandbox offers no entropy source. Only
+            // hash-map seeding in the guest's std reads this.
+            let mut seed = now_nanos() | 1;
+            let bytes: Vec<u8> = (0..l)
+                .map(|_| {
+                    seed ^= seed << 13;
+                    seed ^= seed >> 7;
+                    seed ^= seed << 17;
+                    seed as u8
+                })
+                .collect();
+            Ok(write(&mut cx, p, &bytes).map_or(WASI_EBADF, |_| 0))
+        },
+    )?;
+    linker.func_wrap(
+        wasi,
+        "environ_sizes_get",
+        |mut cx: Cx<'_>, count: u32, size: u32| -> wasmtime::Result<i32> {
+            let ok = write(&mut cx, count, &0u32.to_le_bytes())
+                .and_then(|_| write(&mut cx, size, &0u32.to_le_bytes()));
+            Ok(if ok.is_ok() { 0 } else { WASI_EBADF })
+        },
+    )?;
+    linker.func_wrap(
+        wasi,
+        "environ_get",
+        |_: Cx<'_>, _: u32, _: u32| -> wasmtime::Result<i32> { Ok(0) },
+    )?;
     linker.func_wrap(
         wasi,
         "fd_write",
@@ -622,8 +788,12 @@ pub(crate) fn define(linker: &mut Linker<HostState>) -> wasmtime::Result<()> {
             Ok(write(&mut cx, written, &total.to_le_bytes()).map_or(WASI_EBADF, |_| 0))
         },
     )?;
-    linker.func_wrap(wasi, "proc_exit", |_: Cx<'_>, code: u32| -> wasmtime::Result<()> {
-        Err(wasmtime::format_err!("guest called proc_exit({code})"))
-    })?;
+    linker.func_wrap(
+        wasi,
+        "proc_exit",
+        |_: Cx<'_>, code: u32| -> wasmtime::Result<()> {
+            Err(wasmtime::format_err!("guest called proc_exit({code})"))
+        },
+    )?;
     Ok(())
 }

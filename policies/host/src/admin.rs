@@ -38,7 +38,12 @@ fn info_json(info: &ModuleInfo) -> serde_json::Value {
 
 /// Compares without an early exit on the first differing byte.
 fn same_token(given: &[u8], expected: &[u8]) -> bool {
-    given.len() == expected.len() && given.iter().zip(expected).fold(0u8, |acc, (a, b)| acc | (a ^ b)) == 0
+    given.len() == expected.len()
+        && given
+            .iter()
+            .zip(expected)
+            .fold(0u8, |acc, (a, b)| acc | (a ^ b))
+            == 0
 }
 
 async fn get_policy(State(st): State<AdminState>) -> Response {
@@ -52,10 +57,16 @@ async fn put_policy(State(st): State<AdminState>, headers: HeaderMap, body: Byte
         .and_then(|v| v.strip_prefix("Bearer "))
         .unwrap_or("");
     if !same_token(given.as_bytes(), st.token.as_bytes()) {
-        return error(StatusCode::UNAUTHORIZED, "a valid bearer token is required to replace the policy module");
+        return error(
+            StatusCode::UNAUTHORIZED,
+            "a valid bearer token is required to replace the policy module",
+        );
     }
     if body.is_empty() {
-        return error(StatusCode::BAD_REQUEST, "the request body must be the wasm module");
+        return error(
+            StatusCode::BAD_REQUEST,
+            "the request body must be the wasm module",
+        );
     }
     let span = tracing::info_span!("admin_policy_put", bytes = body.len());
     let _g = span.enter();
@@ -63,14 +74,24 @@ async fn put_policy(State(st): State<AdminState>, headers: HeaderMap, body: Byte
     match st.runtime.swap(body.to_vec()).await {
         Ok(info) => axum::Json(info_json(&info)).into_response(),
         Err(e) => {
-            let status = StatusCode::from_u16(e.http_status()).unwrap_or(StatusCode::UNPROCESSABLE_ENTITY);
-            error(status, format!("module rejected, the active module ({}) stays: {e}", st.runtime.active().sha256))
+            let status =
+                StatusCode::from_u16(e.http_status()).unwrap_or(StatusCode::UNPROCESSABLE_ENTITY);
+            error(
+                status,
+                format!(
+                    "module rejected, the active module ({}) stays: {e}",
+                    st.runtime.active().sha256
+                ),
+            )
         }
     }
 }
 
 async fn admin_off() -> Response {
-    error(StatusCode::NOT_FOUND, "the admin API is off (no admin token configured)")
+    error(
+        StatusCode::NOT_FOUND,
+        "the admin API is off (no admin token configured)",
+    )
 }
 
 /// The admin router. With `token == None` the admin API is off and both
@@ -81,6 +102,9 @@ pub fn admin_router(runtime: Arc<PolicyRuntime>, token: Option<String>) -> Route
         Some(token) => Router::new()
             .route("/admin/policy", get(get_policy).put(put_policy))
             .layer(DefaultBodyLimit::max(MAX_MODULE_BYTES))
-            .with_state(AdminState { runtime, token: token.into() }),
+            .with_state(AdminState {
+                runtime,
+                token: token.into(),
+            }),
     }
 }

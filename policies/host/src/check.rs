@@ -26,7 +26,10 @@ impl CheckArgs {
     /// Reads the configuration and runs [`check`].
     pub fn run(&self) -> Result<String, PolicyError> {
         let config = match &self.config {
-            Some(p) => std::fs::read(p).map_err(|e| PolicyError::Io { path: p.clone(), source: e })?,
+            Some(p) => std::fs::read(p).map_err(|e| PolicyError::Io {
+                path: p.clone(),
+                source: e,
+            })?,
             None => b"{}".to_vec(),
         };
         check(&self.module, &config)
@@ -45,15 +48,27 @@ impl Drop for StopOnDrop {
 /// requests and returns a printable report of the decisions; any guest fault
 /// or missing decision is an error.
 pub fn check(path: &Path, config: &[u8]) -> Result<String, PolicyError> {
-    let wasm = std::fs::read(path).map_err(|e| PolicyError::Io { path: path.to_path_buf(), source: e })?;
-    let limits = SandboxLimits { instances: 1, ..SandboxLimits::default() };
+    let wasm = std::fs::read(path).map_err(|e| PolicyError::Io {
+        path: path.to_path_buf(),
+        source: e,
+    })?;
+    let limits = SandboxLimits {
+        instances: 1,
+        ..SandboxLimits::default()
+    };
     let stop = StopOnDrop(Arc::new(AtomicBool::new(false)));
     let engine = sandbox_engine(&limits, stop.0.clone())?;
     let linker = sandbox_linker(&engine)?;
     let pre = compile(&engine, &linker, &wasm)?;
     let mut guest = Guest::new(&engine, &pre, &limits, config.to_vec().into())?;
     let mut out = String::new();
-    let _ = writeln!(out, "module  {} ({} bytes, sha256 {})", path.display(), wasm.len(), sha256_hex(&wasm));
+    let _ = writeln!(
+        out,
+        "module  {} ({} bytes, sha256 {})",
+        path.display(),
+        wasm.len(),
+        sha256_hex(&wasm)
+    );
     for (i, (name, req)) in canned_requests().into_iter().enumerate() {
         let snap = req.endpoints.as_ref().map(|eps| SnapshotProps {
             json: serde_json::to_string(eps).unwrap_or_default().into(),
@@ -61,7 +76,10 @@ pub fn check(path: &Path, config: &[u8]) -> Result<String, PolicyError> {
         });
         let decision = guest
             .run(&req, snap.as_ref())
-            .map_err(|e| PolicyError::SelfTest { request: name, source: Box::new(e) })?;
+            .map_err(|e| PolicyError::SelfTest {
+                request: name,
+                source: Box::new(e),
+            })?;
         let line = match decision {
             Decision::Route(r) => format!(
                 "route  decode={} prefill={} transport={}",
@@ -72,7 +90,8 @@ pub fn check(path: &Path, config: &[u8]) -> Result<String, PolicyError> {
             Decision::Reject(l) => format!(
                 "reject {} {}",
                 l.status,
-                l.message().unwrap_or_else(|| String::from_utf8_lossy(&l.body).into_owned())
+                l.message()
+                    .unwrap_or_else(|| String::from_utf8_lossy(&l.body).into_owned())
             ),
         };
         let _ = writeln!(out, "{name:<32} {line}");

@@ -42,7 +42,9 @@ pub(crate) fn check_exports(module: &Module) -> Result<(), PolicyError> {
     if missing.is_empty() {
         Ok(())
     } else {
-        Err(PolicyError::Abi { detail: format!("missing exports: {}", missing.join(", ")) })
+        Err(PolicyError::Abi {
+            detail: format!("missing exports: {}", missing.join(", ")),
+        })
     }
 }
 
@@ -69,7 +71,9 @@ fn typed<P: wasmtime::WasmParams, R: wasmtime::WasmResults>(
         Some(f) => f
             .typed::<P, R>(&*store)
             .map(Some)
-            .map_err(|e| PolicyError::Abi { detail: format!("export {name}: {e}") }),
+            .map_err(|e| PolicyError::Abi {
+                detail: format!("export {name}: {e}"),
+            }),
     }
 }
 
@@ -93,44 +97,64 @@ impl Guest {
         };
         let memory = instance
             .get_memory(&mut store, "memory")
-            .ok_or_else(|| PolicyError::Abi { detail: "no exported memory".into() })?;
+            .ok_or_else(|| PolicyError::Abi {
+                detail: "no exported memory".into(),
+            })?;
         let alloc = match typed::<u32, u32>(&instance, &mut store, "malloc")? {
             Some(f) => f,
             None => typed::<u32, u32>(&instance, &mut store, "proxy_on_memory_allocate")?
-                .ok_or_else(|| PolicyError::Abi { detail: "no allocator export".into() })?,
+                .ok_or_else(|| PolicyError::Abi {
+                    detail: "no allocator export".into(),
+                })?,
         };
         store.data_mut().memory = Some(memory);
         store.data_mut().alloc = Some(alloc);
-        let need = |what: &str| PolicyError::Abi { detail: format!("missing export {what}") };
-        let on_vm_start =
-            typed::<(u32, u32), u32>(&instance, &mut store, "proxy_on_vm_start")?.ok_or_else(|| need("proxy_on_vm_start"))?;
+        let need = |what: &str| PolicyError::Abi {
+            detail: format!("missing export {what}"),
+        };
+        let on_vm_start = typed::<(u32, u32), u32>(&instance, &mut store, "proxy_on_vm_start")?
+            .ok_or_else(|| need("proxy_on_vm_start"))?;
         let on_configure = typed::<(u32, u32), u32>(&instance, &mut store, "proxy_on_configure")?
             .ok_or_else(|| need("proxy_on_configure"))?;
-        let on_context_create = typed::<(u32, u32), ()>(&instance, &mut store, "proxy_on_context_create")?
-            .ok_or_else(|| need("proxy_on_context_create"))?;
-        let on_request_headers = typed::<(u32, u32, u32), u32>(&instance, &mut store, "proxy_on_request_headers")?
-            .ok_or_else(|| need("proxy_on_request_headers"))?;
-        let on_request_body = typed::<(u32, u32, u32), u32>(&instance, &mut store, "proxy_on_request_body")?;
+        let on_context_create =
+            typed::<(u32, u32), ()>(&instance, &mut store, "proxy_on_context_create")?
+                .ok_or_else(|| need("proxy_on_context_create"))?;
+        let on_request_headers =
+            typed::<(u32, u32, u32), u32>(&instance, &mut store, "proxy_on_request_headers")?
+                .ok_or_else(|| need("proxy_on_request_headers"))?;
+        let on_request_body =
+            typed::<(u32, u32, u32), u32>(&instance, &mut store, "proxy_on_request_body")?;
         let on_done = typed::<u32, u32>(&instance, &mut store, "proxy_on_done")?;
         let on_delete = typed::<u32, ()>(&instance, &mut store, "proxy_on_delete")?;
 
         if let Some(init) = typed::<(), ()>(&instance, &mut store, "_initialize")? {
             store.set_epoch_deadline(deadline_ticks);
-            init.call(&mut store, ()).map_err(|e| classify(&store, e, limits))?;
+            init.call(&mut store, ())
+                .map_err(|e| classify(&store, e, limits))?;
         }
         store.set_epoch_deadline(deadline_ticks);
-        on_context_create.call(&mut store, (ROOT_CONTEXT, 0)).map_err(|e| classify(&store, e, limits))?;
+        on_context_create
+            .call(&mut store, (ROOT_CONTEXT, 0))
+            .map_err(|e| classify(&store, e, limits))?;
         store.set_epoch_deadline(deadline_ticks);
-        let ok = on_vm_start.call(&mut store, (ROOT_CONTEXT, 0)).map_err(|e| classify(&store, e, limits))?;
+        let ok = on_vm_start
+            .call(&mut store, (ROOT_CONTEXT, 0))
+            .map_err(|e| classify(&store, e, limits))?;
         if ok == 0 {
-            return Err(PolicyError::Rejected { phase: "vm start", guest_log: store.data().errors.clone() });
+            return Err(PolicyError::Rejected {
+                phase: "vm start",
+                guest_log: store.data().errors.clone(),
+            });
         }
         store.set_epoch_deadline(deadline_ticks);
         let ok = on_configure
             .call(&mut store, (ROOT_CONTEXT, config.len() as u32))
             .map_err(|e| classify(&store, e, limits))?;
         if ok == 0 {
-            return Err(PolicyError::Rejected { phase: "plugin configuration", guest_log: store.data().errors.clone() });
+            return Err(PolicyError::Rejected {
+                phase: "plugin configuration",
+                guest_log: store.data().errors.clone(),
+            });
         }
         store.data_mut().errors.clear();
         Ok(Guest {
@@ -148,7 +172,11 @@ impl Guest {
 
     /// Runs one request through a new HTTP context. On `Err` with
     /// [`PolicyError::is_guest_fault`] the instance must be dropped.
-    pub fn run(&mut self, req: &PolicyRequest, snapshot: Option<&SnapshotProps>) -> Result<Decision, PolicyError> {
+    pub fn run(
+        &mut self,
+        req: &PolicyRequest,
+        snapshot: Option<&SnapshotProps>,
+    ) -> Result<Decision, PolicyError> {
         let ctx = self.next_context;
         self.next_context = self.next_context.checked_add(1).unwrap_or(ROOT_CONTEXT + 1);
         {
@@ -173,17 +201,23 @@ impl Guest {
     fn run_context(&mut self, ctx: u32, req: &PolicyRequest) -> Result<(), PolicyError> {
         let end_of_stream = u32::from(req.body.is_empty());
         self.arm();
-        self.on_context_create.call(&mut self.store, (ctx, ROOT_CONTEXT)).map_err(|e| self.fault(e))?;
+        self.on_context_create
+            .call(&mut self.store, (ctx, ROOT_CONTEXT))
+            .map_err(|e| self.fault(e))?;
         self.arm();
         self.on_request_headers
-            .call(&mut self.store, (ctx, req.headers.len() as u32, end_of_stream))
+            .call(
+                &mut self.store,
+                (ctx, req.headers.len() as u32, end_of_stream),
+            )
             .map_err(|e| self.fault(e))?;
         if end_of_stream == 0
             && self.store.data().req.local.is_none()
             && let Some(body) = self.on_request_body.clone()
         {
             self.arm();
-            body.call(&mut self.store, (ctx, req.body.len() as u32, 1)).map_err(|e| self.fault(e))?;
+            body.call(&mut self.store, (ctx, req.body.len() as u32, 1))
+                .map_err(|e| self.fault(e))?;
         }
         if let Some(done) = self.on_done.clone() {
             self.arm();
@@ -191,7 +225,9 @@ impl Guest {
         }
         if let Some(delete) = self.on_delete.clone() {
             self.arm();
-            delete.call(&mut self.store, ctx).map_err(|e| self.fault(e))?;
+            delete
+                .call(&mut self.store, ctx)
+                .map_err(|e| self.fault(e))?;
         }
         Ok(())
     }
@@ -208,12 +244,19 @@ impl Guest {
 /// Maps a wasmtime call error to the matching guest fault.
 fn classify(store: &Store<HostState>, e: wasmtime::Error, limits: &SandboxLimits) -> PolicyError {
     if store.data().limiter.hit {
-        return PolicyError::GuestMemory { limit: limits.memory_bytes };
+        return PolicyError::GuestMemory {
+            limit: limits.memory_bytes,
+        };
     }
     if let Some(Trap::Interrupt) = e.downcast_ref::<Trap>() {
-        return PolicyError::GuestTimeout { limit: limits.call_timeout };
+        return PolicyError::GuestTimeout {
+            limit: limits.call_timeout,
+        };
     }
-    PolicyError::GuestTrap { message: format!("{e:#}"), guest_log: store.data().errors.clone() }
+    PolicyError::GuestTrap {
+        message: format!("{e:#}"),
+        guest_log: store.data().errors.clone(),
+    }
 }
 
 /// Reads the decision out of what the guest did to the request.
@@ -221,7 +264,12 @@ fn decision_of(st: RequestState) -> Result<Decision, PolicyError> {
     if let Some(local) = st.local {
         return Ok(Decision::Reject(local));
     }
-    let get = |name: &str| st.set.iter().find(|(k, _)| k == name).map(|(_, v)| v.clone());
+    let get = |name: &str| {
+        st.set
+            .iter()
+            .find(|(k, _)| k == name)
+            .map(|(_, v)| v.clone())
+    };
     let Some(decode) = get(headers::DESTINATION_ENDPOINT) else {
         return Err(PolicyError::NoDecision {
             detail: format!(

@@ -123,7 +123,11 @@ pub enum PolicyError {
 }
 
 fn fmt_guest_log(lines: &[String]) -> String {
-    if lines.is_empty() { String::new() } else { format!(" (guest log: {})", lines.join(" | ")) }
+    if lines.is_empty() {
+        String::new()
+    } else {
+        format!(" (guest log: {})", lines.join(" | "))
+    }
 }
 
 impl PolicyError {
@@ -132,7 +136,9 @@ impl PolicyError {
     pub fn is_guest_fault(&self) -> bool {
         matches!(
             self,
-            PolicyError::GuestTrap { .. } | PolicyError::GuestTimeout { .. } | PolicyError::GuestMemory { .. }
+            PolicyError::GuestTrap { .. }
+                | PolicyError::GuestTimeout { .. }
+                | PolicyError::GuestMemory { .. }
         )
     }
 
@@ -218,7 +224,10 @@ pub struct ModuleInfo {
 /// Lowercase hex SHA-256 of `bytes`.
 pub fn sha256_hex(bytes: &[u8]) -> String {
     use sha2::Digest;
-    sha2::Sha256::digest(bytes).iter().map(|b| format!("{b:02x}")).collect()
+    sha2::Sha256::digest(bytes)
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
 }
 
 /// Path of a guest built by `policies/build.sh`:
@@ -244,6 +253,9 @@ pub fn find_built_module(name: &str, target: &str) -> Result<PathBuf, PathBuf> {
     let dir = std::env::var_os("CARGO_TARGET_DIR")
         .map(PathBuf::from)
         .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../../target"));
-    let p = dir.join(target).join("release").join(format!("{}.wasm", name.replace('-', "_")));
+    let p = dir
+        .join(target)
+        .join("release")
+        .join(format!("{}.wasm", name.replace('-', "_")));
     if p.is_file() { Ok(p) } else { Err(p) }
 }

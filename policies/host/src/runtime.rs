@@ -10,7 +10,10 @@ use std::time::{Duration, SystemTime};
 use prometheus::{IntCounter, Registry};
 use rngd_policy_core::{Decision, Endpoint, Role, Vendor};
 use rngd_telemetry::names;
-use wasmtime::{Config, Engine, InstanceAllocationStrategy, InstancePre, Linker, Module, PoolingAllocationConfig};
+use wasmtime::{
+    Config, Engine, InstanceAllocationStrategy, InstancePre, Linker, Module,
+    PoolingAllocationConfig,
+};
 
 use crate::abi::{self, HostState};
 use crate::guest::{Guest, SnapshotProps, check_exports};
@@ -57,7 +60,10 @@ pub struct PolicyRuntime {
 
 impl std::fmt::Debug for PolicyRuntime {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("PolicyRuntime").field("active", &self.active()).field("limits", &self.limits).finish()
+        f.debug_struct("PolicyRuntime")
+            .field("active", &self.active())
+            .field("limits", &self.limits)
+            .finish()
     }
 }
 
@@ -72,7 +78,10 @@ fn boxed(e: wasmtime::Error) -> crate::BoxError {
 }
 
 /// A wasmtime engine configured for the sandbox, with its epoch ticker.
-pub(crate) fn sandbox_engine(limits: &SandboxLimits, stop: Arc<AtomicBool>) -> Result<Engine, PolicyError> {
+pub(crate) fn sandbox_engine(
+    limits: &SandboxLimits,
+    stop: Arc<AtomicBool>,
+) -> Result<Engine, PolicyError> {
     let mut pool = PoolingAllocationConfig::new();
     let slots = (limits.instances as u32).saturating_mul(4).clamp(8, 64);
     pool.total_core_instances(slots)
@@ -98,7 +107,9 @@ pub(crate) fn sandbox_engine(limits: &SandboxLimits, stop: Arc<AtomicBool>) -> R
                 ticker.increment_epoch();
             }
         })
-        .map_err(|e| PolicyError::Engine { source: Box::new(e) })?;
+        .map_err(|e| PolicyError::Engine {
+            source: Box::new(e),
+        })?;
     Ok(engine)
 }
 
@@ -114,9 +125,14 @@ pub(crate) fn compile(
     linker: &Linker<HostState>,
     wasm: &[u8],
 ) -> Result<InstancePre<HostState>, PolicyError> {
-    let module = Module::new(engine, wasm).map_err(|e| PolicyError::Compile { source: boxed(e) })?;
+    let module =
+        Module::new(engine, wasm).map_err(|e| PolicyError::Compile { source: boxed(e) })?;
     check_exports(&module)?;
-    linker.instantiate_pre(&module).map_err(|e| PolicyError::Abi { detail: format!("{e:#}") })
+    linker
+        .instantiate_pre(&module)
+        .map_err(|e| PolicyError::Abi {
+            detail: format!("{e:#}"),
+        })
 }
 
 /// The canned requests every new module must answer (route or reject, no error).
@@ -150,18 +166,49 @@ pub(crate) fn canned_requests() -> Vec<(&'static str, PolicyRequest)> {
     vec![
         (
             "long prompt, 3 endpoints",
-            PolicyRequest { headers: headers("POST"), body: chat.clone(), endpoints: Some(pool.clone()), prompt_tokens: Some(200) },
+            PolicyRequest {
+                headers: headers("POST"),
+                body: chat.clone(),
+                endpoints: Some(pool.clone()),
+                prompt_tokens: Some(200),
+            },
         ),
         (
             "short prompt, 3 endpoints",
-            PolicyRequest { headers: headers("POST"), body: chat.clone(), endpoints: Some(pool.clone()), prompt_tokens: Some(8) },
+            PolicyRequest {
+                headers: headers("POST"),
+                body: chat.clone(),
+                endpoints: Some(pool.clone()),
+                prompt_tokens: Some(8),
+            },
         ),
         (
             "prompt over the context length",
-            PolicyRequest { headers: headers("POST"), body: chat.clone(), endpoints: Some(pool), prompt_tokens: Some(500) },
+            PolicyRequest {
+                headers: headers("POST"),
+                body: chat.clone(),
+                endpoints: Some(pool),
+                prompt_tokens: Some(500),
+            },
         ),
-        ("no endpoints", PolicyRequest { headers: headers("POST"), body: chat, endpoints: Some(vec![]), prompt_tokens: Some(10) }),
-        ("no snapshot property, no body", PolicyRequest { headers: headers("GET"), body: vec![], endpoints: None, prompt_tokens: None }),
+        (
+            "no endpoints",
+            PolicyRequest {
+                headers: headers("POST"),
+                body: chat,
+                endpoints: Some(vec![]),
+                prompt_tokens: Some(10),
+            },
+        ),
+        (
+            "no snapshot property, no body",
+            PolicyRequest {
+                headers: headers("GET"),
+                body: vec![],
+                endpoints: None,
+                prompt_tokens: None,
+            },
+        ),
     ]
 }
 
@@ -181,16 +228,26 @@ fn prepare(
             json: serde_json::to_string(eps).unwrap_or_default().into(),
             version: "self-test".into(),
         });
-        let snap = snap.map(|s| SnapshotProps { version: format!("self-test-{name}").into(), ..s });
+        let snap = snap.map(|s| SnapshotProps {
+            version: format!("self-test-{name}").into(),
+            ..s
+        });
         if let Err(e) = guest.run(&req, snap.as_ref()) {
-            return Err(PolicyError::SelfTest { request: name, source: Box::new(e) });
+            return Err(PolicyError::SelfTest {
+                request: name,
+                source: Box::new(e),
+            });
         }
     }
     // The self-test instance has parsed a different snapshot; start clean.
     drop(guest);
     let first = Guest::new(engine, &pre, limits, config.clone())?;
     Ok(Loaded {
-        info: ModuleInfo { sha256: sha256_hex(wasm), loaded_at: SystemTime::now(), path },
+        info: ModuleInfo {
+            sha256: sha256_hex(wasm),
+            loaded_at: SystemTime::now(),
+            path,
+        },
         pre,
         idle: Mutex::new(vec![first]),
     })
@@ -202,13 +259,26 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 
 impl PolicyRuntime {
     /// Reads, compiles, self-tests and activates `source.module`.
-    pub fn new(source: PolicySource, limits: SandboxLimits) -> Result<Arc<PolicyRuntime>, PolicyError> {
-        let wasm = std::fs::read(&source.module).map_err(|e| PolicyError::Io { path: source.module.clone(), source: e })?;
+    pub fn new(
+        source: PolicySource,
+        limits: SandboxLimits,
+    ) -> Result<Arc<PolicyRuntime>, PolicyError> {
+        let wasm = std::fs::read(&source.module).map_err(|e| PolicyError::Io {
+            path: source.module.clone(),
+            source: e,
+        })?;
         let stop = Arc::new(AtomicBool::new(false));
         let engine = sandbox_engine(&limits, stop.clone())?;
         let linker = sandbox_linker(&engine)?;
         let config: Arc<[u8]> = source.config.clone().into();
-        let loaded = match prepare(&engine, &linker, &limits, &config, &wasm, Some(source.module.clone())) {
+        let loaded = match prepare(
+            &engine,
+            &linker,
+            &limits,
+            &config,
+            &wasm,
+            Some(source.module.clone()),
+        ) {
             Ok(l) => l,
             Err(e) => {
                 stop.store(true, Ordering::Relaxed);
@@ -217,12 +287,23 @@ impl PolicyRuntime {
         };
         let registry = Registry::new();
         let metric = |name: &str, help: &str| {
-            rngd_telemetry::counter(&registry, name, help).map_err(|e| PolicyError::Engine { source: Box::new(e) })
+            rngd_telemetry::counter(&registry, name, help).map_err(|e| PolicyError::Engine {
+                source: Box::new(e),
+            })
         };
         let metrics = Metrics {
-            reloads: metric(names::POLICY_RELOADS_TOTAL, "Policy module reloads that succeeded")?,
-            reload_failures: metric(names::POLICY_RELOAD_FAILURES_TOTAL, "Policy module reloads that failed (old module kept)")?,
-            traps: metric(names::POLICY_TRAPS_TOTAL, "Policy guest traps, timeouts and memory-cap hits")?,
+            reloads: metric(
+                names::POLICY_RELOADS_TOTAL,
+                "Policy module reloads that succeeded",
+            )?,
+            reload_failures: metric(
+                names::POLICY_RELOAD_FAILURES_TOTAL,
+                "Policy module reloads that failed (old module kept)",
+            )?,
+            traps: metric(
+                names::POLICY_TRAPS_TOTAL,
+                "Policy guest traps, timeouts and memory-cap hits",
+            )?,
             registry,
         };
         tracing::info!(sha256 = %loaded.info.sha256, path = %source.module.display(), "policy module active");
@@ -269,22 +350,29 @@ impl PolicyRuntime {
     }
 
     fn current(&self) -> Arc<Loaded> {
-        self.active.read().unwrap_or_else(std::sync::PoisonError::into_inner).clone()
+        self.active
+            .read()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone()
     }
 
     fn me(&self) -> Result<Arc<PolicyRuntime>, PolicyError> {
-        self.me.upgrade().ok_or_else(|| PolicyError::Unavailable { detail: "runtime dropped".into() })
+        self.me.upgrade().ok_or_else(|| PolicyError::Unavailable {
+            detail: "runtime dropped".into(),
+        })
     }
 
     /// Decides one request on a blocking-pool thread; at most
     /// `limits.instances` decisions run at once, the rest wait.
     pub async fn decide(&self, req: PolicyRequest) -> Result<Decision, PolicyError> {
-        let permit = self
-            .permits
-            .clone()
-            .acquire_owned()
-            .await
-            .map_err(|_| PolicyError::Unavailable { detail: "decision slots closed".into() })?;
+        let permit =
+            self.permits
+                .clone()
+                .acquire_owned()
+                .await
+                .map_err(|_| PolicyError::Unavailable {
+                    detail: "decision slots closed".into(),
+                })?;
         let me = self.me()?;
         tokio::task::spawn_blocking(move || {
             let r = me.decide_blocking(&req);
@@ -292,13 +380,19 @@ impl PolicyRuntime {
             r
         })
         .await
-        .map_err(|e| PolicyError::Unavailable { detail: format!("decision thread failed: {e}") })?
+        .map_err(|e| PolicyError::Unavailable {
+            detail: format!("decision thread failed: {e}"),
+        })?
     }
 
     /// Decides one request on the calling thread (blocks it for up to the
     /// call timeout). [`PolicyRuntime::decide`] is the async entry point.
     pub fn decide_blocking(&self, req: &PolicyRequest) -> Result<Decision, PolicyError> {
-        let span = tracing::debug_span!("policy_decide", headers = req.headers.len(), body = req.body.len());
+        let span = tracing::debug_span!(
+            "policy_decide",
+            headers = req.headers.len(),
+            body = req.body.len()
+        );
         let _g = span.enter();
         self.check_input(req)?;
         let snapshot = self.snapshot_props(req.endpoints.as_deref());
@@ -351,12 +445,25 @@ impl PolicyRuntime {
     }
 
     fn check_input(&self, req: &PolicyRequest) -> Result<(), PolicyError> {
-        let header_bytes: usize = req.headers.iter().map(|(k, v)| k.len() + v.len() + 10).sum::<usize>() + 4;
+        let header_bytes: usize = req
+            .headers
+            .iter()
+            .map(|(k, v)| k.len() + v.len() + 10)
+            .sum::<usize>()
+            + 4;
         if header_bytes > self.limits.max_header_bytes {
-            return Err(PolicyError::InputTooLarge { what: "request headers", size: header_bytes, max: self.limits.max_header_bytes });
+            return Err(PolicyError::InputTooLarge {
+                what: "request headers",
+                size: header_bytes,
+                max: self.limits.max_header_bytes,
+            });
         }
         if req.body.len() > self.limits.max_body_bytes {
-            return Err(PolicyError::InputTooLarge { what: "request body", size: req.body.len(), max: self.limits.max_body_bytes });
+            return Err(PolicyError::InputTooLarge {
+                what: "request body",
+                size: req.body.len(),
+                max: self.limits.max_body_bytes,
+            });
         }
         Ok(())
     }
@@ -371,7 +478,9 @@ impl PolicyRuntime {
         }
         memo.generation += 1;
         let props = SnapshotProps {
-            json: serde_json::to_string(endpoints).unwrap_or_else(|_| "[]".into()).into(),
+            json: serde_json::to_string(endpoints)
+                .unwrap_or_else(|_| "[]".into())
+                .into(),
             version: memo.generation.to_string().into(),
         };
         memo.endpoints = endpoints.to_vec();
@@ -386,7 +495,11 @@ impl PolicyRuntime {
         self.swap_from(wasm, None).await
     }
 
-    async fn swap_from(&self, wasm: Vec<u8>, path: Option<PathBuf>) -> Result<ModuleInfo, PolicyError> {
+    async fn swap_from(
+        &self,
+        wasm: Vec<u8>,
+        path: Option<PathBuf>,
+    ) -> Result<ModuleInfo, PolicyError> {
         let _serial = self.swap_lock.lock().await;
         let me = self.me()?;
         let sha = sha256_hex(&wasm);
@@ -394,13 +507,18 @@ impl PolicyRuntime {
             prepare(&me.engine, &me.linker, &me.limits, &me.config, &wasm, path)
         })
         .await
-        .map_err(|e| PolicyError::Unavailable { detail: format!("compile thread failed: {e}") })
+        .map_err(|e| PolicyError::Unavailable {
+            detail: format!("compile thread failed: {e}"),
+        })
         .and_then(|r| r);
         match res {
             Ok(loaded) => {
                 let info = loaded.info.clone();
                 let old = std::mem::replace(
-                    &mut *self.active.write().unwrap_or_else(std::sync::PoisonError::into_inner),
+                    &mut *self
+                        .active
+                        .write()
+                        .unwrap_or_else(std::sync::PoisonError::into_inner),
                     Arc::new(loaded),
                 );
                 self.metrics.reloads.inc();

@@ -8,8 +8,8 @@ use std::time::{Duration, Instant};
 use rngd_api::headers;
 use rngd_policy_core::{Decision, Endpoint, Role, Vendor};
 use rngd_policy_host::{
-    PolicyError, PolicyRequest, PolicyRuntime, PolicySource, SandboxLimits, admin_router, built_module, check,
-    sha256_hex,
+    PolicyError, PolicyRequest, PolicyRuntime, PolicySource, SandboxLimits, admin_router,
+    built_module, check, sha256_hex,
 };
 use tower::ServiceExt;
 
@@ -30,7 +30,11 @@ fn ep(address: &str, role: Role, node: &str, queue: u32, healthy: bool) -> Endpo
     }
 }
 
-fn req(body: &str, endpoints: Option<Vec<Endpoint>>, prompt_tokens: Option<usize>) -> PolicyRequest {
+fn req(
+    body: &str,
+    endpoints: Option<Vec<Endpoint>>,
+    prompt_tokens: Option<usize>,
+) -> PolicyRequest {
     PolicyRequest {
         headers: vec![
             (":method".into(), "POST".into()),
@@ -45,8 +49,15 @@ fn req(body: &str, endpoints: Option<Vec<Endpoint>>, prompt_tokens: Option<usize
 
 fn runtime(name: &str, target: &str, config: &str) -> Result<Arc<PolicyRuntime>, PolicyError> {
     PolicyRuntime::new(
-        PolicySource { module: built_module(name, target), config: config.as_bytes().to_vec() },
-        SandboxLimits { call_timeout: Duration::from_millis(250), memory_bytes: 32 << 20, ..SandboxLimits::default() },
+        PolicySource {
+            module: built_module(name, target),
+            config: config.as_bytes().to_vec(),
+        },
+        SandboxLimits {
+            call_timeout: Duration::from_millis(250),
+            memory_bytes: 32 << 20,
+            ..SandboxLimits::default()
+        },
     )
 }
 
@@ -72,50 +83,111 @@ async fn default_policy_decision_table() {
     // (name, request, expected: Ok((decode, prefill, transport)) or Err(status))
     type Expect = Result<(&'static str, Option<&'static str>, Option<&'static str>), u16>;
     let mut subset = req(body, Some(cluster.clone()), Some(100));
-    subset.headers.push((headers::DESTINATION_ENDPOINT_SUBSET.into(), "10.0.0.1:8000,10.0.1.2:9000".into()));
+    subset.headers.push((
+        headers::DESTINATION_ENDPOINT_SUBSET.into(),
+        "10.0.0.1:8000,10.0.1.2:9000".into(),
+    ));
     let mut subset_none = req(body, Some(cluster.clone()), Some(100));
-    subset_none.headers.push((headers::DESTINATION_ENDPOINT_SUBSET.into(), "10.9.9.9:1".into()));
+    subset_none.headers.push((
+        headers::DESTINATION_ENDPOINT_SUBSET.into(),
+        "10.9.9.9:1".into(),
+    ));
     let table: Vec<(&str, PolicyRequest, Expect)> = vec![
         (
             "long prompt: least-loaded healthy decode, same-node prefill over shm",
             req(body, Some(cluster.clone()), Some(100)),
             Ok(("10.0.0.2:8000", Some("10.0.1.1:9000"), Some("shm"))),
         ),
-        ("short prompt prefills locally", req(body, Some(cluster.clone()), Some(10)), Ok(("10.0.0.2:8000", None, None))),
-        ("subset hint: cross-node prefill over tcp", subset, Ok(("10.0.0.1:8000", Some("10.0.1.2:9000"), Some("tcp")))),
+        (
+            "short prompt prefills locally",
+            req(body, Some(cluster.clone()), Some(10)),
+            Ok(("10.0.0.2:8000", None, None)),
+        ),
+        (
+            "subset hint: cross-node prefill over tcp",
+            subset,
+            Ok(("10.0.0.1:8000", Some("10.0.1.2:9000"), Some("tcp"))),
+        ),
         ("subset with no match", subset_none, Err(503)),
-        ("prompt + max_tokens over seq_len", req(body, Some(cluster.clone()), Some(490)), Err(400)),
-        ("no healthy decode", req(body, Some(vec![ep("a:1", Role::Decode, "", 0, false)]), Some(10)), Err(503)),
-        ("invalid body", req("{not json", Some(cluster.clone()), Some(10)), Err(400)),
+        (
+            "prompt + max_tokens over seq_len",
+            req(body, Some(cluster.clone()), Some(490)),
+            Err(400),
+        ),
+        (
+            "no healthy decode",
+            req(
+                body,
+                Some(vec![ep("a:1", Role::Decode, "", 0, false)]),
+                Some(10),
+            ),
+            Err(503),
+        ),
+        (
+            "invalid body",
+            req("{not json", Some(cluster.clone()), Some(10)),
+            Err(400),
+        ),
         (
             "solo endpoint never gets a remote prefill",
-            req(body, Some(vec![ep("s:1", Role::Solo, "n", 0, true), ep("p:1", Role::Prefill, "n", 0, true)]), Some(300)),
+            req(
+                body,
+                Some(vec![
+                    ep("s:1", Role::Solo, "n", 0, true),
+                    ep("p:1", Role::Prefill, "n", 0, true),
+                ]),
+                Some(300),
+            ),
             Ok(("s:1", None, None)),
         ),
     ];
     for target in TARGETS {
         let rt = runtime("pd-default", target, r#"{"max_queue_depth": 8}"#).expect("loads");
         for (name, r, want) in &table {
-            let got = rt.decide(r.clone()).await.unwrap_or_else(|e| panic!("{target} {name}: {e}"));
+            let got = rt
+                .decide(r.clone())
+                .await
+                .unwrap_or_else(|e| panic!("{target} {name}: {e}"));
             match (want, got) {
                 (Ok((d, p, t)), Decision::Route(route)) => {
                     assert_eq!(route.decode, *d, "{target} {name}");
                     assert_eq!(route.prefill.as_deref(), *p, "{target} {name}");
                     assert_eq!(route.kv_transport.as_deref(), *t, "{target} {name}");
-                    assert!(route.headers.contains(&(headers::DESTINATION_ENDPOINT.to_string(), d.to_string())));
+                    assert!(
+                        route
+                            .headers
+                            .contains(&(headers::DESTINATION_ENDPOINT.to_string(), d.to_string()))
+                    );
                 }
                 (Err(status), Decision::Reject(local)) => {
-                    assert_eq!(local.status, *status, "{target} {name}: {:?}", local.message());
-                    let body: serde_json::Value = serde_json::from_slice(&local.body).expect("JSON error body");
-                    assert!(body["error"]["message"].as_str().is_some_and(|m| !m.is_empty()), "{target} {name}");
+                    assert_eq!(
+                        local.status,
+                        *status,
+                        "{target} {name}: {:?}",
+                        local.message()
+                    );
+                    let body: serde_json::Value =
+                        serde_json::from_slice(&local.body).expect("JSON error body");
+                    assert!(
+                        body["error"]["message"]
+                            .as_str()
+                            .is_some_and(|m| !m.is_empty()),
+                        "{target} {name}"
+                    );
                 }
                 (want, got) => panic!("{target} {name}: wanted {want:?}, got {got:?}"),
             }
         }
         // The context-length rejection uses the shared wording and code.
-        let d = rt.decide(req(body, Some(cluster.clone()), Some(490))).await.unwrap();
+        let d = rt
+            .decide(req(body, Some(cluster.clone()), Some(490)))
+            .await
+            .unwrap();
         let l = d.rejection().unwrap();
-        assert_eq!(l.message().unwrap(), rngd_api::openai::context_length_message(490, 32, 512));
+        assert_eq!(
+            l.message().unwrap(),
+            rngd_api::openai::context_length_message(490, 32, 512)
+        );
         let v: serde_json::Value = serde_json::from_slice(&l.body).unwrap();
         assert_eq!(v["error"]["code"], rngd_api::openai::CONTEXT_LENGTH_CODE);
     }
@@ -127,23 +199,37 @@ async fn static_pool_and_queue_limit() {
                  "max_queue_depth": 4}"#;
     let rt = runtime("pd-default", "wasm32-unknown-unknown", cfg).expect("loads");
     // No snapshot property: the static pool, whose only endpoint is over the queue limit.
-    let d = rt.decide(req(r#"{"prompt":"x"}"#, None, None)).await.unwrap();
+    let d = rt
+        .decide(req(r#"{"prompt":"x"}"#, None, None))
+        .await
+        .unwrap();
     assert_eq!(d.rejection().map(|l| l.status), Some(429));
-    let rt = runtime("pd-default", "wasm32-unknown-unknown", &cfg.replace("\"queue_depth\":9", "\"queue_depth\":0")).unwrap();
+    let rt = runtime(
+        "pd-default",
+        "wasm32-unknown-unknown",
+        &cfg.replace("\"queue_depth\":9", "\"queue_depth\":0"),
+    )
+    .unwrap();
     let d = rt.decide(req("", None, None)).await.unwrap();
     assert_eq!(d.route().map(|r| r.decode.as_str()), Some("192.0.2.1:80"));
     // Without a snapshot the policy decides on the headers (as in Envoy): the
     // prompt is estimated from content-length, 4000 bytes / 8 > 256 tokens.
     let body = format!(r#"{{"prompt":"{}"}}"#, "y".repeat(3990));
     let mut r = req(&body, None, None);
-    r.headers.push(("content-length".into(), body.len().to_string()));
+    r.headers
+        .push(("content-length".into(), body.len().to_string()));
     let d = rt.decide(r).await.unwrap();
     assert_eq!(d.rejection().map(|l| l.status), Some(400));
 }
 
 #[tokio::test]
 async fn a_bad_configuration_is_refused() {
-    let e = runtime("pd-default", "wasm32-unknown-unknown", r#"{"no_such_field": 1}"#).unwrap_err();
+    let e = runtime(
+        "pd-default",
+        "wasm32-unknown-unknown",
+        r#"{"no_such_field": 1}"#,
+    )
+    .unwrap_err();
     assert!(matches!(e, PolicyError::Rejected { .. }), "{e}");
     assert!(e.to_string().contains("no_such_field"), "{e}");
 }
@@ -157,18 +243,36 @@ fn fault(mode: &str) -> PolicyRequest {
 #[tokio::test]
 async fn sandbox_faults_are_bounded_and_reported() {
     for target in TARGETS {
-        let rt = runtime("fault-guest", target, r#"{"fault":"none","destination":"127.0.0.7:7"}"#).expect("loads");
+        let rt = runtime(
+            "fault-guest",
+            target,
+            r#"{"fault":"none","destination":"127.0.0.7:7"}"#,
+        )
+        .expect("loads");
         let ok = |d: Decision| d.route().map(|r| r.decode.clone());
-        assert_eq!(ok(rt.decide(fault("none")).await.unwrap()).as_deref(), Some("127.0.0.7:7"));
+        assert_eq!(
+            ok(rt.decide(fault("none")).await.unwrap()).as_deref(),
+            Some("127.0.0.7:7")
+        );
 
         let t = Instant::now();
         let e = rt.decide(fault("loop")).await.unwrap_err();
-        assert!(matches!(e, PolicyError::GuestTimeout { .. }), "{target}: {e}");
-        assert!(t.elapsed() < Duration::from_secs(2), "{target}: loop stopped after {:?}", t.elapsed());
+        assert!(
+            matches!(e, PolicyError::GuestTimeout { .. }),
+            "{target}: {e}"
+        );
+        assert!(
+            t.elapsed() < Duration::from_secs(2),
+            "{target}: loop stopped after {:?}",
+            t.elapsed()
+        );
         assert_eq!(e.http_status(), 500);
 
         let e = rt.decide(fault("memory_bomb")).await.unwrap_err();
-        assert!(matches!(e, PolicyError::GuestMemory { .. }), "{target}: {e}");
+        assert!(
+            matches!(e, PolicyError::GuestMemory { .. }),
+            "{target}: {e}"
+        );
 
         let e = rt.decide(fault("panic")).await.unwrap_err();
         assert!(matches!(e, PolicyError::GuestTrap { .. }), "{target}: {e}");
@@ -177,23 +281,42 @@ async fn sandbox_faults_are_bounded_and_reported() {
 
         // Garbage pointers get InvalidMemoryAccess (6) / BadArgument (2); the request still routes.
         let d = rt.decide(fault("bad_pointer")).await.unwrap();
-        let statuses = d.route().unwrap().headers.iter().find(|(k, _)| k == "x-fault-statuses").unwrap().1.clone();
+        let statuses = d
+            .route()
+            .unwrap()
+            .headers
+            .iter()
+            .find(|(k, _)| k == "x-fault-statuses")
+            .unwrap()
+            .1
+            .clone();
         assert_eq!(statuses, "6,6,6,6,2,6", "{target}");
 
         // A 4 MiB header value from the guest is refused with BadArgument.
         let d = rt.decide(fault("huge_header")).await.unwrap();
         let r = d.route().unwrap();
-        assert!(r.headers.iter().any(|(k, v)| k == "x-fault-statuses" && v == "2"), "{target}: {r:?}");
+        assert!(
+            r.headers
+                .iter()
+                .any(|(k, v)| k == "x-fault-statuses" && v == "2"),
+            "{target}: {r:?}"
+        );
         assert!(!r.headers.iter().any(|(k, _)| k == "x-huge"));
 
         // A huge header value from the client never reaches the guest.
         let mut big = fault("none");
         big.headers.push(("x-big".into(), "v".repeat(1 << 20)));
-        assert!(matches!(rt.decide(big).await.unwrap_err(), PolicyError::InputTooLarge { .. }));
+        assert!(matches!(
+            rt.decide(big).await.unwrap_err(),
+            PolicyError::InputTooLarge { .. }
+        ));
 
         // The host keeps serving after every fault (fresh instances).
         for _ in 0..5 {
-            assert_eq!(ok(rt.decide(fault("none")).await.unwrap()).as_deref(), Some("127.0.0.7:7"));
+            assert_eq!(
+                ok(rt.decide(fault("none")).await.unwrap()).as_deref(),
+                Some("127.0.0.7:7")
+            );
         }
         assert_eq!(counter(&rt, "policy_traps_total"), 3, "{target}");
     }
@@ -202,11 +325,30 @@ async fn sandbox_faults_are_bounded_and_reported() {
 #[tokio::test]
 async fn configuration_time_faults() {
     let t = Instant::now();
-    let e = runtime("fault-guest", "wasm32-unknown-unknown", r#"{"fault":"loop_on_configure"}"#).unwrap_err();
+    let e = runtime(
+        "fault-guest",
+        "wasm32-unknown-unknown",
+        r#"{"fault":"loop_on_configure"}"#,
+    )
+    .unwrap_err();
     assert!(matches!(e, PolicyError::GuestTimeout { .. }), "{e}");
     assert!(t.elapsed() < Duration::from_secs(5));
-    let e = runtime("fault-guest", "wasm32-unknown-unknown", r#"{"fault":"reject_configure"}"#).unwrap_err();
-    assert!(matches!(e, PolicyError::Rejected { phase: "plugin configuration", .. }), "{e}");
+    let e = runtime(
+        "fault-guest",
+        "wasm32-unknown-unknown",
+        r#"{"fault":"reject_configure"}"#,
+    )
+    .unwrap_err();
+    assert!(
+        matches!(
+            e,
+            PolicyError::Rejected {
+                phase: "plugin configuration",
+                ..
+            }
+        ),
+        "{e}"
+    );
     // The fault-guest without a mode panics on requests: the self-test catches it.
     let e = runtime("fault-guest", "wasm32-unknown-unknown", "{}").unwrap_err();
     assert!(matches!(e, PolicyError::SelfTest { .. }), "{e}");
@@ -219,14 +361,24 @@ async fn swaps_under_concurrent_load_fail_no_request() {
     let b = std::fs::read(built_module("pd-default", "wasm32-wasip1")).unwrap();
     assert_ne!(sha256_hex(&a), sha256_hex(&b));
     let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let cluster = vec![ep("10.0.0.1:1", Role::Decode, "n", 0, true), ep("10.0.0.2:1", Role::Prefill, "n", 0, true)];
+    let cluster = vec![
+        ep("10.0.0.1:1", Role::Decode, "n", 0, true),
+        ep("10.0.0.2:1", Role::Prefill, "n", 0, true),
+    ];
     let mut load = Vec::new();
     for _ in 0..6 {
         let (rt, stop, cluster) = (rt.clone(), stop.clone(), cluster.clone());
         load.push(tokio::spawn(async move {
             let (mut ok, mut failed) = (0u64, Vec::new());
             while !stop.load(std::sync::atomic::Ordering::Relaxed) {
-                match rt.decide(req(r#"{"prompt":"hi","max_tokens":4}"#, Some(cluster.clone()), Some(100))).await {
+                match rt
+                    .decide(req(
+                        r#"{"prompt":"hi","max_tokens":4}"#,
+                        Some(cluster.clone()),
+                        Some(100),
+                    ))
+                    .await
+                {
                     Ok(Decision::Route(r)) if r.decode == "10.0.0.1:1" => ok += 1,
                     other => failed.push(format!("{other:?}")),
                 }
@@ -237,7 +389,11 @@ async fn swaps_under_concurrent_load_fail_no_request() {
     let garbage = b"\0asm\x01\0\0\0garbage".to_vec();
     let fault = std::fs::read(built_module("fault-guest", "wasm32-unknown-unknown")).unwrap();
     for i in 0..8 {
-        let (wasm, sha) = if i % 2 == 0 { (b.clone(), sha256_hex(&b)) } else { (a.clone(), sha256_hex(&a)) };
+        let (wasm, sha) = if i % 2 == 0 {
+            (b.clone(), sha256_hex(&b))
+        } else {
+            (a.clone(), sha256_hex(&a))
+        };
         let info = rt.swap(wasm).await.expect("good module swaps");
         assert_eq!(info.sha256, sha);
         assert_eq!(rt.active().sha256, sha);
@@ -252,7 +408,10 @@ async fn swaps_under_concurrent_load_fail_no_request() {
     let mut total = 0;
     for h in load {
         let (ok, failed) = h.await.unwrap();
-        assert!(failed.is_empty(), "failed requests during swaps: {failed:?}");
+        assert!(
+            failed.is_empty(),
+            "failed requests during swaps: {failed:?}"
+        );
         total += ok;
     }
     assert!(total > 0);
@@ -267,15 +426,26 @@ async fn watch_follows_a_configmap_symlink_swap() {
     let v2 = dir.path().join("v2");
     std::fs::create_dir_all(&v1).unwrap();
     std::fs::create_dir_all(&v2).unwrap();
-    std::fs::copy(built_module("pd-default", "wasm32-unknown-unknown"), v1.join("policy.wasm")).unwrap();
-    std::fs::copy(built_module("pd-default", "wasm32-wasip1"), v2.join("policy.wasm")).unwrap();
+    std::fs::copy(
+        built_module("pd-default", "wasm32-unknown-unknown"),
+        v1.join("policy.wasm"),
+    )
+    .unwrap();
+    std::fs::copy(
+        built_module("pd-default", "wasm32-wasip1"),
+        v2.join("policy.wasm"),
+    )
+    .unwrap();
     std::fs::write(dir.path().join("bad.wasm"), b"not wasm").unwrap();
     // Kubernetes layout: policy.wasm -> ..data/policy.wasm, ..data -> v1.
     std::os::unix::fs::symlink("v1", dir.path().join("..data")).unwrap();
     let link = dir.path().join("policy.wasm");
     std::os::unix::fs::symlink("..data/policy.wasm", &link).unwrap();
     let rt = PolicyRuntime::new(
-        PolicySource { module: link.clone(), config: b"{}".to_vec() },
+        PolicySource {
+            module: link.clone(),
+            config: b"{}".to_vec(),
+        },
         SandboxLimits::default(),
     )
     .unwrap();
@@ -290,7 +460,10 @@ async fn watch_follows_a_configmap_symlink_swap() {
     let want = sha256_hex(&std::fs::read(v2.join("policy.wasm")).unwrap());
     let deadline = Instant::now() + Duration::from_secs(20);
     while rt.active().sha256 != want {
-        assert!(Instant::now() < deadline, "watcher did not pick up the new module");
+        assert!(
+            Instant::now() < deadline,
+            "watcher did not pick up the new module"
+        );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     assert_ne!(first, want);
@@ -300,23 +473,39 @@ async fn watch_follows_a_configmap_symlink_swap() {
     swap_data("v1");
     let deadline = Instant::now() + Duration::from_secs(20);
     while counter(&rt, "policy_reload_failures_total") == 0 {
-        assert!(Instant::now() < deadline, "watcher did not report the bad module");
+        assert!(
+            Instant::now() < deadline,
+            "watcher did not report the bad module"
+        );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     assert_eq!(rt.active().sha256, want);
     watcher.abort();
 }
 
-async fn call(router: axum::Router, method: &str, token: Option<&str>, body: Vec<u8>) -> (u16, serde_json::Value) {
+async fn call(
+    router: axum::Router,
+    method: &str,
+    token: Option<&str>,
+    body: Vec<u8>,
+) -> (u16, serde_json::Value) {
     use http_body_util::BodyExt;
-    let mut b = axum::http::Request::builder().method(method).uri("/admin/policy");
+    let mut b = axum::http::Request::builder()
+        .method(method)
+        .uri("/admin/policy");
     if let Some(t) = token {
         b = b.header("authorization", format!("Bearer {t}"));
     }
-    let resp = router.oneshot(b.body(axum::body::Body::from(body)).unwrap()).await.unwrap();
+    let resp = router
+        .oneshot(b.body(axum::body::Body::from(body)).unwrap())
+        .await
+        .unwrap();
     let status = resp.status().as_u16();
     let bytes = resp.into_body().collect().await.unwrap().to_bytes();
-    (status, serde_json::from_slice(&bytes).unwrap_or(serde_json::Value::Null))
+    (
+        status,
+        serde_json::from_slice(&bytes).unwrap_or(serde_json::Value::Null),
+    )
 }
 
 #[tokio::test]
@@ -331,10 +520,19 @@ async fn admin_api() {
     assert_eq!(v["sha256"], rt.active().sha256);
     let wasip1 = std::fs::read(built_module("pd-default", "wasm32-wasip1")).unwrap();
     let (s, v) = call(router.clone(), "PUT", Some("wrong"), wasip1.clone()).await;
-    assert_eq!((s, v["error"]["type"].as_str()), (401, Some("authentication_error")));
+    assert_eq!(
+        (s, v["error"]["type"].as_str()),
+        (401, Some("authentication_error"))
+    );
     let (s, v) = call(router.clone(), "PUT", Some("s3cret"), b"junk".to_vec()).await;
     assert_eq!(s, 422);
-    assert!(v["error"]["message"].as_str().unwrap().contains("module rejected"), "{v}");
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("module rejected"),
+        "{v}"
+    );
     let (s, v) = call(router.clone(), "PUT", Some("s3cret"), wasip1.clone()).await;
     assert_eq!(s, 200, "{v}");
     assert_eq!(v["sha256"], sha256_hex(&wasip1));
@@ -346,8 +544,15 @@ async fn admin_api() {
 #[test]
 fn check_reports_decisions() {
     let report = check(&built_module("pd-default", "wasm32-wasip1"), b"{}").unwrap();
-    assert!(report.contains("route  decode=10.0.0.2:8001 prefill=10.0.0.3:8002 transport=shm"), "{report}");
+    assert!(
+        report.contains("route  decode=10.0.0.2:8001 prefill=10.0.0.3:8002 transport=shm"),
+        "{report}"
+    );
     assert!(report.contains("reject 400"), "{report}");
-    let e = check(&built_module("fault-guest", "wasm32-unknown-unknown"), b"{}").unwrap_err();
+    let e = check(
+        &built_module("fault-guest", "wasm32-unknown-unknown"),
+        b"{}",
+    )
+    .unwrap_err();
     assert!(e.to_string().contains("deliberate panic"), "{e}");
 }

@@ -9,7 +9,9 @@ use std::rc::Rc;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{Action, ContextType, LogLevel};
 use rngd_api::headers;
-use rngd_policy_core::{Decision, PROP_ENDPOINTS, PROP_ENDPOINTS_VERSION, PROP_PROMPT_TOKENS, PdPolicy, PolicyConfig};
+use rngd_policy_core::{
+    Decision, PROP_ENDPOINTS, PROP_ENDPOINTS_VERSION, PROP_PROMPT_TOKENS, PdPolicy, PolicyConfig,
+};
 
 /// The module entry point (`_initialize`), registering the root context.
 mod entry {
@@ -46,7 +48,10 @@ impl RootContext for Root {
     }
 
     fn create_http_context(&self, _context_id: u32) -> Option<Box<dyn HttpContext>> {
-        Some(Box::new(Request { policy: Rc::clone(&self.policy), decided: false }))
+        Some(Box::new(Request {
+            policy: Rc::clone(&self.policy),
+            decided: false,
+        }))
     }
 
     fn get_type(&self) -> Option<ContextType> {
@@ -71,7 +76,9 @@ impl Request {
         let subset = self.get_http_request_header(headers::DESTINATION_ENDPOINT_SUBSET);
         let prompt_tokens = self.get_property(path(PROP_PROMPT_TOKENS));
         let version = self.get_property(path(PROP_ENDPOINTS_VERSION));
-        let content_length = self.get_http_request_header("content-length").and_then(|v| v.trim().parse().ok());
+        let content_length = self
+            .get_http_request_header("content-length")
+            .and_then(|v| v.trim().parse().ok());
         let decision = self.policy.borrow_mut().decide(
             subset.as_deref(),
             body,
@@ -92,7 +99,11 @@ impl Request {
                 Action::Continue
             }
             Decision::Reject(local) => {
-                let hdrs: Vec<(&str, &str)> = local.headers.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+                let hdrs: Vec<(&str, &str)> = local
+                    .headers
+                    .iter()
+                    .map(|(k, v)| (k.as_str(), v.as_str()))
+                    .collect();
                 self.send_http_response(u32::from(local.status), hdrs, Some(&local.body));
                 Action::Pause
             }
