@@ -25,7 +25,9 @@ pub fn from_env() -> Result<Arc<dyn KvTransport>, KvError> {
 /// Creates the transport `name` with `cfg`. An unknown name is an error that
 /// lists [`KNOWN`].
 ///
-/// `shm` starts its TTL sweeper when called inside a tokio runtime.
+/// `shm` starts its TTL sweeper when called inside a tokio runtime. Each
+/// call makes a new transport with its own connection pool (`tcp`) and
+/// sweeper (`shm`): create one per process and share the `Arc`.
 pub fn by_name(name: &str, cfg: &TransportConfig) -> Result<Arc<dyn KvTransport>, KvError> {
     match name.trim() {
         "shm" => Ok(Arc::new(ShmTransport::new(cfg)?)),

@@ -356,13 +356,14 @@ pub async fn serve(
                     let _ = stream.set_nodelay(true);
                     let relay = relay.clone();
                     let cancel = stop.child_token();
-                    tracker.spawn(async move {
+                    let span = tracing::debug_span!("relay.connection", %peer);
+                    tracker.spawn(tracing::Instrument::instrument(async move {
                         let _g = Gauge::up(&relay.connections);
                         tracing::debug!(%peer, "relay: connection opened");
                         let (rd, wr) = stream.into_split();
                         connection(relay.clone(), rd, wr, peer.to_string(), cancel).await;
                         tracing::debug!(%peer, "relay: connection closed");
-                    });
+                    }, span));
                 }
                 Err(e) => {
                     // Out of descriptors and the like: keep serving the others.

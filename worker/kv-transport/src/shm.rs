@@ -349,6 +349,7 @@ impl KvTransport for ShmTransport {
         NAME
     }
 
+    #[tracing::instrument(name = "kv.push", skip_all, fields(transport = NAME, request_id = %payload.request_id, blobs = payload.blobs.len()))]
     async fn push(&self, payload: KvPayload) -> Result<KvHandle, KvError> {
         let key = sanitize_key(NAME, &payload.request_id)?;
         let started = Instant::now();
@@ -377,6 +378,7 @@ impl KvTransport for ShmTransport {
         })
     }
 
+    #[tracing::instrument(name = "kv.pull", skip_all, fields(transport = NAME, request_id = %handle.request_id, bytes = handle.total_bytes()))]
     async fn pull(&self, handle: &KvHandle, timeout: Duration) -> Result<Vec<Bytes>, KvError> {
         check_handle(NAME, handle)?;
         if handle.location != self.inner.location {
@@ -431,6 +433,7 @@ impl KvTransport for ShmTransport {
         Ok(blobs)
     }
 
+    #[tracing::instrument(name = "kv.release", skip_all, fields(transport = NAME, request_id = %handle.request_id))]
     async fn release(&self, handle: &KvHandle) -> Result<(), KvError> {
         check_handle(NAME, handle)?;
         let path = self.path_of(&handle.request_id)?;

@@ -524,6 +524,7 @@ impl KvTransport for TcpTransport {
         NAME
     }
 
+    #[tracing::instrument(name = "kv.push", skip_all, fields(transport = NAME, request_id = %payload.request_id, blobs = payload.blobs.len()))]
     async fn push(&self, payload: KvPayload) -> Result<KvHandle, KvError> {
         let key = sanitize_key(NAME, &payload.request_id)?;
         let c = &self.inner;
@@ -571,6 +572,7 @@ impl KvTransport for TcpTransport {
         })
     }
 
+    #[tracing::instrument(name = "kv.pull", skip_all, fields(transport = NAME, request_id = %handle.request_id, bytes = handle.total_bytes()))]
     async fn pull(&self, handle: &KvHandle, timeout: Duration) -> Result<Vec<Bytes>, KvError> {
         check_handle(NAME, handle)?;
         let key = sanitize_key(NAME, &handle.request_id)?;
@@ -621,6 +623,7 @@ impl KvTransport for TcpTransport {
         Ok(blobs)
     }
 
+    #[tracing::instrument(name = "kv.release", skip_all, fields(transport = NAME, request_id = %handle.request_id))]
     async fn release(&self, handle: &KvHandle) -> Result<(), KvError> {
         check_handle(NAME, handle)?;
         let key = sanitize_key(NAME, &handle.request_id)?;
