@@ -2,7 +2,8 @@
 //!
 //! Fetches the model if it is missing, then starts — as child processes of this
 //! same executable, on loopback — the KV relay, a prefill worker, a decode
-//! worker and the gateway, reading each one's printed address. Prints the URLs
+//! worker, the gateway and the Envoy ext-proc endpoint picker, reading each
+//! one's printed address. Prints the URLs
 //! and a ready-to-paste curl, then waits; Ctrl-C / SIGTERM (or any child
 //! exiting) stops every child and removes the stack's shm directory.
 
@@ -55,6 +56,12 @@ pub struct Args {
     /// CPU threads per worker (default: the worker's own default).
     #[arg(long)]
     pub threads: Option<usize>,
+    /// Do not start the Envoy ext-proc endpoint picker.
+    #[arg(long)]
+    pub no_ext_proc: bool,
+    /// ext-proc gRPC port (0 = pick).
+    #[arg(long, default_value_t = 0)]
+    pub ext_proc_port: u16,
     /// How long to wait for the workers to load the model, seconds.
     #[arg(long, default_value_t = 600)]
     pub ready_timeout_s: u64,
@@ -407,8 +414,59 @@ async fn bring_up(
     )
     .await?;
 
-    // The Envoy ext-proc endpoint picker would start here once `rngd-pd
-    // ext-proc` exists, pointed at the same workers.
+    // The Envoy ext-proc endpoint picker, on the same workers and policy (for
+    // an Envoy in front; see docs/epp.md and deploy/envoy/).
+    let mut epp = None;
+    if !args.no_ext_proc {
+        let eps_file = stack.scratch.join("endpoints.json");
+        let eps = vec![
+            rngd_gateway::endpoints::local_endpoint(
+                rngd_gateway::endpoints::address_of(&prefill_url)?,
+                rngd_policy_core::Role::Prefill,
+                args.seq_len,
+                &[args.kv_transport.clone()],
+            ),
+            rngd_gateway::endpoints::local_endpoint(
+                rngd_gateway::endpoints::address_of(&decode_url)?,
+                rngd_policy_core::Role::Decode,
+                args.seq_len,
+                &[args.kv_transport.clone()],
+            ),
+        ];
+        std::fs::write(&eps_file, serde_json::to_vec_pretty(&eps)?)
+            .context("writing the endpoints file")?;
+        let e: Vec<String> = vec![
+            "ext-proc".into(),
+            "--host".into(),
+            host.clone(),
+            "--grpc-port".into(),
+            args.ext_proc_port.to_string(),
+            "--health-port".into(),
+            "0".into(),
+            "--metrics-port".into(),
+            "0".into(),
+            "--endpoints".into(),
+            eps_file.display().to_string(),
+            "--policy".into(),
+            policy.display().to_string(),
+            "--policy-config".into(),
+            policy_config.display().to_string(),
+            "--model".into(),
+            model_s.clone(),
+        ];
+        let (_, before) = start(
+            stack,
+            "ext-proc",
+            &e,
+            &[],
+            "rngd-pd ext-proc metrics listening on ",
+        )
+        .await?;
+        epp = before
+            .iter()
+            .find_map(|l| l.strip_prefix("rngd-pd ext-proc grpc listening on "))
+            .map(str::to_string);
+    }
 
     let (_, models) =
         rngd_gateway::probe::get(&format!("{gw}/v1/models"), Duration::from_secs(5)).await?;
@@ -424,6 +482,9 @@ async fn bring_up(
     println!("rngd-pd up: transport {}", args.kv_transport);
     if let Some(k) = kpis {
         println!("rngd-pd up: kpis      {k}");
+    }
+    if let Some(g) = &epp {
+        println!("rngd-pd up: ext-proc  grpc {g}");
     }
     println!("rngd-pd up: model     {model_name}");
     println!("rngd-pd up: gateway   {gw}");
