@@ -24,7 +24,9 @@ const TTL_S: &str = "1.5";
 fn model() -> PathBuf {
     match rngd_engine::model_fetch::resolve(None) {
         Ok(p) => p,
-        Err(e) => panic!("the worker tests need the real model: {e} (run `rngd-pd model fetch` or set RNGD_PD_MODEL)"),
+        Err(e) => panic!(
+            "the worker tests need the real model: {e} (run `rngd-pd model fetch` or set RNGD_PD_MODEL)"
+        ),
     }
 }
 
@@ -49,7 +51,9 @@ impl Proc {
         for (k, v) in envs {
             cmd.env(k, v);
         }
-        let mut child = cmd.spawn().unwrap_or_else(|e| panic!("spawning {name}: {e}"));
+        let mut child = cmd
+            .spawn()
+            .unwrap_or_else(|e| panic!("spawning {name}: {e}"));
         let stdout = child.stdout.take().unwrap();
         let (tx, rx) = mpsc::channel();
         let p = prefix.to_string();
@@ -133,13 +137,18 @@ impl Env {
             ("RNGD_PD_KV_PULL_TIMEOUT_MS", "3000".to_string()),
             // As the Helm chart runs cpu workers: the device lookup finds no card, which the cpu backend only logs.
             ("RNGD_PD_CHIP", "-1".to_string()),
-            ("RNGD_PD_KUBELET_CHECKPOINT", dir.path().join("no-checkpoint").display().to_string()),
+            (
+                "RNGD_PD_KUBELET_CHECKPOINT",
+                dir.path().join("no-checkpoint").display().to_string(),
+            ),
         ];
         Env { dir, envs }
     }
 
     fn shm_files(&self) -> usize {
-        std::fs::read_dir(self.dir.path().join("shm")).map(|d| d.count()).unwrap_or(0)
+        std::fs::read_dir(self.dir.path().join("shm"))
+            .map(|d| d.count())
+            .unwrap_or(0)
     }
 
     fn start_relay(&mut self) -> Proc {
@@ -174,7 +183,10 @@ async fn post(url: &str, body: &Value, headers: &[(&str, &str)]) -> (u16, String
     for (k, v) in headers {
         req = req.header(*k, *v);
     }
-    let resp = req.send().await.unwrap_or_else(|e| panic!("POST {url}: {e}"));
+    let resp = req
+        .send()
+        .await
+        .unwrap_or_else(|e| panic!("POST {url}: {e}"));
     let status = resp.status().as_u16();
     (status, resp.text().await.unwrap())
 }
@@ -195,7 +207,12 @@ fn ids(v: &Value) -> Vec<u64> {
 }
 
 async fn metric(w: &Proc, name: &str) -> f64 {
-    let text = reqwest::get(w.url("/metrics")).await.unwrap().text().await.unwrap();
+    let text = reqwest::get(w.url("/metrics"))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
     text.lines()
         .find_map(|l| l.strip_prefix(name).and_then(|r| r.strip_prefix(' ')))
         .unwrap_or_else(|| panic!("{name} missing from {}'s metrics:\n{text}", w.name))
@@ -210,7 +227,10 @@ async fn solo_tokens(env: &Env) -> Vec<Vec<u64>> {
     let mut out = Vec::new();
     for p in PROMPTS {
         let r = complete(&solo, &request(p), &[]).await;
-        assert_eq!(r["choices"][0]["finish_reason"], "length");
+        assert_eq!(
+            r["choices"][0]["finish_reason"], "length",
+            "solo answer for {p:?}: {r}"
+        );
         out.push(ids(&r));
     }
     solo.kill();
@@ -218,7 +238,13 @@ async fn solo_tokens(env: &Env) -> Vec<Vec<u64>> {
 }
 
 /// Two-step PD through the worker API, as an orchestrator does it.
-async fn two_step(prefill: &Proc, decode: &Proc, prompt: &str, transport: &str, rid: &str) -> Value {
+async fn two_step(
+    prefill: &Proc,
+    decode: &Proc,
+    prompt: &str,
+    transport: &str,
+    rid: &str,
+) -> Value {
     let mut pre = request(prompt);
     pre["kv_transfer_params"] = json!({"do_remote_decode": true, "kv_transport": transport});
     let answer = complete(prefill, &pre, &[("x-request-id", rid)]).await;
@@ -239,26 +265,55 @@ async fn pd_matches_solo(transport: &str) {
     let decode = env.worker("decode", "decode");
 
     for (i, p) in PROMPTS.iter().enumerate() {
-        let got = two_step(&prefill, &decode, p, transport, &format!("{transport}-two-step-{i}")).await;
-        assert_eq!(ids(&got), want[i], "{transport}: PD tokens differ from solo for prompt {i}");
+        let got = two_step(
+            &prefill,
+            &decode,
+            p,
+            transport,
+            &format!("{transport}-two-step-{i}"),
+        )
+        .await;
+        assert_eq!(
+            ids(&got),
+            want[i],
+            "{transport}: PD tokens differ from solo for prompt {i}"
+        );
         let t = &got["timings"];
-        assert!(t["kv_load_ms"].is_number() && t["prefill_ms"].is_number(), "{got}");
+        assert!(
+            t["kv_load_ms"].is_number() && t["prefill_ms"].is_number(),
+            "{got}"
+        );
     }
     for (i, p) in PROMPTS.iter().enumerate() {
         let rid = format!("{transport}-header-{i}");
         let got = complete(
             &decode,
             &request(p),
-            &[("x-prefiller-host-port", &prefill.addr), ("x-rngd-pd-kv-transport", transport), ("x-request-id", &rid)],
+            &[
+                ("x-prefiller-host-port", &prefill.addr),
+                ("x-rngd-pd-kv-transport", transport),
+                ("x-request-id", &rid),
+            ],
         )
         .await;
-        assert_eq!(ids(&got), want[i], "{transport}: x-prefiller-host-port tokens differ for prompt {i}");
+        assert_eq!(
+            ids(&got),
+            want[i],
+            "{transport}: x-prefiller-host-port tokens differ for prompt {i}"
+        );
     }
     // Streaming through the header path gives the same tokens.
     let mut s = request(PROMPTS[0]);
     s["stream"] = json!(true);
-    let (status, body) =
-        post(&decode.url("/v1/completions"), &s, &[("x-prefiller-host-port", &prefill.addr), ("x-rngd-pd-kv-transport", transport)]).await;
+    let (status, body) = post(
+        &decode.url("/v1/completions"),
+        &s,
+        &[
+            ("x-prefiller-host-port", &prefill.addr),
+            ("x-rngd-pd-kv-transport", transport),
+        ],
+    )
+    .await;
     assert_eq!(status, 200, "{body}");
     assert!(body.ends_with("data: [DONE]\n\n"), "{body}");
     let streamed: Vec<u64> = body
@@ -267,7 +322,10 @@ async fn pd_matches_solo(transport: &str) {
         .filter(|d| *d != "[DONE]")
         .flat_map(|d| {
             let v: Value = serde_json::from_str(d).unwrap();
-            v["choices"][0]["token_ids"].as_array().cloned().unwrap_or_default()
+            v["choices"][0]["token_ids"]
+                .as_array()
+                .cloned()
+                .unwrap_or_default()
         })
         .map(|t| t.as_u64().unwrap())
         .collect();
@@ -275,7 +333,11 @@ async fn pd_matches_solo(transport: &str) {
 
     let n = (2 * PROMPTS.len() + 1) as f64;
     assert_eq!(metric(&decode, "rngd_pd_worker_kv_loads_total").await, n);
-    assert_eq!(metric(&decode, "rngd_pd_worker_prefills_total").await, 0.0, "the decode worker must not prefill");
+    assert_eq!(
+        metric(&decode, "rngd_pd_worker_prefills_total").await,
+        0.0,
+        "the decode worker must not prefill"
+    );
     assert_eq!(metric(&prefill, "rngd_pd_worker_prefills_total").await, n);
     assert_eq!(metric(&prefill, "rngd_pd_worker_kv_save_ms_count").await, n);
     if transport == "shm" {
@@ -302,7 +364,11 @@ async fn eventually(limit: Duration, what: &str, mut cond: impl FnMut() -> bool)
     }
 }
 
-fn push(rid: &'static str, transport: &'static str, w: &Proc) -> impl std::future::Future<Output = Value> + use<> {
+fn push(
+    rid: &'static str,
+    transport: &'static str,
+    w: &Proc,
+) -> impl std::future::Future<Output = Value> + use<> {
     let mut pre = request(PROMPTS[0]);
     pre["kv_transfer_params"] = json!({"do_remote_decode": true, "kv_transport": transport});
     let url = w.url("/v1/completions");
@@ -334,7 +400,12 @@ async fn killed_workers_leave_nothing_behind_in_shm_after_the_ttl() {
     let stale = push("killed-after-push", "shm", &prefill).await;
     prefill.kill();
     assert_eq!(env.shm_files(), 1, "the pushed cache is in shm");
-    eventually(Duration::from_secs(20), "the shm cache of a killed prefill is swept", || env.shm_files() == 0).await;
+    eventually(
+        Duration::from_secs(20),
+        "the shm cache of a killed prefill is swept",
+        || env.shm_files() == 0,
+    )
+    .await;
     assert_expired(&decode, stale, "shm", "killed-after-push").await;
 
     // Decode killed before it pulls: the prefill worker's sweeper removes the cache.
@@ -342,7 +413,12 @@ async fn killed_workers_leave_nothing_behind_in_shm_after_the_ttl() {
     push("decode-killed", "shm", &prefill).await;
     decode.kill();
     assert_eq!(env.shm_files(), 1);
-    eventually(Duration::from_secs(20), "the shm cache nobody pulled is swept", || env.shm_files() == 0).await;
+    eventually(
+        Duration::from_secs(20),
+        "the shm cache nobody pulled is swept",
+        || env.shm_files() == 0,
+    )
+    .await;
 }
 
 #[tokio::test]
@@ -374,8 +450,17 @@ fn vendor_backends_refuse_to_start_without_their_runtime() {
             .unwrap();
         assert!(!out.status.success(), "{backend} must not start");
         let stderr = String::from_utf8_lossy(&out.stderr);
-        let want = format!("backend {backend} needs the {vendor} runtime, which this build does not include");
-        assert!(stderr.contains(&want), "stderr of --backend {backend}: {stderr}");
-        assert!(out.stdout.is_empty(), "nothing may claim to listen: {}", String::from_utf8_lossy(&out.stdout));
+        let want = format!(
+            "backend {backend} needs the {vendor} runtime, which this build does not include"
+        );
+        assert!(
+            stderr.contains(&want),
+            "stderr of --backend {backend}: {stderr}"
+        );
+        assert!(
+            out.stdout.is_empty(),
+            "nothing may claim to listen: {}",
+            String::from_utf8_lossy(&out.stdout)
+        );
     }
 }
