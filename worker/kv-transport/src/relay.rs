@@ -571,37 +571,36 @@ async fn read_requests(
                     send(err_reply(h.seq, epoch, ErrCode::Capacity, msg, false)).await?;
                     continue;
                 }
+                let crc = (h.flags & FLAG_CRC != 0).then_some(h.crc32);
                 let body = {
                     let _g = Gauge::up(&relay.puts_in_progress);
-                    read_body(&mut rd, n as usize).await
+                    read_body_crc(&mut rd, n as usize, crc.is_some()).await
                 };
-                let body = match body {
+                let (body, computed) = match body {
                     Ok(b) => b,
                     Err(e) => {
                         relay.unreserve(n);
                         return Err(format!("connection lost inside a PUT body: {e}"));
                     }
                 };
-                let crc = (h.flags & FLAG_CRC != 0).then_some(h.crc32);
-                if crc.is_some() {
-                    let actual = rngd_kv_wire::crc32(&body);
-                    if actual != h.crc32 {
-                        relay.unreserve(n);
-                        let mut r = err_reply(
-                            h.seq,
-                            epoch,
-                            ErrCode::Crc,
-                            format!(
-                                "blob {} of `{key}`: CRC-32 {actual:08x}, header says {:08x}",
-                                h.index, h.crc32
-                            ),
-                            false,
-                        );
-                        r.header.crc32 = actual;
-                        r.header.index = h.index;
-                        send(r).await?;
-                        continue;
-                    }
+                if let Some(actual) = computed
+                    && actual != h.crc32
+                {
+                    relay.unreserve(n);
+                    let mut r = err_reply(
+                        h.seq,
+                        epoch,
+                        ErrCode::Crc,
+                        format!(
+                            "blob {} of `{key}`: CRC-32 {actual:08x}, header says {:08x}",
+                            h.index, h.crc32
+                        ),
+                        false,
+                    );
+                    r.header.crc32 = actual;
+                    r.header.index = h.index;
+                    send(r).await?;
+                    continue;
                 }
                 relay.insert(key, h.index, (body, crc));
                 send(ok_reply(h.seq, epoch, h.index, Bytes::new())).await?;
@@ -682,15 +681,30 @@ pub(crate) async fn read_body<R: tokio::io::AsyncRead + Unpin>(
     rd: &mut R,
     n: usize,
 ) -> std::io::Result<Bytes> {
+    Ok(read_body_crc(rd, n, false).await?.0)
+}
+
+/// Like [`read_body`], and with `crc` computes the CRC-32 chunk by chunk as
+/// the bytes arrive (while they are still in cache).
+pub(crate) async fn read_body_crc<R: tokio::io::AsyncRead + Unpin>(
+    rd: &mut R,
+    n: usize,
+    crc: bool,
+) -> std::io::Result<(Bytes, Option<u32>)> {
     let mut buf = BytesMut::with_capacity(n);
+    let mut hasher = crc.then(rngd_kv_wire::Crc32::new);
     while buf.len() < n {
-        let want = n - buf.len();
+        let start = buf.len();
+        let want = n - start;
         let got = (&mut *rd).take(want as u64).read_buf(&mut buf).await?;
         if got == 0 {
             return Err(std::io::ErrorKind::UnexpectedEof.into());
         }
+        if let Some(h) = hasher.as_mut() {
+            h.update(&buf[start..]);
+        }
     }
-    Ok(buf.freeze())
+    Ok((buf.freeze(), hasher.map(rngd_kv_wire::Crc32::finish)))
 }
 
 async fn discard<R: tokio::io::AsyncRead + Unpin>(rd: &mut R, n: u64) -> Result<(), String> {

@@ -26,7 +26,7 @@ use tokio::net::TcpStream;
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 
 use crate::frame::{ErrCode, FLAG_CRC, HEADER_LEN, Header, Op};
-use crate::relay::{RelayStats, read_body};
+use crate::relay::{RelayStats, read_body, read_body_crc};
 use crate::{KvError, KvPayload, KvTransport, TransportConfig, check_handle, sanitize_key};
 
 /// Registry name.
@@ -479,9 +479,23 @@ impl Client {
                     },
                 });
             }
-            let body = read_body(&mut conn.rd, r.body_len as usize)
+            let (body, crc) = read_body_crc(&mut conn.rd, r.body_len as usize, self.crc)
                 .await
                 .map_err(|e| lost(&self.addr, "read failed", e))?;
+            // Checked against the handle (not the relay's header) as it arrived.
+            if let Some(actual) = crc
+                && actual != handle.blobs[i].crc32
+            {
+                return Err(KvError::Crc {
+                    transport: NAME,
+                    request_id: handle.request_id.clone(),
+                    source: WireError::Crc {
+                        index: i,
+                        expected: handle.blobs[i].crc32,
+                        actual,
+                    },
+                });
+            }
             out[i] = Some(body);
         }
         Ok(out
@@ -611,9 +625,6 @@ impl KvTransport for TcpTransport {
                 Err(e) => return Err(e),
             }
         };
-        if c.crc {
-            crate::verify_all(NAME, handle, &blobs)?;
-        }
         if c.log {
             for (i, b) in blobs.iter().enumerate() {
                 log_blob("pull", &handle.request_id, i, b);

@@ -241,6 +241,29 @@ pub fn crc32(bytes: &[u8]) -> u32 {
     crc32fast::hash(bytes)
 }
 
+/// Incremental CRC-32 (IEEE), for checking a blob chunk by chunk while it
+/// arrives (the bytes are still in cache). Same result as [`crc32`] over the
+/// concatenated chunks.
+#[derive(Debug, Clone, Default)]
+pub struct Crc32(crc32fast::Hasher);
+
+impl Crc32 {
+    /// A fresh checksum.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Adds `bytes`.
+    pub fn update(&mut self, bytes: &[u8]) {
+        self.0.update(bytes);
+    }
+
+    /// The checksum of everything added.
+    pub fn finish(self) -> u32 {
+        self.0.finalize()
+    }
+}
+
 /// Converts f32 values to little-endian bf16 bytes (round to nearest even).
 pub fn f32_to_bf16_bytes(values: &[f32]) -> Vec<u8> {
     let mut out = Vec::with_capacity(values.len() * 2);
@@ -330,6 +353,21 @@ mod tests {
         let json = serde_json::to_string(&handle).unwrap();
         let back: KvHandle = serde_json::from_str(&json).unwrap();
         assert_eq!(back, handle);
+    }
+
+    #[test]
+    fn incremental_crc_matches_one_shot() {
+        let data: Vec<u8> = (0..10_000u32).map(|i| (i * 7 % 251) as u8).collect();
+        let mut c = Crc32::new();
+        for chunk in data.chunks(333) {
+            c.update(chunk);
+        }
+        assert_eq!(c.finish(), crc32(&data));
+        assert_eq!(
+            crc32(b"123456789"),
+            0xCBF4_3926,
+            "the CRC-32/IEEE check value"
+        );
     }
 
     #[test]
