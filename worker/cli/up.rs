@@ -424,13 +424,13 @@ async fn bring_up(
                 rngd_gateway::endpoints::address_of(&prefill_url)?,
                 rngd_policy_core::Role::Prefill,
                 args.seq_len,
-                &[args.kv_transport.clone()],
+                std::slice::from_ref(&args.kv_transport),
             ),
             rngd_gateway::endpoints::local_endpoint(
                 rngd_gateway::endpoints::address_of(&decode_url)?,
                 rngd_policy_core::Role::Decode,
                 args.seq_len,
-                &[args.kv_transport.clone()],
+                std::slice::from_ref(&args.kv_transport),
             ),
         ];
         std::fs::write(&eps_file, serde_json::to_vec_pretty(&eps)?)
