@@ -39,6 +39,9 @@ pub struct Args {
     /// Streams decoded together for the batch measurement.
     #[arg(long, default_value_t = 8)]
     pub batch: usize,
+    /// Threads of the decode matmul (default: all cores).
+    #[arg(long)]
+    pub threads: Option<usize>,
     /// Compiled context length S.
     #[arg(long = "seq-len", default_value_t = 512)]
     pub seq_len: usize,
@@ -121,7 +124,11 @@ fn median(v: &mut [f64]) -> f64 {
         return f64::NAN;
     }
     let n = v.len();
-    if n % 2 == 1 { v[n / 2] } else { (v[n / 2 - 1] + v[n / 2]) / 2.0 }
+    if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    }
 }
 
 const TEXT: &str = "The history of computing is a story of people, machines and ideas. Early mechanical \
@@ -146,7 +153,10 @@ fn prompts(args: &Args, engine: &CpuEngine) -> Result<Vec<Vec<u32>>, Error> {
         .iter()
         .map(|n| {
             if *n == 0 || *n > ids.len() {
-                return Err(Error::Args(format!("prompt length {n} is not in 1..={}", ids.len())));
+                return Err(Error::Args(format!(
+                    "prompt length {n} is not in 1..={}",
+                    ids.len()
+                )));
             }
             Ok(ids[..*n].to_vec())
         })
@@ -154,7 +164,9 @@ fn prompts(args: &Args, engine: &CpuEngine) -> Result<Vec<Vec<u32>>, Error> {
 }
 
 /// Reads a stream; returns (token ids, time of the first token, time of the end).
-async fn drain(mut rx: tokio::sync::mpsc::Receiver<GenEvent>) -> Result<(Vec<u32>, Instant, Instant), Error> {
+async fn drain(
+    mut rx: tokio::sync::mpsc::Receiver<GenEvent>,
+) -> Result<(Vec<u32>, Instant, Instant), Error> {
     let mut ids = Vec::new();
     let mut first = None;
     while let Some(ev) = rx.recv().await {
@@ -174,12 +186,15 @@ async fn drain(mut rx: tokio::sync::mpsc::Receiver<GenEvent>) -> Result<(Vec<u32
 /// Runs the benchmark and prints the report (and the JSON line with `--json`).
 pub async fn run(args: Args) -> Result<Report, Error> {
     if args.runs == 0 || args.batch == 0 || args.decode_tokens < 2 {
-        return Err(Error::Args("--runs and --batch must be ≥ 1 and --decode-tokens ≥ 2".into()));
+        return Err(Error::Args(
+            "--runs and --batch must be ≥ 1 and --decode-tokens ≥ 2".into(),
+        ));
     }
     let model = rngd_engine::model_fetch::resolve(args.model.as_deref())?;
     let mut opts = CpuEngineOptions::new(&model);
     opts.batch = args.batch;
     opts.seq_len = args.seq_len;
+    opts.threads = args.threads;
     let engine: Arc<CpuEngine> = tokio::task::spawn_blocking(move || CpuEngine::load(opts))
         .await
         .map_err(|e| Error::Stream(e.to_string()))??;
@@ -215,7 +230,9 @@ pub async fn run(args: Args) -> Result<Report, Error> {
     }
 
     // Batch throughput: the same cache decoded by 1 and by `batch` streams.
-    let base = prompts.first().ok_or_else(|| Error::Args("no prompts".into()))?;
+    let base = prompts
+        .first()
+        .ok_or_else(|| Error::Args("no prompts".into()))?;
     let pre: Prefilled = engine.prefill(base, &params).await?;
     let mut one = Vec::new();
     let mut many = Vec::new();
@@ -251,7 +268,10 @@ pub async fn run(args: Args) -> Result<Report, Error> {
         report.batch1_tok_s, report.batch, report.batch_tok_s, report.batch_over_batch1_tok_s
     );
     if args.json {
-        println!("{}", serde_json::to_string(&report).expect("report serializes"));
+        println!(
+            "{}",
+            serde_json::to_string(&report).expect("report serializes")
+        );
     }
     Ok(report)
 }

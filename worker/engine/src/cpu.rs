@@ -24,10 +24,11 @@ use tokio::sync::{mpsc, oneshot};
 
 use crate::kv::SeqCache;
 use crate::model::{Model, SeqStep};
-use crate::sampling::{sample, StopScanner};
+use crate::sampling::{StopScanner, sample};
 use crate::tokenizer::{StreamDecoder, Tokenizer};
 use crate::{
-    check_context, Engine, EngineError, FinishReason, GenEvent, ModelInfo, Prefilled, SamplingParams,
+    Engine, EngineError, FinishReason, GenEvent, ModelInfo, Prefilled, SamplingParams,
+    check_context,
 };
 
 /// How to load a [`CpuEngine`].
@@ -110,7 +111,9 @@ pub struct CpuEngine {
 
 impl std::fmt::Debug for CpuEngine {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("CpuEngine").field("info", &self.info).finish()
+        f.debug_struct("CpuEngine")
+            .field("info", &self.info)
+            .finish()
     }
 }
 
@@ -119,9 +122,12 @@ impl CpuEngine {
     pub fn load(opts: CpuEngineOptions) -> Result<Arc<CpuEngine>, EngineError> {
         let started = Instant::now();
         if opts.seq_len == 0 || opts.batch == 0 {
-            return Err(EngineError::InvalidRequest("seq_len and batch must be at least 1".into()));
+            return Err(EngineError::InvalidRequest(
+                "seq_len and batch must be at least 1".into(),
+            ));
         }
-        let (model, tokenizer) = Model::load_gguf(&opts.model_path, opts.seq_len, opts.dense_prefill)?;
+        let (model, tokenizer) =
+            Model::load_gguf(&opts.model_path, opts.seq_len, opts.dense_prefill)?;
         let candle_threads = candle_core::utils::get_num_threads();
         if let Some(t) = opts.threads
             && t != candle_threads
@@ -146,7 +152,12 @@ impl CpuEngine {
     }
 
     /// Starts an engine on an already-built model (the tiny test model uses this).
-    pub(crate) fn start(model: Model, tokenizer: Tokenizer, seq_len: usize, batch: usize) -> Result<Arc<CpuEngine>, EngineError> {
+    pub(crate) fn start(
+        model: Model,
+        tokenizer: Tokenizer,
+        seq_len: usize,
+        batch: usize,
+    ) -> Result<Arc<CpuEngine>, EngineError> {
         let c = &model.cfg;
         let layout = KvLayout {
             layers: c.layers,
@@ -246,7 +257,11 @@ impl Engine for CpuEngine {
         self.tokenizer.chat_prompt(messages)
     }
 
-    async fn prefill(&self, prompt: &[u32], params: &SamplingParams) -> Result<Prefilled, EngineError> {
+    async fn prefill(
+        &self,
+        prompt: &[u32],
+        params: &SamplingParams,
+    ) -> Result<Prefilled, EngineError> {
         if prompt.is_empty() {
             return Err(EngineError::InvalidRequest("the prompt is empty".into()));
         }
@@ -298,7 +313,11 @@ impl Engine for CpuEngine {
         Ok(rx)
     }
 
-    async fn generate(&self, prompt: &[u32], params: &SamplingParams) -> Result<mpsc::Receiver<GenEvent>, EngineError> {
+    async fn generate(
+        &self,
+        prompt: &[u32],
+        params: &SamplingParams,
+    ) -> Result<mpsc::Receiver<GenEvent>, EngineError> {
         let prefilled = self.prefill(prompt, params).await?;
         self.decode(prompt, prefilled, params).await
     }
@@ -350,7 +369,10 @@ impl Stream {
         if let Some((pid, mut ptext)) = self.pending.take() {
             ptext.push_str(&text);
             text = String::new();
-            if !self.send(GenEvent::Token { id: pid, text: ptext }) {
+            if !self.send(GenEvent::Token {
+                id: pid,
+                text: ptext,
+            }) {
                 return false;
             }
         }
@@ -385,7 +407,10 @@ impl Stream {
         }
         if let Some((pid, mut ptext)) = self.pending.take() {
             ptext.push_str(&text);
-            self.send(GenEvent::Token { id: pid, text: ptext });
+            self.send(GenEvent::Token {
+                id: pid,
+                text: ptext,
+            });
         }
         self.send(GenEvent::Done {
             finish_reason: reason,
@@ -453,7 +478,9 @@ impl Scheduler {
         let span = tracing::debug_span!("prefill", tokens = job.prompt.len());
         let _g = span.enter();
         let started = Instant::now();
-        let cache = self.prefill_cache.get_or_insert_with(|| SeqCache::new(self.layout));
+        let cache = self
+            .prefill_cache
+            .get_or_insert_with(|| SeqCache::new(self.layout));
         cache.reset();
         let dense = job.prompt.len() > 1;
         let result = self
@@ -474,7 +501,11 @@ impl Scheduler {
                 }
             });
         if let Ok(p) = &result {
-            tracing::debug!(ms = p.elapsed.as_secs_f64() * 1e3, first_token = p.first_token, "prefill done");
+            tracing::debug!(
+                ms = p.elapsed.as_secs_f64() * 1e3,
+                first_token = p.first_token,
+                "prefill done"
+            );
         }
         let _ = job.reply.send(result);
     }
@@ -482,7 +513,9 @@ impl Scheduler {
     fn admit(&mut self, job: DecodeJob) {
         let Some(slot) = self.slots.iter().position(Option::is_none) else {
             // Cannot happen: admission is bounded by free slots.
-            let _ = job.tx.try_send(GenEvent::Error("no free decode slot".into()));
+            let _ = job
+                .tx
+                .try_send(GenEvent::Error("no free decode slot".into()));
             return;
         };
         while self.caches.len() <= slot {
@@ -521,7 +554,9 @@ impl Scheduler {
                 *s = None;
             }
         }
-        let active: Vec<usize> = (0..self.slots.len()).filter(|i| self.slots[*i].is_some()).collect();
+        let active: Vec<usize> = (0..self.slots.len())
+            .filter(|i| self.slots[*i].is_some())
+            .collect();
         if active.is_empty() {
             return;
         }
@@ -541,7 +576,9 @@ impl Scheduler {
         match result {
             Ok(logits) => {
                 for (i, logits) in active.iter().zip(logits) {
-                    let Some(stream) = self.slots[*i].as_mut() else { continue };
+                    let Some(stream) = self.slots[*i].as_mut() else {
+                        continue;
+                    };
                     let id = sample(&logits, &stream.params, stream.sampled);
                     stream.last = id;
                     if !stream.on_token(&self.tokenizer, id) {

@@ -21,7 +21,8 @@ use tokio::sync::mpsc;
 
 use crate::sampling::StopScanner;
 use crate::{
-    check_context, Engine, EngineError, FinishReason, GenEvent, KvCache, ModelInfo, Prefilled, SamplingParams,
+    Engine, EngineError, FinishReason, GenEvent, KvCache, ModelInfo, Prefilled, SamplingParams,
+    check_context,
 };
 
 /// TEST FAKE engine: echoes the prompt; see the module docs.
@@ -97,10 +98,17 @@ impl Engine for EchoEngine {
     }
 
     fn chat_prompt(&self, messages: &[(String, String)]) -> Result<String, EngineError> {
-        Ok(messages.iter().map(|(r, c)| format!("{r}: {c}\n")).collect())
+        Ok(messages
+            .iter()
+            .map(|(r, c)| format!("{r}: {c}\n"))
+            .collect())
     }
 
-    async fn prefill(&self, prompt: &[u32], params: &SamplingParams) -> Result<Prefilled, EngineError> {
+    async fn prefill(
+        &self,
+        prompt: &[u32],
+        params: &SamplingParams,
+    ) -> Result<Prefilled, EngineError> {
         if prompt.is_empty() {
             return Err(EngineError::InvalidRequest("the prompt is empty".into()));
         }
@@ -122,7 +130,9 @@ impl Engine for EchoEngine {
         check_context(prompt.len(), params.max_tokens, self.info.seq_len)?;
         let (tx, rx) = mpsc::channel(params.max_tokens + 2);
         if prefilled.kv != self.cache_for(prompt) {
-            let _ = tx.try_send(GenEvent::Error("KV cache does not belong to this prompt".into()));
+            let _ = tx.try_send(GenEvent::Error(
+                "KV cache does not belong to this prompt".into(),
+            ));
             return Ok(rx);
         }
         let prompt = prompt.to_vec();
@@ -175,7 +185,11 @@ impl Engine for EchoEngine {
         Ok(rx)
     }
 
-    async fn generate(&self, prompt: &[u32], params: &SamplingParams) -> Result<mpsc::Receiver<GenEvent>, EngineError> {
+    async fn generate(
+        &self,
+        prompt: &[u32],
+        params: &SamplingParams,
+    ) -> Result<mpsc::Receiver<GenEvent>, EngineError> {
         let p = self.prefill(prompt, params).await?;
         self.decode(prompt, p, params).await
     }

@@ -96,7 +96,9 @@ impl SeqCache {
             )));
         }
         if kv.layout.dtype != Dtype::Bf16 {
-            return Err(EngineError::InvalidRequest("only bf16 KV caches are supported".into()));
+            return Err(EngineError::InvalidRequest(
+                "only bf16 KV caches are supported".into(),
+            ));
         }
         if kv.blobs.len() != l.blob_count() {
             return Err(EngineError::InvalidRequest(format!(
@@ -181,7 +183,9 @@ mod tests {
         let mut c = SeqCache::new(layout());
         for pos in 0..3 {
             for layer in 0..2 {
-                let k: Vec<f32> = (0..8).map(|i| (pos * 100 + layer * 10 + i) as f32 * 0.013).collect();
+                let k: Vec<f32> = (0..8)
+                    .map(|i| (pos * 100 + layer * 10 + i) as f32 * 0.013)
+                    .collect();
                 let v: Vec<f32> = k.iter().map(|x| -x).collect();
                 c.write(layer, pos, &k, &v);
             }
@@ -210,6 +214,9 @@ mod tests {
         let mut wire = c.export();
         wire.layout.seq_len = 16;
         let mut d = SeqCache::new(layout());
-        assert!(matches!(d.import(&wire), Err(EngineError::InvalidRequest(_))));
+        assert!(matches!(
+            d.import(&wire),
+            Err(EngineError::InvalidRequest(_))
+        ));
     }
 }

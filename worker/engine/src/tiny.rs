@@ -11,11 +11,11 @@ use std::sync::Arc;
 
 use candle_core::{Device, Tensor};
 
+use crate::EngineError;
 use crate::cpu::CpuEngine;
 use crate::model::{Config, Model};
 use crate::sampling::uniform;
 use crate::tokenizer::{Tokenizer, TokenizerParts};
-use crate::EngineError;
 
 /// Shape and seed of a tiny model.
 #[derive(Debug, Clone, PartialEq)]
@@ -117,7 +117,9 @@ pub(crate) fn model(cfg: &TinyConfig, seq_len: usize) -> Result<Model, EngineErr
     Model::build(
         c,
         |name| {
-            let salt = name.bytes().fold(0u64, |h, b| h.wrapping_mul(131).wrapping_add(u64::from(b)));
+            let salt = name
+                .bytes()
+                .fold(0u64, |h, b| h.wrapping_mul(131).wrapping_add(u64::from(b)));
             let layer_part = name.strip_prefix("blk.").and_then(|r| r.split_once('.'));
             let t = match layer_part.map(|(_, n)| n).unwrap_or(name) {
                 "token_embd.weight" => {
@@ -127,11 +129,17 @@ pub(crate) fn model(cfg: &TinyConfig, seq_len: usize) -> Result<Model, EngineErr
                     let mut rows = Vec::with_capacity(vocab);
                     for r in 0..vocab {
                         let row = t.narrow(0, r, 1)?;
-                        rows.push(if r as u32 >= TINY_ENDOFTEXT { (row * 0.01)? } else { row });
+                        rows.push(if r as u32 >= TINY_ENDOFTEXT {
+                            (row * 0.01)?
+                        } else {
+                            row
+                        });
                     }
                     Tensor::cat(&rows, 0)?
                 }
-                "output_norm.weight" | "attn_norm.weight" | "ffn_norm.weight" => Tensor::ones(d, candle_core::DType::F32, &Device::Cpu)?,
+                "output_norm.weight" | "attn_norm.weight" | "ffn_norm.weight" => {
+                    Tensor::ones(d, candle_core::DType::F32, &Device::Cpu)?
+                }
                 "attn_q.weight" | "attn_output.weight" => random((d, d), 2.0 * inv(d), s, salt)?,
                 "attn_k.weight" | "attn_v.weight" => random((kvw, d), 2.0 * inv(d), s, salt)?,
                 "ffn_gate.weight" | "ffn_up.weight" => random((cfg.ffn, d), 2.0 * inv(d), s, salt)?,
@@ -151,9 +159,19 @@ pub fn engine(seq_len: usize, batch: usize) -> Result<Arc<CpuEngine>, EngineErro
 }
 
 /// A running engine on a tiny model of the given shape.
-pub fn engine_with(cfg: &TinyConfig, seq_len: usize, batch: usize) -> Result<Arc<CpuEngine>, EngineError> {
-    if cfg.heads == 0 || cfg.kv_heads == 0 || cfg.heads % cfg.kv_heads != 0 || cfg.hidden % cfg.heads != 0 {
-        return Err(EngineError::InvalidRequest(format!("inconsistent tiny config {cfg:?}")));
+pub fn engine_with(
+    cfg: &TinyConfig,
+    seq_len: usize,
+    batch: usize,
+) -> Result<Arc<CpuEngine>, EngineError> {
+    if cfg.heads == 0
+        || cfg.kv_heads == 0
+        || !cfg.heads.is_multiple_of(cfg.kv_heads)
+        || !cfg.hidden.is_multiple_of(cfg.heads)
+    {
+        return Err(EngineError::InvalidRequest(format!(
+            "inconsistent tiny config {cfg:?}"
+        )));
     }
     CpuEngine::start(model(cfg, seq_len)?, tokenizer()?, seq_len, batch)
 }

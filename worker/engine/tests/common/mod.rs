@@ -53,7 +53,11 @@ pub async fn collect(mut rx: tokio::sync::mpsc::Receiver<GenEvent>) -> Output {
 }
 
 /// Prefill and decode on one engine.
-pub async fn solo(engine: &dyn Engine, prompt: &[u32], params: &SamplingParams) -> Result<Output, EngineError> {
+pub async fn solo(
+    engine: &dyn Engine,
+    prompt: &[u32],
+    params: &SamplingParams,
+) -> Result<Output, EngineError> {
     Ok(collect(engine.generate(prompt, params).await?).await)
 }
 
