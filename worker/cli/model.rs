@@ -19,7 +19,8 @@ pub async fn run(cmd: Command) -> anyhow::Result<()> {
     match cmd {
         Command::Fetch { cache } => {
             let cache = cache.unwrap_or_else(rngd_engine::model_fetch::default_cache_dir);
-            let path = tokio::task::spawn_blocking(move || rngd_engine::model_fetch::fetch(&cache)).await??;
+            let path = tokio::task::spawn_blocking(move || rngd_engine::model_fetch::fetch(&cache))
+                .await??;
             println!("{}", path.display());
             Ok(())
         }
