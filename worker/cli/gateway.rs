@@ -17,7 +17,7 @@ pub const KPI_PREFIX: &str = "rngd-pd gateway kpi metrics on http://";
 #[derive(Debug, clap::Args)]
 pub struct Args {
     /// Listen address `HOST:PORT` (port 0 = pick one; the bound address is printed).
-    #[arg(long, default_value = "127.0.0.1:8000")]
+    #[arg(long, env = env::RNGD_PD_GATEWAY_LISTEN, default_value = "127.0.0.1:8000")]
     pub listen: String,
     /// Prefill worker URL (`http://HOST:PORT`); repeat for several.
     #[arg(long = "prefill", value_name = "URL")]
@@ -59,13 +59,13 @@ pub struct Args {
     #[arg(long, default_value = "127.0.0.1")]
     pub metrics_host: String,
     /// Largest request body, bytes.
-    #[arg(long, default_value_t = 1 << 20)]
+    #[arg(long, env = env::RNGD_PD_BODY_LIMIT, default_value_t = 1 << 20)]
     pub body_limit: usize,
     /// Prefill call timeout, ms.
-    #[arg(long, default_value_t = 120_000)]
+    #[arg(long, env = env::RNGD_PD_GATEWAY_PREFILL_TIMEOUT_MS, default_value_t = 120_000)]
     pub prefill_timeout_ms: u64,
     /// Decode call timeout (to the first byte when streaming), ms.
-    #[arg(long, default_value_t = 600_000)]
+    #[arg(long, env = env::RNGD_PD_GATEWAY_DECODE_TIMEOUT_MS, default_value_t = 600_000)]
     pub decode_timeout_ms: u64,
     /// Longest silence inside a streamed decode, ms.
     #[arg(long, default_value_t = 60_000)]

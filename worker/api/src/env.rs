@@ -70,3 +70,12 @@ pub const RNGD_PD_KV_PULL_TIMEOUT_MS: &str = "RNGD_PD_KV_PULL_TIMEOUT_MS";
 pub const RNGD_PD_PREFILL_TIMEOUT_MS: &str = "RNGD_PD_PREFILL_TIMEOUT_MS";
 /// Worker: CPU threads of the `cpu` backend; default: all cores.
 pub const RNGD_PD_THREADS: &str = "RNGD_PD_THREADS";
+
+/// Gateway: listen address `host:port`; default `127.0.0.1:8000`.
+pub const RNGD_PD_GATEWAY_LISTEN: &str = "RNGD_PD_GATEWAY_LISTEN";
+/// Gateway: largest request body, bytes; default 1 MiB.
+pub const RNGD_PD_BODY_LIMIT: &str = "RNGD_PD_BODY_LIMIT";
+/// Gateway: prefill call timeout, ms; default 120000.
+pub const RNGD_PD_GATEWAY_PREFILL_TIMEOUT_MS: &str = "RNGD_PD_GATEWAY_PREFILL_TIMEOUT_MS";
+/// Gateway: decode call timeout (to the first byte when streaming), ms; default 600000.
+pub const RNGD_PD_GATEWAY_DECODE_TIMEOUT_MS: &str = "RNGD_PD_GATEWAY_DECODE_TIMEOUT_MS";
