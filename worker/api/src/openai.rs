@@ -137,7 +137,9 @@ impl ChatContent {
                 for p in parts {
                     match (&*p.kind, &p.text) {
                         ("text", Some(t)) => out.push_str(t),
-                        (kind, _) => return Err(format!("content part type '{kind}' is not supported")),
+                        (kind, _) => {
+                            return Err(format!("content part type '{kind}' is not supported"));
+                        }
                     }
                 }
                 Ok(out)
@@ -442,7 +444,8 @@ mod tests {
 
     #[test]
     fn token_prompts_parse() {
-        let req: CompletionRequest = serde_json::from_str(r#"{"model":"m","prompt":[1,2,3]}"#).unwrap();
+        let req: CompletionRequest =
+            serde_json::from_str(r#"{"model":"m","prompt":[1,2,3]}"#).unwrap();
         assert_eq!(req.prompt, Prompt::Tokens(vec![1, 2, 3]));
     }
 

@@ -204,7 +204,10 @@ async fn a_dropped_receiver_cancels_the_stream_and_frees_its_slot() {
     // The gauges are published by the scheduler right after admission.
     let deadline = std::time::Instant::now() + Duration::from_secs(10);
     while e.running() != 1 {
-        assert!(std::time::Instant::now() < deadline, "the stream never showed as running");
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the stream never showed as running"
+        );
         tokio::task::yield_now().await;
     }
     assert_eq!(e.kv_usage(), 1.0);

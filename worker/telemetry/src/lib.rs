@@ -33,8 +33,8 @@ pub const CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
 
 /// Latency buckets in milliseconds, 0.05 ms … 60 s.
 pub const MS_BUCKETS: &[f64] = &[
-    0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 50.0, 100.0, 250.0, 500.0, 1000.0, 2500.0, 5000.0, 10000.0,
-    30000.0, 60000.0,
+    0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 50.0, 100.0, 250.0, 500.0, 1000.0, 2500.0,
+    5000.0, 10000.0, 30000.0, 60000.0,
 ];
 
 /// Latency buckets in microseconds, 1 µs … 100 ms (policy decisions).
@@ -43,9 +43,20 @@ pub const US_BUCKETS: &[f64] = &[
 ];
 
 /// Creates and registers a histogram.
-pub fn histogram(registry: &Registry, name: &str, help: &str, buckets: &[f64]) -> Result<prometheus::Histogram, TelemetryError> {
-    let err = |source| TelemetryError::Metric { name: name.to_string(), source };
-    let h = prometheus::Histogram::with_opts(prometheus::HistogramOpts::new(name, help).buckets(buckets.to_vec())).map_err(err)?;
+pub fn histogram(
+    registry: &Registry,
+    name: &str,
+    help: &str,
+    buckets: &[f64],
+) -> Result<prometheus::Histogram, TelemetryError> {
+    let err = |source| TelemetryError::Metric {
+        name: name.to_string(),
+        source,
+    };
+    let h = prometheus::Histogram::with_opts(
+        prometheus::HistogramOpts::new(name, help).buckets(buckets.to_vec()),
+    )
+    .map_err(err)?;
     registry.register(Box::new(h.clone())).map_err(err)?;
     Ok(h)
 }
@@ -58,39 +69,77 @@ pub fn histogram_vec(
     labels: &[&str],
     buckets: &[f64],
 ) -> Result<prometheus::HistogramVec, TelemetryError> {
-    let err = |source| TelemetryError::Metric { name: name.to_string(), source };
-    let h = prometheus::HistogramVec::new(prometheus::HistogramOpts::new(name, help).buckets(buckets.to_vec()), labels).map_err(err)?;
+    let err = |source| TelemetryError::Metric {
+        name: name.to_string(),
+        source,
+    };
+    let h = prometheus::HistogramVec::new(
+        prometheus::HistogramOpts::new(name, help).buckets(buckets.to_vec()),
+        labels,
+    )
+    .map_err(err)?;
     registry.register(Box::new(h.clone())).map_err(err)?;
     Ok(h)
 }
 
 /// Creates and registers a counter.
-pub fn counter(registry: &Registry, name: &str, help: &str) -> Result<prometheus::IntCounter, TelemetryError> {
-    let err = |source| TelemetryError::Metric { name: name.to_string(), source };
+pub fn counter(
+    registry: &Registry,
+    name: &str,
+    help: &str,
+) -> Result<prometheus::IntCounter, TelemetryError> {
+    let err = |source| TelemetryError::Metric {
+        name: name.to_string(),
+        source,
+    };
     let c = prometheus::IntCounter::new(name, help).map_err(err)?;
     registry.register(Box::new(c.clone())).map_err(err)?;
     Ok(c)
 }
 
 /// Creates and registers a counter with labels.
-pub fn counter_vec(registry: &Registry, name: &str, help: &str, labels: &[&str]) -> Result<prometheus::IntCounterVec, TelemetryError> {
-    let err = |source| TelemetryError::Metric { name: name.to_string(), source };
-    let c = prometheus::IntCounterVec::new(prometheus::Opts::new(name, help), labels).map_err(err)?;
+pub fn counter_vec(
+    registry: &Registry,
+    name: &str,
+    help: &str,
+    labels: &[&str],
+) -> Result<prometheus::IntCounterVec, TelemetryError> {
+    let err = |source| TelemetryError::Metric {
+        name: name.to_string(),
+        source,
+    };
+    let c =
+        prometheus::IntCounterVec::new(prometheus::Opts::new(name, help), labels).map_err(err)?;
     registry.register(Box::new(c.clone())).map_err(err)?;
     Ok(c)
 }
 
 /// Creates and registers a gauge.
-pub fn gauge(registry: &Registry, name: &str, help: &str) -> Result<prometheus::Gauge, TelemetryError> {
-    let err = |source| TelemetryError::Metric { name: name.to_string(), source };
+pub fn gauge(
+    registry: &Registry,
+    name: &str,
+    help: &str,
+) -> Result<prometheus::Gauge, TelemetryError> {
+    let err = |source| TelemetryError::Metric {
+        name: name.to_string(),
+        source,
+    };
     let g = prometheus::Gauge::new(name, help).map_err(err)?;
     registry.register(Box::new(g.clone())).map_err(err)?;
     Ok(g)
 }
 
 /// Creates and registers a gauge with labels.
-pub fn gauge_vec(registry: &Registry, name: &str, help: &str, labels: &[&str]) -> Result<prometheus::GaugeVec, TelemetryError> {
-    let err = |source| TelemetryError::Metric { name: name.to_string(), source };
+pub fn gauge_vec(
+    registry: &Registry,
+    name: &str,
+    help: &str,
+    labels: &[&str],
+) -> Result<prometheus::GaugeVec, TelemetryError> {
+    let err = |source| TelemetryError::Metric {
+        name: name.to_string(),
+        source,
+    };
     let g = prometheus::GaugeVec::new(prometheus::Opts::new(name, help), labels).map_err(err)?;
     registry.register(Box::new(g.clone())).map_err(err)?;
     Ok(g)
