@@ -148,6 +148,9 @@ impl ShmTransport {
     }
 }
 
+/// How far a file's modification time may lag behind the clock it is compared with.
+const MTIME_SLACK: Duration = Duration::from_millis(20);
+
 impl Inner {
     fn sweep(&self) -> Result<usize, KvError> {
         let now = SystemTime::now();
@@ -160,7 +163,10 @@ impl Inner {
                 continue;
             };
             let age = now.duration_since(modified).unwrap_or_default();
-            if meta.is_file() && age >= self.ttl {
+            // File times come from the kernel's coarse clock (one tick, up to
+            // 10 ms, behind the real time): without the slack a file could go
+            // a few ms before its TTL.
+            if meta.is_file() && age >= self.ttl + MTIME_SLACK {
                 match std::fs::remove_file(entry.path()) {
                     Ok(()) => {
                         removed += 1;
