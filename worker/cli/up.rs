@@ -212,6 +212,36 @@ fn ensure_model(model: Option<&Path>) -> anyhow::Result<PathBuf> {
     Ok(p)
 }
 
+/// Builds the default policy module from the source tree this binary was
+/// built from (a fresh clone's first `cargo run --release -- up`), into the
+/// same target directory, then finds it again.
+async fn build_default_policy() -> anyhow::Result<PathBuf> {
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("policies/build.sh");
+    if !script.is_file() {
+        bail!("no source tree at {} to build it from", script.display());
+    }
+    let exe = std::env::current_exe().context("locating the rngd-pd executable")?;
+    // <target>/release/rngd-pd → <target>
+    let target = exe
+        .parent()
+        .and_then(Path::parent)
+        .context("the executable is not inside a cargo target directory")?;
+    eprintln!(
+        "rngd-pd up: building the default policy module ({})",
+        script.display()
+    );
+    let status = tokio::process::Command::new("bash")
+        .arg(&script)
+        .env("CARGO_TARGET_DIR", target)
+        .status()
+        .await
+        .context("running policies/build.sh")?;
+    if !status.success() {
+        bail!("policies/build.sh failed ({status})");
+    }
+    crate::gateway::default_policy_module()
+}
+
 /// Runs the subcommand.
 pub async fn run(args: Args) -> anyhow::Result<()> {
     if !matches!(args.kv_transport.as_str(), "shm" | "tcp") {
@@ -227,7 +257,12 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     let policy = match &args.policy {
         Some(p) if p.is_file() => p.clone(),
         Some(p) => bail!("policy module {} does not exist", p.display()),
-        None => crate::gateway::default_policy_module()?,
+        None => match crate::gateway::default_policy_module() {
+            Ok(p) => p,
+            Err(missing) => build_default_policy()
+                .await
+                .map_err(|e| missing.context(e))?,
+        },
     };
     let pid = std::process::id();
     let mut stack = Stack {
