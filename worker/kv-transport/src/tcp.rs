@@ -57,6 +57,13 @@ struct Client {
     seq: AtomicU32,
 }
 
+/// A push the relay refused (an ERR reply), and whether the connection it
+/// came on can be used again.
+struct Refused {
+    error: KvError,
+    usable: bool,
+}
+
 struct Conn {
     rd: BufReader<OwnedReadHalf>,
     wr: BufWriter<OwnedWriteHalf>,
@@ -356,7 +363,7 @@ impl Client {
         request_id: &str,
         key: &str,
         blobs: &[Bytes],
-    ) -> Result<Result<(Vec<BlobMeta>, u64), KvError>, KvError> {
+    ) -> Result<Result<(Vec<BlobMeta>, u64), Refused>, KvError> {
         let first_seq = self.seq.fetch_add(blobs.len() as u32, Ordering::Relaxed);
         let Conn { rd, wr, .. } = conn;
         let peer = &self.addr;
@@ -390,10 +397,10 @@ impl Client {
                 .map_err(|e| lost(peer, "write failed", e))?;
             Ok::<_, KvError>(metas)
         };
+        let mut refused = None;
         let read = async {
             let started = Instant::now();
             let mut epoch = 0u64;
-            let mut refused = None;
             for _ in 0..blobs.len() {
                 // Read every reply, even after a refusal, so that no PUT of
                 // this request is still in flight when the caller cleans up.
@@ -422,13 +429,25 @@ impl Client {
                 }
                 epoch = r.epoch;
             }
-            Ok::<_, KvError>((epoch, refused))
+            Ok::<_, KvError>(epoch)
         };
-        let (metas, (epoch, refused)) = tokio::try_join!(write, read)?;
-        Ok(match refused {
-            None => Ok((metas, epoch)),
-            Some(e) => Err(e),
-        })
+        let (written, read) = tokio::join!(write, read);
+        match (written, read, refused) {
+            (Ok(metas), Ok(epoch), None) => Ok(Ok((metas, epoch))),
+            // A refusal with every reply read: the connection stays usable.
+            (Ok(_), Ok(_), Some(error)) => Ok(Err(Refused {
+                error,
+                usable: true,
+            })),
+            // The relay refused a frame and then closed the connection (an
+            // oversize frame): the refusal is the cause, the failed write or
+            // read only its consequence.
+            (_, _, Some(error)) => Ok(Err(Refused {
+                error,
+                usable: false,
+            })),
+            (Err(e), _, None) | (_, Err(e), None) => Err(e),
+        }
     }
 
     async fn pull_on(
@@ -557,10 +576,16 @@ impl KvTransport for TcpTransport {
                         c.checkin(conn);
                         break v;
                     }
-                    Ok(Err(refused)) => {
-                        // Every reply was read: nothing of this request is in
-                        // flight, so the release cannot race a late PUT.
-                        c.checkin(conn);
+                    Ok(Err(Refused {
+                        error: refused,
+                        usable,
+                    })) => {
+                        // Every reply was read, or the relay closed the
+                        // connection: nothing of this request is in flight,
+                        // so the release cannot race a late PUT.
+                        if usable {
+                            c.checkin(conn);
+                        }
                         if let Err(e) = c.release_key(&key).await {
                             tracing::warn!(request_id = %payload.request_id, error = %e, "tcp: cleanup after a refused push failed");
                         }
