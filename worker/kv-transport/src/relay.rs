@@ -425,13 +425,15 @@ async fn connection(
     let writer = tokio::spawn(write_replies(wr, rx));
     // Waiting GETs of this connection end with it (or with the relay).
     let gets = stop.child_token();
+    let mut rd = BufReader::with_capacity(crate::tcp::IO_BUF, rd);
     let reason = tokio::select! {
-        r = read_requests(&relay, rd, &tx, &gets) => r,
+        r = read_requests(&relay, &mut rd, &tx, &gets) => r,
         _ = stop.cancelled() => {
             let _ = tx.try_send(err_reply(0, relay.epoch, ErrCode::ShuttingDown, "relay shutting down".into(), true));
             Ok(())
         }
     };
+    let fatal = reason.is_err();
     if let Err(reason) = reason {
         tracing::warn!(%peer, %reason, "relay: closing connection");
     }
@@ -447,7 +449,22 @@ async fn connection(
     {
         abort.abort();
     }
+    if fatal {
+        // Lingering close: the client may still be sending the frame that was
+        // refused. Closing with its bytes unread would make the kernel reset
+        // the connection, and the client could lose the error reply it has
+        // not read yet. The reply and our FIN are out; drain for a bounded
+        // time and size, then close.
+        let mut input = (&mut rd).take(LINGER_MAX_BYTES);
+        let mut sink = tokio::io::sink();
+        let _ = tokio::time::timeout(LINGER, tokio::io::copy(&mut input, &mut sink)).await;
+    }
 }
+
+/// How long a connection closed for a protocol error keeps reading (and discarding) input.
+const LINGER: Duration = Duration::from_secs(2);
+/// How much input such a connection discards at most.
+const LINGER_MAX_BYTES: u64 = 256 << 20;
 
 async fn write_replies(wr: OwnedWriteHalf, mut rx: mpsc::Receiver<Reply>) {
     let mut wr = tokio::io::BufWriter::with_capacity(crate::tcp::IO_BUF, wr);
@@ -472,11 +489,10 @@ async fn write_replies(wr: OwnedWriteHalf, mut rx: mpsc::Receiver<Reply>) {
 /// Reads and handles frames until EOF or a fatal protocol error (returned as a message).
 async fn read_requests(
     relay: &Arc<Relay>,
-    rd: OwnedReadHalf,
+    rd: &mut BufReader<OwnedReadHalf>,
     tx: &mpsc::Sender<Reply>,
     cancel: &CancellationToken,
 ) -> Result<(), String> {
-    let mut rd = BufReader::with_capacity(crate::tcp::IO_BUF, rd);
     let epoch = relay.epoch;
     let send = |r: Reply| async move { tx.send(r).await.map_err(|_| "writer gone".to_string()) };
     loop {
@@ -519,7 +535,7 @@ async fn read_requests(
         let key = match String::from_utf8(kb) {
             Ok(k) if !k.is_empty() || h.op == Op::Stats => k,
             _ => {
-                discard(&mut rd, h.body_len.min(relay.cfg.max_frame)).await?;
+                discard(&mut *rd, h.body_len.min(relay.cfg.max_frame)).await?;
                 send(err_reply(
                     h.seq,
                     epoch,
@@ -562,7 +578,7 @@ async fn read_requests(
             Op::Put => {
                 let n = h.body_len;
                 if !relay.reserve(n) {
-                    discard(&mut rd, n).await?;
+                    discard(&mut *rd, n).await?;
                     let msg = format!(
                         "relay memory cap of {} bytes reached ({} held)",
                         relay.cfg.max_bytes,
@@ -574,7 +590,7 @@ async fn read_requests(
                 let crc = (h.flags & FLAG_CRC != 0).then_some(h.crc32);
                 let body = {
                     let _g = Gauge::up(&relay.puts_in_progress);
-                    read_body_crc(&mut rd, n as usize, crc.is_some()).await
+                    read_body_crc(&mut *rd, n as usize, crc.is_some()).await
                 };
                 let (body, computed) = match body {
                     Ok(b) => b,

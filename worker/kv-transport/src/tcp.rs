@@ -461,7 +461,8 @@ impl Client {
         let n = handle.blobs.len();
         let started = Instant::now();
         let first_seq = self.seq.fetch_add(n as u32, Ordering::Relaxed);
-        let wait_ms = timeout.as_millis().min(u32::MAX as u128) as u32;
+        // Rounded up: the relay must not give up before the caller's timeout.
+        let wait_ms = timeout.as_micros().div_ceil(1000).min(u32::MAX as u128) as u32;
         for i in 0..n {
             let mut h = Header::new(Op::Get, first_seq.wrapping_add(i as u32));
             h.key_len = key.len() as u16;
