@@ -313,15 +313,6 @@ impl Engine for CpuEngine {
         Ok(rx)
     }
 
-    async fn generate(
-        &self,
-        prompt: &[u32],
-        params: &SamplingParams,
-    ) -> Result<mpsc::Receiver<GenEvent>, EngineError> {
-        let prefilled = self.prefill(prompt, params).await?;
-        self.decode(prompt, prefilled, params).await
-    }
-
     fn waiting(&self) -> usize {
         self.shared.waiting.load(Ordering::Relaxed)
     }

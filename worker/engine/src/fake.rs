@@ -185,15 +185,6 @@ impl Engine for EchoEngine {
         Ok(rx)
     }
 
-    async fn generate(
-        &self,
-        prompt: &[u32],
-        params: &SamplingParams,
-    ) -> Result<mpsc::Receiver<GenEvent>, EngineError> {
-        let p = self.prefill(prompt, params).await?;
-        self.decode(prompt, p, params).await
-    }
-
     fn waiting(&self) -> usize {
         0
     }

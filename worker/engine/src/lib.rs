@@ -203,12 +203,16 @@ pub trait Engine: Send + Sync + 'static {
         prefilled: Prefilled,
         params: &SamplingParams,
     ) -> Result<mpsc::Receiver<GenEvent>, EngineError>;
-    /// Prefill and decode here.
+    /// Prefill and decode here: exactly a prefill followed by a decode of
+    /// its cache, so a PD split gives the same tokens.
     async fn generate(
         &self,
         prompt: &[u32],
         params: &SamplingParams,
-    ) -> Result<mpsc::Receiver<GenEvent>, EngineError>;
+    ) -> Result<mpsc::Receiver<GenEvent>, EngineError> {
+        let prefilled = self.prefill(prompt, params).await?;
+        self.decode(prompt, prefilled, params).await
+    }
     /// Streams waiting for a decode slot.
     fn waiting(&self) -> usize;
     /// Streams decoding now.
