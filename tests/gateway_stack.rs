@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use rngd_engine::fake::EchoEngine;
 use rngd_gateway::launch::{LaunchOptions, PolicyChoice, TokenizerChoice};
-use rngd_gateway::{BoxError, GatewayConfig, PromptTokenizer, endpoints};
+use rngd_gateway::{GatewayConfig, endpoints};
 use rngd_kv_transport::fake::MemoryTransport;
 use rngd_kv_transport::{KvError, KvTransport};
 use rngd_policy_core::Role;
@@ -19,24 +19,6 @@ use serde_json::{Value, json};
 
 fn policy_module() -> std::path::PathBuf {
     rngd_policy_host::built_module("pd_default", "wasm32-unknown-unknown")
-}
-
-/// One token per byte, like `EchoEngine`.
-struct ByteTokenizer;
-
-impl PromptTokenizer for ByteTokenizer {
-    fn model_name(&self) -> &str {
-        "echo"
-    }
-    fn count(&self, text: &str) -> Result<usize, BoxError> {
-        Ok(text.len())
-    }
-    fn chat_prompt(&self, messages: &[(String, String)]) -> Result<String, BoxError> {
-        Ok(messages
-            .iter()
-            .map(|(r, c)| format!("{r}: {c}\n"))
-            .collect())
-    }
 }
 
 /// Every transport name resolves to the one shared in-memory transport.
@@ -95,7 +77,7 @@ async fn stack(token_delay: Duration) -> Stack {
             watch_every: None,
         },
         admin_token: None,
-        tokenizer: TokenizerChoice::Custom(Arc::new(ByteTokenizer)),
+        tokenizer: TokenizerChoice::Custom(Arc::new(rngd_gateway::ByteTokenizer)),
         config: GatewayConfig::default(),
         scrape_every: Duration::from_millis(50),
         stale_after: Duration::from_secs(2),

@@ -29,4 +29,4 @@ pub use error::{ApiError, BoxError, GatewayError, Stage};
 pub use metrics::GatewayMetrics;
 pub use policy::Policy;
 pub use server::{Gateway, GatewayConfig, kpi_router, router, serve};
-pub use tokens::PromptTokenizer;
+pub use tokens::{ByteTokenizer, PromptTokenizer};

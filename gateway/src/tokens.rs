@@ -30,3 +30,24 @@ impl PromptTokenizer for rngd_engine::tokenizer::Tokenizer {
         )?)
     }
 }
+
+/// One token per UTF-8 byte, the way `rngd_engine::fake::EchoEngine` counts:
+/// the tokenizer for tests and benchmarks that run the gateway on that fake
+/// engine, where no model file exists.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct ByteTokenizer;
+
+impl PromptTokenizer for ByteTokenizer {
+    fn model_name(&self) -> &str {
+        "echo"
+    }
+    fn count(&self, text: &str) -> Result<usize, BoxError> {
+        Ok(text.len())
+    }
+    fn chat_prompt(&self, messages: &[(String, String)]) -> Result<String, BoxError> {
+        Ok(messages
+            .iter()
+            .map(|(r, c)| format!("{r}: {c}\n"))
+            .collect())
+    }
+}

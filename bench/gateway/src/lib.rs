@@ -14,7 +14,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use rngd_gateway::launch::{LaunchOptions, PolicyChoice, TokenizerChoice};
-use rngd_gateway::{BoxError, GatewayConfig, PromptTokenizer, endpoints};
+use rngd_gateway::{GatewayConfig, endpoints};
 use rngd_policy_core::Role;
 use serde::Serialize;
 
@@ -109,24 +109,6 @@ pub struct Report {
     pub added_p99_ms: f64,
     /// The target for `added_p99_ms`.
     pub target_added_p99_ms: f64,
-}
-
-/// One token per UTF-8 byte, like `EchoEngine` (benchmark tokenizer).
-struct ByteTokenizer;
-
-impl PromptTokenizer for ByteTokenizer {
-    fn model_name(&self) -> &str {
-        "echo"
-    }
-    fn count(&self, text: &str) -> Result<usize, BoxError> {
-        Ok(text.len())
-    }
-    fn chat_prompt(&self, messages: &[(String, String)]) -> Result<String, BoxError> {
-        Ok(messages
-            .iter()
-            .map(|(r, c)| format!("{r}: {c}\n"))
-            .collect())
-    }
 }
 
 fn pct(sorted: &[f64], p: f64) -> f64 {
@@ -224,7 +206,7 @@ pub async fn run(args: Args) -> Result<Report, Error> {
             watch_every: None,
         },
         admin_token: None,
-        tokenizer: TokenizerChoice::Custom(Arc::new(ByteTokenizer)),
+        tokenizer: TokenizerChoice::Custom(Arc::new(rngd_gateway::ByteTokenizer)),
         config: GatewayConfig::default(),
         scrape_every: Duration::from_millis(50),
         stale_after: Duration::from_secs(2),
