@@ -234,7 +234,7 @@ impl Picker {
         let req = PolicyRequest {
             headers: input.headers,
             body: input.body.unwrap_or_default(),
-            endpoints: Some(endpoints),
+            endpoints: Some(endpoints.into()),
             prompt_tokens,
         };
         match self.decider.decide(req).await {

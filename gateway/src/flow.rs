@@ -115,7 +115,7 @@ async fn run_inner(
     let preq = PolicyRequest {
         headers: policy_headers(&p, &headers),
         body,
-        endpoints: Some(gw.endpoints.snapshot()),
+        endpoints: Some(gw.endpoints.snapshot().into()),
         prompt_tokens: Some(p.prompt_tokens),
     };
     let t = Instant::now();

@@ -60,16 +60,17 @@ pub enum Error {
     #[error("wasm and native decisions differ: wasm {wasm:?}, native {native:?}")]
     Mismatch {
         /// Wasm decision.
-        wasm: Box<Decision>,
+        wasm: Box<Option<Decision>>,
         /// Native decision.
-        native: Box<Decision>,
+        native: Box<Option<Decision>>,
     },
     /// A worker thread failed.
     #[error("benchmark thread: {0}")]
     Join(#[from] tokio::task::JoinError),
 }
 
-/// Results (µs per decision).
+/// Results (µs per decision). Warm wasm and native decisions are timed
+/// interleaved, one of each in turn.
 #[derive(Debug, Clone, Serialize)]
 pub struct Report {
     /// Endpoints in the snapshot.
@@ -143,7 +144,7 @@ fn request(endpoints: Vec<Endpoint>) -> PolicyRequest {
     PolicyRequest {
         headers: hdrs,
         body: body.into_bytes(),
-        endpoints: Some(endpoints),
+        endpoints: Some(endpoints.into()),
         prompt_tokens: Some(210),
     }
 }
@@ -217,13 +218,6 @@ fn measure(args: &Args) -> Result<Report, Error> {
     )?;
     let req = request(snapshot(args.endpoints));
 
-    // Warm instance: warm-up (first parse of the snapshot), then timed.
-    for _ in 0..1000 {
-        runtime.decide_blocking(&req)?;
-    }
-    let (wasm, wasm_decision) = timed(args.iterations, || Ok(runtime.decide_blocking(&req)?))?;
-    let (fresh, _) = timed(args.fresh_iterations, || Ok(runtime.decide_fresh(&req)?))?;
-
     // Native: the same core logic with the same inputs and snapshot caching.
     let mut policy =
         PdPolicy::new(
@@ -233,26 +227,47 @@ fn measure(args: &Args) -> Result<Report, Error> {
         );
     let json = serde_json::to_vec(req.endpoints.as_deref().unwrap_or_default()).unwrap_or_default();
     let version = b"1".to_vec();
-    let mut native_once = || -> Result<Decision, Error> {
+    let mut native_once = || -> Decision {
         let subset = req
             .headers
             .iter()
             .find(|(k, _)| k.eq_ignore_ascii_case(headers::DESTINATION_ENDPOINT_SUBSET))
             .map(|(_, v)| v.as_str());
         let prompt = req.prompt_tokens.map(|n| n.to_string());
-        Ok(policy.decide(
+        policy.decide(
             subset,
             Some(&req.body),
             None,
             prompt.as_deref().map(str::as_bytes),
             Some(&version),
             || Some(json.clone()),
-        ))
+        )
     };
+
+    // Warm-up of both (the first decision parses the snapshot).
     for _ in 0..1000 {
-        native_once()?;
+        runtime.decide_blocking(&req)?;
+        native_once();
     }
-    let (native, native_decision) = timed(args.iterations, native_once)?;
+    // Timed, interleaved: one wasm decision, one native decision, so both see
+    // the same machine load (this host is shared and noisy).
+    let mut wasm = Vec::with_capacity(args.iterations);
+    let mut native = Vec::with_capacity(args.iterations);
+    let mut wasm_decision = None;
+    let mut native_decision = None;
+    for _ in 0..args.iterations {
+        let t = Instant::now();
+        let d = runtime.decide_blocking(&req)?;
+        wasm.push(t.elapsed().as_secs_f64() * 1e6);
+        wasm_decision = Some(d);
+        let t = Instant::now();
+        let d = native_once();
+        native.push(t.elapsed().as_secs_f64() * 1e6);
+        native_decision = Some(d);
+    }
+    wasm.sort_by(f64::total_cmp);
+    native.sort_by(f64::total_cmp);
+    let (fresh, _) = timed(args.fresh_iterations, || Ok(runtime.decide_fresh(&req)?))?;
     if wasm_decision != native_decision {
         return Err(Error::Mismatch {
             wasm: Box::new(wasm_decision),

@@ -84,6 +84,27 @@ pub(crate) struct RequestState {
     pub local: Option<rngd_policy_core::LocalResponse>,
 }
 
+/// The properties a guest can read (`proxy_get_property`; path tokens joined by NUL).
+#[derive(Clone, Copy)]
+enum Property {
+    Endpoints,
+    EndpointsVersion,
+    PromptTokens,
+    PluginName,
+}
+
+impl Property {
+    fn of(path: &[u8]) -> Option<Property> {
+        Some(match path {
+            b"rngd_pd\0endpoints" => Property::Endpoints,
+            b"rngd_pd\0endpoints_version" => Property::EndpointsVersion,
+            b"rngd_pd\0prompt_tokens" => Property::PromptTokens,
+            b"plugin_name" => Property::PluginName,
+            _ => return None,
+        })
+    }
+}
+
 /// Per-store host state.
 pub(crate) struct HostState {
     pub limiter: Limiter,
@@ -92,6 +113,8 @@ pub(crate) struct HostState {
     pub plugin_config: Arc<[u8]>,
     pub req: RequestState,
     pub max_header_bytes: usize,
+    /// Bytes on their way into guest memory (see [`give`]).
+    scratch: Vec<u8>,
     metrics: HashMap<u32, (String, u64)>,
     shared: HashMap<String, (Vec<u8>, u32)>,
     /// Last guest log lines at error level (for reports).
@@ -111,6 +134,7 @@ impl HostState {
             plugin_config,
             req: RequestState::default(),
             max_header_bytes: limits.max_header_bytes,
+            scratch: Vec::new(),
             metrics: HashMap::new(),
             shared: HashMap::new(),
             errors: Vec::new(),
@@ -154,29 +178,54 @@ fn check_slot(cx: &Cx<'_>, ptr: u32, len: u32) -> Result<(), u32> {
         .ok_or(status::INVALID_MEMORY_ACCESS)
 }
 
-/// Copies `bytes` into guest memory it allocates (`malloc` /
-/// `proxy_on_memory_allocate`) and stores pointer and length at the two
-/// return slots. Empty data stores a null pointer.
-fn give(cx: &mut Cx<'_>, bytes: &[u8], ret_ptr: u32, ret_len: u32) -> wasmtime::Result<u32> {
+/// Copies what `select` picks out of the host state into guest memory the
+/// guest allocates (`malloc` / `proxy_on_memory_allocate`) and stores pointer
+/// and length at the two return slots; `None` from `select` is `NotFound`.
+/// Empty data stores a null pointer. No host-side copy is made: `select` runs
+/// once to size the allocation and once more to copy; if the guest's
+/// allocator changed the selected data in between (it may call back into the
+/// host), the call fails instead of writing a mismatched length.
+fn give_from(
+    cx: &mut Cx<'_>,
+    ret_ptr: u32,
+    ret_len: u32,
+    select: impl Fn(&HostState) -> Option<&[u8]>,
+) -> wasmtime::Result<u32> {
     if let Err(s) = check_slot(cx, ret_ptr, 4).and_then(|_| check_slot(cx, ret_len, 4)) {
         return Ok(s);
     }
-    let Ok(len) = u32::try_from(bytes.len()) else {
+    let Some(n) = select(cx.data()).map(<[u8]>::len) else {
+        return Ok(status::NOT_FOUND);
+    };
+    let Ok(len) = u32::try_from(n) else {
         return Ok(status::BAD_ARGUMENT);
     };
-    let ptr = if bytes.is_empty() {
+    let ptr = if n == 0 {
         0
     } else {
-        let Some(alloc) = cx.data().alloc.clone() else {
+        // Taken out for the call (not cloned: a clone of a typed function
+        // touches wasmtime's type registry); a re-entrant hostcall from the
+        // allocator finds it absent and fails cleanly.
+        let Some(alloc) = cx.data_mut().alloc.take() else {
             return Ok(status::INTERNAL_FAILURE);
         };
-        let p = alloc.call(&mut *cx, len)?;
+        let called = alloc.call(&mut *cx, len);
+        cx.data_mut().alloc = Some(alloc);
+        let p = called?;
         if p == 0 {
             return Ok(status::INTERNAL_FAILURE);
         }
-        if let Err(s) = write(cx, p, bytes) {
-            return Ok(s);
-        }
+        let Some(mem) = cx.data().memory else {
+            return Ok(status::INTERNAL_FAILURE);
+        };
+        let (data, st) = mem.data_and_store_mut(&mut *cx);
+        let Some(bytes) = select(st).filter(|b| b.len() == n) else {
+            return Ok(status::INTERNAL_FAILURE);
+        };
+        let Some(r) = range(data.len(), p, len) else {
+            return Ok(status::INVALID_MEMORY_ACCESS);
+        };
+        data[r].copy_from_slice(bytes);
         p
     };
     Ok(
@@ -187,6 +236,27 @@ fn give(cx: &mut Cx<'_>, bytes: &[u8], ret_ptr: u32, ret_len: u32) -> wasmtime::
             Err(s) => s,
         },
     )
+}
+
+/// [`give_from`] for bytes the caller built.
+fn give(cx: &mut Cx<'_>, bytes: Vec<u8>, ret_ptr: u32, ret_len: u32) -> wasmtime::Result<u32> {
+    cx.data_mut().scratch = bytes;
+    let r = give_from(cx, ret_ptr, ret_len, |st| Some(&st.scratch));
+    cx.data_mut().scratch = Vec::new();
+    r
+}
+
+/// Runs `f` on a guest memory range without copying it.
+fn with_guest<T>(
+    cx: &Cx<'_>,
+    ptr: u32,
+    len: u32,
+    f: impl FnOnce(&[u8], &HostState) -> T,
+) -> Result<T, u32> {
+    let mem = cx.data().memory.ok_or(status::INTERNAL_FAILURE)?;
+    let data = mem.data(cx);
+    let r = range(data.len(), ptr, len).ok_or(status::INVALID_MEMORY_ACCESS)?;
+    Ok(f(&data[r], cx.data()))
 }
 
 /// Serializes header pairs in the ABI's map encoding.
@@ -239,13 +309,6 @@ pub(crate) fn decode_map(bytes: &[u8]) -> Option<Vec<(String, String)>> {
     Some(out)
 }
 
-fn header_get<'a>(headers: &'a [(String, String)], key: &str) -> Option<&'a str> {
-    headers
-        .iter()
-        .find(|(k, _)| k.eq_ignore_ascii_case(key))
-        .map(|(_, v)| v.as_str())
-}
-
 fn record_set(req: &mut RequestState, key: &str, value: &str) {
     req.removed.retain(|k| !k.eq_ignore_ascii_case(key));
     match req
@@ -253,11 +316,17 @@ fn record_set(req: &mut RequestState, key: &str, value: &str) {
         .iter_mut()
         .find(|(k, _)| k.eq_ignore_ascii_case(key))
     {
-        Some(slot) => slot.1 = value.to_string(),
+        Some(slot) => {
+            slot.1.clear();
+            slot.1.push_str(value);
+        }
         None => req.set.push((key.to_ascii_lowercase(), value.to_string())),
     }
 }
 
+/// Sets (`add`: appends to) a request header, reading name and value in
+/// place from guest memory; the first header of that name is updated in
+/// place (its buffers reused) and later duplicates are dropped.
 fn header_replace(cx: &mut Cx<'_>, map: u32, kp: u32, kl: u32, vp: u32, vl: u32, add: bool) -> R {
     if map != MAP_REQUEST_HEADERS {
         return Ok(status::BAD_ARGUMENT);
@@ -271,19 +340,58 @@ fn header_replace(cx: &mut Cx<'_>, map: u32, kp: u32, kl: u32, vp: u32, vl: u32,
         );
         return Ok(status::BAD_ARGUMENT);
     }
-    let (k, v) = match read_str(cx, kp, kl).and_then(|k| read_str(cx, vp, vl).map(|v| (k, v))) {
-        Ok(kv) => kv,
-        Err(s) => return Ok(s),
+    let Some(mem) = cx.data().memory else {
+        return Ok(status::INTERNAL_FAILURE);
     };
-    let req = &mut cx.data_mut().req;
-    let value = match (add, header_get(&req.headers, &k)) {
-        (true, Some(old)) => format!("{old},{v}"),
-        _ => v,
+    let (data, st) = mem.data_and_store_mut(&mut *cx);
+    let (Some(kr), Some(vr)) = (range(data.len(), kp, kl), range(data.len(), vp, vl)) else {
+        return Ok(status::INVALID_MEMORY_ACCESS);
     };
-    req.headers
-        .retain(|(name, _)| !name.eq_ignore_ascii_case(&k));
-    req.headers.push((k.to_ascii_lowercase(), value.clone()));
-    record_set(req, &k, &value);
+    let (Ok(k), Ok(v)) = (
+        std::str::from_utf8(&data[kr]),
+        std::str::from_utf8(&data[vr]),
+    ) else {
+        return Ok(status::BAD_ARGUMENT);
+    };
+    let req = &mut st.req;
+    let at = match req
+        .headers
+        .iter()
+        .position(|(name, _)| name.eq_ignore_ascii_case(k))
+    {
+        Some(at) => {
+            let old = &mut req.headers[at].1;
+            if !add {
+                old.clear();
+            } else if !old.is_empty() {
+                old.push(',');
+            }
+            old.push_str(v);
+            let mut i = 0;
+            req.headers.retain(|(name, _)| {
+                i += 1;
+                i - 1 <= at || !name.eq_ignore_ascii_case(k)
+            });
+            at
+        }
+        None => {
+            req.headers.push((k.to_ascii_lowercase(), v.to_string()));
+            req.headers.len() - 1
+        }
+    };
+    let value = &req.headers[at].1;
+    req.removed.retain(|r| !r.eq_ignore_ascii_case(k));
+    match req
+        .set
+        .iter_mut()
+        .find(|(name, _)| name.eq_ignore_ascii_case(k))
+    {
+        Some(slot) => {
+            slot.1.clear();
+            slot.1.push_str(value);
+        }
+        None => req.set.push((k.to_ascii_lowercase(), value.clone())),
+    }
     Ok(status::OK)
 }
 
@@ -346,19 +454,22 @@ pub(crate) fn define(linker: &mut Linker<HostState>) -> wasmtime::Result<()> {
         env,
         "proxy_get_buffer_bytes",
         |mut cx: Cx<'_>, kind: u32, start: u32, max: u32, rp: u32, rl: u32| -> R {
-            let data: Vec<u8> = {
-                let st = cx.data();
+            if !matches!(
+                kind,
+                BUFFER_REQUEST_BODY | BUFFER_PLUGIN_CONFIGURATION | BUFFER_VM_CONFIGURATION
+            ) {
+                return Ok(status::NOT_FOUND);
+            }
+            give_from(&mut cx, rp, rl, |st| {
                 let whole: &[u8] = match kind {
                     BUFFER_REQUEST_BODY => &st.req.body,
                     BUFFER_PLUGIN_CONFIGURATION => &st.plugin_config,
-                    BUFFER_VM_CONFIGURATION => &[],
-                    _ => return Ok(status::NOT_FOUND),
+                    _ => &[],
                 };
                 let s = (start as usize).min(whole.len());
                 let e = s.saturating_add(max as usize).min(whole.len());
-                whole[s..e].to_vec()
-            };
-            give(&mut cx, &data, rp, rl)
+                Some(&whole[s..e])
+            })
         },
     )?;
     linker.func_wrap(
@@ -374,10 +485,10 @@ pub(crate) fn define(linker: &mut Linker<HostState>) -> wasmtime::Result<()> {
         "proxy_get_header_map_pairs",
         |mut cx: Cx<'_>, map: u32, rp: u32, rl: u32| -> R {
             if map != MAP_REQUEST_HEADERS {
-                return give(&mut cx, &[], rp, rl);
+                return give(&mut cx, Vec::new(), rp, rl);
             }
             let bytes = encode_map(&cx.data().req.headers);
-            give(&mut cx, &bytes, rp, rl)
+            give(&mut cx, bytes, rp, rl)
         },
     )?;
     linker.func_wrap(
@@ -416,9 +527,18 @@ pub(crate) fn define(linker: &mut Linker<HostState>) -> wasmtime::Result<()> {
         env,
         "proxy_get_header_map_value",
         |mut cx: Cx<'_>, map: u32, kp: u32, kl: u32, rp: u32, rl: u32| -> R {
-            let key = match read_str(&cx, kp, kl) {
-                Ok(k) => k,
-                Err(s) => return Ok(s),
+            let found = with_guest(&cx, kp, kl, |key, st| {
+                let key = std::str::from_utf8(key).map_err(|_| status::BAD_ARGUMENT)?;
+                Ok::<_, u32>(
+                    st.req
+                        .headers
+                        .iter()
+                        .position(|(k, _)| k.eq_ignore_ascii_case(key)),
+                )
+            });
+            let at = match found {
+                Ok(Ok(at)) => at,
+                Ok(Err(s)) | Err(s) => return Ok(s),
             };
             if map != MAP_REQUEST_HEADERS {
                 return Ok(if map <= 7 {
@@ -427,11 +547,12 @@ pub(crate) fn define(linker: &mut Linker<HostState>) -> wasmtime::Result<()> {
                     status::BAD_ARGUMENT
                 });
             }
-            let Some(v) = header_get(&cx.data().req.headers, &key).map(|v| v.as_bytes().to_vec())
-            else {
+            let Some(at) = at else {
                 return Ok(status::NOT_FOUND);
             };
-            give(&mut cx, &v, rp, rl)
+            give_from(&mut cx, rp, rl, |st| {
+                st.req.headers.get(at).map(|(_, v)| v.as_bytes())
+            })
         },
     )?;
     linker.func_wrap(
@@ -441,14 +562,20 @@ pub(crate) fn define(linker: &mut Linker<HostState>) -> wasmtime::Result<()> {
             if map != MAP_REQUEST_HEADERS {
                 return Ok(status::BAD_ARGUMENT);
             }
-            let key = match read_str(&cx, kp, kl) {
-                Ok(k) => k,
-                Err(s) => return Ok(s),
+            let Some(mem) = cx.data().memory else {
+                return Ok(status::INTERNAL_FAILURE);
             };
-            let req = &mut cx.data_mut().req;
-            req.headers.retain(|(k, _)| !k.eq_ignore_ascii_case(&key));
-            req.set.retain(|(k, _)| !k.eq_ignore_ascii_case(&key));
-            if !req.removed.iter().any(|k| k.eq_ignore_ascii_case(&key)) {
+            let (data, st) = mem.data_and_store_mut(&mut cx);
+            let Some(kr) = range(data.len(), kp, kl) else {
+                return Ok(status::INVALID_MEMORY_ACCESS);
+            };
+            let Ok(key) = std::str::from_utf8(&data[kr]) else {
+                return Ok(status::BAD_ARGUMENT);
+            };
+            let req = &mut st.req;
+            req.headers.retain(|(k, _)| !k.eq_ignore_ascii_case(key));
+            req.set.retain(|(k, _)| !k.eq_ignore_ascii_case(key));
+            if !req.removed.iter().any(|k| k.eq_ignore_ascii_case(key)) {
                 req.removed.push(key.to_ascii_lowercase());
             }
             Ok(status::OK)
@@ -472,29 +599,22 @@ pub(crate) fn define(linker: &mut Linker<HostState>) -> wasmtime::Result<()> {
         env,
         "proxy_get_property",
         |mut cx: Cx<'_>, pp: u32, pl: u32, rp: u32, rl: u32| -> R {
-            let path = match read(&cx, pp, pl) {
-                Ok(p) => p,
+            let which = match with_guest(&cx, pp, pl, |path, _| Property::of(path)) {
+                Ok(Some(w)) => w,
+                Ok(None) => return Ok(status::NOT_FOUND),
                 Err(s) => return Ok(s),
             };
-            let value: Option<Vec<u8>> = {
-                let req = &cx.data().req;
-                match path.as_slice() {
-                    b"rngd_pd\0endpoints" => req.endpoints.as_ref().map(|s| s.as_bytes().to_vec()),
-                    b"rngd_pd\0endpoints_version" => req
-                        .endpoints_version
-                        .as_ref()
-                        .map(|s| s.as_bytes().to_vec()),
-                    b"rngd_pd\0prompt_tokens" => {
-                        req.prompt_tokens.as_ref().map(|s| s.as_bytes().to_vec())
+            give_from(&mut cx, rp, rl, |st| {
+                let req = &st.req;
+                match which {
+                    Property::Endpoints => req.endpoints.as_deref().map(str::as_bytes),
+                    Property::EndpointsVersion => {
+                        req.endpoints_version.as_deref().map(str::as_bytes)
                     }
-                    b"plugin_name" => Some(b"rngd-pd-policy".to_vec()),
-                    _ => None,
+                    Property::PromptTokens => req.prompt_tokens.as_deref().map(str::as_bytes),
+                    Property::PluginName => Some(b"rngd-pd-policy".as_slice()),
                 }
-            };
-            match value {
-                Some(v) => give(&mut cx, &v, rp, rl),
-                None => Ok(status::NOT_FOUND),
-            }
+            })
         },
     )?;
     linker.func_wrap(
@@ -516,7 +636,7 @@ pub(crate) fn define(linker: &mut Linker<HostState>) -> wasmtime::Result<()> {
             if let Err(s) = write(&mut cx, rc, &cas.to_le_bytes()) {
                 return Ok(s);
             }
-            give(&mut cx, &v, rp, rl)
+            give(&mut cx, v, rp, rl)
         },
     )?;
     linker.func_wrap(

@@ -71,7 +71,7 @@ pub fn check(path: &Path, config: &[u8]) -> Result<String, PolicyError> {
     );
     for (i, (name, req)) in canned_requests().into_iter().enumerate() {
         let snap = req.endpoints.as_ref().map(|eps| SnapshotProps {
-            json: serde_json::to_string(eps).unwrap_or_default().into(),
+            json: serde_json::to_string(&**eps).unwrap_or_default().into(),
             version: format!("check-{i}").into(),
         });
         let decision = guest

@@ -2,6 +2,7 @@
 //! context lifecycle (`_initialize`, `proxy_on_vm_start`, `proxy_on_configure`)
 //! and the HTTP context lifecycle of one request.
 
+use std::fmt::Write as _;
 use std::sync::Arc;
 
 use rngd_api::headers;
@@ -12,6 +13,9 @@ use crate::abi::{HostState, RequestState};
 use crate::{PolicyError, PolicyRequest, SandboxLimits};
 
 const ROOT_CONTEXT: u32 = 1;
+
+/// A pooled instance keeps its body buffer between requests up to this size.
+const KEEP_BODY_CAPACITY: usize = 64 << 10;
 
 /// The endpoint snapshot as the guest reads it: JSON plus a version.
 #[derive(Clone)]
@@ -180,22 +184,34 @@ impl Guest {
         let ctx = self.next_context;
         self.next_context = self.next_context.checked_add(1).unwrap_or(ROOT_CONTEXT + 1);
         {
+            // Buffers of the previous request are reused (`clone_from` keeps
+            // the strings' allocations).
             let st = &mut self.store.data_mut().req;
-            st.headers.clear();
-            st.headers.extend(req.headers.iter().cloned());
+            st.headers.clone_from(&req.headers);
             st.body.clear();
             st.body.extend_from_slice(&req.body);
             st.endpoints = snapshot.map(|s| s.json.clone());
             st.endpoints_version = snapshot.map(|s| s.version.clone());
-            st.prompt_tokens = req.prompt_tokens.map(|n| n.to_string());
+            match req.prompt_tokens {
+                Some(n) => {
+                    let s = st.prompt_tokens.get_or_insert_with(String::new);
+                    s.clear();
+                    // Writing to a String cannot fail.
+                    let _ = write!(s, "{n}");
+                }
+                None => st.prompt_tokens = None,
+            }
             st.set.clear();
             st.removed.clear();
             st.local = None;
         }
         let result = self.run_context(ctx, req);
-        let st = std::mem::take(&mut self.store.data_mut().req);
-        result?;
-        decision_of(st)
+        let st = &mut self.store.data_mut().req;
+        let decision = result.and_then(|()| decision_of(st));
+        if st.body.capacity() > KEEP_BODY_CAPACITY {
+            st.body = Vec::new();
+        }
+        decision
     }
 
     fn run_context(&mut self, ctx: u32, req: &PolicyRequest) -> Result<(), PolicyError> {
@@ -203,41 +219,38 @@ impl Guest {
         self.arm();
         self.on_context_create
             .call(&mut self.store, (ctx, ROOT_CONTEXT))
-            .map_err(|e| self.fault(e))?;
+            .map_err(|e| classify(&self.store, e, &self.limits))?;
         self.arm();
         self.on_request_headers
             .call(
                 &mut self.store,
                 (ctx, req.headers.len() as u32, end_of_stream),
             )
-            .map_err(|e| self.fault(e))?;
+            .map_err(|e| classify(&self.store, e, &self.limits))?;
         if end_of_stream == 0
             && self.store.data().req.local.is_none()
-            && let Some(body) = self.on_request_body.clone()
+            && let Some(body) = &self.on_request_body
         {
-            self.arm();
+            self.store.set_epoch_deadline(self.deadline_ticks);
             body.call(&mut self.store, (ctx, req.body.len() as u32, 1))
-                .map_err(|e| self.fault(e))?;
+                .map_err(|e| classify(&self.store, e, &self.limits))?;
         }
-        if let Some(done) = self.on_done.clone() {
-            self.arm();
-            done.call(&mut self.store, ctx).map_err(|e| self.fault(e))?;
+        if let Some(done) = &self.on_done {
+            self.store.set_epoch_deadline(self.deadline_ticks);
+            done.call(&mut self.store, ctx)
+                .map_err(|e| classify(&self.store, e, &self.limits))?;
         }
-        if let Some(delete) = self.on_delete.clone() {
-            self.arm();
+        if let Some(delete) = &self.on_delete {
+            self.store.set_epoch_deadline(self.deadline_ticks);
             delete
                 .call(&mut self.store, ctx)
-                .map_err(|e| self.fault(e))?;
+                .map_err(|e| classify(&self.store, e, &self.limits))?;
         }
         Ok(())
     }
 
     fn arm(&mut self) {
         self.store.set_epoch_deadline(self.deadline_ticks);
-    }
-
-    fn fault(&self, e: wasmtime::Error) -> PolicyError {
-        classify(&self.store, e, &self.limits)
     }
 }
 
@@ -259,18 +272,16 @@ fn classify(store: &Store<HostState>, e: wasmtime::Error, limits: &SandboxLimits
     }
 }
 
-/// Reads the decision out of what the guest did to the request.
-fn decision_of(st: RequestState) -> Result<Decision, PolicyError> {
-    if let Some(local) = st.local {
+/// Reads the decision out of what the guest did to the request (the headers
+/// it set move into the decision).
+fn decision_of(st: &mut RequestState) -> Result<Decision, PolicyError> {
+    if let Some(local) = st.local.take() {
         return Ok(Decision::Reject(local));
     }
-    let get = |name: &str| {
-        st.set
-            .iter()
-            .find(|(k, _)| k == name)
-            .map(|(_, v)| v.clone())
+    let get = |set: &[(String, String)], name: &str| {
+        set.iter().find(|(k, _)| k == name).map(|(_, v)| v.clone())
     };
-    let Some(decode) = get(headers::DESTINATION_ENDPOINT) else {
+    let Some(decode) = get(&st.set, headers::DESTINATION_ENDPOINT) else {
         return Err(PolicyError::NoDecision {
             detail: format!(
                 "neither {} was set nor a local response sent (headers set: {:?})",
@@ -281,8 +292,8 @@ fn decision_of(st: RequestState) -> Result<Decision, PolicyError> {
     };
     Ok(Decision::Route(Route {
         decode,
-        prefill: get(headers::PREFILLER_HOST_PORT),
-        kv_transport: get(headers::KV_TRANSPORT),
-        headers: st.set,
+        prefill: get(&st.set, headers::PREFILLER_HOST_PORT),
+        kv_transport: get(&st.set, headers::KV_TRANSPORT),
+        headers: std::mem::take(&mut st.set),
     }))
 }

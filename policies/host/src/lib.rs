@@ -15,6 +15,7 @@ mod guest;
 mod runtime;
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 pub use admin::admin_router;
@@ -164,7 +165,13 @@ pub struct PolicyRequest {
     /// Request body (JSON), possibly empty.
     pub body: Vec<u8>,
     /// Endpoint snapshot (`rngd_pd.endpoints`); `None` = property absent.
-    pub endpoints: Option<Vec<Endpoint>>,
+    ///
+    /// The runtime serializes a snapshot for the guest once and reuses it
+    /// while requests carry the same one: passing the same `Arc` is a pointer
+    /// comparison, a new `Arc` with equal contents a full comparison. Callers
+    /// that keep their snapshot in an `Arc` until it changes pay neither the
+    /// copy nor the comparison per request.
+    pub endpoints: Option<Arc<[Endpoint]>>,
     /// Prompt tokens counted by the host (`rngd_pd.prompt_tokens`).
     pub prompt_tokens: Option<usize>,
 }

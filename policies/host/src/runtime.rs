@@ -30,7 +30,7 @@ struct Loaded {
 /// snapshot is neither re-serialized nor re-parsed.
 #[derive(Default)]
 struct SnapshotMemo {
-    endpoints: Vec<Endpoint>,
+    endpoints: Option<Arc<[Endpoint]>>,
     props: Option<SnapshotProps>,
     generation: u64,
 }
@@ -96,6 +96,10 @@ pub(crate) fn sandbox_engine(
         // Compiling on one thread keeps a swap from stalling the serving threads.
         .parallel_compilation(false)
         .allocation_strategy(InstanceAllocationStrategy::Pooling(pool));
+    if rngd_api::env::var(rngd_api::env::RNGD_PD_POLICY_PERFMAP).as_deref() == Some("1") {
+        // Symbol map for `perf` (profiling the guest code); off by default.
+        config.profiler(wasmtime::ProfilingStrategy::PerfMap);
+    }
     let engine = Engine::new(&config).map_err(|e| PolicyError::Engine { source: boxed(e) })?;
     let ticker = engine.clone();
     let tick = limits.epoch_tick;
@@ -169,7 +173,7 @@ pub(crate) fn canned_requests() -> Vec<(&'static str, PolicyRequest)> {
             PolicyRequest {
                 headers: headers("POST"),
                 body: chat.clone(),
-                endpoints: Some(pool.clone()),
+                endpoints: Some(pool.clone().into()),
                 prompt_tokens: Some(200),
             },
         ),
@@ -178,7 +182,7 @@ pub(crate) fn canned_requests() -> Vec<(&'static str, PolicyRequest)> {
             PolicyRequest {
                 headers: headers("POST"),
                 body: chat.clone(),
-                endpoints: Some(pool.clone()),
+                endpoints: Some(pool.clone().into()),
                 prompt_tokens: Some(8),
             },
         ),
@@ -187,7 +191,7 @@ pub(crate) fn canned_requests() -> Vec<(&'static str, PolicyRequest)> {
             PolicyRequest {
                 headers: headers("POST"),
                 body: chat.clone(),
-                endpoints: Some(pool),
+                endpoints: Some(pool.into()),
                 prompt_tokens: Some(500),
             },
         ),
@@ -196,7 +200,7 @@ pub(crate) fn canned_requests() -> Vec<(&'static str, PolicyRequest)> {
             PolicyRequest {
                 headers: headers("POST"),
                 body: chat,
-                endpoints: Some(vec![]),
+                endpoints: Some(Arc::from([])),
                 prompt_tokens: Some(10),
             },
         ),
@@ -225,7 +229,7 @@ fn prepare(
     let mut guest = Guest::new(engine, &pre, limits, config.clone())?;
     for (name, req) in canned_requests() {
         let snap = req.endpoints.as_ref().map(|eps| SnapshotProps {
-            json: serde_json::to_string(eps).unwrap_or_default().into(),
+            json: serde_json::to_string(&**eps).unwrap_or_default().into(),
             version: "self-test".into(),
         });
         let snap = snap.map(|s| SnapshotProps {
@@ -362,27 +366,24 @@ impl PolicyRuntime {
         })
     }
 
-    /// Decides one request on a blocking-pool thread; at most
-    /// `limits.instances` decisions run at once, the rest wait.
+    /// Decides one request; at most `limits.instances` decisions run at
+    /// once, the rest wait for a slot.
+    ///
+    /// The decision runs on the calling task's thread, as a wasm filter runs
+    /// on Envoy's worker threads: a decision takes microseconds, far less than
+    /// a hop to a blocking-pool thread and back costs on a busy machine. A
+    /// misbehaving guest holds the thread for at most the sandbox's call
+    /// timeout per callback (epoch interruption), and its instance is
+    /// discarded.
     pub async fn decide(&self, req: PolicyRequest) -> Result<Decision, PolicyError> {
-        let permit =
-            self.permits
-                .clone()
-                .acquire_owned()
-                .await
-                .map_err(|_| PolicyError::Unavailable {
-                    detail: "decision slots closed".into(),
-                })?;
-        let me = self.me()?;
-        tokio::task::spawn_blocking(move || {
-            let r = me.decide_blocking(&req);
-            drop(permit);
-            r
-        })
-        .await
-        .map_err(|e| PolicyError::Unavailable {
-            detail: format!("decision thread failed: {e}"),
-        })?
+        let _permit = self
+            .permits
+            .acquire()
+            .await
+            .map_err(|_| PolicyError::Unavailable {
+                detail: "decision slots closed".into(),
+            })?;
+        self.decide_blocking(&req)
     }
 
     /// Decides one request on the calling thread (blocks it for up to the
@@ -395,7 +396,7 @@ impl PolicyRuntime {
         );
         let _g = span.enter();
         self.check_input(req)?;
-        let snapshot = self.snapshot_props(req.endpoints.as_deref());
+        let snapshot = self.snapshot_props(req.endpoints.as_ref());
         let loaded = self.current();
         let pooled = lock(&loaded.idle).pop();
         let mut guest = match pooled {
@@ -423,7 +424,7 @@ impl PolicyRuntime {
     /// Runs one request on a brand-new instance (for the benchmark).
     pub fn decide_fresh(&self, req: &PolicyRequest) -> Result<Decision, PolicyError> {
         self.check_input(req)?;
-        let snapshot = self.snapshot_props(req.endpoints.as_deref());
+        let snapshot = self.snapshot_props(req.endpoints.as_ref());
         let loaded = self.current();
         let mut guest = self.fresh(&loaded)?;
         guest.run(req, snapshot.as_ref())
@@ -468,22 +469,25 @@ impl PolicyRuntime {
         Ok(())
     }
 
-    fn snapshot_props(&self, endpoints: Option<&[Endpoint]>) -> Option<SnapshotProps> {
+    fn snapshot_props(&self, endpoints: Option<&Arc<[Endpoint]>>) -> Option<SnapshotProps> {
         let endpoints = endpoints?;
         let mut memo = lock(&self.memo);
-        if let Some(p) = &memo.props
-            && memo.endpoints == endpoints
+        if let (Some(p), Some(seen)) = (&memo.props, &memo.endpoints)
+            && (Arc::ptr_eq(seen, endpoints) || **seen == **endpoints)
         {
-            return Some(p.clone());
+            let p = p.clone();
+            // Keep the newest `Arc` so the next request with it is a pointer match.
+            memo.endpoints = Some(endpoints.clone());
+            return Some(p);
         }
         memo.generation += 1;
         let props = SnapshotProps {
-            json: serde_json::to_string(endpoints)
+            json: serde_json::to_string(&**endpoints)
                 .unwrap_or_else(|_| "[]".into())
                 .into(),
             version: memo.generation.to_string().into(),
         };
-        memo.endpoints = endpoints.to_vec();
+        memo.endpoints = Some(endpoints.clone());
         memo.props = Some(props.clone());
         Some(props)
     }

@@ -42,7 +42,7 @@ fn req(
             ("content-type".into(), "application/json".into()),
         ],
         body: body.as_bytes().to_vec(),
-        endpoints,
+        endpoints: endpoints.map(Arc::from),
         prompt_tokens,
     }
 }

@@ -51,6 +51,7 @@ impl RootContext for Root {
         Some(Box::new(Request {
             policy: Rc::clone(&self.policy),
             decided: false,
+            version: None,
         }))
     }
 
@@ -64,10 +65,16 @@ struct Request {
     policy: Rc<RefCell<PdPolicy>>,
     /// Set once the decision was applied (a later body callback is ignored).
     decided: bool,
+    /// `rngd_pd.endpoints_version`, read once in the headers callback.
+    version: Option<Vec<u8>>,
 }
 
-fn path(p: &str) -> Vec<&str> {
-    p.split('.').collect()
+/// A property path (`rngd_pd.x` → `["rngd_pd", "x"]`) without splitting per call.
+fn path(p: &'static str) -> Vec<&'static str> {
+    match p.split_once('.') {
+        Some((a, b)) => vec![a, b],
+        None => vec![p],
+    }
 }
 
 impl Request {
@@ -75,16 +82,19 @@ impl Request {
         self.decided = true;
         let subset = self.get_http_request_header(headers::DESTINATION_ENDPOINT_SUBSET);
         let prompt_tokens = self.get_property(path(PROP_PROMPT_TOKENS));
-        let version = self.get_property(path(PROP_ENDPOINTS_VERSION));
-        let content_length = self
-            .get_http_request_header("content-length")
-            .and_then(|v| v.trim().parse().ok());
+        // Only an absent body makes the policy estimate from content-length.
+        let content_length = match body {
+            Some(_) => None,
+            None => self
+                .get_http_request_header("content-length")
+                .and_then(|v| v.trim().parse().ok()),
+        };
         let decision = self.policy.borrow_mut().decide(
             subset.as_deref(),
             body,
             content_length,
             prompt_tokens.as_deref(),
-            version.as_deref(),
+            self.version.as_deref(),
             || self.get_property(path(PROP_ENDPOINTS)),
         );
         match decision {
@@ -115,9 +125,10 @@ impl Context for Request {}
 
 impl HttpContext for Request {
     fn on_http_request_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
+        self.version = self.get_property(path(PROP_ENDPOINTS_VERSION));
         if end_of_stream {
             self.decide_and_apply(Some(&[]))
-        } else if self.get_property(path(PROP_ENDPOINTS_VERSION)).is_some() {
+        } else if self.version.is_some() {
             // An rngd-pd host (it passes a snapshot) delivers the whole body
             // next: hold the headers, the decision reads the body.
             Action::Pause

@@ -79,3 +79,7 @@ pub const RNGD_PD_BODY_LIMIT: &str = "RNGD_PD_BODY_LIMIT";
 pub const RNGD_PD_GATEWAY_PREFILL_TIMEOUT_MS: &str = "RNGD_PD_GATEWAY_PREFILL_TIMEOUT_MS";
 /// Gateway: decode call timeout (to the first byte when streaming), ms; default 600000.
 pub const RNGD_PD_GATEWAY_DECODE_TIMEOUT_MS: &str = "RNGD_PD_GATEWAY_DECODE_TIMEOUT_MS";
+
+/// Policy host: `1` writes `/tmp/perf-<pid>.map` so `perf` names the functions
+/// of compiled policy modules (profiling only); default off.
+pub const RNGD_PD_POLICY_PERFMAP: &str = "RNGD_PD_POLICY_PERFMAP";
