@@ -794,3 +794,84 @@ async fn health_and_metrics_listeners_answer() {
     );
     assert!(text.contains("rngd_pd_epp_pick_us_count 1"));
 }
+
+/// Full duplex: every message that can be answered is answered while the
+/// stream stays open (Envoy never half-closes before the response is done).
+#[tokio::test]
+async fn each_answer_goes_out_before_the_next_message_arrives() {
+    let h = harness(default_endpoints(), false).await;
+    let mut client = ExternalProcessorClient::connect(format!("http://{}", h.server.grpc_addr))
+        .await
+        .expect("connect");
+    let (tx, rx) = mpsc::channel(4);
+    let mut stream = client
+        .process(ReceiverStream::new(rx))
+        .await
+        .expect("process")
+        .into_inner();
+    let within = std::time::Duration::from_secs(10);
+    let mut next = async || {
+        tokio::time::timeout(within, stream.next())
+            .await
+            .expect("answer while the stream is open")
+            .expect("stream open")
+            .expect("response")
+    };
+    tx.send(post_headers(BodySendMode::FullDuplexStreamed))
+        .await
+        .unwrap();
+    tx.send(body_msg(br#"{"model":"m","prompt":"hi"}"#, true))
+        .await
+        .unwrap();
+    let headers = next().await;
+    assert_eq!(
+        header_value(&headers, "x-gateway-destination-endpoint").as_deref(),
+        Some("10.0.0.2:8000")
+    );
+    assert!(matches!(
+        next().await.response,
+        Some(processing_response::Response::RequestBody(_))
+    ));
+    tx.send(ProcessingRequest {
+        request: Some(processing_request::Request::ResponseHeaders(
+            HttpHeaders::default(),
+        )),
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    assert!(matches!(
+        next().await.response,
+        Some(processing_response::Response::ResponseHeaders(_))
+    ));
+    tx.send(ProcessingRequest {
+        request: Some(processing_request::Request::ResponseBody(HttpBody {
+            body: b"data: 1\n\n".to_vec(),
+            end_of_stream: false,
+            ..Default::default()
+        })),
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    match next().await.response {
+        Some(processing_response::Response::ResponseBody(b)) => {
+            match b.response.unwrap().body_mutation.unwrap().mutation.unwrap() {
+                body_mutation::Mutation::StreamedResponse(s) => {
+                    assert_eq!(s.body, b"data: 1\n\n");
+                    assert!(!s.end_of_stream);
+                }
+                other => panic!("unexpected mutation {other:?}"),
+            }
+        }
+        other => panic!("unexpected response {other:?}"),
+    }
+    drop(tx);
+    assert!(
+        tokio::time::timeout(within, stream.next())
+            .await
+            .expect("stream ends")
+            .is_none(),
+        "the server ends the stream when Envoy half-closes"
+    );
+}
