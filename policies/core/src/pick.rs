@@ -47,31 +47,43 @@ pub fn estimate_prompt_tokens(prompt_json_bytes: usize, bytes_per_token: u64) ->
     Some((prompt_json_bytes as u64).div_ceil(bytes_per_token))
 }
 
+/// Whether `address` passes the subset hint (no hint: every address does).
+#[inline(always)]
 fn in_subset(subset: Option<&str>, address: &str) -> bool {
-    match subset {
-        None => true,
-        Some(s) => s.split(',').any(|a| a.trim() == address),
-    }
+    subset.is_none_or(|s| listed(s, address))
+}
+
+/// Whether `address` is one of the comma-separated `list`.
+fn listed(list: &str, address: &str) -> bool {
+    list.split(',').any(|a| a.trim() == address)
 }
 
 fn supports(e: &Endpoint, transport: &str) -> bool {
     e.transports.is_empty() || e.transports.iter().any(|t| t == transport)
 }
 
-/// Lowest score first, ties broken by address so a decision is deterministic.
+/// Keeps the better of `best` and `e`: lowest score first, ties broken by
+/// address so a decision is deterministic.
+fn better<'e>(
+    config: &PolicyConfig,
+    best: Option<(&'e Endpoint, f64)>,
+    e: &'e Endpoint,
+) -> Option<(&'e Endpoint, f64)> {
+    let s = config.score(e);
+    match best {
+        Some((b, bs)) if bs < s || (bs == s && b.address <= e.address) => Some((b, bs)),
+        _ => Some((e, s)),
+    }
+}
+
+/// The best of `candidates` (see [`better`]).
 fn best<'e>(
     config: &PolicyConfig,
     candidates: impl Iterator<Item = &'e Endpoint>,
 ) -> Option<&'e Endpoint> {
-    let mut best: Option<(&Endpoint, f64)> = None;
-    for e in candidates {
-        let s = config.score(e);
-        best = match best {
-            Some((b, bs)) if bs < s || (bs == s && b.address <= e.address) => Some((b, bs)),
-            _ => Some((e, s)),
-        };
-    }
-    best.map(|(e, _)| e)
+    candidates
+        .fold(None, |b, e| better(config, b, e))
+        .map(|(e, _)| e)
 }
 
 /// Decides one request against an endpoint set (the default policy).
@@ -102,15 +114,31 @@ pub fn decide(config: &PolicyConfig, endpoints: &[Endpoint], input: &RequestInpu
         .prompt_tokens
         .or_else(|| estimate_prompt_tokens(prompt_bytes, config.estimate_bytes_per_token));
 
-    let decoders: Vec<&Endpoint> = endpoints
-        .iter()
-        .filter(|e| {
-            matches!(e.role, Role::Decode | Role::Solo)
-                && e.healthy
-                && in_subset(input.subset, &e.address)
-        })
-        .collect();
-    if decoders.is_empty() {
+    // One pass over the snapshot, no allocation: is there a decode endpoint
+    // at all, which fit the request, and the best of those under the queue limit.
+    let mut decoders = 0usize;
+    let mut max_seq_len = 0u32;
+    let mut fitting = 0usize;
+    let mut best_decode: Option<(&Endpoint, f64)> = None;
+    for e in endpoints {
+        if !(matches!(e.role, Role::Decode | Role::Solo)
+            && e.healthy
+            && in_subset(input.subset, &e.address))
+        {
+            continue;
+        }
+        decoders += 1;
+        max_seq_len = max_seq_len.max(e.seq_len);
+        if prompt.is_some_and(|p| p + max_tokens > u64::from(e.seq_len)) {
+            continue;
+        }
+        fitting += 1;
+        if config.max_queue_depth.is_some_and(|q| e.queue_depth >= q) {
+            continue;
+        }
+        best_decode = better(config, best_decode, e);
+    }
+    if decoders == 0 {
         let why = if input.subset.is_some() {
             " in the requested subset"
         } else {
@@ -122,30 +150,19 @@ pub fn decide(config: &PolicyConfig, endpoints: &[Endpoint], input: &RequestInpu
             None,
         ));
     }
-    let fitting: Vec<&Endpoint> = match prompt {
-        Some(p) => decoders
-            .iter()
-            .copied()
-            .filter(|e| p + max_tokens <= u64::from(e.seq_len))
-            .collect(),
-        None => decoders.clone(),
-    };
-    if fitting.is_empty() {
-        let seq_len = decoders.iter().map(|e| e.seq_len).max().unwrap_or(0);
+    if fitting == 0 {
         let p = prompt.unwrap_or(0);
         return Decision::Reject(LocalResponse::error(
             400,
-            context_length_message(p as usize, max_tokens as usize, seq_len as usize),
+            context_length_message(p as usize, max_tokens as usize, max_seq_len as usize),
             Some(CONTEXT_LENGTH_CODE),
         ));
     }
-    let under_limit = |e: &&Endpoint| config.max_queue_depth.is_none_or(|q| e.queue_depth < q);
-    let Some(decode) = best(config, fitting.iter().copied().filter(under_limit)) else {
+    let Some((decode, _)) = best_decode else {
         return Decision::Reject(LocalResponse::error(
             429,
             format!(
-                "all {} eligible decode endpoints are at the queue limit ({})",
-                fitting.len(),
+                "all {fitting} eligible decode endpoints are at the queue limit ({})",
                 config.max_queue_depth.unwrap_or(0)
             ),
             None,
