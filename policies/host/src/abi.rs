@@ -66,7 +66,8 @@ impl ResourceLimiter for Limiter {
 /// The request the guest is looking at, and what it did to it.
 #[derive(Default)]
 pub(crate) struct RequestState {
-    /// Current request headers (after the guest's edits).
+    /// Request headers as the host passed them (never edited: the guest's
+    /// edits live in `set` and `removed`, see [`RequestState::header`]).
     pub headers: Vec<(String, String)>,
     /// Request body.
     pub body: Vec<u8>,
@@ -76,9 +77,9 @@ pub(crate) struct RequestState {
     pub endpoints_version: Option<Arc<str>>,
     /// `rngd_pd.prompt_tokens`.
     pub prompt_tokens: Option<String>,
-    /// Headers the guest set, replaced or added, in order.
+    /// Headers the guest set, replaced or added, in order (lowercase names).
     pub set: Vec<(String, String)>,
-    /// Header names the guest removed.
+    /// Names of passed headers the guest removed (lowercase).
     pub removed: Vec<String>,
     /// A local response the guest sent.
     pub local: Option<rngd_policy_core::LocalResponse>,
@@ -102,6 +103,80 @@ impl Property {
             b"plugin_name" => Property::PluginName,
             _ => return None,
         })
+    }
+}
+
+impl RequestState {
+    /// The value of header `key` as the guest sees it: what it set, else the
+    /// passed header unless it removed it.
+    pub fn header(&self, key: &str) -> Option<&str> {
+        if let Some((_, v)) = self.set.iter().find(|(k, _)| k.eq_ignore_ascii_case(key)) {
+            return Some(v);
+        }
+        if self.is_removed(key) {
+            return None;
+        }
+        self.headers
+            .iter()
+            .find(|(k, _)| k.eq_ignore_ascii_case(key))
+            .map(|(_, v)| v.as_str())
+    }
+
+    fn is_removed(&self, key: &str) -> bool {
+        self.removed.iter().any(|k| k.eq_ignore_ascii_case(key))
+    }
+
+    /// Every header as the guest sees it: passed ones it neither removed nor
+    /// set, then the ones it set.
+    fn view(&self) -> Vec<(String, String)> {
+        let mut out: Vec<(String, String)> = self
+            .headers
+            .iter()
+            .filter(|(k, _)| {
+                !self.is_removed(k) && !self.set.iter().any(|(s, _)| s.eq_ignore_ascii_case(k))
+            })
+            .cloned()
+            .collect();
+        out.extend(self.set.iter().cloned());
+        out
+    }
+
+    /// Sets header `key` (`add`: appends `, value` to its current value).
+    fn set_header(&mut self, key: &str, value: &str, add: bool) {
+        let old = if add { self.header(key) } else { None };
+        let joined;
+        let value = match old {
+            Some(old) if !old.is_empty() => {
+                joined = format!("{old},{value}");
+                joined.as_str()
+            }
+            _ => value,
+        };
+        self.removed.retain(|k| !k.eq_ignore_ascii_case(key));
+        match self
+            .set
+            .iter_mut()
+            .find(|(k, _)| k.eq_ignore_ascii_case(key))
+        {
+            Some(slot) => {
+                slot.1.clear();
+                slot.1.push_str(value);
+            }
+            None => self.set.push((key.to_ascii_lowercase(), value.to_string())),
+        }
+    }
+
+    /// Removes header `key`.
+    fn remove_header(&mut self, key: &str) {
+        self.set.retain(|(k, _)| !k.eq_ignore_ascii_case(key));
+        if !self.is_removed(key)
+            && self
+                .headers
+                .iter()
+                .any(|(k, _)| k.eq_ignore_ascii_case(key))
+        {
+            self.removed.push(key.to_ascii_lowercase());
+        }
     }
 }
 
@@ -309,24 +384,8 @@ pub(crate) fn decode_map(bytes: &[u8]) -> Option<Vec<(String, String)>> {
     Some(out)
 }
 
-fn record_set(req: &mut RequestState, key: &str, value: &str) {
-    req.removed.retain(|k| !k.eq_ignore_ascii_case(key));
-    match req
-        .set
-        .iter_mut()
-        .find(|(k, _)| k.eq_ignore_ascii_case(key))
-    {
-        Some(slot) => {
-            slot.1.clear();
-            slot.1.push_str(value);
-        }
-        None => req.set.push((key.to_ascii_lowercase(), value.to_string())),
-    }
-}
-
 /// Sets (`add`: appends to) a request header, reading name and value in
-/// place from guest memory; the first header of that name is updated in
-/// place (its buffers reused) and later duplicates are dropped.
+/// place from guest memory.
 fn header_replace(cx: &mut Cx<'_>, map: u32, kp: u32, kl: u32, vp: u32, vl: u32, add: bool) -> R {
     if map != MAP_REQUEST_HEADERS {
         return Ok(status::BAD_ARGUMENT);
@@ -353,45 +412,7 @@ fn header_replace(cx: &mut Cx<'_>, map: u32, kp: u32, kl: u32, vp: u32, vl: u32,
     ) else {
         return Ok(status::BAD_ARGUMENT);
     };
-    let req = &mut st.req;
-    let at = match req
-        .headers
-        .iter()
-        .position(|(name, _)| name.eq_ignore_ascii_case(k))
-    {
-        Some(at) => {
-            let old = &mut req.headers[at].1;
-            if !add {
-                old.clear();
-            } else if !old.is_empty() {
-                old.push(',');
-            }
-            old.push_str(v);
-            let mut i = 0;
-            req.headers.retain(|(name, _)| {
-                i += 1;
-                i - 1 <= at || !name.eq_ignore_ascii_case(k)
-            });
-            at
-        }
-        None => {
-            req.headers.push((k.to_ascii_lowercase(), v.to_string()));
-            req.headers.len() - 1
-        }
-    };
-    let value = &req.headers[at].1;
-    req.removed.retain(|r| !r.eq_ignore_ascii_case(k));
-    match req
-        .set
-        .iter_mut()
-        .find(|(name, _)| name.eq_ignore_ascii_case(k))
-    {
-        Some(slot) => {
-            slot.1.clear();
-            slot.1.push_str(value);
-        }
-        None => req.set.push((k.to_ascii_lowercase(), value.clone())),
-    }
+    st.req.set_header(k, v, add);
     Ok(status::OK)
 }
 
@@ -487,7 +508,7 @@ pub(crate) fn define(linker: &mut Linker<HostState>) -> wasmtime::Result<()> {
             if map != MAP_REQUEST_HEADERS {
                 return give(&mut cx, Vec::new(), rp, rl);
             }
-            let bytes = encode_map(&cx.data().req.headers);
+            let bytes = encode_map(&cx.data().req.view());
             give(&mut cx, bytes, rp, rl)
         },
     )?;
@@ -508,18 +529,21 @@ pub(crate) fn define(linker: &mut Linker<HostState>) -> wasmtime::Result<()> {
             let Some(pairs) = decode_map(&bytes) else {
                 return Ok(status::BAD_ARGUMENT);
             };
+            // The whole map is replaced: passed headers missing from it are
+            // removed, and every pair counts as set.
             let req = &mut cx.data_mut().req;
-            for (k, _) in &req.headers {
-                if !pairs.iter().any(|(n, _)| n.eq_ignore_ascii_case(k)) {
-                    req.removed.push(k.clone());
+            req.set.clear();
+            req.removed.clear();
+            for i in 0..req.headers.len() {
+                let k = &req.headers[i].0;
+                if !pairs.iter().any(|(n, _)| n.eq_ignore_ascii_case(k)) && !req.is_removed(k) {
+                    let k = k.to_ascii_lowercase();
+                    req.removed.push(k);
                 }
             }
-            req.set
-                .retain(|(k, _)| pairs.iter().any(|(n, _)| n.eq_ignore_ascii_case(k)));
             for (k, v) in &pairs {
-                record_set(req, k, v);
+                req.set_header(k, v, false);
             }
-            req.headers = pairs;
             Ok(status::OK)
         },
     )?;
@@ -527,32 +551,24 @@ pub(crate) fn define(linker: &mut Linker<HostState>) -> wasmtime::Result<()> {
         env,
         "proxy_get_header_map_value",
         |mut cx: Cx<'_>, map: u32, kp: u32, kl: u32, rp: u32, rl: u32| -> R {
-            let found = with_guest(&cx, kp, kl, |key, st| {
-                let key = std::str::from_utf8(key).map_err(|_| status::BAD_ARGUMENT)?;
-                Ok::<_, u32>(
-                    st.req
-                        .headers
-                        .iter()
-                        .position(|(k, _)| k.eq_ignore_ascii_case(key)),
-                )
-            });
-            let at = match found {
-                Ok(Ok(at)) => at,
-                Ok(Err(s)) | Err(s) => return Ok(s),
-            };
             if map != MAP_REQUEST_HEADERS {
-                return Ok(if map <= 7 {
-                    status::NOT_FOUND
-                } else {
-                    status::BAD_ARGUMENT
+                return Ok(match with_guest(&cx, kp, kl, |_, _| ()) {
+                    Err(s) => s,
+                    Ok(()) if map <= 7 => status::NOT_FOUND,
+                    Ok(()) => status::BAD_ARGUMENT,
                 });
             }
-            let Some(at) = at else {
-                return Ok(status::NOT_FOUND);
+            // The key is copied out (headers names are short) so the value can
+            // be selected again after the guest's allocator ran.
+            let key = match with_guest(&cx, kp, kl, |key, st| {
+                let key = std::str::from_utf8(key).map_err(|_| status::BAD_ARGUMENT)?;
+                Ok::<_, u32>(st.req.header(key).map(|_| key.to_string()))
+            }) {
+                Ok(Ok(Some(key))) => key,
+                Ok(Ok(None)) => return Ok(status::NOT_FOUND),
+                Ok(Err(s)) | Err(s) => return Ok(s),
             };
-            give_from(&mut cx, rp, rl, |st| {
-                st.req.headers.get(at).map(|(_, v)| v.as_bytes())
-            })
+            give_from(&mut cx, rp, rl, |st| st.req.header(&key).map(str::as_bytes))
         },
     )?;
     linker.func_wrap(
@@ -572,12 +588,7 @@ pub(crate) fn define(linker: &mut Linker<HostState>) -> wasmtime::Result<()> {
             let Ok(key) = std::str::from_utf8(&data[kr]) else {
                 return Ok(status::BAD_ARGUMENT);
             };
-            let req = &mut st.req;
-            req.headers.retain(|(k, _)| !k.eq_ignore_ascii_case(key));
-            req.set.retain(|(k, _)| !k.eq_ignore_ascii_case(key));
-            if !req.removed.iter().any(|k| k.eq_ignore_ascii_case(key)) {
-                req.removed.push(key.to_ascii_lowercase());
-            }
+            st.req.remove_header(key);
             Ok(status::OK)
         },
     )?;
@@ -916,4 +927,63 @@ pub(crate) fn define(linker: &mut Linker<HostState>) -> wasmtime::Result<()> {
         },
     )?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn state() -> RequestState {
+        RequestState {
+            headers: vec![
+                (":path".into(), "/v1/completions".into()),
+                ("Accept".into(), "text/plain".into()),
+                ("x-prefiller-host-port".into(), "10.0.0.9:80".into()),
+            ],
+            ..RequestState::default()
+        }
+    }
+
+    #[test]
+    fn edits_overlay_the_passed_headers() {
+        let mut st = state();
+        assert_eq!(st.header("accept"), Some("text/plain"));
+        st.set_header("ACCEPT", "application/json", false);
+        assert_eq!(st.header("accept"), Some("application/json"));
+        st.set_header("accept", "text/html", true);
+        assert_eq!(st.header("Accept"), Some("application/json,text/html"));
+        st.remove_header("x-prefiller-host-port");
+        assert_eq!(st.header("x-prefiller-host-port"), None);
+        st.set_header("x-prefiller-host-port", "10.0.0.1:80", false);
+        assert_eq!(st.header("x-prefiller-host-port"), Some("10.0.0.1:80"));
+        st.remove_header("accept");
+        assert_eq!(st.header("accept"), None);
+        // The passed headers are never edited; the view merges the edits.
+        assert_eq!(st.headers, state().headers);
+        assert_eq!(
+            st.view(),
+            vec![
+                (":path".to_string(), "/v1/completions".to_string()),
+                (
+                    "x-prefiller-host-port".to_string(),
+                    "10.0.0.1:80".to_string()
+                ),
+            ]
+        );
+        assert_eq!(
+            st.set,
+            vec![(
+                "x-prefiller-host-port".to_string(),
+                "10.0.0.1:80".to_string()
+            )]
+        );
+        assert_eq!(st.removed, vec!["accept".to_string()]);
+    }
+
+    #[test]
+    fn map_encoding_round_trips() {
+        let pairs = state().headers;
+        assert_eq!(decode_map(&encode_map(&pairs)), Some(pairs));
+        assert_eq!(decode_map(&[1, 0, 0, 0, 9, 0, 0, 0]), None);
+    }
 }
