@@ -40,9 +40,10 @@ pub struct CpuEngineOptions {
     pub seq_len: usize,
     /// Decode streams stepped together; default 8.
     pub batch: usize,
-    /// Compute threads. candle sizes its pools once per process from
-    /// `CANDLE_NUM_THREADS` / `RAYON_NUM_THREADS` (default: all cores); a value
-    /// here that differs is reported in the log. `None` = candle's default.
+    /// Compute threads of the decode matmuls (the engine's own pool).
+    /// `None` = candle's count. candle's f32 prefill GEMM is sized once per
+    /// process from `CANDLE_NUM_THREADS` / `RAYON_NUM_THREADS` (default: all
+    /// cores); a value here that differs is reported in the log.
     pub threads: Option<usize>,
     /// Keep f32 copies of the weights and use them for prefill matmuls
     /// (faster prefill, ~4 bytes per parameter more memory); default true.
@@ -126,17 +127,18 @@ impl CpuEngine {
                 "seq_len and batch must be at least 1".into(),
             ));
         }
-        let (model, tokenizer) =
+        let (mut model, tokenizer) =
             Model::load_gguf(&opts.model_path, opts.seq_len, opts.dense_prefill)?;
         let candle_threads = candle_core::utils::get_num_threads();
-        if let Some(t) = opts.threads
-            && t != candle_threads
-        {
-            tracing::warn!(
-                requested = t,
-                candle_threads,
-                "candle's thread pools are sized by CANDLE_NUM_THREADS / RAYON_NUM_THREADS; set one of them"
-            );
+        if let Some(t) = opts.threads {
+            model.set_threads(t)?;
+            if t != candle_threads {
+                tracing::warn!(
+                    requested = t,
+                    candle_threads,
+                    "prefill's f32 GEMM (candle) is sized by CANDLE_NUM_THREADS / RAYON_NUM_THREADS; set one of them"
+                );
+            }
         }
         tracing::info!(
             model = %opts.model_path.display(),
@@ -144,7 +146,8 @@ impl CpuEngine {
             layers = model.cfg.layers,
             seq_len = opts.seq_len,
             batch = opts.batch,
-            threads = candle_threads,
+            threads = model.threads(),
+            candle_threads,
             load_ms = started.elapsed().as_millis() as u64,
             "CPU engine loaded"
         );
@@ -562,8 +565,14 @@ impl Scheduler {
                 steps.push(SeqStep { tokens: t, cache });
             }
         }
+        let started = Instant::now();
         let result = self.model.forward(&mut steps, false);
         drop(steps);
+        tracing::trace!(
+            streams = active.len(),
+            ms = started.elapsed().as_secs_f64() * 1e3,
+            "decode step"
+        );
         match result {
             Ok(logits) => {
                 for (i, logits) in active.iter().zip(logits) {

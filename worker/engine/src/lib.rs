@@ -16,6 +16,7 @@ pub mod fake;
 pub(crate) mod kv;
 pub(crate) mod model;
 pub mod model_fetch;
+pub(crate) mod qgemm;
 pub mod sampling;
 pub mod tiny;
 pub mod tokenizer;

@@ -9,20 +9,23 @@
 //! own cache), so a stream's tokens do not depend on which other streams share
 //! its batch.
 //!
-//! Weights: every projection is converted at load to Q8_0 (candle's fastest
-//! CPU quantized mat-vec, with the activation row quantized to Q8_0 per
-//! matmul); optionally a dequantized f32 copy serves multi-row (prefill)
-//! matmuls through candle's f32 GEMM. The embedding table is kept in f32 and
-//! the output head is tied to it when the file has no `output.weight`.
+//! Weights: every projection is quantized at load to 8-bit blocks in our own
+//! layout ([`crate::qgemm`]: int8 × int8 kernel, weights read once per step
+//! for all rows of the batch); optionally a dequantized f32 copy serves
+//! multi-row (prefill) matmuls through candle's f32 GEMM. The embedding table
+//! is kept in f32 and the output head is tied to it when the file has no
+//! `output.weight`.
 
 use std::path::Path;
 
-use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
+use candle_core::quantized::QMatMul;
 use candle_core::{Device, Module, Tensor};
 
 use crate::EngineError;
 use crate::kv::SeqCache;
+use crate::qgemm::{Pool, QWeights};
 use crate::tokenizer::Meta;
+use rayon::prelude::*;
 
 /// Shape of a Llama model.
 #[derive(Debug, Clone, PartialEq)]
@@ -91,8 +94,8 @@ impl Config {
 
 /// A projection `y = x · Wᵀ` with `W` `[out, inp]`.
 pub(crate) struct Linear {
-    /// Q8_0 weights (or f32 when `inp` is not a multiple of 32).
-    quant: QMatMul,
+    /// 8-bit weights for our kernel.
+    quant: QWeights,
     /// f32 weights for multi-row matmuls, when enabled.
     dense: Option<QMatMul>,
     inp: usize,
@@ -101,38 +104,28 @@ pub(crate) struct Linear {
 impl Linear {
     /// Builds from f32 weights `[out, inp]`.
     fn new(w: &Tensor, keep_dense: bool) -> Result<Linear, EngineError> {
-        let (_, inp) = w.dims2()?;
-        let quant = if inp % 32 == 0 {
-            QMatMul::from_qtensor(QTensor::quantize(w, GgmlDType::Q8_0)?)?
-        } else {
-            QMatMul::Tensor(w.clone())
-        };
+        let (out, inp) = w.dims2()?;
+        let data = w.flatten_all()?.to_vec1::<f32>()?;
+        let quant = QWeights::quantize(&data, out, inp)?;
         let dense = keep_dense.then(|| QMatMul::Tensor(w.clone()));
         Ok(Linear { quant, dense, inp })
     }
 
-    /// `rows` input rows (row-major in `x`) → output tensor `[rows, out]`.
-    fn forward(&self, x: Vec<f32>, rows: usize, dense: bool) -> Result<Tensor, EngineError> {
-        let t = Tensor::from_vec(x, (rows, self.inp), &Device::Cpu)?;
-        let w = match (&self.dense, dense) {
-            (Some(d), true) => d,
-            _ => &self.quant,
-        };
-        Ok(w.forward(&t)?)
-    }
-}
-
-/// Runs `f` on the contiguous f32 data of a CPU tensor without copying it.
-fn with_f32<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> R) -> Result<R, EngineError> {
-    let t = t.contiguous()?;
-    let (storage, layout) = t.storage_and_layout();
-    match &*storage {
-        candle_core::Storage::Cpu(cpu) => {
-            let all = cpu.as_slice::<f32>()?;
-            let n = layout.shape().elem_count();
-            Ok(f(&all[layout.start_offset()..layout.start_offset() + n]))
+    /// `rows` input rows (row-major in `x`) → output rows `[rows, out]`.
+    fn forward(
+        &self,
+        x: Vec<f32>,
+        rows: usize,
+        dense: bool,
+        pool: &Pool,
+    ) -> Result<Vec<f32>, EngineError> {
+        match (&self.dense, dense) {
+            (Some(d), true) => {
+                let t = Tensor::from_vec(x, (rows, self.inp), &Device::Cpu)?;
+                Ok(d.forward(&t)?.flatten_all()?.to_vec1::<f32>()?)
+            }
+            _ => Ok(self.quant.matmul(&x, rows, pool)),
         }
-        _ => Err(EngineError::Other("tensor is not on the CPU".into())),
     }
 }
 
@@ -156,6 +149,8 @@ pub(crate) struct Model {
     rope_cos: Vec<f32>,
     rope_sin: Vec<f32>,
     max_pos: usize,
+    /// Threads of the quantized matmuls.
+    pool: Pool,
 }
 
 /// One sequence's part of a forward pass: new tokens appended to its cache.
@@ -165,6 +160,24 @@ pub(crate) struct SeqStep<'a> {
 }
 
 fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if crate::qgemm::has_fma() {
+        // SAFETY: the CPU has AVX2 and FMA (detected just above).
+        return unsafe { rms_norm_fma(x, w, eps, out) };
+    }
+    rms_norm_impl(x, w, eps, out)
+}
+
+/// [`rms_norm`] compiled with FMA instructions: the same results (`mul_add`
+/// rounds once either way), without a libm call per element.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+fn rms_norm_fma(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
+    rms_norm_impl(x, w, eps, out)
+}
+
+#[inline(always)]
+fn rms_norm_impl(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
     let n = w.len();
     for (row, o) in x.chunks_exact(n).zip(out.chunks_exact_mut(n)) {
         let mut ss = 0f32;
@@ -255,6 +268,7 @@ impl Model {
             rope_cos,
             rope_sin,
             max_pos,
+            pool: Pool::new(candle_core::utils::get_num_threads())?,
         })
     }
 
@@ -311,6 +325,19 @@ impl Model {
         Ok((model, tokenizer))
     }
 
+    /// Sizes the quantized matmuls' thread pool.
+    pub(crate) fn set_threads(&mut self, threads: usize) -> Result<(), EngineError> {
+        if threads != self.pool.threads() {
+            self.pool = Pool::new(threads)?;
+        }
+        Ok(())
+    }
+
+    /// Threads of the quantized matmuls.
+    pub(crate) fn threads(&self) -> usize {
+        self.pool.threads()
+    }
+
     /// Applies RoPE (adjacent pairs, GGUF llama convention) to `n_heads` heads of `x` at `pos`.
     fn rope(&self, x: &mut [f32], n_heads: usize, pos: usize) {
         let half = self.cfg.rope_dims / 2;
@@ -330,6 +357,21 @@ impl Model {
     /// sequences' caches; returns the logits of each sequence's last new token.
     /// `dense` uses the f32 weights (if loaded) for the projections.
     pub(crate) fn forward(
+        &self,
+        seqs: &mut [SeqStep<'_>],
+        dense: bool,
+    ) -> Result<Vec<Vec<f32>>, EngineError> {
+        if dense {
+            // candle's f32 GEMM schedules its own threads.
+            self.forward_on(seqs, true)
+        } else {
+            // The whole step on one pool worker: its matmuls then split
+            // columns over the pool without a hand-off from this thread each.
+            self.pool.install(|| self.forward_on(seqs, false))
+        }
+    }
+
+    fn forward_on(
         &self,
         seqs: &mut [SeqStep<'_>],
         dense: bool,
@@ -368,72 +410,80 @@ impl Model {
             }
         }
         let scale = 1.0 / (hd as f32).sqrt();
-        let mut scores = Vec::new();
-        let mut q = vec![0f32; q_width];
         let mut k = vec![0f32; kv_width];
         for (li, layer) in self.layers.iter().enumerate() {
             let mut h = vec![0f32; rows * d];
             rms_norm(&x, &layer.attn_norm, c.eps, &mut h);
-            let qkv = layer.qkv.forward(h, rows, dense)?;
+            let qkv = layer.qkv.forward(h, rows, dense, &self.pool)?;
             let mut attn = vec![0f32; rows * q_width];
-            with_f32(&qkv, |qkv| {
-                let width = q_width + 2 * kv_width;
-                let mut row = 0;
-                for s in seqs.iter_mut() {
-                    let start = s.cache.tokens;
-                    // Write the new K/V first: position t attends to 0..=start+t.
-                    let mut qs = Vec::with_capacity(s.tokens.len() * q_width);
-                    for t in 0..s.tokens.len() {
-                        let r = &qkv[(row + t) * width..(row + t + 1) * width];
-                        q.copy_from_slice(&r[..q_width]);
-                        k.copy_from_slice(&r[q_width..q_width + kv_width]);
-                        self.rope(&mut q, c.heads, start + t);
-                        self.rope(&mut k, c.kv_heads, start + t);
-                        s.cache.write(li, start + t, &k, &r[q_width + kv_width..]);
-                        qs.extend_from_slice(&q);
-                    }
-                    let layout = s.cache.layout;
-                    let (kc, vc) = (&s.cache.k[li], &s.cache.v[li]);
-                    for t in 0..s.tokens.len() {
-                        let n = start + t + 1;
-                        for head in 0..c.heads {
-                            let g = head / group;
-                            let qh = &qs[t * q_width + head * hd..t * q_width + (head + 1) * hd];
-                            let out = &mut attn[(row + t) * q_width + head * hd
-                                ..(row + t) * q_width + (head + 1) * hd];
-                            attend(qh, kc, vc, layout, g, n, scale, &mut scores, out);
-                        }
-                    }
-                    row += s.tokens.len();
+            let mut qs = vec![0f32; rows * q_width];
+            let width = q_width + 2 * kv_width;
+            // Write the new K/V first: position t attends to 0..=start+t.
+            let mut row = 0;
+            for s in seqs.iter_mut() {
+                let start = s.cache.tokens;
+                for t in 0..s.tokens.len() {
+                    let r = &qkv[(row + t) * width..(row + t + 1) * width];
+                    let q = &mut qs[(row + t) * q_width..(row + t + 1) * q_width];
+                    q.copy_from_slice(&r[..q_width]);
+                    k.copy_from_slice(&r[q_width..q_width + kv_width]);
+                    self.rope(q, c.heads, start + t);
+                    self.rope(&mut k, c.kv_heads, start + t);
+                    s.cache.write(li, start + t, &k, &r[q_width + kv_width..]);
                 }
-            })?;
+                row += s.tokens.len();
+            }
             drop(qkv);
-            let o = layer.wo.forward(attn, rows, dense)?;
-            with_f32(&o, |o| {
-                for (x, o) in x.iter_mut().zip(o) {
-                    *x += o;
+            // Attention, one task per row (all its heads), over the pool.
+            let mut tasks: Vec<(&SeqCache, usize)> = Vec::with_capacity(rows);
+            for s in seqs.iter() {
+                let start = s.cache.tokens;
+                tasks.extend((0..s.tokens.len()).map(|t| (&*s.cache, start + t + 1)));
+            }
+            let head_task = |scores: &mut Vec<f32>, ((q, out), (cache, n)): AttnTask<'_, '_>| {
+                for (head, out) in out.chunks_exact_mut(hd).enumerate() {
+                    let qh = &q[head * hd..(head + 1) * hd];
+                    let (kc, vc) = (&cache.k[li], &cache.v[li]);
+                    attend(
+                        qh,
+                        kc,
+                        vc,
+                        cache.layout,
+                        head / group,
+                        *n,
+                        scale,
+                        scores,
+                        out,
+                    );
                 }
-            })?;
+            };
+            self.pool.install(|| {
+                qs.par_chunks(q_width)
+                    .zip(attn.par_chunks_mut(q_width))
+                    .zip(tasks.par_iter())
+                    .for_each_init(Vec::new, head_task)
+            });
+            drop(tasks);
+            let o = layer.wo.forward(attn, rows, dense, &self.pool)?;
+            for (x, o) in x.iter_mut().zip(&o) {
+                *x += o;
+            }
             let mut h = vec![0f32; rows * d];
             rms_norm(&x, &layer.ffn_norm, c.eps, &mut h);
-            let gu = layer.gate_up.forward(h, rows, dense)?;
+            let gu = layer.gate_up.forward(h, rows, dense, &self.pool)?;
             let mut act = vec![0f32; rows * c.ffn];
-            with_f32(&gu, |gu| {
-                for (r, a) in act.chunks_exact_mut(c.ffn).enumerate() {
-                    let g = &gu[r * 2 * c.ffn..r * 2 * c.ffn + c.ffn];
-                    let u = &gu[r * 2 * c.ffn + c.ffn..(r + 1) * 2 * c.ffn];
-                    for ((a, g), u) in a.iter_mut().zip(g).zip(u) {
-                        *a = g / (1.0 + (-g).exp()) * u;
-                    }
+            for (r, a) in act.chunks_exact_mut(c.ffn).enumerate() {
+                let g = &gu[r * 2 * c.ffn..r * 2 * c.ffn + c.ffn];
+                let u = &gu[r * 2 * c.ffn + c.ffn..(r + 1) * 2 * c.ffn];
+                for ((a, g), u) in a.iter_mut().zip(g).zip(u) {
+                    *a = g / (1.0 + (-g).exp()) * u;
                 }
-            })?;
+            }
             drop(gu);
-            let down = layer.down.forward(act, rows, dense)?;
-            with_f32(&down, |o| {
-                for (x, o) in x.iter_mut().zip(o) {
-                    *x += o;
-                }
-            })?;
+            let down = layer.down.forward(act, rows, dense, &self.pool)?;
+            for (x, o) in x.iter_mut().zip(&down) {
+                *x += o;
+            }
         }
         // Final norm and head for the last new row of each sequence.
         let mut last = Vec::with_capacity(seqs.len() * d);
@@ -445,12 +495,13 @@ impl Model {
         }
         let mut h = vec![0f32; last.len()];
         rms_norm(&last, &self.out_norm, c.eps, &mut h);
-        let logits = self.lm_head.forward(h, seqs.len(), false)?;
-        with_f32(&logits, |l| {
-            l.chunks_exact(c.vocab).map(<[f32]>::to_vec).collect()
-        })
+        let logits = self.lm_head.forward(h, seqs.len(), false, &self.pool)?;
+        Ok(logits.chunks_exact(c.vocab).map(<[f32]>::to_vec).collect())
     }
 }
+
+/// One row's attention work: (its query, its output), (its cache, positions).
+type AttnTask<'a, 'c> = ((&'a [f32], &'a mut [f32]), &'a (&'c SeqCache, usize));
 
 /// Attention of one query head over positions `0..n` of KV head `g`.
 ///
@@ -459,6 +510,47 @@ impl Model {
 /// query came from a prefill or a decode step.
 #[allow(clippy::too_many_arguments)]
 fn attend(
+    q: &[f32],
+    kc: &[f32],
+    vc: &[f32],
+    layout: rngd_kv_wire::KvLayout,
+    g: usize,
+    n: usize,
+    scale: f32,
+    scores: &mut Vec<f32>,
+    out: &mut [f32],
+) {
+    #[cfg(target_arch = "x86_64")]
+    if crate::qgemm::has_fma() {
+        // SAFETY: the CPU has AVX2 and FMA (detected just above).
+        return unsafe { attend_fma(q, kc, vc, layout, g, n, scale, scores, out) };
+    }
+    attend_impl(q, kc, vc, layout, g, n, scale, scores, out)
+}
+
+/// [`attend`] compiled with FMA instructions: bit-identical (each `mul_add` is
+/// one rounding either way, and vectorizing over positions or dimensions
+/// keeps every element's operation order).
+#[cfg(target_arch = "x86_64")]
+#[allow(clippy::too_many_arguments)]
+#[target_feature(enable = "avx2,fma")]
+fn attend_fma(
+    q: &[f32],
+    kc: &[f32],
+    vc: &[f32],
+    layout: rngd_kv_wire::KvLayout,
+    g: usize,
+    n: usize,
+    scale: f32,
+    scores: &mut Vec<f32>,
+    out: &mut [f32],
+) {
+    attend_impl(q, kc, vc, layout, g, n, scale, scores, out)
+}
+
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn attend_impl(
     q: &[f32],
     kc: &[f32],
     vc: &[f32],
