@@ -120,6 +120,13 @@ pub enum ExtProcError {
         #[source]
         source: std::io::Error,
     },
+    /// A serving thread or its runtime could not be started, or it panicked.
+    #[error("grpc serving thread: {source}")]
+    Runtime {
+        /// Cause.
+        #[source]
+        source: std::io::Error,
+    },
     /// A server task panicked or was cancelled.
     #[error("server task: {source}")]
     Task {

@@ -1,17 +1,23 @@
 //! The picker's listeners: `ext_proc` gRPC (GIE default 9002), gRPC health
 //! (9003; services `liveness`, `readiness` and the ext_proc service name) and
 //! Prometheus metrics over HTTP (9090, `GET /metrics`). Port 0 binds a free
-//! port; [`RunningServer`] reports the bound addresses.
+//! port; [`RunningServer`] reports the bound addresses. The ext_proc listener
+//! is served per connection on single-threaded runtimes of its own
+//! ([`GrpcServing`]), off the runtime the rest of the process uses.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
 
 use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::ExternalProcessorServer;
+use futures::StreamExt;
 use tokio::net::TcpListener;
+use tokio::sync::{mpsc, oneshot, watch};
 use tokio::task::JoinHandle;
+use tokio_stream::wrappers::UnboundedReceiverStream;
 use tonic::server::NamedService;
 use tonic::transport::server::TcpIncoming;
 use tonic_health::ServingStatus;
+use tonic_health::pb::health_server::{Health, HealthServer};
 use tonic_health::server::HealthReporter;
 
 use crate::ExtProcError;
@@ -46,6 +52,26 @@ pub struct ServerConfig {
     pub extra_routes: Option<axum::Router>,
 }
 
+/// How the ext_proc gRPC listener is served.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GrpcServing {
+    /// Every accepted connection is served by one of `n` threads, each with a
+    /// single-threaded runtime of its own (0 = one thread per core). Envoy
+    /// holds one HTTP/2 connection per worker thread, so each Envoy worker's
+    /// streams stay on one picker thread: a message is read, decided and
+    /// answered without waking any other thread, and nothing else the
+    /// process runs (scraper, file watcher, metrics, admin) shares the thread.
+    PerConnection(usize),
+    /// On the runtime that calls [`start_with`] (work-stealing across its workers).
+    Shared,
+}
+
+impl Default for GrpcServing {
+    fn default() -> Self {
+        GrpcServing::PerConnection(0)
+    }
+}
+
 /// The started listeners.
 #[derive(Debug)]
 pub struct RunningServer {
@@ -58,6 +84,8 @@ pub struct RunningServer {
     /// Health status control (readiness can be withdrawn).
     pub health: HealthReporter,
     tasks: Vec<JoinHandle<Result<(), ExtProcError>>>,
+    /// Stops the per-connection serving threads.
+    stop: watch::Sender<bool>,
 }
 
 async fn bind(
@@ -70,10 +98,110 @@ async fn bind(
     Ok((l, local))
 }
 
-/// Binds every listener and starts serving; readiness is SERVING once this returns.
+/// Binds every listener and starts serving ([`GrpcServing::default`]);
+/// readiness is SERVING once this returns.
 pub async fn start(
     picker: Arc<Picker>,
     config: ServerConfig,
+) -> Result<RunningServer, ExtProcError> {
+    start_with(picker, config, GrpcServing::default()).await
+}
+
+/// Serves accepted connections on `threads` single-threaded runtimes, round robin.
+/// Returns the accept loop's task; the threads stop when `stop` turns true.
+fn serve_per_connection<H: Health>(
+    listener: TcpListener,
+    threads: usize,
+    svc: ExtProcService,
+    health: HealthServer<H>,
+    stop: watch::Receiver<bool>,
+) -> Result<JoinHandle<Result<(), ExtProcError>>, ExtProcError> {
+    let threads = if threads == 0 {
+        std::thread::available_parallelism().map_or(1, usize::from)
+    } else {
+        threads
+    };
+    let mut lanes = Vec::with_capacity(threads);
+    let mut done = Vec::with_capacity(threads);
+    for i in 0..threads {
+        let (tx, rx) = mpsc::unbounded_channel::<std::net::TcpStream>();
+        let (result_tx, result_rx) = oneshot::channel();
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .map_err(|source| ExtProcError::Runtime { source })?;
+        let (svc, health, mut stop) = (svc.clone(), health.clone(), stop.clone());
+        std::thread::Builder::new()
+            .name(format!("ext-proc-grpc-{i}"))
+            .spawn(move || {
+                let incoming = UnboundedReceiverStream::new(rx).map(|s| {
+                    s.set_nonblocking(true)?;
+                    tokio::net::TcpStream::from_std(s)
+                });
+                let r = rt.block_on(async move {
+                    tonic::transport::Server::builder()
+                        .add_service(
+                            ExternalProcessorServer::new(svc)
+                                .max_decoding_message_size(16 * 1024 * 1024),
+                        )
+                        .add_service(health)
+                        .serve_with_incoming_shutdown(incoming, async move {
+                            let _ = stop.wait_for(|s| *s).await;
+                        })
+                        .await
+                });
+                let _ = result_tx.send(r);
+            })
+            .map_err(|source| ExtProcError::Runtime { source })?;
+        lanes.push(tx);
+        done.push(result_rx);
+    }
+    let mut stop_accepting = stop;
+    Ok(tokio::spawn(async move {
+        let mut next = 0usize;
+        let mut done = futures::future::select_all(done);
+        loop {
+            tokio::select! {
+                _ = stop_accepting.wait_for(|s| *s) => return Ok(()),
+                (r, _, _) = &mut done => {
+                    // A serving thread ended on its own: report why.
+                    return match r {
+                        Ok(Ok(())) => Ok(()),
+                        Ok(Err(source)) => Err(ExtProcError::Serve { what: "grpc", source }),
+                        Err(_) => Err(ExtProcError::Runtime {
+                            source: std::io::Error::other("grpc serving thread panicked"),
+                        }),
+                    };
+                }
+                accepted = listener.accept() => {
+                    let stream = match accepted {
+                        Ok((s, _)) => s,
+                        Err(e) => {
+                            tracing::warn!(error = %e, "ext_proc accept failed");
+                            continue;
+                        }
+                    };
+                    let _ = stream.set_nodelay(true);
+                    let stream = match stream.into_std() {
+                        Ok(s) => s,
+                        Err(e) => {
+                            tracing::warn!(error = %e, "ext_proc connection dropped");
+                            continue;
+                        }
+                    };
+                    let _ = lanes[next % lanes.len()].send(stream);
+                    next = next.wrapping_add(1);
+                }
+            }
+        }
+    }))
+}
+
+/// [`start`] with an explicit way of serving the ext_proc listener.
+pub async fn start_with(
+    picker: Arc<Picker>,
+    config: ServerConfig,
+    grpc_serving: GrpcServing,
 ) -> Result<RunningServer, ExtProcError> {
     let (grpc_l, grpc_addr) = bind("grpc", config.grpc).await?;
     let (health_l, health_addr) = bind("health", config.health).await?;
@@ -93,19 +221,25 @@ pub async fn start(
     let mut tasks = Vec::new();
     let svc = ExtProcService::new(Arc::clone(&picker), config.processor);
     let grpc_health = health_svc.clone();
-    tasks.push(tokio::spawn(async move {
-        tonic::transport::Server::builder()
-            .add_service(
-                ExternalProcessorServer::new(svc).max_decoding_message_size(16 * 1024 * 1024),
-            )
-            .add_service(grpc_health)
-            .serve_with_incoming(TcpIncoming::from(grpc_l).with_nodelay(Some(true)))
-            .await
-            .map_err(|source| ExtProcError::Serve {
-                what: "grpc",
-                source,
-            })
-    }));
+    let (stop, stop_rx) = watch::channel(false);
+    match grpc_serving {
+        GrpcServing::PerConnection(n) => {
+            tasks.push(serve_per_connection(grpc_l, n, svc, grpc_health, stop_rx)?);
+        }
+        GrpcServing::Shared => tasks.push(tokio::spawn(async move {
+            tonic::transport::Server::builder()
+                .add_service(
+                    ExternalProcessorServer::new(svc).max_decoding_message_size(16 * 1024 * 1024),
+                )
+                .add_service(grpc_health)
+                .serve_with_incoming(TcpIncoming::from(grpc_l).with_nodelay(Some(true)))
+                .await
+                .map_err(|source| ExtProcError::Serve {
+                    what: "grpc",
+                    source,
+                })
+        })),
+    }
     tasks.push(tokio::spawn(async move {
         tonic::transport::Server::builder()
             .add_service(health_svc)
@@ -149,6 +283,7 @@ pub async fn start(
         metrics_addr,
         health: reporter,
         tasks,
+        stop,
     })
 }
 
@@ -169,8 +304,9 @@ impl RunningServer {
         }
     }
 
-    /// Stops every listener.
+    /// Stops every listener (serving threads finish their open connections gracefully).
     pub fn abort(&self) {
+        let _ = self.stop.send(true);
         for t in &self.tasks {
             t.abort();
         }

@@ -18,7 +18,7 @@ use rngd_ext_proc::endpoints::StaticEndpoints;
 use rngd_ext_proc::metrics::EppMetrics;
 use rngd_ext_proc::picker::{Decider, Picker, PromptCounter};
 use rngd_ext_proc::processor::ProcessorConfig;
-use rngd_ext_proc::server::{self, RunningServer, ServerConfig};
+use rngd_ext_proc::server::{self, GrpcServing, RunningServer, ServerConfig};
 use rngd_ext_proc::{BoxError, ExtProcError};
 use rngd_policy_core::{Decision, Endpoint, LocalResponse, Role, Route, Vendor};
 use rngd_policy_host::PolicyRequest;
@@ -874,4 +874,65 @@ async fn each_answer_goes_out_before_the_next_message_arrives() {
             .is_none(),
         "the server ends the stream when Envoy half-closes"
     );
+}
+
+/// Both ways of serving the ext_proc listener pick the same way, over several
+/// connections at once (spread over the per-connection threads), and stop
+/// serving once the server is aborted.
+#[tokio::test]
+async fn per_connection_and_shared_serving_both_pick_and_stop_on_abort() {
+    for serving in [GrpcServing::PerConnection(2), GrpcServing::Shared] {
+        let policy = Arc::new(FakePolicy::default());
+        let picker = Picker::new(
+            policy.clone(),
+            StaticEndpoints::new(default_endpoints()),
+            None,
+            EppMetrics::new().expect("metrics"),
+        );
+        let loopback = "127.0.0.1:0".parse().unwrap();
+        let server = server::start_with(
+            Arc::new(picker),
+            ServerConfig {
+                grpc: loopback,
+                health: loopback,
+                metrics: None,
+                processor: ProcessorConfig::default(),
+                extra_routes: None,
+            },
+            serving,
+        )
+        .await
+        .expect("start");
+        let addr = server.grpc_addr;
+        let body = br#"{"model":"m","prompt":"hi"}"#;
+        let exchanges = (0..4).map(|_| {
+            exchange(
+                addr,
+                vec![
+                    post_headers(BodySendMode::FullDuplexStreamed),
+                    body_msg(body, true),
+                ],
+            )
+        });
+        for resps in futures::future::join_all(exchanges).await {
+            assert_eq!(
+                header_value(&resps[0], "x-gateway-destination-endpoint").as_deref(),
+                Some("10.0.0.2:8000"),
+                "{serving:?}"
+            );
+            assert_eq!(streamed_chunks(&resps), vec![(body.to_vec(), true)]);
+        }
+        assert_eq!(policy.seen.lock().unwrap().len(), 4, "{serving:?}");
+        server.abort();
+        let refused = tokio::time::timeout(std::time::Duration::from_secs(10), async {
+            loop {
+                match ExternalProcessorClient::connect(format!("http://{addr}")).await {
+                    Err(_) => break,
+                    Ok(_) => tokio::task::yield_now().await,
+                }
+            }
+        })
+        .await;
+        assert!(refused.is_ok(), "{serving:?}: still accepting after abort");
+    }
 }

@@ -28,7 +28,7 @@ use rngd_ext_proc::metrics::EppMetrics;
 use rngd_ext_proc::picker::{Decider, Picker};
 use rngd_ext_proc::policy::RuntimeDecider;
 use rngd_ext_proc::processor::ProcessorConfig;
-use rngd_ext_proc::server::{self, ServerConfig};
+use rngd_ext_proc::server::{self, GrpcServing, ServerConfig};
 use rngd_policy_core::{Endpoint, Role, Vendor};
 use rngd_policy_host::{PolicyRuntime, PolicySource, SandboxLimits};
 
@@ -108,10 +108,15 @@ pub struct Args {
     /// Policy module (default: the built `pd_default.wasm`).
     #[arg(long)]
     pub policy: Option<PathBuf>,
-    /// Worker threads of the picker's own runtime (0 = one per core, as the
+    /// The picker's ext_proc serving threads (0 = one per core, as the
     /// `rngd-pd ext-proc` process runs).
     #[arg(long, default_value_t = 0)]
     pub epp_threads: usize,
+    /// Serve ext_proc on the picker runtime's work-stealing workers instead of
+    /// one single-threaded runtime per connection (the picker's default), to
+    /// compare the two.
+    #[arg(long)]
+    pub epp_shared_runtime: bool,
     /// Envoy worker threads (`--concurrency`).
     #[arg(long, default_value_t = 1)]
     pub envoy_concurrency: usize,
@@ -148,8 +153,10 @@ pub struct Report {
     pub samples_per_path: usize,
     /// Envoy `--concurrency`.
     pub envoy_concurrency: usize,
-    /// Worker threads of the picker's runtime (0 = one per core).
+    /// The picker's ext_proc serving threads (0 = one per core).
     pub epp_threads: usize,
+    /// `per_connection` (single-threaded runtime per connection) or `shared`.
+    pub epp_serving: &'static str,
     /// `deploy` (the deploy config's response processing) or `skipped`.
     pub response_processing: &'static str,
     /// 1-minute load average when the run started.
@@ -643,7 +650,14 @@ pub async fn run(args: Args) -> Result<Report, BenchError> {
     // The picker and the backend each get their own runtime: in production they
     // are separate processes, and sharing the load generator's worker threads
     // would put the client's wake-ups in the picker's path (and vice versa).
-    let epp_rt = OwnRuntime::new("bench-epp", args.epp_threads)?;
+    let epp_rt = OwnRuntime::new(
+        "bench-epp",
+        if args.epp_shared_runtime {
+            args.epp_threads
+        } else {
+            0
+        },
+    )?;
     let backend_rt = OwnRuntime::new("bench-backend", 1)?;
     let backend = start_backend(&backend_rt.handle()).await?;
 
@@ -652,6 +666,11 @@ pub async fn run(args: Args) -> Result<Report, BenchError> {
         let decide_us = Arc::clone(&decide_us);
         let profile = args.profile;
         let backend = backend.to_string();
+        let serving = if args.epp_shared_runtime {
+            GrpcServing::Shared
+        } else {
+            GrpcServing::PerConnection(args.epp_threads)
+        };
         epp_rt
             .handle()
             .spawn(async move {
@@ -686,7 +705,7 @@ pub async fn run(args: Args) -> Result<Report, BenchError> {
                 };
                 let picker = Picker::new(decider, endpoints, None, metrics);
                 let loopback: SocketAddr = ([127, 0, 0, 1], 0).into();
-                server::start(
+                server::start_with(
                     Arc::new(picker),
                     ServerConfig {
                         grpc: loopback,
@@ -695,6 +714,7 @@ pub async fn run(args: Args) -> Result<Report, BenchError> {
                         processor: ProcessorConfig::default(),
                         extra_routes: None,
                     },
+                    serving,
                 )
                 .await
                 .map_err(|source| BenchError::Epp { source })
@@ -776,12 +796,17 @@ pub async fn run(args: Args) -> Result<Report, BenchError> {
         Vec::with_capacity(args.requests),
     ];
     println!(
-        "bench epp: envoy {envoy_version} (--concurrency {concurrency}), trivial backend at {backend}, picker at {} ({} threads), {} warm-up + {} requests per path{}{}",
+        "bench epp: envoy {envoy_version} (--concurrency {concurrency}), trivial backend at {backend}, picker at {} ({} ext_proc threads, {}), {} warm-up + {} requests per path{}{}",
         epp.grpc_addr,
         if args.epp_threads == 0 {
             "one per core".to_string()
         } else {
             args.epp_threads.to_string()
+        },
+        if args.epp_shared_runtime {
+            "work-stealing runtime"
+        } else {
+            "one single-threaded runtime per connection"
         },
         args.warmup,
         args.requests,
@@ -868,6 +893,11 @@ pub async fn run(args: Args) -> Result<Report, BenchError> {
         samples_per_path: samples[0].len().min(samples[1].len()),
         envoy_concurrency: concurrency,
         epp_threads: args.epp_threads,
+        epp_serving: if args.epp_shared_runtime {
+            "shared"
+        } else {
+            "per_connection"
+        },
         response_processing: if args.skip_response_processing {
             "skipped"
         } else {
