@@ -428,7 +428,12 @@ impl StreamState {
                 close: true,
             };
         }
-        self.body.extend_from_slice(&b.body);
+        if self.body.is_empty() {
+            // The usual case, one chunk: keep Envoy's buffer instead of copying it.
+            self.body = b.body;
+        } else {
+            self.body.extend_from_slice(&b.body);
+        }
         match self.request_mode {
             BodySendMode::FullDuplexStreamed => {
                 if b.end_of_stream {
@@ -477,26 +482,27 @@ impl StreamState {
 
     async fn finish_full_duplex(&mut self, picker: &Picker, end_of_stream: bool) -> Step {
         let body = std::mem::take(&mut self.body);
-        match self.pick(picker, Some(body.clone())).await {
+        let len = body.len();
+        // Cut the chunks to re-send before the body moves into the policy
+        // request: one copy of the body in all, not two.
+        let size = self.config.chunk_size.clamp(1, MAX_CHUNK);
+        let mut chunks: Vec<Vec<u8>> = body.chunks(size).map(<[u8]>::to_vec).collect();
+        if chunks.is_empty() {
+            chunks.push(Vec::new());
+        }
+        match self.pick(picker, Some(body)).await {
             Pick::Route(route) => {
                 self.phase = Phase::Routed;
                 let dest = route.decode.clone();
-                let mut responses = vec![ProcessingResponse {
-                    response: Some(request_headers_response(routed_common(
-                        &route,
-                        Some(body.len()),
-                    ))),
+                let mut responses = Vec::with_capacity(chunks.len() + 1);
+                responses.push(ProcessingResponse {
+                    response: Some(request_headers_response(routed_common(&route, Some(len)))),
                     dynamic_metadata: Some(lb_metadata(&dest)),
                     ..Default::default()
-                }];
-                let size = self.config.chunk_size.clamp(1, MAX_CHUNK);
-                let chunks: Vec<&[u8]> = body.chunks(size).collect();
+                });
                 let n = chunks.len();
-                if n == 0 {
-                    responses.push(streamed_body(Vec::new(), end_of_stream, true));
-                }
                 for (i, c) in chunks.into_iter().enumerate() {
-                    responses.push(streamed_body(c.to_vec(), end_of_stream && i + 1 == n, true));
+                    responses.push(streamed_body(c, end_of_stream && i + 1 == n, true));
                 }
                 Step {
                     responses,
