@@ -1,6 +1,9 @@
-//! One sequence's KV cache, held in the NPU wire layout.
+//! One sequence's KV cache, the NPU wire format's numbers.
 //!
-//! K is `[layers, kv_heads, head_dim, S]` and V `[layers, kv_heads, S, head_dim]`.
+//! On the wire K is `[layers, kv_heads, head_dim, S]` and V `[layers,
+//! kv_heads, S, head_dim]`. In memory both are `[kv_heads, S, head_dim]` per
+//! layer (position-major, so attention reads the first `n` positions as one
+//! contiguous run); export and import transpose K.
 //! Every stored value is rounded to bf16 when it is written, so the cache holds
 //! exactly the numbers the bf16 wire format carries: exporting it is lossless,
 //! and a decode that starts from imported bytes sees the same values as one
@@ -25,7 +28,7 @@ pub(crate) struct SeqCache {
     pub(crate) layout: KvLayout,
     /// Valid positions.
     pub(crate) tokens: usize,
-    /// Per layer, `[kv_heads, head_dim, S]`.
+    /// Per layer, `[kv_heads, S, head_dim]` (not the wire layout: see the module docs).
     pub(crate) k: Vec<Vec<f32>>,
     /// Per layer, `[kv_heads, S, head_dim]`.
     pub(crate) v: Vec<Vec<f32>>,
@@ -53,11 +56,9 @@ impl SeqCache {
         let l = self.layout;
         let (kc, vc) = (&mut self.k[layer], &mut self.v[layer]);
         for h in 0..l.kv_heads {
-            for d in 0..l.head_dim {
-                kc[l.k_offset(h, d, pos)] = round_bf16(k[h * l.head_dim + d]);
-            }
             let at = l.v_offset(h, pos, 0);
             for d in 0..l.head_dim {
+                kc[at + d] = round_bf16(k[h * l.head_dim + d]);
                 vc[at + d] = round_bf16(v[h * l.head_dim + d]);
             }
         }
@@ -66,14 +67,27 @@ impl SeqCache {
     /// The cache as wire blobs (`K0, V0, K1, V1, …`, bf16 little-endian, padded to `S`).
     pub(crate) fn export(&self) -> KvCache {
         let mut blobs = Vec::with_capacity(self.layout.blob_count());
-        for layer in 0..self.layout.layers {
-            for data in [&self.k[layer], &self.v[layer]] {
-                let mut out = Vec::with_capacity(data.len() * 2);
-                for x in data.iter() {
-                    out.extend_from_slice(&bf16::from_f32(*x).to_le_bytes());
+        let l = self.layout;
+        for layer in 0..l.layers {
+            // K goes out `[kv_heads, head_dim, S]`.
+            let k = &self.k[layer];
+            let mut out = vec![0u8; k.len() * 2];
+            for h in 0..l.kv_heads {
+                for pos in 0..l.seq_len {
+                    for d in 0..l.head_dim {
+                        let at = l.k_offset(h, d, pos) * 2;
+                        let x = bf16::from_f32(k[l.v_offset(h, pos, d)]);
+                        out[at..at + 2].copy_from_slice(&x.to_le_bytes());
+                    }
                 }
-                blobs.push(Bytes::from(out));
             }
+            blobs.push(Bytes::from(out));
+            let v = &self.v[layer];
+            let mut out = Vec::with_capacity(v.len() * 2);
+            for x in v.iter() {
+                out.extend_from_slice(&bf16::from_f32(*x).to_le_bytes());
+            }
+            blobs.push(Bytes::from(out));
         }
         // Positions past `tokens` may hold stale values of an earlier request in
         // a reused buffer: zero them on the wire.
@@ -122,12 +136,23 @@ impl SeqCache {
                 )));
             }
             let (layer, kind) = KvLayout::blob_of(i);
-            let dst = match kind {
-                BlobKind::K => &mut self.k[layer],
-                BlobKind::V => &mut self.v[layer],
-            };
-            for (d, c) in dst.iter_mut().zip(blob.chunks_exact(2)) {
-                *d = bf16::from_le_bytes([c[0], c[1]]).to_f32();
+            let value = |at: usize| bf16::from_le_bytes([blob[2 * at], blob[2 * at + 1]]).to_f32();
+            match kind {
+                BlobKind::K => {
+                    let dst = &mut self.k[layer];
+                    for h in 0..l.kv_heads {
+                        for pos in 0..l.seq_len {
+                            for d in 0..l.head_dim {
+                                dst[l.v_offset(h, pos, d)] = value(l.k_offset(h, d, pos));
+                            }
+                        }
+                    }
+                }
+                BlobKind::V => {
+                    for (d, c) in self.v[layer].iter_mut().zip(blob.chunks_exact(2)) {
+                        *d = bf16::from_le_bytes([c[0], c[1]]).to_f32();
+                    }
+                }
             }
         }
         self.tokens = kv.tokens;

@@ -472,13 +472,17 @@ impl Model {
             rms_norm(&x, &layer.ffn_norm, c.eps, &mut h);
             let gu = layer.gate_up.forward(h, rows, dense, &self.pool)?;
             let mut act = vec![0f32; rows * c.ffn];
-            for (r, a) in act.chunks_exact_mut(c.ffn).enumerate() {
-                let g = &gu[r * 2 * c.ffn..r * 2 * c.ffn + c.ffn];
-                let u = &gu[r * 2 * c.ffn + c.ffn..(r + 1) * 2 * c.ffn];
-                for ((a, g), u) in a.iter_mut().zip(g).zip(u) {
+            // SwiGLU in pieces of 256 values over the pool.
+            let ffn = c.ffn;
+            let swiglu = |(i, a): (usize, &mut [f32])| {
+                for (e, a) in (i * 256..).zip(a) {
+                    let (r, j) = (e / ffn, e % ffn);
+                    let (g, u) = (gu[r * 2 * ffn + j], gu[r * 2 * ffn + ffn + j]);
                     *a = g / (1.0 + (-g).exp()) * u;
                 }
-            }
+            };
+            self.pool
+                .install(|| act.par_chunks_mut(256).enumerate().for_each(swiglu));
             drop(gu);
             let down = layer.down.forward(act, rows, dense, &self.pool)?;
             for (x, o) in x.iter_mut().zip(&down) {
@@ -505,9 +509,10 @@ type AttnTask<'a, 'c> = ((&'a [f32], &'a mut [f32]), &'a (&'c SeqCache, usize));
 
 /// Attention of one query head over positions `0..n` of KV head `g`.
 ///
-/// Scores are `q · K[g][:, 0..n]`: with K stored `[head_dim, S]` this is a
-/// sum over `head_dim` of scaled contiguous rows, the same order whether the
-/// query came from a prefill or a decode step.
+/// K and V are stored `[kv_heads, S, head_dim]`, so positions `0..n` are one
+/// contiguous run. Each score `q · k_s` is 8 lanes of `mul_add` over the
+/// dimensions (lane `i` takes `i, i + 8, …`) summed by a fixed tree: one
+/// order for every query, whether it came from a prefill or a decode step.
 #[allow(clippy::too_many_arguments)]
 fn attend(
     q: &[f32],
@@ -563,12 +568,21 @@ fn attend_impl(
 ) {
     let hd = layout.head_dim;
     scores.clear();
-    scores.resize(n, 0.0);
-    for (dim, qd) in q.iter().enumerate() {
-        let at = layout.k_offset(g, dim, 0);
-        for (s, kv) in scores.iter_mut().zip(&kc[at..at + n]) {
-            *s = kv.mul_add(*qd, *s);
+    let at = layout.v_offset(g, 0, 0);
+    for k in kc[at..at + n * hd].chunks_exact(hd) {
+        let mut lanes = [0f32; 8];
+        let (qc, kc8) = (q.chunks_exact(8), k.chunks_exact(8));
+        let tail = qc.remainder().iter().zip(kc8.remainder());
+        for (q8, k8) in qc.zip(kc8) {
+            for ((l, q), k) in lanes.iter_mut().zip(q8).zip(k8) {
+                *l = k.mul_add(*q, *l);
+            }
         }
+        for (l, (q, k)) in lanes.iter_mut().zip(tail) {
+            *l = k.mul_add(*q, *l);
+        }
+        let s4 = [0, 1, 2, 3].map(|i| lanes[i] + lanes[i + 4]);
+        scores.push((s4[0] + s4[2]) + (s4[1] + s4[3]));
     }
     let mut max = f32::NEG_INFINITY;
     for s in scores.iter_mut() {
