@@ -162,7 +162,7 @@ fn serve_per_connection<H: Health>(
         let mut done = futures::future::select_all(done);
         loop {
             tokio::select! {
-                _ = stop_accepting.wait_for(|s| *s) => return Ok(()),
+                () = async { let _ = stop_accepting.wait_for(|s| *s).await; } => return Ok(()),
                 (r, _, _) = &mut done => {
                     // A serving thread ended on its own: report why.
                     return match r {
@@ -177,7 +177,9 @@ fn serve_per_connection<H: Health>(
                     let stream = match accepted {
                         Ok((s, _)) => s,
                         Err(e) => {
+                            // Out of descriptors and the like: do not spin on the error.
                             tracing::warn!(error = %e, "ext_proc accept failed");
+                            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
                             continue;
                         }
                     };
@@ -189,7 +191,9 @@ fn serve_per_connection<H: Health>(
                             continue;
                         }
                     };
-                    let _ = lanes[next % lanes.len()].send(stream);
+                    let lane = next % lanes.len();
+                    tracing::debug!(peer = ?stream.peer_addr().ok(), lane, "ext_proc connection");
+                    let _ = lanes[lane].send(stream);
                     next = next.wrapping_add(1);
                 }
             }
