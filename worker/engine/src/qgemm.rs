@@ -626,22 +626,23 @@ mod x86 {
     /// 8-row tiles on streamed weights).
     const PREFETCH: usize = 4;
 
-    /// Prefetches the weights and scales of columns `c..c + count` (those that exist).
-    #[inline]
-    #[target_feature(enable = "avx2")]
-    fn prefetch_columns(w: &QWeights, c: usize, count: usize) {
-        let (nc, ng) = (w.plan.chunks(), w.plan.groups());
-        let end = (c + count).min(w.n);
-        if c >= end {
-            return;
-        }
-        for chunk in &w.quants[c * nc..end * nc] {
-            _mm_prefetch::<_MM_HINT_T0>((chunk as *const Chunk).cast());
-        }
-        for s in w.scales[c * ng..end * ng].iter().step_by(2) {
-            // Two 32-byte scale sets per cache line.
-            _mm_prefetch::<_MM_HINT_T0>((s as *const F32x8).cast());
-        }
+    /// Prefetches the weights and scales of columns `c..c + count` (those
+    /// that exist). A macro so that it is expanded inside the kernel.
+    macro_rules! prefetch_columns {
+        ($w:expr, $c:expr, $count:expr) => {{
+            let (w, c): (&QWeights, usize) = ($w, $c);
+            let (nc, ng) = (w.plan.chunks(), w.plan.groups());
+            let end = (c + $count).min(w.n);
+            if c < end {
+                for chunk in &w.quants[c * nc..end * nc] {
+                    _mm_prefetch::<_MM_HINT_T0>((chunk as *const Chunk).cast());
+                }
+                // Two 32-byte scale sets per cache line.
+                for s in w.scales[c * ng..end * ng].iter().step_by(2) {
+                    _mm_prefetch::<_MM_HINT_T0>((s as *const F32x8).cast());
+                }
+            }
+        }};
     }
 
     /// The fixed-tree sum of a 512-bit accumulator.
@@ -667,7 +668,7 @@ mod x86 {
         let acts: [ActRow<'_>; R] = std::array::from_fn(|r| a.row(row0 + r));
         let pairs_end = cols.start + (cols.len() & !1);
         for c in (cols.start..pairs_end).step_by(2) {
-            prefetch_columns(w, c + PREFETCH, 2);
+            prefetch_columns!(w, c + PREFETCH, 2);
             let j = c - cols.start;
             let wq = [
                 &w.quants[c * nc..(c + 1) * nc],
@@ -695,7 +696,7 @@ mod x86 {
             }
         }
         for c in pairs_end..cols.end {
-            prefetch_columns(w, c + PREFETCH, 1);
+            prefetch_columns!(w, c + PREFETCH, 1);
             let j = c - cols.start;
             let wq = &w.quants[c * nc..(c + 1) * nc];
             let ws = &w.scales[c * ng..(c + 1) * ng];
