@@ -29,33 +29,35 @@ pub const DEFAULT_FILE_POLL: Duration = Duration::from_millis(200);
 
 /// A source of the endpoint snapshot the policy sees.
 pub trait EndpointSource: Send + Sync + 'static {
-    /// The endpoints now.
-    fn snapshot(&self) -> Vec<Endpoint>;
+    /// The endpoints now. A source hands out the same `Arc` while its list is
+    /// unchanged, so a consumer can recognise an unchanged list by pointer
+    /// (the policy host then skips re-serializing it).
+    fn snapshot(&self) -> Arc<[Endpoint]>;
 }
 
 /// A fixed, replaceable list (tests, embedding).
 #[derive(Debug, Default)]
 pub struct StaticEndpoints {
-    list: RwLock<Vec<Endpoint>>,
+    list: RwLock<Arc<[Endpoint]>>,
 }
 
 impl StaticEndpoints {
     /// A source with these endpoints.
     pub fn new(list: Vec<Endpoint>) -> Arc<Self> {
         Arc::new(StaticEndpoints {
-            list: RwLock::new(list),
+            list: RwLock::new(list.into()),
         })
     }
 
     /// Replaces the list.
     pub fn set(&self, list: Vec<Endpoint>) {
-        *self.list.write().unwrap_or_else(|e| e.into_inner()) = list;
+        *self.list.write().unwrap_or_else(|e| e.into_inner()) = list.into();
     }
 }
 
 impl EndpointSource for StaticEndpoints {
-    fn snapshot(&self) -> Vec<Endpoint> {
-        self.list.read().unwrap_or_else(|e| e.into_inner()).clone()
+    fn snapshot(&self) -> Arc<[Endpoint]> {
+        Arc::clone(&self.list.read().unwrap_or_else(|e| e.into_inner()))
     }
 }
 
@@ -66,19 +68,20 @@ impl EndpointSource for StaticEndpoints {
 #[derive(Debug)]
 pub struct FileEndpoints {
     path: PathBuf,
-    state: RwLock<(Vec<u8>, Vec<Endpoint>)>,
+    state: RwLock<(Vec<u8>, Arc<[Endpoint]>)>,
 }
 
-fn read_endpoints(path: &Path) -> Result<(Vec<u8>, Vec<Endpoint>), ExtProcError> {
+fn read_endpoints(path: &Path) -> Result<(Vec<u8>, Arc<[Endpoint]>), ExtProcError> {
     let raw = std::fs::read(path).map_err(|source| ExtProcError::EndpointsRead {
         path: path.to_path_buf(),
         source,
     })?;
-    let list = serde_json::from_slice(&raw).map_err(|source| ExtProcError::EndpointsParse {
-        path: path.to_path_buf(),
-        source,
-    })?;
-    Ok((raw, list))
+    let list: Vec<Endpoint> =
+        serde_json::from_slice(&raw).map_err(|source| ExtProcError::EndpointsParse {
+            path: path.to_path_buf(),
+            source,
+        })?;
+    Ok((raw, list.into()))
 }
 
 impl FileEndpoints {
@@ -130,12 +133,8 @@ impl FileEndpoints {
 }
 
 impl EndpointSource for FileEndpoints {
-    fn snapshot(&self) -> Vec<Endpoint> {
-        self.state
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .1
-            .clone()
+    fn snapshot(&self) -> Arc<[Endpoint]> {
+        Arc::clone(&self.state.read().unwrap_or_else(|e| e.into_inner()).1)
     }
 }
 
@@ -248,12 +247,31 @@ struct Scraped {
     at: Instant,
 }
 
+/// The scraped samples and the last snapshot built from them.
+#[derive(Default)]
+struct ScrapeState {
+    samples: HashMap<String, Scraped>,
+    /// Bumped when a sample's figures change or an endpoint gains or loses
+    /// one (a re-scrape with the same figures only refreshes its time).
+    generation: u64,
+    cached: Option<CachedSnapshot>,
+}
+
+/// A built snapshot and what it was built from.
+struct CachedSnapshot {
+    inner: Arc<[Endpoint]>,
+    generation: u64,
+    /// The first moment a sample it used turns stale (then it is rebuilt).
+    valid_until: Option<Instant>,
+    built: Arc<[Endpoint]>,
+}
+
 /// An [`EndpointSource`] that adds live load figures and freshness to another source.
 pub struct ScrapedEndpoints {
     inner: Arc<dyn EndpointSource>,
     fetcher: Arc<dyn MetricsFetcher>,
     stale_after: Duration,
-    samples: Mutex<HashMap<String, Scraped>>,
+    state: Mutex<ScrapeState>,
     metrics: Option<EppMetrics>,
 }
 
@@ -277,7 +295,7 @@ impl ScrapedEndpoints {
             inner,
             fetcher,
             stale_after,
-            samples: Mutex::new(HashMap::new()),
+            state: Mutex::new(ScrapeState::default()),
             metrics,
         })
     }
@@ -292,16 +310,31 @@ impl ScrapedEndpoints {
         });
         match &result {
             Ok(sample) => {
-                self.samples
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .insert(
-                        address.to_string(),
-                        Scraped {
-                            sample: *sample,
-                            at: Instant::now(),
-                        },
-                    );
+                let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
+                let now = Instant::now();
+                let changed = match st.samples.get_mut(address) {
+                    Some(old) => {
+                        // A sample that had gone stale counts as a change too.
+                        let changed = old.sample != *sample
+                            || now.saturating_duration_since(old.at) > self.stale_after;
+                        old.sample = *sample;
+                        old.at = now;
+                        changed
+                    }
+                    None => {
+                        st.samples.insert(
+                            address.to_string(),
+                            Scraped {
+                                sample: *sample,
+                                at: now,
+                            },
+                        );
+                        true
+                    }
+                };
+                if changed {
+                    st.generation += 1;
+                }
             }
             Err(_) => {
                 if let Some(m) = &self.metrics {
@@ -317,30 +350,50 @@ impl ScrapedEndpoints {
         let addrs: Vec<String> = self
             .inner
             .snapshot()
-            .into_iter()
-            .map(|e| e.address)
+            .iter()
+            .map(|e| e.address.clone())
             .collect();
         futures::future::join_all(addrs.iter().map(|a| self.scrape_one(a))).await;
     }
 
-    /// The snapshot as it would be at `now` (data older than the limit = unhealthy).
-    pub fn snapshot_at(&self, now: Instant) -> Vec<Endpoint> {
-        let samples = self.samples.lock().unwrap_or_else(|e| e.into_inner());
-        self.inner
-            .snapshot()
-            .into_iter()
-            .map(|mut ep| {
-                match samples.get(&ep.address) {
+    /// The snapshot as it would be at `now` (data older than the limit =
+    /// unhealthy). The same `Arc` comes back while neither the inner list nor
+    /// any sample's figures changed and no sample it used has gone stale.
+    pub fn snapshot_at(&self, now: Instant) -> Arc<[Endpoint]> {
+        let inner = self.inner.snapshot();
+        let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(c) = &st.cached
+            && Arc::ptr_eq(&c.inner, &inner)
+            && c.generation == st.generation
+            && c.valid_until.is_none_or(|t| now < t)
+        {
+            return Arc::clone(&c.built);
+        }
+        let mut valid_until: Option<Instant> = None;
+        let built: Arc<[Endpoint]> = inner
+            .iter()
+            .map(|ep| {
+                let mut ep = ep.clone();
+                match st.samples.get(&ep.address) {
                     Some(s) if now.saturating_duration_since(s.at) <= self.stale_after => {
                         ep.queue_depth = s.sample.waiting;
                         ep.running = s.sample.running;
                         ep.kv_usage = s.sample.kv_usage;
+                        let stale_at = s.at + self.stale_after + Duration::from_nanos(1);
+                        valid_until = Some(valid_until.map_or(stale_at, |t| t.min(stale_at)));
                     }
                     _ => ep.healthy = false,
                 }
                 ep
             })
-            .collect()
+            .collect();
+        st.cached = Some(CachedSnapshot {
+            inner,
+            generation: st.generation,
+            valid_until,
+            built: Arc::clone(&built),
+        });
+        built
     }
 
     /// Starts one scrape loop per endpoint (every `every`), following changes of
@@ -355,17 +408,16 @@ impl ScrapedEndpoints {
                 let current: Vec<String> = this
                     .inner
                     .snapshot()
-                    .into_iter()
-                    .map(|e| e.address)
+                    .iter()
+                    .map(|e| e.address.clone())
                     .collect();
                 loops.retain(|addr, handle| {
                     let keep = current.contains(addr);
                     if !keep {
                         handle.abort();
-                        this.samples
-                            .lock()
-                            .unwrap_or_else(|e| e.into_inner())
-                            .remove(addr);
+                        let mut st = this.state.lock().unwrap_or_else(|e| e.into_inner());
+                        st.samples.remove(addr);
+                        st.generation += 1;
                     }
                     keep
                 });
@@ -405,7 +457,7 @@ impl ScrapedEndpoints {
 }
 
 impl EndpointSource for ScrapedEndpoints {
-    fn snapshot(&self) -> Vec<Endpoint> {
+    fn snapshot(&self) -> Arc<[Endpoint]> {
         self.snapshot_at(Instant::now())
     }
 }
@@ -483,6 +535,53 @@ mod tests {
         assert_eq!(metrics.scrape_failures.get(), 1);
         let later = src.snapshot_at(now + Duration::from_secs(3));
         assert!(!later[0].healthy, "data older than 2 s → unhealthy");
+    }
+
+    /// Serves `vllm:num_requests_waiting` = the current value of its counter.
+    struct Waiting(std::sync::atomic::AtomicU32);
+
+    #[async_trait]
+    impl MetricsFetcher for Waiting {
+        async fn fetch(&self, _address: &str) -> Result<String, ExtProcError> {
+            let n = self.0.load(std::sync::atomic::Ordering::Relaxed);
+            Ok(format!(
+                "vllm:num_requests_waiting {n}\nvllm:num_requests_running 0\n"
+            ))
+        }
+    }
+
+    #[tokio::test]
+    async fn snapshot_is_reused_until_figures_change_or_go_stale() {
+        let inner = StaticEndpoints::new(vec![ep("10.0.0.1:1")]);
+        let fetcher = Arc::new(Waiting(1.into()));
+        let src =
+            ScrapedEndpoints::new(inner.clone(), fetcher.clone(), Duration::from_secs(2), None);
+        src.scrape_all().await;
+        let now = Instant::now();
+        let a = src.snapshot_at(now);
+        assert_eq!(a[0].queue_depth, 1);
+        assert!(
+            Arc::ptr_eq(&a, &src.snapshot_at(now)),
+            "unchanged → same Arc"
+        );
+        // A re-scrape with the same figures keeps the snapshot.
+        src.scrape_all().await;
+        assert!(Arc::ptr_eq(&a, &src.snapshot_at(now)));
+        // Going stale rebuilds it (unhealthy), even with no new scrape.
+        let stale = src.snapshot_at(now + Duration::from_secs(3));
+        assert!(!Arc::ptr_eq(&a, &stale));
+        assert!(!stale[0].healthy);
+        // New figures rebuild it.
+        fetcher.0.store(5, std::sync::atomic::Ordering::Relaxed);
+        src.scrape_all().await;
+        let b = src.snapshot_at(Instant::now());
+        assert_eq!(b[0].queue_depth, 5);
+        assert!(b[0].healthy);
+        // A changed inner list rebuilds it.
+        inner.set(vec![ep("10.0.0.1:1"), ep("10.0.0.3:3")]);
+        let c = src.snapshot_at(Instant::now());
+        assert_eq!(c.len(), 2);
+        assert!(!Arc::ptr_eq(&b, &c));
     }
 
     #[tokio::test]

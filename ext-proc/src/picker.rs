@@ -14,7 +14,7 @@ use std::time::Instant;
 use async_trait::async_trait;
 use rngd_api::headers;
 use rngd_api::openai::ErrorBody;
-use rngd_policy_core::{Decision, Endpoint, LocalResponse, Route};
+use rngd_policy_core::{Decision, LocalResponse, Route};
 use rngd_policy_host::PolicyRequest;
 use serde_json::Value;
 
@@ -219,9 +219,13 @@ impl Picker {
                 };
             }
         }
-        let mut endpoints: Vec<Endpoint> = self.endpoints.snapshot();
+        let mut endpoints = self.endpoints.snapshot();
         if let Some(subset) = &input.subset {
-            endpoints.retain(|e| subset.iter().any(|s| s == &e.address));
+            endpoints = endpoints
+                .iter()
+                .filter(|e| subset.iter().any(|s| s == &e.address))
+                .cloned()
+                .collect();
             if endpoints.is_empty() {
                 return Pick::Reject(error_response(
                     503,
@@ -234,7 +238,7 @@ impl Picker {
         let req = PolicyRequest {
             headers: input.headers,
             body: input.body.unwrap_or_default(),
-            endpoints: Some(endpoints.into()),
+            endpoints: Some(endpoints),
             prompt_tokens,
         };
         match self.decider.decide(req).await {
