@@ -504,6 +504,13 @@ impl Model {
     }
 }
 
+/// The fixed tree sum of 8 attention lanes.
+#[inline(always)]
+fn lane_sum(lanes: &[f32; 8]) -> f32 {
+    let s4 = [0, 1, 2, 3].map(|i| lanes[i] + lanes[i + 4]);
+    (s4[0] + s4[2]) + (s4[1] + s4[3])
+}
+
 /// One row's attention work: (its query, its output), (its cache, positions).
 type AttnTask<'a, 'c> = ((&'a [f32], &'a mut [f32]), &'a (&'c SeqCache, usize));
 
@@ -569,20 +576,25 @@ fn attend_impl(
     let hd = layout.head_dim;
     scores.clear();
     let at = layout.v_offset(g, 0, 0);
-    for k in kc[at..at + n * hd].chunks_exact(hd) {
-        let mut lanes = [0f32; 8];
-        let (qc, kc8) = (q.chunks_exact(8), k.chunks_exact(8));
-        let tail = qc.remainder().iter().zip(kc8.remainder());
-        for (q8, k8) in qc.zip(kc8) {
-            for ((l, q), k) in lanes.iter_mut().zip(q8).zip(k8) {
-                *l = k.mul_add(*q, *l);
+    let keys = &kc[at..at + n * hd];
+    // Four positions at a time (independent chains); each position's lanes
+    // see the same operations as one at a time.
+    let mut quads = keys.chunks_exact(4 * hd);
+    for k4 in quads.by_ref() {
+        let mut lanes = [[0f32; 8]; 4];
+        for (i, q) in q.iter().enumerate() {
+            for (p, lanes) in lanes.iter_mut().enumerate() {
+                lanes[i % 8] = k4[p * hd + i].mul_add(*q, lanes[i % 8]);
             }
         }
-        for (l, (q, k)) in lanes.iter_mut().zip(tail) {
-            *l = k.mul_add(*q, *l);
+        scores.extend(lanes.iter().map(lane_sum));
+    }
+    for k in quads.remainder().chunks_exact(hd) {
+        let mut lanes = [0f32; 8];
+        for (i, (q, k)) in q.iter().zip(k).enumerate() {
+            lanes[i % 8] = k.mul_add(*q, lanes[i % 8]);
         }
-        let s4 = [0, 1, 2, 3].map(|i| lanes[i] + lanes[i + 4]);
-        scores.push((s4[0] + s4[2]) + (s4[1] + s4[3]));
+        scores.push(lane_sum(&lanes));
     }
     let mut max = f32::NEG_INFINITY;
     for s in scores.iter_mut() {
