@@ -645,6 +645,25 @@ mod x86 {
         }};
     }
 
+    /// The fixed-tree sums of two 512-bit accumulators at once (the same
+    /// additions as [`reduce512`] for each).
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    fn reduce512x2(a: __m512, b: __m512) -> (f32, f32) {
+        // [a.q0, a.q1, b.q0, b.q1] + [a.q2, a.q3, b.q2, b.q3]: l + l⊕8 of each.
+        let s8 = _mm512_add_ps(
+            _mm512_shuffle_f32x4::<0b01_00_01_00>(a, b),
+            _mm512_shuffle_f32x4::<0b11_10_11_10>(a, b),
+        );
+        let s4 = _mm512_add_ps(s8, _mm512_shuffle_f32x4::<0b10_11_00_01>(s8, s8));
+        let s2 = _mm512_add_ps(s4, _mm512_permute_ps::<0b01_00_11_10>(s4));
+        let s1 = _mm512_add_ps(s2, _mm512_permute_ps::<0b10_11_00_01>(s2));
+        (
+            _mm512_cvtss_f32(s1),
+            _mm_cvtss_f32(_mm512_extractf32x4_ps::<2>(s1)),
+        )
+    }
+
     /// The fixed-tree sum of a 512-bit accumulator.
     #[inline]
     #[target_feature(enable = "avx512f,avx2,fma")]
@@ -691,8 +710,7 @@ mod x86 {
             }
             let _ = (ci, gi);
             for r in 0..R {
-                outs[r][j] = reduce512(acc[0][r]);
-                outs[r][j + 1] = reduce512(acc[1][r]);
+                (outs[r][j], outs[r][j + 1]) = reduce512x2(acc[0][r], acc[1][r]);
             }
         }
         for c in pairs_end..cols.end {
