@@ -580,11 +580,20 @@ fn attend_impl(
     // Four positions at a time (independent chains); each position's lanes
     // see the same operations as one at a time.
     let mut quads = keys.chunks_exact(4 * hd);
+    let whole = hd / 8 * 8;
     for k4 in quads.by_ref() {
         let mut lanes = [[0f32; 8]; 4];
-        for (i, q) in q.iter().enumerate() {
+        for (c, q8) in q[..whole].chunks_exact(8).enumerate() {
             for (p, lanes) in lanes.iter_mut().enumerate() {
-                lanes[i % 8] = k4[p * hd + i].mul_add(*q, lanes[i % 8]);
+                let k8 = &k4[p * hd + 8 * c..p * hd + 8 * c + 8];
+                for ((l, q), k) in lanes.iter_mut().zip(q8).zip(k8) {
+                    *l = k.mul_add(*q, *l);
+                }
+            }
+        }
+        for i in whole..hd {
+            for (p, lanes) in lanes.iter_mut().enumerate() {
+                lanes[i % 8] = k4[p * hd + i].mul_add(q[i], lanes[i % 8]);
             }
         }
         scores.extend(lanes.iter().map(lane_sum));
