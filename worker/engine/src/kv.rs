@@ -70,11 +70,14 @@ impl SeqCache {
         let l = self.layout;
         for layer in 0..l.layers {
             // K goes out `[kv_heads, head_dim, S]`.
+            // Only the valid positions are converted: the padding past
+            // `tokens` goes out as zeros (a reused buffer may hold stale
+            // values of an earlier request there).
             let k = &self.k[layer];
             let mut out = vec![0u8; k.len() * 2];
             for h in 0..l.kv_heads {
-                for pos in 0..l.seq_len {
-                    for d in 0..l.head_dim {
+                for d in 0..l.head_dim {
+                    for pos in 0..self.tokens {
                         let at = l.k_offset(h, d, pos) * 2;
                         let x = bf16::from_f32(k[l.v_offset(h, pos, d)]);
                         out[at..at + 2].copy_from_slice(&x.to_le_bytes());
@@ -83,21 +86,20 @@ impl SeqCache {
             }
             blobs.push(Bytes::from(out));
             let v = &self.v[layer];
-            let mut out = Vec::with_capacity(v.len() * 2);
-            for x in v.iter() {
-                out.extend_from_slice(&bf16::from_f32(*x).to_le_bytes());
+            let mut out = vec![0u8; v.len() * 2];
+            for h in 0..l.kv_heads {
+                let (a, b) = (l.v_offset(h, 0, 0), l.v_offset(h, self.tokens, 0));
+                for (o, x) in out[2 * a..2 * b].chunks_exact_mut(2).zip(&v[a..b]) {
+                    o.copy_from_slice(&bf16::from_f32(*x).to_le_bytes());
+                }
             }
             blobs.push(Bytes::from(out));
         }
-        // Positions past `tokens` may hold stale values of an earlier request in
-        // a reused buffer: zero them on the wire.
-        let mut cache = KvCache {
+        KvCache {
             layout: self.layout,
             tokens: self.tokens,
             blobs,
-        };
-        zero_padding(&mut cache);
-        cache
+        }
     }
 
     /// Loads wire blobs into this cache (whose layout must match).
@@ -135,57 +137,36 @@ impl SeqCache {
                     l.blob_bytes()
                 )));
             }
+            // Only positions `0..tokens` are read: past them a decode writes
+            // before it reads, so the padding is never needed.
             let (layer, kind) = KvLayout::blob_of(i);
             let value = |at: usize| bf16::from_le_bytes([blob[2 * at], blob[2 * at + 1]]).to_f32();
             match kind {
                 BlobKind::K => {
                     let dst = &mut self.k[layer];
                     for h in 0..l.kv_heads {
-                        for pos in 0..l.seq_len {
-                            for d in 0..l.head_dim {
+                        for d in 0..l.head_dim {
+                            for pos in 0..kv.tokens {
                                 dst[l.v_offset(h, pos, d)] = value(l.k_offset(h, d, pos));
                             }
                         }
                     }
                 }
                 BlobKind::V => {
-                    for (d, c) in self.v[layer].iter_mut().zip(blob.chunks_exact(2)) {
-                        *d = bf16::from_le_bytes([c[0], c[1]]).to_f32();
+                    for h in 0..l.kv_heads {
+                        let (a, b) = (l.v_offset(h, 0, 0), l.v_offset(h, kv.tokens, 0));
+                        for (d, c) in self.v[layer][a..b]
+                            .iter_mut()
+                            .zip(blob[2 * a..2 * b].chunks_exact(2))
+                        {
+                            *d = bf16::from_le_bytes([c[0], c[1]]).to_f32();
+                        }
                     }
                 }
             }
         }
         self.tokens = kv.tokens;
         Ok(())
-    }
-}
-
-/// Zeroes positions `tokens..S` of every blob.
-fn zero_padding(cache: &mut KvCache) {
-    let l = cache.layout;
-    if cache.tokens >= l.seq_len {
-        return;
-    }
-    for (i, blob) in cache.blobs.iter_mut().enumerate() {
-        let mut bytes = blob.to_vec();
-        let (_, kind) = KvLayout::blob_of(i);
-        for h in 0..l.kv_heads {
-            match kind {
-                BlobKind::K => {
-                    for d in 0..l.head_dim {
-                        let from = l.k_offset(h, d, cache.tokens) * 2;
-                        let to = l.k_offset(h, d, l.seq_len - 1) * 2 + 2;
-                        bytes[from..to].fill(0);
-                    }
-                }
-                BlobKind::V => {
-                    let from = l.v_offset(h, cache.tokens, 0) * 2;
-                    let to = l.v_offset(h, l.seq_len - 1, l.head_dim - 1) * 2 + 2;
-                    bytes[from..to].fill(0);
-                }
-            }
-        }
-        *blob = Bytes::from(bytes);
     }
 }
 
@@ -231,6 +212,23 @@ mod tests {
         d.import(&wire).unwrap();
         assert_eq!(d.tokens, 3);
         assert_eq!(d.export(), wire);
+        // A reused buffer: the stale third position must not reach the wire.
+        c.reset();
+        c.tokens = 2;
+        let wire = c.export();
+        for (i, blob) in wire.blobs.iter().enumerate() {
+            for h in 0..l.kv_heads {
+                for pos in 2..l.seq_len {
+                    for dim in 0..l.head_dim {
+                        let at = match KvLayout::blob_of(i).1 {
+                            BlobKind::K => l.k_offset(h, dim, pos),
+                            BlobKind::V => l.v_offset(h, pos, dim),
+                        } * 2;
+                        assert_eq!(&blob[at..at + 2], &[0, 0], "blob {i} h {h} pos {pos}");
+                    }
+                }
+            }
+        }
     }
 
     #[test]
