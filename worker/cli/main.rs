@@ -52,9 +52,38 @@ fn init_tracing() {
         .init();
 }
 
+/// A process started by `rngd-pd up` stops when `up` dies, however it dies:
+/// the kernel sends SIGTERM on the parent's death (`PR_SET_PDEATHSIG`), and a
+/// parent that is already gone when this runs means exiting now.
+#[cfg(target_os = "linux")]
+fn follow_parent() -> anyhow::Result<()> {
+    let Some(parent) = rngd_api::env::var(rngd_api::env::RNGD_PD_UP_PARENT) else {
+        return Ok(());
+    };
+    let parent: i32 = parent.parse().map_err(|_| {
+        anyhow::anyhow!(
+            "{} must be a process id, got `{parent}`",
+            rngd_api::env::RNGD_PD_UP_PARENT
+        )
+    })?;
+    rustix::process::set_parent_process_death_signal(Some(rustix::process::Signal::TERM))?;
+    // Checked after the signal is armed, so no death goes unnoticed.
+    let now = rustix::process::getppid().map_or(0, |p| p.as_raw_nonzero().get());
+    if now != parent {
+        anyhow::bail!("the parent `rngd-pd up` (pid {parent}) is gone; not starting");
+    }
+    Ok(())
+}
+
+#[cfg(not(target_os = "linux"))]
+fn follow_parent() -> anyhow::Result<()> {
+    Ok(())
+}
+
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     init_tracing();
+    follow_parent()?;
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?;

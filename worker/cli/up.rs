@@ -137,6 +137,11 @@ async fn start(
     for (k, v) in envs {
         cmd.env(k, v);
     }
+    // The child stops with this process even if it is SIGKILLed (see main.rs).
+    cmd.env(
+        rngd_api::env::RNGD_PD_UP_PARENT,
+        std::process::id().to_string(),
+    );
     let mut child = cmd
         .spawn()
         .with_context(|| format!("starting {name}: {} {}", exe.display(), args.join(" ")))?;

@@ -83,3 +83,8 @@ pub const RNGD_PD_GATEWAY_DECODE_TIMEOUT_MS: &str = "RNGD_PD_GATEWAY_DECODE_TIME
 /// Policy host: `1` writes `/tmp/perf-<pid>.map` so `perf` names the functions
 /// of compiled policy modules (profiling only); default off.
 pub const RNGD_PD_POLICY_PERFMAP: &str = "RNGD_PD_POLICY_PERFMAP";
+
+/// Set by `rngd-pd up` on the processes it starts: its own pid. A process
+/// started with it stops (SIGTERM) when that parent dies, even by SIGKILL,
+/// and exits at once if the parent is already gone (Linux).
+pub const RNGD_PD_UP_PARENT: &str = "RNGD_PD_UP_PARENT";
