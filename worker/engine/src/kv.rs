@@ -1,14 +1,10 @@
-//! One sequence's KV cache, the NPU wire format's numbers.
+//! One sequence's KV cache, held exactly as the NPU wire format carries it:
+//! per layer K `[kv_heads, head_dim, S]` and V `[kv_heads, S, head_dim]`, bf16.
 //!
-//! On the wire K is `[layers, kv_heads, head_dim, S]` and V `[layers,
-//! kv_heads, S, head_dim]`. In memory both are `[kv_heads, S, head_dim]` per
-//! layer (position-major, so attention reads the first `n` positions as one
-//! contiguous run); export and import transpose K.
-//! Every stored value is rounded to bf16 when it is written, so the cache holds
-//! exactly the numbers the bf16 wire format carries: exporting it is lossless,
-//! and a decode that starts from imported bytes sees the same values as one
-//! that continues in place. The values are kept widened to f32 so that the
-//! attention kernel reads them without converting.
+//! Every value is rounded to bf16 when it is written, so exporting the cache is
+//! a copy of its valid positions, and a decode that starts from imported bytes
+//! sees exactly the values of one that continues in place. The attention
+//! kernel widens bf16 to f32 as it reads (a shift: exact).
 
 use bytes::Bytes;
 use half::bf16;
@@ -16,10 +12,16 @@ use rngd_kv_wire::{BlobKind, Dtype, KvLayout};
 
 use crate::{EngineError, KvCache};
 
-/// Rounds to the nearest bf16 (ties to even) and widens back.
+/// Rounds to the nearest bf16 (ties to even), as its bits.
 #[inline]
-pub(crate) fn round_bf16(x: f32) -> f32 {
-    bf16::from_f32(x).to_f32()
+pub(crate) fn to_bf16(x: f32) -> u16 {
+    bf16::from_f32(x).to_bits()
+}
+
+/// Widens bf16 bits to f32 (exact).
+#[inline(always)]
+pub(crate) fn from_bf16(x: u16) -> f32 {
+    f32::from_bits(u32::from(x) << 16)
 }
 
 /// A sequence's cache: `tokens` valid positions out of `layout.seq_len`.
@@ -28,10 +30,10 @@ pub(crate) struct SeqCache {
     pub(crate) layout: KvLayout,
     /// Valid positions.
     pub(crate) tokens: usize,
-    /// Per layer, `[kv_heads, S, head_dim]` (not the wire layout: see the module docs).
-    pub(crate) k: Vec<Vec<f32>>,
-    /// Per layer, `[kv_heads, S, head_dim]`.
-    pub(crate) v: Vec<Vec<f32>>,
+    /// Per layer, K `[kv_heads, head_dim, S]` as bf16 bits (the wire layout).
+    pub(crate) k: Vec<Vec<u16>>,
+    /// Per layer, V `[kv_heads, S, head_dim]` as bf16 bits (the wire layout).
+    pub(crate) v: Vec<Vec<u16>>,
 }
 
 impl SeqCache {
@@ -41,8 +43,8 @@ impl SeqCache {
         SeqCache {
             layout,
             tokens: 0,
-            k: (0..layout.layers).map(|_| vec![0.0; n]).collect(),
-            v: (0..layout.layers).map(|_| vec![0.0; n]).collect(),
+            k: (0..layout.layers).map(|_| vec![0; n]).collect(),
+            v: (0..layout.layers).map(|_| vec![0; n]).collect(),
         }
     }
 
@@ -58,51 +60,53 @@ impl SeqCache {
         for h in 0..l.kv_heads {
             let at = l.v_offset(h, pos, 0);
             for d in 0..l.head_dim {
-                kc[at + d] = round_bf16(k[h * l.head_dim + d]);
-                vc[at + d] = round_bf16(v[h * l.head_dim + d]);
+                kc[l.k_offset(h, d, pos)] = to_bf16(k[h * l.head_dim + d]);
+                vc[at + d] = to_bf16(v[h * l.head_dim + d]);
             }
         }
     }
 
-    /// The cache as wire blobs (`K0, V0, K1, V1, …`, bf16 little-endian, padded to `S`).
+    /// The element ranges of the valid positions `0..tokens` in a blob of `kind`.
+    fn valid(l: KvLayout, kind: BlobKind, tokens: usize) -> Vec<std::ops::Range<usize>> {
+        match kind {
+            BlobKind::K => (0..l.kv_heads * l.head_dim)
+                .map(|row| row * l.seq_len..row * l.seq_len + tokens)
+                .collect(),
+            BlobKind::V => (0..l.kv_heads)
+                .map(|h| l.v_offset(h, 0, 0)..l.v_offset(h, tokens, 0))
+                .collect(),
+        }
+    }
+
+    /// The cache as wire blobs (`K0, V0, K1, V1, …`, bf16 little-endian,
+    /// padded to `S` with zeros: a reused buffer may hold stale values of an
+    /// earlier request there).
     pub(crate) fn export(&self) -> KvCache {
-        let mut blobs = Vec::with_capacity(self.layout.blob_count());
         let l = self.layout;
-        for layer in 0..l.layers {
-            // K goes out `[kv_heads, head_dim, S]`.
-            // Only the valid positions are converted: the padding past
-            // `tokens` goes out as zeros (a reused buffer may hold stale
-            // values of an earlier request there).
-            let k = &self.k[layer];
-            let mut out = vec![0u8; k.len() * 2];
-            for h in 0..l.kv_heads {
-                for d in 0..l.head_dim {
-                    for pos in 0..self.tokens {
-                        let at = l.k_offset(h, d, pos) * 2;
-                        let x = bf16::from_f32(k[l.v_offset(h, pos, d)]);
-                        out[at..at + 2].copy_from_slice(&x.to_le_bytes());
-                    }
-                }
-            }
-            blobs.push(Bytes::from(out));
-            let v = &self.v[layer];
-            let mut out = vec![0u8; v.len() * 2];
-            for h in 0..l.kv_heads {
-                let (a, b) = (l.v_offset(h, 0, 0), l.v_offset(h, self.tokens, 0));
-                for (o, x) in out[2 * a..2 * b].chunks_exact_mut(2).zip(&v[a..b]) {
-                    o.copy_from_slice(&bf16::from_f32(*x).to_le_bytes());
+        let mut blobs = Vec::with_capacity(l.blob_count());
+        for i in 0..l.blob_count() {
+            let (layer, kind) = KvLayout::blob_of(i);
+            let src = match kind {
+                BlobKind::K => &self.k[layer],
+                BlobKind::V => &self.v[layer],
+            };
+            let mut out = vec![0u8; src.len() * 2];
+            for r in Self::valid(l, kind, self.tokens) {
+                for (o, x) in out[2 * r.start..2 * r.end].chunks_exact_mut(2).zip(&src[r]) {
+                    o.copy_from_slice(&x.to_le_bytes());
                 }
             }
             blobs.push(Bytes::from(out));
         }
         KvCache {
-            layout: self.layout,
+            layout: l,
             tokens: self.tokens,
             blobs,
         }
     }
 
-    /// Loads wire blobs into this cache (whose layout must match).
+    /// Loads wire blobs into this cache (whose layout must match). Only the
+    /// valid positions are read: past them a decode writes before it reads.
     pub(crate) fn import(&mut self, kv: &KvCache) -> Result<(), EngineError> {
         let l = self.layout;
         if kv.layout != l {
@@ -137,31 +141,19 @@ impl SeqCache {
                     l.blob_bytes()
                 )));
             }
-            // Only positions `0..tokens` are read: past them a decode writes
-            // before it reads, so the padding is never needed.
+        }
+        for (i, blob) in kv.blobs.iter().enumerate() {
             let (layer, kind) = KvLayout::blob_of(i);
-            let value = |at: usize| bf16::from_le_bytes([blob[2 * at], blob[2 * at + 1]]).to_f32();
-            match kind {
-                BlobKind::K => {
-                    let dst = &mut self.k[layer];
-                    for h in 0..l.kv_heads {
-                        for d in 0..l.head_dim {
-                            for pos in 0..kv.tokens {
-                                dst[l.v_offset(h, pos, d)] = value(l.k_offset(h, d, pos));
-                            }
-                        }
-                    }
-                }
-                BlobKind::V => {
-                    for h in 0..l.kv_heads {
-                        let (a, b) = (l.v_offset(h, 0, 0), l.v_offset(h, kv.tokens, 0));
-                        for (d, c) in self.v[layer][a..b]
-                            .iter_mut()
-                            .zip(blob[2 * a..2 * b].chunks_exact(2))
-                        {
-                            *d = bf16::from_le_bytes([c[0], c[1]]).to_f32();
-                        }
-                    }
+            let dst = match kind {
+                BlobKind::K => &mut self.k[layer],
+                BlobKind::V => &mut self.v[layer],
+            };
+            for r in Self::valid(l, kind, kv.tokens) {
+                for (d, c) in dst[r.clone()]
+                    .iter_mut()
+                    .zip(blob[2 * r.start..2 * r.end].chunks_exact(2))
+                {
+                    *d = u16::from_le_bytes([c[0], c[1]]);
                 }
             }
         }
@@ -204,7 +196,7 @@ mod tests {
         let l = layout();
         let at = l.k_offset(1, 2, 1) * 2;
         let got = bf16::from_le_bytes([wire.blobs[0][at], wire.blobs[0][at + 1]]).to_f32();
-        assert_eq!(got, round_bf16((100 + 4 + 2) as f32 * 0.013));
+        assert_eq!(got, from_bf16(to_bf16((100 + 4 + 2) as f32 * 0.013)));
         // Padding positions are zero.
         let pad = l.k_offset(0, 0, 5) * 2;
         assert_eq!(&wire.blobs[0][pad..pad + 2], &[0, 0]);

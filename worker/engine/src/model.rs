@@ -22,7 +22,7 @@ use candle_core::quantized::QMatMul;
 use candle_core::{Device, Module, Tensor};
 
 use crate::EngineError;
-use crate::kv::SeqCache;
+use crate::kv::{SeqCache, from_bf16};
 use crate::qgemm::{Pool, QWeights};
 use crate::tokenizer::Meta;
 use rayon::prelude::*;
@@ -504,27 +504,20 @@ impl Model {
     }
 }
 
-/// The fixed tree sum of 8 attention lanes.
-#[inline(always)]
-fn lane_sum(lanes: &[f32; 8]) -> f32 {
-    let s4 = [0, 1, 2, 3].map(|i| lanes[i] + lanes[i + 4]);
-    (s4[0] + s4[2]) + (s4[1] + s4[3])
-}
-
 /// One row's attention work: (its query, its output), (its cache, positions).
 type AttnTask<'a, 'c> = ((&'a [f32], &'a mut [f32]), &'a (&'c SeqCache, usize));
 
 /// Attention of one query head over positions `0..n` of KV head `g`.
 ///
-/// K and V are stored `[kv_heads, S, head_dim]`, so positions `0..n` are one
-/// contiguous run. Each score `q · k_s` is 8 lanes of `mul_add` over the
-/// dimensions (lane `i` takes `i, i + 8, …`) summed by a fixed tree: one
-/// order for every query, whether it came from a prefill or a decode step.
+/// The cache is bf16 in the wire layout (K `[head_dim, S]`, V `[S, head_dim]`
+/// per head), widened as it is read. Each score `q · k_s` is a `mul_add`
+/// over the dimensions in order: one order for every query, whether it came
+/// from a prefill or a decode step, and whatever else shares its batch.
 #[allow(clippy::too_many_arguments)]
 fn attend(
     q: &[f32],
-    kc: &[f32],
-    vc: &[f32],
+    kc: &[u16],
+    vc: &[u16],
     layout: rngd_kv_wire::KvLayout,
     g: usize,
     n: usize,
@@ -548,8 +541,8 @@ fn attend(
 #[target_feature(enable = "avx2,fma")]
 fn attend_fma(
     q: &[f32],
-    kc: &[f32],
-    vc: &[f32],
+    kc: &[u16],
+    vc: &[u16],
     layout: rngd_kv_wire::KvLayout,
     g: usize,
     n: usize,
@@ -564,8 +557,8 @@ fn attend_fma(
 #[allow(clippy::too_many_arguments)]
 fn attend_impl(
     q: &[f32],
-    kc: &[f32],
-    vc: &[f32],
+    kc: &[u16],
+    vc: &[u16],
     layout: rngd_kv_wire::KvLayout,
     g: usize,
     n: usize,
@@ -575,35 +568,15 @@ fn attend_impl(
 ) {
     let hd = layout.head_dim;
     scores.clear();
-    let at = layout.v_offset(g, 0, 0);
-    let keys = &kc[at..at + n * hd];
-    // Four positions at a time (independent chains); each position's lanes
-    // see the same operations as one at a time.
-    let mut quads = keys.chunks_exact(4 * hd);
-    let whole = hd / 8 * 8;
-    for k4 in quads.by_ref() {
-        let mut lanes = [[0f32; 8]; 4];
-        for (c, q8) in q[..whole].chunks_exact(8).enumerate() {
-            for (p, lanes) in lanes.iter_mut().enumerate() {
-                let k8 = &k4[p * hd + 8 * c..p * hd + 8 * c + 8];
-                for ((l, q), k) in lanes.iter_mut().zip(q8).zip(k8) {
-                    *l = k.mul_add(*q, *l);
-                }
-            }
+    scores.resize(n, 0.0);
+    // K is `[head_dim, S]` per head: each dimension adds its contiguous row
+    // of positions to the scores (vectorized over positions; every score sees
+    // the dimensions in order, one `mul_add` each).
+    for (dim, qd) in q.iter().enumerate() {
+        let at = layout.k_offset(g, dim, 0);
+        for (s, k) in scores.iter_mut().zip(&kc[at..at + n]) {
+            *s = from_bf16(*k).mul_add(*qd, *s);
         }
-        for i in whole..hd {
-            for (p, lanes) in lanes.iter_mut().enumerate() {
-                lanes[i % 8] = k4[p * hd + i].mul_add(q[i], lanes[i % 8]);
-            }
-        }
-        scores.extend(lanes.iter().map(lane_sum));
-    }
-    for k in quads.remainder().chunks_exact(hd) {
-        let mut lanes = [0f32; 8];
-        for (i, (q, k)) in q.iter().zip(k).enumerate() {
-            lanes[i % 8] = k.mul_add(*q, lanes[i % 8]);
-        }
-        scores.push(lane_sum(&lanes));
     }
     let mut max = f32::NEG_INFINITY;
     for s in scores.iter_mut() {
@@ -621,7 +594,7 @@ fn attend_impl(
         let w = p * inv;
         let at = layout.v_offset(g, pos, 0);
         for (o, v) in out.iter_mut().zip(&vc[at..at + hd]) {
-            *o = v.mul_add(w, *o);
+            *o = from_bf16(*v).mul_add(w, *o);
         }
     }
 }
