@@ -52,6 +52,22 @@ pub struct ServerConfig {
     pub extra_routes: Option<axum::Router>,
 }
 
+impl ServerConfig {
+    /// gRPC and health listeners on `127.0.0.1:0` (ports picked by the
+    /// system, reported by the started server), no metrics listener, default
+    /// limits: for tests and benchmarks.
+    pub fn loopback() -> Self {
+        let any: SocketAddr = ([127, 0, 0, 1], 0).into();
+        ServerConfig {
+            grpc: any,
+            health: any,
+            metrics: None,
+            processor: ProcessorConfig::default(),
+            extra_routes: None,
+        }
+    }
+}
+
 /// How the ext_proc gRPC listener is served.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum GrpcServing {

@@ -17,7 +17,6 @@ use rngd_ext_proc::envoy_types::pb::google::protobuf::{ListValue, Struct, Value,
 use rngd_ext_proc::endpoints::StaticEndpoints;
 use rngd_ext_proc::metrics::EppMetrics;
 use rngd_ext_proc::picker::{Decider, Picker, PromptCounter};
-use rngd_ext_proc::processor::ProcessorConfig;
 use rngd_ext_proc::server::{self, GrpcServing, RunningServer, ServerConfig};
 use rngd_ext_proc::{BoxError, ExtProcError};
 use rngd_policy_core::{Decision, Endpoint, LocalResponse, Role, Route, Vendor};
@@ -134,15 +133,11 @@ async fn harness(endpoints: Vec<Endpoint>, fail: bool) -> Harness {
         Some(Arc::new(WordCounter)),
         metrics.clone(),
     );
-    let loopback = "127.0.0.1:0".parse().unwrap();
     let server = server::start(
         Arc::new(picker),
         ServerConfig {
-            grpc: loopback,
-            health: loopback,
-            metrics: Some(loopback),
-            processor: ProcessorConfig::default(),
-            extra_routes: None,
+            metrics: Some(([127, 0, 0, 1], 0).into()),
+            ..ServerConfig::loopback()
         },
     )
     .await
@@ -889,20 +884,9 @@ async fn per_connection_and_shared_serving_both_pick_and_stop_on_abort() {
             None,
             EppMetrics::new().expect("metrics"),
         );
-        let loopback = "127.0.0.1:0".parse().unwrap();
-        let server = server::start_with(
-            Arc::new(picker),
-            ServerConfig {
-                grpc: loopback,
-                health: loopback,
-                metrics: None,
-                processor: ProcessorConfig::default(),
-                extra_routes: None,
-            },
-            serving,
-        )
-        .await
-        .expect("start");
+        let server = server::start_with(Arc::new(picker), ServerConfig::loopback(), serving)
+            .await
+            .expect("start");
         let addr = server.grpc_addr;
         let body = br#"{"model":"m","prompt":"hi"}"#;
         let exchanges = (0..4).map(|_| {

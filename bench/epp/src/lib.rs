@@ -27,7 +27,6 @@ use rngd_ext_proc::endpoints::StaticEndpoints;
 use rngd_ext_proc::metrics::EppMetrics;
 use rngd_ext_proc::picker::{Decider, Picker};
 use rngd_ext_proc::policy::RuntimeDecider;
-use rngd_ext_proc::processor::ProcessorConfig;
 use rngd_ext_proc::server::{self, GrpcServing, ServerConfig};
 use rngd_policy_core::{Endpoint, Role, Vendor};
 use rngd_policy_host::{PolicyRuntime, PolicySource, SandboxLimits};
@@ -705,20 +704,9 @@ pub async fn run(args: Args) -> Result<Report, BenchError> {
                     Arc::new(RuntimeDecider(runtime))
                 };
                 let picker = Picker::new(decider, endpoints, None, metrics);
-                let loopback: SocketAddr = ([127, 0, 0, 1], 0).into();
-                server::start_with(
-                    Arc::new(picker),
-                    ServerConfig {
-                        grpc: loopback,
-                        health: loopback,
-                        metrics: None,
-                        processor: ProcessorConfig::default(),
-                        extra_routes: None,
-                    },
-                    serving,
-                )
-                .await
-                .map_err(|source| BenchError::Epp { source })
+                server::start_with(Arc::new(picker), ServerConfig::loopback(), serving)
+                    .await
+                    .map_err(|source| BenchError::Epp { source })
             })
             .await
             .map_err(|e| BenchError::Missing(format!("picker start task: {e}")))??
