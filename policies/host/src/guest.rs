@@ -216,11 +216,11 @@ impl Guest {
 
     fn run_context(&mut self, ctx: u32, req: &PolicyRequest) -> Result<(), PolicyError> {
         let end_of_stream = u32::from(req.body.is_empty());
-        self.arm();
+        self.store.set_epoch_deadline(self.deadline_ticks);
         self.on_context_create
             .call(&mut self.store, (ctx, ROOT_CONTEXT))
             .map_err(|e| classify(&self.store, e, &self.limits))?;
-        self.arm();
+        self.store.set_epoch_deadline(self.deadline_ticks);
         self.on_request_headers
             .call(
                 &mut self.store,
@@ -247,10 +247,6 @@ impl Guest {
                 .map_err(|e| classify(&self.store, e, &self.limits))?;
         }
         Ok(())
-    }
-
-    fn arm(&mut self) {
-        self.store.set_epoch_deadline(self.deadline_ticks);
     }
 }
 

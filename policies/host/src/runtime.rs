@@ -476,8 +476,15 @@ impl PolicyRuntime {
             && (Arc::ptr_eq(seen, endpoints) || **seen == **endpoints)
         {
             let p = p.clone();
-            // Keep the newest `Arc` so the next request with it is a pointer match.
-            memo.endpoints = Some(endpoints.clone());
+            // An equal list in a new `Arc`: keep that one, so the next request
+            // carrying it is a pointer match.
+            if !memo
+                .endpoints
+                .as_ref()
+                .is_some_and(|s| Arc::ptr_eq(s, endpoints))
+            {
+                memo.endpoints = Some(endpoints.clone());
+            }
             return Some(p);
         }
         memo.generation += 1;

@@ -67,15 +67,18 @@ impl SeqCache {
     }
 
     /// The element ranges of the valid positions `0..tokens` in a blob of `kind`.
-    fn valid(l: KvLayout, kind: BlobKind, tokens: usize) -> Vec<std::ops::Range<usize>> {
-        match kind {
-            BlobKind::K => (0..l.kv_heads * l.head_dim)
-                .map(|row| row * l.seq_len..row * l.seq_len + tokens)
-                .collect(),
-            BlobKind::V => (0..l.kv_heads)
-                .map(|h| l.v_offset(h, 0, 0)..l.v_offset(h, tokens, 0))
-                .collect(),
-        }
+    fn valid(
+        l: KvLayout,
+        kind: BlobKind,
+        tokens: usize,
+    ) -> impl Iterator<Item = std::ops::Range<usize>> {
+        // A blob is rows of `S` positions: K has one per (head, dim) of
+        // `S` values, V one per head of `S * head_dim` values.
+        let (rows, stride, len) = match kind {
+            BlobKind::K => (l.kv_heads * l.head_dim, l.seq_len, tokens),
+            BlobKind::V => (l.kv_heads, l.seq_len * l.head_dim, tokens * l.head_dim),
+        };
+        (0..rows).map(move |r| r * stride..r * stride + len)
     }
 
     /// The cache as wire blobs (`K0, V0, K1, V1, …`, bf16 little-endian,
