@@ -6,7 +6,10 @@ mod config;
 mod pick;
 
 pub use config::PolicyConfig;
-pub use pick::{PdPolicy, RequestInput, SnapshotCache, decide, estimate_prompt_tokens};
+pub use pick::{
+    Outcome, PdPolicy, RequestInput, RouteRef, SnapshotCache, choose, decide,
+    estimate_prompt_tokens,
+};
 
 use serde::{Deserialize, Serialize};
 
@@ -17,6 +20,12 @@ pub const PROP_PROMPT_TOKENS: &str = "rngd_pd.prompt_tokens";
 /// Property path carrying an opaque version of the endpoint snapshot: while it
 /// stays the same, a guest may reuse the snapshot it parsed before.
 pub const PROP_ENDPOINTS_VERSION: &str = "rngd_pd.endpoints_version";
+/// [`PROP_ENDPOINTS`] as `proxy_get_property` takes it (tokens joined by NUL).
+pub const PROP_ENDPOINTS_PATH: &[u8] = b"rngd_pd\0endpoints";
+/// [`PROP_PROMPT_TOKENS`] as `proxy_get_property` takes it.
+pub const PROP_PROMPT_TOKENS_PATH: &[u8] = b"rngd_pd\0prompt_tokens";
+/// [`PROP_ENDPOINTS_VERSION`] as `proxy_get_property` takes it.
+pub const PROP_ENDPOINTS_VERSION_PATH: &[u8] = b"rngd_pd\0endpoints_version";
 
 /// Errors of the policy logic.
 #[derive(Debug, thiserror::Error)]
@@ -171,4 +180,20 @@ pub struct LocalResponse {
     pub body: Vec<u8>,
     /// Extra response headers.
     pub headers: Vec<(String, String)>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn property_paths_are_the_names_joined_by_nul() {
+        for (name, path) in [
+            (PROP_ENDPOINTS, PROP_ENDPOINTS_PATH),
+            (PROP_PROMPT_TOKENS, PROP_PROMPT_TOKENS_PATH),
+            (PROP_ENDPOINTS_VERSION, PROP_ENDPOINTS_VERSION_PATH),
+        ] {
+            assert_eq!(name.replace('.', "\0").as_bytes(), path);
+        }
+    }
 }

@@ -86,8 +86,78 @@ fn best<'e>(
         .map(|(e, _)| e)
 }
 
+/// A decision that borrows its addresses from the snapshot and its transport
+/// from the configuration, so a route costs no allocation. The guest writes
+/// it straight into request headers; [`Outcome::into_decision`] makes the
+/// owned [`Decision`] a host returns.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Outcome<'a> {
+    /// Send the request on.
+    Route(RouteRef<'a>),
+    /// Answer locally (reject).
+    Reject(LocalResponse),
+}
+
+/// A route borrowing from the snapshot and configuration (see [`Outcome`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RouteRef<'a> {
+    /// Decode (or only) endpoint `ip:port`.
+    pub decode: &'a str,
+    /// Remote prefill endpoint `ip:port` and the KV transport to it; `None` =
+    /// prefill on the decode endpoint.
+    pub prefill: Option<(&'a str, &'a str)>,
+}
+
+impl<'a> RouteRef<'a> {
+    /// The request headers this route sets, in order: decode, then (when the
+    /// prefill is remote) prefill and transport.
+    pub fn headers(&self) -> impl Iterator<Item = (&'static str, &'a str)> + use<'a> {
+        let decode = [(headers::DESTINATION_ENDPOINT, self.decode)];
+        let prefill = self.prefill.map(|(p, t)| {
+            [
+                (headers::PREFILLER_HOST_PORT, p),
+                (headers::KV_TRANSPORT, t),
+            ]
+        });
+        decode.into_iter().chain(prefill.into_iter().flatten())
+    }
+
+    /// The owned [`Route`].
+    pub fn to_route(&self) -> Route {
+        Route {
+            decode: self.decode.to_string(),
+            prefill: self.prefill.map(|(p, _)| p.to_string()),
+            kv_transport: self.prefill.map(|(_, t)| t.to_string()),
+            headers: self
+                .headers()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
+        }
+    }
+}
+
+impl Outcome<'_> {
+    /// The owned [`Decision`].
+    pub fn into_decision(self) -> Decision {
+        match self {
+            Outcome::Route(r) => Decision::Route(r.to_route()),
+            Outcome::Reject(l) => Decision::Reject(l),
+        }
+    }
+}
+
 /// Decides one request against an endpoint set (the default policy).
 pub fn decide(config: &PolicyConfig, endpoints: &[Endpoint], input: &RequestInput<'_>) -> Decision {
+    choose(config, endpoints, input).into_decision()
+}
+
+/// [`decide`] without allocating for a route: the result borrows from
+/// `config` and `endpoints`.
+pub fn choose<'a>(
+    config: &'a PolicyConfig,
+    endpoints: &'a [Endpoint],
+    input: &RequestInput<'_>,
+) -> Outcome<'a> {
     let (max_tokens, prompt_bytes) = match input.body {
         None => (
             config.default_max_tokens,
@@ -102,7 +172,7 @@ pub fn decide(config: &PolicyConfig, endpoints: &[Endpoint], input: &RequestInpu
                 b.prompt.map_or(0, |r| r.get().len()) + b.messages.map_or(0, |r| r.get().len()),
             ),
             Err(e) => {
-                return Decision::Reject(LocalResponse::error(
+                return Outcome::Reject(LocalResponse::error(
                     400,
                     format!("request body is not a valid completion request: {e}"),
                     None,
@@ -144,7 +214,7 @@ pub fn decide(config: &PolicyConfig, endpoints: &[Endpoint], input: &RequestInpu
         } else {
             ""
         };
-        return Decision::Reject(LocalResponse::error(
+        return Outcome::Reject(LocalResponse::error(
             503,
             format!("no healthy decode endpoint{why} is available"),
             None,
@@ -152,14 +222,14 @@ pub fn decide(config: &PolicyConfig, endpoints: &[Endpoint], input: &RequestInpu
     }
     if fitting == 0 {
         let p = prompt.unwrap_or(0);
-        return Decision::Reject(LocalResponse::error(
+        return Outcome::Reject(LocalResponse::error(
             400,
             context_length_message(p as usize, max_tokens as usize, max_seq_len as usize),
             Some(CONTEXT_LENGTH_CODE),
         ));
     }
     let Some((decode, _)) = best_decode else {
-        return Decision::Reject(LocalResponse::error(
+        return Outcome::Reject(LocalResponse::error(
             429,
             format!(
                 "all {fitting} eligible decode endpoints are at the queue limit ({})",
@@ -169,14 +239,9 @@ pub fn decide(config: &PolicyConfig, endpoints: &[Endpoint], input: &RequestInpu
         ));
     };
 
-    let mut route = Route {
-        decode: decode.address.clone(),
+    let mut route = RouteRef {
+        decode: &decode.address,
         prefill: None,
-        kv_transport: None,
-        headers: vec![(
-            headers::DESTINATION_ENDPOINT.to_string(),
-            decode.address.clone(),
-        )],
     };
     let disaggregate = decode.role == Role::Decode
         && prompt.is_none_or(|p| p >= config.disaggregation_threshold_tokens);
@@ -193,28 +258,18 @@ pub fn decide(config: &PolicyConfig, endpoints: &[Endpoint], input: &RequestInpu
         );
         if let Some(prefill) = prefill {
             let same_node = !prefill.node.is_empty() && prefill.node == decode.node;
-            let mut options = Vec::with_capacity(2);
-            if same_node {
-                options.push(config.same_node_transport.as_str());
-            }
-            options.push(config.cross_node_transport.as_str());
-            if let Some(t) = options
+            let same = same_node.then_some(config.same_node_transport.as_str());
+            let cross = Some(config.cross_node_transport.as_str());
+            if let Some(t) = [same, cross]
                 .into_iter()
+                .flatten()
                 .find(|t| supports(prefill, t) && supports(decode, t))
             {
-                route.prefill = Some(prefill.address.clone());
-                route.kv_transport = Some(t.to_string());
-                route.headers.push((
-                    headers::PREFILLER_HOST_PORT.to_string(),
-                    prefill.address.clone(),
-                ));
-                route
-                    .headers
-                    .push((headers::KV_TRANSPORT.to_string(), t.to_string()));
+                route.prefill = Some((&prefill.address, t));
             }
         }
     }
-    Decision::Route(route)
+    Outcome::Route(route)
 }
 
 /// The endpoint snapshot a policy instance parsed last, keyed by the host's
@@ -290,11 +345,32 @@ impl PdPolicy {
         version: Option<&[u8]>,
         fetch_endpoints: impl FnOnce() -> Option<Vec<u8>>,
     ) -> Decision {
+        self.outcome(
+            subset,
+            body,
+            content_length,
+            prompt_tokens,
+            version,
+            fetch_endpoints,
+        )
+        .into_decision()
+    }
+
+    /// [`PdPolicy::decide`] without allocating for a route (see [`Outcome`]).
+    pub fn outcome(
+        &mut self,
+        subset: Option<&str>,
+        body: Option<&[u8]>,
+        content_length: Option<u64>,
+        prompt_tokens: Option<&[u8]>,
+        version: Option<&[u8]>,
+        fetch_endpoints: impl FnOnce() -> Option<Vec<u8>>,
+    ) -> Outcome<'_> {
         let prompt_tokens = match prompt_tokens.map(parse_decimal) {
             None => None,
             Some(Some(n)) => Some(n),
             Some(None) => {
-                return Decision::Reject(LocalResponse::error(
+                return Outcome::Reject(LocalResponse::error(
                     500,
                     format!(
                         "property {} is not a decimal number",
@@ -311,9 +387,9 @@ impl PdPolicy {
             subset,
         };
         match self.cache.get(version, fetch_endpoints) {
-            Ok(Some(eps)) => decide(&self.config, eps, &input),
-            Ok(None) => decide(&self.config, &self.config.static_endpoints, &input),
-            Err(e) => Decision::Reject(LocalResponse::error(500, e.to_string(), None)),
+            Ok(Some(eps)) => choose(&self.config, eps, &input),
+            Ok(None) => choose(&self.config, &self.config.static_endpoints, &input),
+            Err(e) => Outcome::Reject(LocalResponse::error(500, e.to_string(), None)),
         }
     }
 }
@@ -519,6 +595,42 @@ mod tests {
             },
         );
         assert_eq!(d.rejection().map(|l| l.status), Some(400));
+    }
+
+    #[test]
+    fn outcome_borrows_the_same_decision() {
+        let eps = vec![
+            ep("d:1", Role::Decode, "n1", 0),
+            ep("p:1", Role::Prefill, "n1", 0),
+        ];
+        let b = body(10, 5);
+        let cfg = PolicyConfig::default();
+        for prompt in [5, 100] {
+            let input = RequestInput {
+                content_length: None,
+                body: Some(&b),
+                prompt_tokens: Some(prompt),
+                subset: None,
+            };
+            let outcome = choose(&cfg, &eps, &input);
+            assert_eq!(outcome.clone().into_decision(), decide(&cfg, &eps, &input));
+            let Outcome::Route(r) = outcome else {
+                panic!("rejected")
+            };
+            let hdrs: Vec<_> = r.headers().collect();
+            if prompt < cfg.disaggregation_threshold_tokens {
+                assert_eq!(hdrs, vec![(headers::DESTINATION_ENDPOINT, "d:1")]);
+            } else {
+                assert_eq!(
+                    hdrs,
+                    vec![
+                        (headers::DESTINATION_ENDPOINT, "d:1"),
+                        (headers::PREFILLER_HOST_PORT, "p:1"),
+                        (headers::KV_TRANSPORT, "shm"),
+                    ]
+                );
+            }
+        }
     }
 
     #[test]

@@ -184,10 +184,9 @@ impl Guest {
         let ctx = self.next_context;
         self.next_context = self.next_context.checked_add(1).unwrap_or(ROOT_CONTEXT + 1);
         {
-            // Buffers of the previous request are reused (`clone_from` keeps
-            // the strings' allocations).
+            // Buffers of the previous request are reused.
             let st = &mut self.store.data_mut().req;
-            st.headers.clone_from(&req.headers);
+            copy_pairs(&mut st.headers, &req.headers);
             st.body.clear();
             st.body.extend_from_slice(&req.body);
             st.endpoints = snapshot.map(|s| s.json.clone());
@@ -248,6 +247,19 @@ impl Guest {
         }
         Ok(())
     }
+}
+
+/// Copies `src` into `dst`, reusing the strings `dst` already holds (a
+/// `Vec<(String, String)>::clone_from` would allocate every string anew: tuples
+/// clone element by element without `clone_from`).
+fn copy_pairs(dst: &mut Vec<(String, String)>, src: &[(String, String)]) {
+    dst.truncate(src.len());
+    let kept = dst.len();
+    for (d, s) in dst.iter_mut().zip(src) {
+        d.0.clone_from(&s.0);
+        d.1.clone_from(&s.1);
+    }
+    dst.extend_from_slice(&src[kept..]);
 }
 
 /// Maps a wasmtime call error to the matching guest fault.

@@ -10,7 +10,8 @@ use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{Action, ContextType, LogLevel};
 use rngd_api::headers;
 use rngd_policy_core::{
-    Decision, PROP_ENDPOINTS, PROP_ENDPOINTS_VERSION, PROP_PROMPT_TOKENS, PdPolicy, PolicyConfig,
+    Outcome, PROP_ENDPOINTS_PATH, PROP_ENDPOINTS_VERSION_PATH, PROP_PROMPT_TOKENS_PATH, PdPolicy,
+    PolicyConfig,
 };
 
 /// The module entry point (`_initialize`), registering the root context.
@@ -69,19 +70,40 @@ struct Request {
     version: Option<Vec<u8>>,
 }
 
-/// A property path (`rngd_pd.x` → `["rngd_pd", "x"]`) without splitting per call.
-fn path(p: &'static str) -> Vec<&'static str> {
-    match p.split_once('.') {
-        Some((a, b)) => vec![a, b],
-        None => vec![p],
+#[link(wasm_import_module = "env")]
+unsafe extern "C" {
+    /// The ABI's property read (the SDK's `get_property` builds the path in a
+    /// fresh allocation per call; the paths here are constants).
+    fn proxy_get_property(
+        path_data: *const u8,
+        path_size: usize,
+        return_value_data: *mut *mut u8,
+        return_value_size: *mut usize,
+    ) -> u32;
+}
+
+/// Reads a property by its NUL-joined path; `None` when absent (or on any
+/// other status: the policy then behaves as without it).
+fn property(path: &[u8]) -> Option<Vec<u8>> {
+    let mut data: *mut u8 = std::ptr::null_mut();
+    let mut size: usize = 0;
+    // SAFETY: `path` is a live slice; the two out-pointers point to locals.
+    let status = unsafe { proxy_get_property(path.as_ptr(), path.len(), &mut data, &mut size) };
+    if status != 0 || data.is_null() {
+        return None;
     }
+    // SAFETY: on success the host returned `size` bytes it wrote into a block
+    // it obtained from this module's exported allocator (`malloc` /
+    // `proxy_on_memory_allocate`, a boxed slice of exactly `size` bytes), so
+    // ownership of that block passes to us; the SDK takes it over the same way.
+    Some(unsafe { Vec::from_raw_parts(data, size, size) })
 }
 
 impl Request {
     fn decide_and_apply(&mut self, body: Option<&[u8]>) -> Action {
         self.decided = true;
         let subset = self.get_http_request_header(headers::DESTINATION_ENDPOINT_SUBSET);
-        let prompt_tokens = self.get_property(path(PROP_PROMPT_TOKENS));
+        let prompt_tokens = property(PROP_PROMPT_TOKENS_PATH);
         // Only an absent body makes the policy estimate from content-length.
         let content_length = match body {
             Some(_) => None,
@@ -89,26 +111,27 @@ impl Request {
                 .get_http_request_header("content-length")
                 .and_then(|v| v.trim().parse().ok()),
         };
-        let decision = self.policy.borrow_mut().decide(
+        let mut policy = self.policy.borrow_mut();
+        let outcome = policy.outcome(
             subset.as_deref(),
             body,
             content_length,
             prompt_tokens.as_deref(),
             self.version.as_deref(),
-            || self.get_property(path(PROP_ENDPOINTS)),
+            || property(PROP_ENDPOINTS_PATH),
         );
-        match decision {
-            Decision::Route(route) => {
+        match outcome {
+            Outcome::Route(route) => {
                 if route.prefill.is_none() {
                     self.set_http_request_header(headers::PREFILLER_HOST_PORT, None);
                     self.set_http_request_header(headers::KV_TRANSPORT, None);
                 }
-                for (name, value) in &route.headers {
+                for (name, value) in route.headers() {
                     self.set_http_request_header(name, Some(value));
                 }
                 Action::Continue
             }
-            Decision::Reject(local) => {
+            Outcome::Reject(local) => {
                 let hdrs: Vec<(&str, &str)> = local
                     .headers
                     .iter()
@@ -125,7 +148,7 @@ impl Context for Request {}
 
 impl HttpContext for Request {
     fn on_http_request_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
-        self.version = self.get_property(path(PROP_ENDPOINTS_VERSION));
+        self.version = property(PROP_ENDPOINTS_VERSION_PATH);
         if end_of_stream {
             self.decide_and_apply(Some(&[]))
         } else if self.version.is_some() {
