@@ -246,13 +246,6 @@ fn write(cx: &mut Cx<'_>, ptr: u32, bytes: &[u8]) -> Result<(), u32> {
     Ok(())
 }
 
-fn check_slot(cx: &Cx<'_>, ptr: u32, len: u32) -> Result<(), u32> {
-    let mem = cx.data().memory.ok_or(status::INTERNAL_FAILURE)?;
-    range(mem.data_size(cx), ptr, len)
-        .map(|_| ())
-        .ok_or(status::INVALID_MEMORY_ACCESS)
-}
-
 /// Copies what `select` picks out of the host state into guest memory the
 /// guest allocates (`malloc` / `proxy_on_memory_allocate`) and stores pointer
 /// and length at the two return slots; `None` from `select` is `NotFound`.
@@ -266,8 +259,12 @@ fn give_from(
     ret_len: u32,
     select: impl Fn(&HostState) -> Option<&[u8]>,
 ) -> wasmtime::Result<u32> {
-    if let Err(s) = check_slot(cx, ret_ptr, 4).and_then(|_| check_slot(cx, ret_len, 4)) {
-        return Ok(s);
+    let Some(mem) = cx.data().memory else {
+        return Ok(status::INTERNAL_FAILURE);
+    };
+    let size = mem.data_size(&*cx);
+    if range(size, ret_ptr, 4).is_none() || range(size, ret_len, 4).is_none() {
+        return Ok(status::INVALID_MEMORY_ACCESS);
     }
     let Some(n) = select(cx.data()).map(<[u8]>::len) else {
         return Ok(status::NOT_FOUND);
@@ -290,27 +287,28 @@ fn give_from(
         if p == 0 {
             return Ok(status::INTERNAL_FAILURE);
         }
-        let Some(mem) = cx.data().memory else {
-            return Ok(status::INTERNAL_FAILURE);
-        };
-        let (data, st) = mem.data_and_store_mut(&mut *cx);
+        p
+    };
+    // One view of memory for the copy and both return slots (the allocator
+    // may have grown memory, never shrunk it: the slots are still in bounds,
+    // and are checked again anyway).
+    let (data, st) = mem.data_and_store_mut(&mut *cx);
+    if n > 0 {
         let Some(bytes) = select(st).filter(|b| b.len() == n) else {
             return Ok(status::INTERNAL_FAILURE);
         };
-        let Some(r) = range(data.len(), p, len) else {
+        let Some(r) = range(data.len(), ptr, len) else {
             return Ok(status::INVALID_MEMORY_ACCESS);
         };
         data[r].copy_from_slice(bytes);
-        p
+    }
+    let (Some(rp), Some(rl)) = (range(data.len(), ret_ptr, 4), range(data.len(), ret_len, 4))
+    else {
+        return Ok(status::INVALID_MEMORY_ACCESS);
     };
-    Ok(
-        match write(cx, ret_ptr, &ptr.to_le_bytes())
-            .and_then(|_| write(cx, ret_len, &len.to_le_bytes()))
-        {
-            Ok(()) => status::OK,
-            Err(s) => s,
-        },
-    )
+    data[rp].copy_from_slice(&ptr.to_le_bytes());
+    data[rl].copy_from_slice(&len.to_le_bytes());
+    Ok(status::OK)
 }
 
 /// [`give_from`] for bytes the caller built.

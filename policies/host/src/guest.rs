@@ -189,8 +189,14 @@ impl Guest {
             copy_pairs(&mut st.headers, &req.headers);
             st.body.clear();
             st.body.extend_from_slice(&req.body);
-            st.endpoints = snapshot.map(|s| s.json.clone());
-            st.endpoints_version = snapshot.map(|s| s.version.clone());
+            // The same snapshot as last time (the common case) keeps its
+            // `Arc`s: no reference count traffic.
+            if !same_arc(st.endpoints.as_ref(), snapshot.map(|s| &s.json)) {
+                st.endpoints = snapshot.map(|s| s.json.clone());
+            }
+            if !same_arc(st.endpoints_version.as_ref(), snapshot.map(|s| &s.version)) {
+                st.endpoints_version = snapshot.map(|s| s.version.clone());
+            }
             match req.prompt_tokens {
                 Some(n) => {
                     let s = st.prompt_tokens.get_or_insert_with(String::new);
@@ -246,6 +252,15 @@ impl Guest {
                 .map_err(|e| classify(&self.store, e, &self.limits))?;
         }
         Ok(())
+    }
+}
+
+/// Whether both are absent or both point at the same allocation.
+fn same_arc(a: Option<&Arc<str>>, b: Option<&Arc<str>>) -> bool {
+    match (a, b) {
+        (None, None) => true,
+        (Some(a), Some(b)) => Arc::ptr_eq(a, b),
+        _ => false,
     }
 }
 

@@ -23,7 +23,8 @@ use crate::{ModuleInfo, PolicyError, PolicyRequest, PolicySource, SandboxLimits,
 struct Loaded {
     info: ModuleInfo,
     pre: InstancePre<HostState>,
-    idle: Mutex<Vec<Guest>>,
+    /// Boxed, so taking one out and putting it back moves a pointer.
+    idle: Mutex<Vec<Box<Guest>>>,
 }
 
 /// The last endpoint snapshot serialized for the guests, so an unchanged
@@ -253,7 +254,7 @@ fn prepare(
             path,
         },
         pre,
-        idle: Mutex::new(vec![first]),
+        idle: Mutex::new(vec![Box::new(first)]),
     })
 }
 
@@ -430,15 +431,17 @@ impl PolicyRuntime {
         guest.run(req, snapshot.as_ref())
     }
 
-    fn fresh(&self, loaded: &Loaded) -> Result<Guest, PolicyError> {
-        Guest::new(&self.engine, &loaded.pre, &self.limits, self.config.clone()).inspect_err(|e| {
-            if e.is_guest_fault() {
-                self.metrics.traps.inc();
-            }
-        })
+    fn fresh(&self, loaded: &Loaded) -> Result<Box<Guest>, PolicyError> {
+        Guest::new(&self.engine, &loaded.pre, &self.limits, self.config.clone())
+            .map(Box::new)
+            .inspect_err(|e| {
+                if e.is_guest_fault() {
+                    self.metrics.traps.inc();
+                }
+            })
     }
 
-    fn give_back(&self, loaded: &Loaded, guest: Guest) {
+    fn give_back(&self, loaded: &Loaded, guest: Box<Guest>) {
         let mut idle = lock(&loaded.idle);
         if idle.len() < self.limits.instances {
             idle.push(guest);
