@@ -158,6 +158,23 @@ pub fn choose<'a>(
     endpoints: &'a [Endpoint],
     input: &RequestInput<'_>,
 ) -> Outcome<'a> {
+    match parse(config, input) {
+        Ok(req) => pick(config, endpoints, None, input, req),
+        Err(reject) => reject,
+    }
+}
+
+/// What the decision needs from the request besides the endpoints.
+#[derive(Debug, Clone, Copy)]
+struct Parsed {
+    max_tokens: u64,
+    /// Prompt tokens, counted by the host or estimated; `None` = unknown.
+    prompt: Option<u64>,
+}
+
+/// Reads `max_tokens` and the prompt size from the request; an invalid body
+/// is the 400 rejection.
+fn parse(config: &PolicyConfig, input: &RequestInput<'_>) -> Result<Parsed, Outcome<'static>> {
     let (max_tokens, prompt_bytes) = match input.body {
         None => (
             config.default_max_tokens,
@@ -172,71 +189,112 @@ pub fn choose<'a>(
                 b.prompt.map_or(0, |r| r.get().len()) + b.messages.map_or(0, |r| r.get().len()),
             ),
             Err(e) => {
-                return Outcome::Reject(LocalResponse::error(
+                return Err(Outcome::Reject(LocalResponse::error(
                     400,
                     format!("request body is not a valid completion request: {e}"),
                     None,
-                ));
+                )));
             }
         },
     };
     let prompt = input
         .prompt_tokens
         .or_else(|| estimate_prompt_tokens(prompt_bytes, config.estimate_bytes_per_token));
+    Ok(Parsed { max_tokens, prompt })
+}
 
-    // One pass over the snapshot, no allocation: is there a decode endpoint
-    // at all, which fit the request, and the best of those under the queue limit.
-    let mut decoders = 0usize;
-    let mut max_seq_len = 0u32;
-    let mut fitting = 0usize;
-    let mut best_decode: Option<(&Endpoint, f64)> = None;
-    for e in endpoints {
-        if !(matches!(e.role, Role::Decode | Role::Solo)
-            && e.healthy
-            && in_subset(input.subset, &e.address))
-        {
-            continue;
-        }
-        decoders += 1;
-        max_seq_len = max_seq_len.max(e.seq_len);
-        if prompt.is_some_and(|p| p + max_tokens > u64::from(e.seq_len)) {
-            continue;
-        }
-        fitting += 1;
-        if config.max_queue_depth.is_some_and(|q| e.queue_depth >= q) {
-            continue;
-        }
-        best_decode = better(config, best_decode, e);
+impl Parsed {
+    /// Whether prompt + `max_tokens` exceed the endpoint's context length.
+    fn too_long(&self, e: &Endpoint) -> bool {
+        self.prompt
+            .is_some_and(|p| p + self.max_tokens > u64::from(e.seq_len))
     }
-    if decoders == 0 {
-        let why = if input.subset.is_some() {
-            " in the requested subset"
-        } else {
-            ""
+
+    /// Whether the endpoint is at the configured queue limit.
+    fn queue_full(&self, config: &PolicyConfig, e: &Endpoint) -> bool {
+        config.max_queue_depth.is_some_and(|q| e.queue_depth >= q)
+    }
+}
+
+/// The healthy decode-capable and prefill endpoints of a snapshot, each list
+/// in pick order (score, then address, then position: the order [`better`]
+/// prefers), so a decision walks to the first one that qualifies instead of
+/// scoring the whole snapshot. Computed once per snapshot and weights.
+#[derive(Debug, Clone, Default)]
+struct Ranking {
+    /// The score weights it was computed with (bit patterns).
+    weights: [u64; 3],
+    decode: Vec<u32>,
+    prefill: Vec<u32>,
+}
+
+impl Ranking {
+    fn weights(config: &PolicyConfig) -> [u64; 3] {
+        [
+            config.queue_weight.to_bits(),
+            config.running_weight.to_bits(),
+            config.kv_usage_weight.to_bits(),
+        ]
+    }
+
+    /// `None` when a score is NaN (extreme weights): the scan decides then,
+    /// since NaN has no place in an order.
+    fn new(config: &PolicyConfig, endpoints: &[Endpoint]) -> Option<Ranking> {
+        let scores: Vec<f64> = endpoints.iter().map(|e| config.score(e)).collect();
+        if scores.iter().any(|s| s.is_nan()) || u32::try_from(endpoints.len()).is_err() {
+            return None;
+        }
+        let ranked = |keep: &dyn Fn(&Endpoint) -> bool| {
+            let before = |a: u32, b: u32| {
+                let (a, b) = (a as usize, b as usize);
+                scores[a]
+                    .partial_cmp(&scores[b])
+                    .unwrap_or(std::cmp::Ordering::Equal)
+                    .then_with(|| endpoints[a].address.cmp(&endpoints[b].address))
+                    .is_lt()
+            };
+            // Binary insertion after every equal one, so fully equal endpoints
+            // stay in snapshot order as in `better` (a library sort would add
+            // kilobytes to the module for a list sorted once per snapshot).
+            let mut ids: Vec<u32> = Vec::new();
+            for i in 0..endpoints.len() as u32 {
+                if keep(&endpoints[i as usize]) {
+                    let at = ids.partition_point(|&j| !before(i, j));
+                    ids.insert(at, i);
+                }
+            }
+            ids
         };
-        return Outcome::Reject(LocalResponse::error(
-            503,
-            format!("no healthy decode endpoint{why} is available"),
-            None,
-        ));
+        Some(Ranking {
+            weights: Ranking::weights(config),
+            decode: ranked(&|e| e.healthy && matches!(e.role, Role::Decode | Role::Solo)),
+            prefill: ranked(&|e| e.healthy && e.role == Role::Prefill),
+        })
     }
-    if fitting == 0 {
-        let p = prompt.unwrap_or(0);
-        return Outcome::Reject(LocalResponse::error(
-            400,
-            context_length_message(p as usize, max_tokens as usize, max_seq_len as usize),
-            Some(CONTEXT_LENGTH_CODE),
-        ));
-    }
-    let Some((decode, _)) = best_decode else {
-        return Outcome::Reject(LocalResponse::error(
-            429,
-            format!(
-                "all {fitting} eligible decode endpoints are at the queue limit ({})",
-                config.max_queue_depth.unwrap_or(0)
-            ),
-            None,
-        ));
+}
+
+/// The decision for a parsed request. With a `ranking` of `endpoints` the
+/// first qualifying endpoint in pick order is taken; without one, or to
+/// explain a rejection, every endpoint is scanned. Both give the same answer.
+fn pick<'a>(
+    config: &'a PolicyConfig,
+    endpoints: &'a [Endpoint],
+    ranking: Option<&Ranking>,
+    input: &RequestInput<'_>,
+    req: Parsed,
+) -> Outcome<'a> {
+    let prompt = req.prompt;
+    let ranked = ranking.map(|r| {
+        r.decode.iter().map(|&i| &endpoints[i as usize]).find(|e| {
+            in_subset(input.subset, &e.address) && !req.too_long(e) && !req.queue_full(config, e)
+        })
+    });
+    let decode = match ranked {
+        Some(Some(e)) => e,
+        _ => match scan_decode(config, endpoints, input, req) {
+            Ok(e) => e,
+            Err(reject) => return Outcome::Reject(reject),
+        },
     };
 
     let mut route = RouteRef {
@@ -246,16 +304,24 @@ pub fn choose<'a>(
     let disaggregate = decode.role == Role::Decode
         && prompt.is_none_or(|p| p >= config.disaggregation_threshold_tokens);
     if disaggregate {
-        let prefill = best(
-            config,
-            endpoints.iter().filter(|e| {
-                e.role == Role::Prefill
-                    && e.healthy
-                    && in_subset(input.subset, &e.address)
-                    && prompt.is_none_or(|p| p <= u64::from(e.seq_len))
-                    && config.max_queue_depth.is_none_or(|q| e.queue_depth < q)
-            }),
-        );
+        let eligible = |e: &Endpoint| {
+            in_subset(input.subset, &e.address)
+                && prompt.is_none_or(|p| p <= u64::from(e.seq_len))
+                && config.max_queue_depth.is_none_or(|q| e.queue_depth < q)
+        };
+        let prefill = match ranking {
+            Some(r) => r
+                .prefill
+                .iter()
+                .map(|&i| &endpoints[i as usize])
+                .find(|e| eligible(e)),
+            None => best(
+                config,
+                endpoints
+                    .iter()
+                    .filter(|e| e.role == Role::Prefill && e.healthy && eligible(e)),
+            ),
+        };
         if let Some(prefill) = prefill {
             let same_node = !prefill.node.is_empty() && prefill.node == decode.node;
             let same = same_node.then_some(config.same_node_transport.as_str());
@@ -272,6 +338,73 @@ pub fn choose<'a>(
     Outcome::Route(route)
 }
 
+/// One pass over the snapshot, no allocation: is there a decode endpoint at
+/// all, which fit the request, and the best of those under the queue limit;
+/// the rejection when there is none.
+fn scan_decode<'a>(
+    config: &PolicyConfig,
+    endpoints: &'a [Endpoint],
+    input: &RequestInput<'_>,
+    req: Parsed,
+) -> Result<&'a Endpoint, LocalResponse> {
+    let mut decoders = 0usize;
+    let mut max_seq_len = 0u32;
+    let mut fitting = 0usize;
+    let mut best_decode: Option<(&Endpoint, f64)> = None;
+    for e in endpoints {
+        if !(matches!(e.role, Role::Decode | Role::Solo)
+            && e.healthy
+            && in_subset(input.subset, &e.address))
+        {
+            continue;
+        }
+        decoders += 1;
+        max_seq_len = max_seq_len.max(e.seq_len);
+        if req.too_long(e) {
+            continue;
+        }
+        fitting += 1;
+        if req.queue_full(config, e) {
+            continue;
+        }
+        best_decode = better(config, best_decode, e);
+    }
+    if decoders == 0 {
+        let why = if input.subset.is_some() {
+            " in the requested subset"
+        } else {
+            ""
+        };
+        return Err(LocalResponse::error(
+            503,
+            format!("no healthy decode endpoint{why} is available"),
+            None,
+        ));
+    }
+    if fitting == 0 {
+        return Err(LocalResponse::error(
+            400,
+            context_length_message(
+                req.prompt.unwrap_or(0) as usize,
+                req.max_tokens as usize,
+                max_seq_len as usize,
+            ),
+            Some(CONTEXT_LENGTH_CODE),
+        ));
+    }
+    match best_decode {
+        Some((e, _)) => Ok(e),
+        None => Err(LocalResponse::error(
+            429,
+            format!(
+                "all {fitting} eligible decode endpoints are at the queue limit ({})",
+                config.max_queue_depth.unwrap_or(0)
+            ),
+            None,
+        )),
+    }
+}
+
 /// The endpoint snapshot a policy instance parsed last, keyed by the host's
 /// `rngd_pd.endpoints_version`.
 #[derive(Debug, Default)]
@@ -279,6 +412,8 @@ pub struct SnapshotCache {
     version: Vec<u8>,
     endpoints: Vec<Endpoint>,
     valid: bool,
+    /// Pick order of `endpoints`, made on first use after each fetch.
+    ranking: Option<Ranking>,
 }
 
 impl SnapshotCache {
@@ -299,6 +434,7 @@ impl SnapshotCache {
         let Some(json) = fetch() else {
             return Ok(None);
         };
+        self.ranking = None;
         self.endpoints =
             serde_json::from_slice(&json).map_err(|source| CoreError::Snapshot { source })?;
         match version {
@@ -310,6 +446,20 @@ impl SnapshotCache {
             None => self.valid = false,
         }
         Ok(Some(&self.endpoints))
+    }
+
+    /// The cached endpoints with their pick order for `config`'s weights
+    /// (made now if missing or made for other weights); `None` when no order
+    /// exists (see [`Ranking::new`]).
+    fn ranked(&mut self, config: &PolicyConfig) -> (&[Endpoint], Option<&Ranking>) {
+        let fresh = self
+            .ranking
+            .as_ref()
+            .is_some_and(|r| r.weights == Ranking::weights(config));
+        if !fresh {
+            self.ranking = Ranking::new(config, &self.endpoints);
+        }
+        (&self.endpoints, self.ranking.as_ref())
     }
 }
 
@@ -386,10 +536,25 @@ impl PdPolicy {
             prompt_tokens,
             subset,
         };
-        match self.cache.get(version, fetch_endpoints) {
-            Ok(Some(eps)) => choose(&self.config, eps, &input),
-            Ok(None) => choose(&self.config, &self.config.static_endpoints, &input),
-            Err(e) => Outcome::Reject(LocalResponse::error(500, e.to_string(), None)),
+        let snapshot = match self.cache.get(version, fetch_endpoints) {
+            Ok(eps) => eps.is_some(),
+            Err(e) => return Outcome::Reject(LocalResponse::error(500, e.to_string(), None)),
+        };
+        let req = match parse(&self.config, &input) {
+            Ok(req) => req,
+            Err(reject) => return reject,
+        };
+        if snapshot {
+            let (eps, ranking) = self.cache.ranked(&self.config);
+            pick(&self.config, eps, ranking, &input, req)
+        } else {
+            pick(
+                &self.config,
+                &self.config.static_endpoints,
+                None,
+                &input,
+                req,
+            )
         }
     }
 }
@@ -631,6 +796,77 @@ mod tests {
                 );
             }
         }
+    }
+
+    /// The ranked walk (a cached snapshot) decides exactly as the full scan
+    /// (the free `decide`), over random snapshots full of score ties.
+    #[test]
+    fn ranked_pick_matches_the_scan() {
+        let mut seed = 0x2545_f491_4f6c_dd1du64;
+        let mut next = |n: u64| {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed % n
+        };
+        let roles = [Role::Decode, Role::Prefill, Role::Solo];
+        // Remote prefill, local prefill, rejected: each must occur.
+        let mut seen = [0usize; 3];
+        for round in 0..3000 {
+            let n = next(12) as usize;
+            let eps: Vec<Endpoint> = (0..n)
+                .map(|_| Endpoint {
+                    seq_len: [64, 256, 512][next(3) as usize],
+                    running: next(3) as u32,
+                    kv_usage: [0.0, 0.5][next(2) as usize],
+                    healthy: next(5) != 0,
+                    transports: if next(3) == 0 {
+                        vec!["tcp".into()]
+                    } else {
+                        vec![]
+                    },
+                    ..ep(
+                        &format!("10.0.0.{}:1", next(6)),
+                        roles[next(3) as usize],
+                        ["", "a", "b"][next(3) as usize],
+                        next(4) as u32,
+                    )
+                })
+                .collect();
+            let cfg = PolicyConfig {
+                max_queue_depth: [None, Some(2)][next(2) as usize],
+                running_weight: [1.0, 4.0, 0.0][next(3) as usize],
+                ..PolicyConfig::default()
+            };
+            let subset = ["", "10.0.0.1:1,10.0.0.2:1, 10.0.0.3:1"][next(2) as usize];
+            let b = body(10, [5, 100][next(2) as usize]);
+            let prompt = [None, Some(4), Some(40), Some(300), Some(600)][next(5) as usize];
+            let input = RequestInput {
+                content_length: None,
+                body: Some(&b),
+                prompt_tokens: prompt,
+                subset: (!subset.is_empty()).then_some(subset),
+            };
+            let scanned = decide(&cfg, &eps, &input);
+            let json = serde_json::to_vec(&eps).unwrap();
+            let mut policy = PdPolicy::new(cfg);
+            let prompt_text = prompt.map(|p| p.to_string());
+            let walked = policy.decide(
+                input.subset,
+                input.body,
+                None,
+                prompt_text.as_deref().map(str::as_bytes),
+                Some(b"v"),
+                || Some(json),
+            );
+            assert_eq!(walked, scanned, "round {round}: {eps:?} {input:?}");
+            seen[match &scanned {
+                Decision::Route(r) if r.prefill.is_some() => 0,
+                Decision::Route(_) => 1,
+                Decision::Reject(_) => 2,
+            }] += 1;
+        }
+        assert!(seen.iter().all(|&n| n > 100), "{seen:?}");
     }
 
     #[test]
