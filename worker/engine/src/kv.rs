@@ -57,6 +57,19 @@ impl SeqCache {
     pub(crate) fn write(&mut self, layer: usize, pos: usize, k: &[f32], v: &[f32]) {
         let l = self.layout;
         let (kc, vc) = (&mut self.k[layer], &mut self.v[layer]);
+        // The K values land in `kv_heads · head_dim` rows 1 KB apart (at
+        // S = 512): ask for all their lines before the first store waits.
+        #[cfg(target_arch = "x86_64")]
+        for row in 0..l.kv_heads * l.head_dim {
+            let at = &kc[row * l.seq_len + pos];
+            // SAFETY: SSE is part of the x86-64 baseline, and a prefetch only
+            // hints (the address is an element of the slice).
+            unsafe {
+                std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(
+                    (at as *const u16).cast(),
+                )
+            };
+        }
         for h in 0..l.kv_heads {
             let at = l.v_offset(h, pos, 0);
             for d in 0..l.head_dim {

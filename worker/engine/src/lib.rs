@@ -20,6 +20,7 @@ pub(crate) mod qgemm;
 pub mod sampling;
 pub mod tiny;
 pub mod tokenizer;
+pub(crate) mod vmath;
 
 /// Errors of the engine.
 #[derive(Debug, thiserror::Error)]

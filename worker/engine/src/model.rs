@@ -410,7 +410,6 @@ impl Model {
             }
         }
         let scale = 1.0 / (hd as f32).sqrt();
-        let mut k = vec![0f32; kv_width];
         for (li, layer) in self.layers.iter().enumerate() {
             let mut h = vec![0f32; rows * d];
             rms_norm(&x, &layer.attn_norm, c.eps, &mut h);
@@ -418,50 +417,66 @@ impl Model {
             let mut attn = vec![0f32; rows * q_width];
             let mut qs = vec![0f32; rows * q_width];
             let width = q_width + 2 * kv_width;
-            // Write the new K/V first: position t attends to 0..=start+t.
-            let mut row = 0;
-            for s in seqs.iter_mut() {
+            // RoPE and the new K/V into each sequence's cache first (position
+            // t attends to 0..=start+t), sequences in parallel: each writes
+            // only its own cache.
+            let mut jobs: Vec<(&mut SeqStep<'_>, &[f32], &mut [f32])> =
+                Vec::with_capacity(seqs.len());
+            {
+                let (mut qkv_rest, mut q_rest) = (&qkv[..], &mut qs[..]);
+                for s in seqs.iter_mut() {
+                    let n = s.tokens.len();
+                    let (a, b) = qkv_rest.split_at(n * width);
+                    let (qa, qb) = std::mem::take(&mut q_rest).split_at_mut(n * q_width);
+                    jobs.push((s, a, qa));
+                    (qkv_rest, q_rest) = (b, qb);
+                }
+            }
+            let write = |(s, r, q): (&mut SeqStep<'_>, &[f32], &mut [f32])| {
                 let start = s.cache.tokens;
-                for t in 0..s.tokens.len() {
-                    let r = &qkv[(row + t) * width..(row + t + 1) * width];
-                    let q = &mut qs[(row + t) * q_width..(row + t + 1) * q_width];
+                let mut k = vec![0f32; kv_width];
+                for (t, (r, q)) in r
+                    .chunks_exact(width)
+                    .zip(q.chunks_exact_mut(q_width))
+                    .enumerate()
+                {
                     q.copy_from_slice(&r[..q_width]);
                     k.copy_from_slice(&r[q_width..q_width + kv_width]);
                     self.rope(q, c.heads, start + t);
                     self.rope(&mut k, c.kv_heads, start + t);
                     s.cache.write(li, start + t, &k, &r[q_width + kv_width..]);
                 }
-                row += s.tokens.len();
-            }
+            };
+            self.pool.install(|| jobs.into_par_iter().for_each(write));
             drop(qkv);
-            // Attention, one task per row (all its heads), over the pool.
+            // Attention, one task per (row, KV head): the head's query heads
+            // together, so its K/V rows are read once for all of them.
             let mut tasks: Vec<(&SeqCache, usize)> = Vec::with_capacity(rows);
             for s in seqs.iter() {
                 let start = s.cache.tokens;
                 tasks.extend((0..s.tokens.len()).map(|t| (&*s.cache, start + t + 1)));
             }
-            let head_task = |scores: &mut Vec<f32>, ((q, out), (cache, n)): AttnTask<'_, '_>| {
-                for (head, out) in out.chunks_exact_mut(hd).enumerate() {
-                    let qh = &q[head * hd..(head + 1) * hd];
-                    let (kc, vc) = (&cache.k[li], &cache.v[li]);
-                    attend(
-                        qh,
-                        kc,
-                        vc,
-                        cache.layout,
-                        head / group,
-                        *n,
-                        scale,
-                        scores,
-                        out,
-                    );
-                }
+            let span = group * hd;
+            let head_task = |buf: &mut AttnBuf, (i, (q, out)): (usize, (&[f32], &mut [f32]))| {
+                let (cache, n) = tasks[i / c.kv_heads];
+                let g = i % c.kv_heads;
+                attend(
+                    q,
+                    &cache.k[li],
+                    &cache.v[li],
+                    cache.layout,
+                    g,
+                    n,
+                    scale,
+                    buf,
+                    out,
+                );
             };
             self.pool.install(|| {
-                qs.par_chunks(q_width)
-                    .zip(attn.par_chunks_mut(q_width))
-                    .zip(tasks.par_iter())
-                    .for_each_init(Vec::new, head_task)
+                qs.par_chunks(span)
+                    .zip(attn.par_chunks_mut(span))
+                    .enumerate()
+                    .for_each_init(AttnBuf::default, head_task)
             });
             drop(tasks);
             let o = layer.wo.forward(attn, rows, dense, &self.pool)?;
@@ -472,17 +487,21 @@ impl Model {
             rms_norm(&x, &layer.ffn_norm, c.eps, &mut h);
             let gu = layer.gate_up.forward(h, rows, dense, &self.pool)?;
             let mut act = vec![0f32; rows * c.ffn];
-            // SwiGLU in pieces of 256 values over the pool.
+            // SwiGLU, each row's gate and up halves in pieces over the pool.
             let ffn = c.ffn;
-            let swiglu = |(i, a): (usize, &mut [f32])| {
-                for (e, a) in (i * 256..).zip(a) {
-                    let (r, j) = (e / ffn, e % ffn);
-                    let (g, u) = (gu[r * 2 * ffn + j], gu[r * 2 * ffn + ffn + j]);
-                    *a = g / (1.0 + (-g).exp()) * u;
-                }
+            let piece = ffn.div_ceil(4).max(64);
+            let swiglu = |r: usize, j: usize, a: &mut [f32]| {
+                let gate = &gu[r * 2 * ffn + j..r * 2 * ffn + j + a.len()];
+                let up = &gu[r * 2 * ffn + ffn + j..r * 2 * ffn + ffn + j + a.len()];
+                crate::vmath::swiglu(gate, up, a);
             };
-            self.pool
-                .install(|| act.par_chunks_mut(256).enumerate().for_each(swiglu));
+            self.pool.install(|| {
+                act.par_chunks_mut(ffn).enumerate().for_each(|(r, row)| {
+                    row.par_chunks_mut(piece)
+                        .enumerate()
+                        .for_each(|(i, a)| swiglu(r, i * piece, a))
+                })
+            });
             drop(gu);
             let down = layer.down.forward(act, rows, dense, &self.pool)?;
             for (x, o) in x.iter_mut().zip(&down) {
@@ -504,15 +523,51 @@ impl Model {
     }
 }
 
-/// One row's attention work: (its query, its output), (its cache, positions).
-type AttnTask<'a, 'c> = ((&'a [f32], &'a mut [f32]), &'a (&'c SeqCache, usize));
+/// Scratch space of an attention task.
+#[derive(Default)]
+struct AttnBuf {
+    /// `[group][positions]` scores, then probabilities.
+    scores: Vec<f32>,
+    /// One K row (positions) or V row (dimensions), widened to f32.
+    row: Vec<f32>,
+}
 
-/// Attention of one query head over positions `0..n` of KV head `g`.
+/// Asks for every cache line of KV head `g`'s positions `0..n` up front: the
+/// K rows are 1 KB apart (`[head_dim, S]`), a pattern the hardware
+/// prefetchers do not follow, so without this each row's lines are waited
+/// for one after the other.
+#[inline(always)]
+fn prefetch_kv(kc: &[u16], vc: &[u16], layout: rngd_kv_wire::KvLayout, g: usize, n: usize) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};
+        const LINE: usize = 64 / size_of::<u16>();
+        for dim in 0..layout.head_dim {
+            let row = &kc[layout.k_offset(g, dim, 0)..][..n];
+            for line in row.chunks(LINE) {
+                // SAFETY: SSE is part of the x86-64 baseline, and a prefetch
+                // only hints (the address is in the slice anyway).
+                unsafe { _mm_prefetch::<_MM_HINT_T0>(line.as_ptr().cast()) };
+            }
+        }
+        let v = &vc[layout.v_offset(g, 0, 0)..][..n * layout.head_dim];
+        for line in v.chunks(LINE) {
+            // SAFETY: as above.
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(line.as_ptr().cast()) };
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = (kc, vc, layout, g, n);
+}
+
+/// Attention of the query heads `q` (`[group, head_dim]`) that share KV head
+/// `g`, over positions `0..n`, into `out` (`[group, head_dim]`).
 ///
 /// The cache is bf16 in the wire layout (K `[head_dim, S]`, V `[S, head_dim]`
-/// per head), widened as it is read. Each score `q · k_s` is a `mul_add`
-/// over the dimensions in order: one order for every query, whether it came
-/// from a prefill or a decode step, and whatever else shares its batch.
+/// per head); each K and V row is widened once and used by every query head
+/// of the group. Each score `q · k_s` is a `mul_add` over the dimensions in
+/// order: one order for every query, whether it came from a prefill or a
+/// decode step, and whatever else shares its batch.
 #[allow(clippy::too_many_arguments)]
 fn attend(
     q: &[f32],
@@ -522,15 +577,15 @@ fn attend(
     g: usize,
     n: usize,
     scale: f32,
-    scores: &mut Vec<f32>,
+    buf: &mut AttnBuf,
     out: &mut [f32],
 ) {
     #[cfg(target_arch = "x86_64")]
     if crate::qgemm::has_fma() {
         // SAFETY: the CPU has AVX2 and FMA (detected just above).
-        return unsafe { attend_fma(q, kc, vc, layout, g, n, scale, scores, out) };
+        return unsafe { attend_fma(q, kc, vc, layout, g, n, scale, buf, out) };
     }
-    attend_impl(q, kc, vc, layout, g, n, scale, scores, out)
+    attend_impl(q, kc, vc, layout, g, n, scale, buf, out)
 }
 
 /// [`attend`] compiled with FMA instructions: bit-identical (each `mul_add` is
@@ -547,10 +602,10 @@ fn attend_fma(
     g: usize,
     n: usize,
     scale: f32,
-    scores: &mut Vec<f32>,
+    buf: &mut AttnBuf,
     out: &mut [f32],
 ) {
-    attend_impl(q, kc, vc, layout, g, n, scale, scores, out)
+    attend_impl(q, kc, vc, layout, g, n, scale, buf, out)
 }
 
 #[inline(always)]
@@ -563,38 +618,64 @@ fn attend_impl(
     g: usize,
     n: usize,
     scale: f32,
-    scores: &mut Vec<f32>,
+    buf: &mut AttnBuf,
     out: &mut [f32],
 ) {
     let hd = layout.head_dim;
+    let heads = q.len() / hd;
+    prefetch_kv(kc, vc, layout, g, n);
+    let AttnBuf { scores, row } = buf;
     scores.clear();
-    scores.resize(n, 0.0);
+    scores.resize(heads * n, 0.0);
+    row.clear();
+    row.resize(n.max(hd), 0.0);
     // K is `[head_dim, S]` per head: each dimension adds its contiguous row
     // of positions to the scores (vectorized over positions; every score sees
     // the dimensions in order, one `mul_add` each).
-    for (dim, qd) in q.iter().enumerate() {
+    for dim in 0..hd {
         let at = layout.k_offset(g, dim, 0);
-        for (s, k) in scores.iter_mut().zip(&kc[at..at + n]) {
-            *s = from_bf16(*k).mul_add(*qd, *s);
+        for (r, k) in row[..n].iter_mut().zip(&kc[at..at + n]) {
+            *r = from_bf16(*k);
+        }
+        for (h, sc) in scores.chunks_exact_mut(n).enumerate() {
+            let qd = q[h * hd + dim];
+            for (s, k) in sc.iter_mut().zip(&row[..n]) {
+                *s = k.mul_add(qd, *s);
+            }
         }
     }
-    let mut max = f32::NEG_INFINITY;
-    for s in scores.iter_mut() {
-        *s *= scale;
-        max = max.max(*s);
+    let mut inv = [0f32; 16];
+    let mut inv_big = Vec::new();
+    let inv: &mut [f32] = if heads <= inv.len() {
+        &mut inv[..heads]
+    } else {
+        inv_big.resize(heads, 0.0);
+        &mut inv_big
+    };
+    for (sc, inv) in scores.chunks_exact_mut(n).zip(inv.iter_mut()) {
+        let mut max = f32::NEG_INFINITY;
+        for s in sc.iter_mut() {
+            *s *= scale;
+            max = max.max(*s);
+        }
+        for s in sc.iter_mut() {
+            *s -= max;
+        }
+        crate::vmath::exp_in_place(sc);
+        let sum = sc.iter().fold(0f32, |a, s| a + s);
+        *inv = 1.0 / sum;
     }
-    let mut sum = 0f32;
-    for s in scores.iter_mut() {
-        *s = (*s - max).exp();
-        sum += *s;
-    }
-    let inv = 1.0 / sum;
     out.fill(0.0);
-    for (pos, p) in scores.iter().enumerate() {
-        let w = p * inv;
+    for pos in 0..n {
         let at = layout.v_offset(g, pos, 0);
-        for (o, v) in out.iter_mut().zip(&vc[at..at + hd]) {
-            *o = from_bf16(*v).mul_add(w, *o);
+        for (r, v) in row[..hd].iter_mut().zip(&vc[at..at + hd]) {
+            *r = from_bf16(*v);
+        }
+        for (h, out) in out.chunks_exact_mut(hd).enumerate() {
+            let w = scores[h * n + pos] * inv[h];
+            for (o, v) in out.iter_mut().zip(&row[..hd]) {
+                *o = v.mul_add(w, *o);
+            }
         }
     }
 }
