@@ -2,6 +2,7 @@
 //! routing logic, with no dependency on any host: the same code runs inside the
 //! proxy-wasm module and natively (for the benchmark baseline).
 
+mod body;
 mod config;
 mod pick;
 
@@ -36,6 +37,15 @@ pub enum CoreError {
         /// Cause.
         #[source]
         source: serde_json::Error,
+    },
+    /// The request body is not a JSON object, or a token count in it is not
+    /// a non-negative integer.
+    #[error("{what} at byte {at}")]
+    Body {
+        /// What is wrong.
+        what: &'static str,
+        /// Byte offset in the body.
+        at: usize,
     },
     /// The endpoint snapshot is not a JSON array of [`Endpoint`].
     #[error("invalid endpoint snapshot ({PROP_ENDPOINTS}): {source}")]

@@ -4,8 +4,6 @@
 
 use rngd_api::headers;
 use rngd_api::openai::{CONTEXT_LENGTH_CODE, context_length_message};
-use serde::Deserialize;
-use serde_json::value::RawValue;
 
 use crate::{CoreError, Decision, Endpoint, LocalResponse, PolicyConfig, Role, Route};
 
@@ -22,19 +20,6 @@ pub struct RequestInput<'a> {
     pub prompt_tokens: Option<u64>,
     /// The subset hint header (comma-separated `ip:port`), if present.
     pub subset: Option<&'a str>,
-}
-
-/// The fields of an OpenAI completions or chat body the policy reads.
-#[derive(Deserialize)]
-struct BodyView<'a> {
-    #[serde(default)]
-    max_tokens: Option<u64>,
-    #[serde(default)]
-    max_completion_tokens: Option<u64>,
-    #[serde(default, borrow)]
-    prompt: Option<&'a RawValue>,
-    #[serde(default, borrow)]
-    messages: Option<&'a RawValue>,
 }
 
 /// Estimated prompt tokens of a body when the host counted none:
@@ -181,12 +166,12 @@ fn parse(config: &PolicyConfig, input: &RequestInput<'_>) -> Result<Parsed, Outc
             input.content_length.unwrap_or(0) as usize,
         ),
         Some(body) if body.iter().all(u8::is_ascii_whitespace) => (config.default_max_tokens, 0),
-        Some(body) => match serde_json::from_slice::<BodyView<'_>>(body) {
+        Some(body) => match crate::body::scan(body) {
             Ok(b) => (
                 b.max_tokens
                     .or(b.max_completion_tokens)
                     .unwrap_or(config.default_max_tokens),
-                b.prompt.map_or(0, |r| r.get().len()) + b.messages.map_or(0, |r| r.get().len()),
+                b.prompt_bytes,
             ),
             Err(e) => {
                 return Err(Outcome::Reject(LocalResponse::error(
