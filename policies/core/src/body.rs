@@ -66,10 +66,10 @@ pub(crate) fn scan(body: &[u8]) -> Result<BodyFields, CoreError> {
                 Some(1) => out.max_completion_tokens = s.count()?,
                 Some(_) => {
                     let start = s.i;
-                    s.value(1)?;
+                    s.value()?;
                     out.prompt_bytes += s.i - start;
                 }
-                None => s.value(1)?,
+                None => s.value()?,
             }
             s.ws();
             match s.next() {
@@ -255,63 +255,82 @@ impl<'a> Scanner<'a> {
         Ok(Some(n))
     }
 
-    /// Skips any JSON value at `depth` (1 = a field of the top-level object).
-    fn value(&mut self, depth: usize) -> Result<(), CoreError> {
-        if depth > MAX_DEPTH {
-            return Err(self.error("recursion limit exceeded"));
-        }
-        match self.peek() {
-            Some(b'"') => self.string().map(|_| ()),
-            Some(b'{') => {
-                self.i += 1;
-                self.ws();
-                if self.peek() == Some(b'}') {
-                    self.i += 1;
-                    return Ok(());
-                }
-                loop {
-                    self.ws();
-                    if self.peek() != Some(b'"') {
-                        return Err(self.error("expected a string key"));
-                    }
+    /// Skips one JSON value (a field of the top-level object), nested
+    /// containers included. Iterative, with the open containers in a bit set
+    /// (1 = array): one call per field instead of one per nested value.
+    fn value(&mut self) -> Result<(), CoreError> {
+        let mut open = 0usize;
+        let mut arrays: u128 = 0;
+        loop {
+            // A value starts here, inside `open` containers.
+            if open >= MAX_DEPTH {
+                return Err(self.error("recursion limit exceeded"));
+            }
+            let container = match self.peek() {
+                Some(b'"') => {
                     self.string()?;
-                    self.ws();
-                    self.expect(b':', "expected `:`")?;
-                    self.ws();
-                    self.value(depth + 1)?;
-                    self.ws();
-                    match self.next() {
-                        Some(b',') => {}
-                        Some(b'}') => return Ok(()),
-                        _ => return Err(self.error_at(self.i - 1, "expected `,` or `}`")),
-                    }
+                    None
                 }
-            }
-            Some(b'[') => {
+                Some(b'{') => Some(false),
+                Some(b'[') => Some(true),
+                Some(b't') => self.literal(b"true").map(|()| None)?,
+                Some(b'f') => self.literal(b"false").map(|()| None)?,
+                Some(b'n') => self.literal(b"null").map(|()| None)?,
+                Some(b'-' | b'0'..=b'9') => self.number().map(|()| None)?,
+                Some(_) => return Err(self.error("expected a value")),
+                None => return Err(self.error("EOF while parsing a value")),
+            };
+            if let Some(is_array) = container {
                 self.i += 1;
                 self.ws();
-                if self.peek() == Some(b']') {
+                let close = if is_array { b']' } else { b'}' };
+                if self.peek() == Some(close) {
                     self.i += 1;
-                    return Ok(());
-                }
-                loop {
-                    self.ws();
-                    self.value(depth + 1)?;
-                    self.ws();
-                    match self.next() {
-                        Some(b',') => {}
-                        Some(b']') => return Ok(()),
-                        _ => return Err(self.error_at(self.i - 1, "expected `,` or `]`")),
+                } else {
+                    if is_array {
+                        arrays |= 1 << open;
+                    } else {
+                        arrays &= !(1 << open);
+                        self.member_key()?;
                     }
+                    open += 1;
+                    continue;
                 }
             }
-            Some(b't') => self.literal(b"true"),
-            Some(b'f') => self.literal(b"false"),
-            Some(b'n') => self.literal(b"null"),
-            Some(b'-' | b'0'..=b'9') => self.number(),
-            Some(_) => Err(self.error("expected a value")),
-            None => Err(self.error("EOF while parsing a value")),
+            // After a value: separators and closing brackets.
+            loop {
+                if open == 0 {
+                    return Ok(());
+                }
+                let is_array = arrays & (1 << (open - 1)) != 0;
+                self.ws();
+                match self.next() {
+                    Some(b',') => {
+                        self.ws();
+                        if !is_array {
+                            self.member_key()?;
+                        }
+                        break;
+                    }
+                    Some(b']') if is_array => open -= 1,
+                    Some(b'}') if !is_array => open -= 1,
+                    _ if is_array => return Err(self.error_at(self.i - 1, "expected `,` or `]`")),
+                    _ => return Err(self.error_at(self.i - 1, "expected `,` or `}`")),
+                }
+            }
         }
+    }
+
+    /// An object member's key and colon, up to its value.
+    fn member_key(&mut self) -> Result<(), CoreError> {
+        if self.peek() != Some(b'"') {
+            return Err(self.error("expected a string key"));
+        }
+        self.string()?;
+        self.ws();
+        self.expect(b':', "expected `:`")?;
+        self.ws();
+        Ok(())
     }
 
     fn literal(&mut self, word: &[u8]) -> Result<(), CoreError> {
@@ -413,6 +432,13 @@ mod tests {
             r#"{"prompt":tru}"#,
             r#"{"prompt":{"a":{"b":[true,false,null,-1.5E+3,"\ud83d\ude00"]}}}"#,
             r#"{"prompt" "x"}"#,
+            r#"{"prompt":[{}, [], {"a":[1,{"b":null}]}, "s"],"n":{"x":{}}}"#,
+            r#"{"prompt":{"a" 1}}"#,
+            r#"{"prompt":{"a":1,}}"#,
+            r#"{"prompt":[1 2]}"#,
+            r#"{"prompt":{1:2}}"#,
+            r#"{"prompt":[1,{"a":2]}]}"#,
+            r#"{"prompt":[[[]]}"#,
             r#"{prompt:"x"}"#,
             r#"["prompt"]"#,
             "",
