@@ -75,7 +75,7 @@ pub fn check(path: &Path, config: &[u8]) -> Result<String, PolicyError> {
             version: format!("check-{i}").into(),
         });
         let decision = guest
-            .run(&req, snap.as_ref())
+            .run(&req, || snap)
             .map_err(|e| PolicyError::SelfTest {
                 request: name,
                 source: Box::new(e),

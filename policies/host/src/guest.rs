@@ -6,7 +6,7 @@ use std::fmt::Write as _;
 use std::sync::Arc;
 
 use rngd_api::headers;
-use rngd_policy_core::{Decision, Route};
+use rngd_policy_core::{Decision, Endpoint, Route};
 use wasmtime::{Engine, InstancePre, Module, Store, Trap, TypedFunc};
 
 use crate::abi::{HostState, RequestState};
@@ -61,6 +61,8 @@ pub(crate) struct Guest {
     on_done: Option<TypedFunc<u32, u32>>,
     on_delete: Option<TypedFunc<u32, ()>>,
     next_context: u32,
+    /// The endpoints (by `Arc`) whose snapshot properties the request state holds.
+    seen: Option<Arc<[Endpoint]>>,
     deadline_ticks: u64,
     limits: SandboxLimits,
 }
@@ -169,6 +171,7 @@ impl Guest {
             on_done,
             on_delete,
             next_context: ROOT_CONTEXT + 1,
+            seen: None,
             deadline_ticks,
             limits: limits.clone(),
         })
@@ -176,10 +179,14 @@ impl Guest {
 
     /// Runs one request through a new HTTP context. On `Err` with
     /// [`PolicyError::is_guest_fault`] the instance must be dropped.
+    ///
+    /// `snapshot` gives the snapshot properties for `req.endpoints`; it is
+    /// called only when those are not the endpoints (the same `Arc`) this
+    /// instance ran with last, so a steady snapshot costs no lookup.
     pub fn run(
         &mut self,
         req: &PolicyRequest,
-        snapshot: Option<&SnapshotProps>,
+        snapshot: impl FnOnce() -> Option<SnapshotProps>,
     ) -> Result<Decision, PolicyError> {
         let ctx = self.next_context;
         self.next_context = self.next_context.checked_add(1).unwrap_or(ROOT_CONTEXT + 1);
@@ -189,13 +196,16 @@ impl Guest {
             copy_pairs(&mut st.headers, &req.headers);
             st.body.clear();
             st.body.extend_from_slice(&req.body);
-            // The same snapshot as last time (the common case) keeps its
-            // `Arc`s: no reference count traffic.
-            if !same_arc(st.endpoints.as_ref(), snapshot.map(|s| &s.json)) {
-                st.endpoints = snapshot.map(|s| s.json.clone());
-            }
-            if !same_arc(st.endpoints_version.as_ref(), snapshot.map(|s| &s.version)) {
-                st.endpoints_version = snapshot.map(|s| s.version.clone());
+            let seen = match (&self.seen, &req.endpoints) {
+                (Some(a), Some(b)) => Arc::ptr_eq(a, b),
+                (None, None) => true,
+                _ => false,
+            };
+            if !seen {
+                let props = snapshot();
+                st.endpoints = props.as_ref().map(|p| p.json.clone());
+                st.endpoints_version = props.map(|p| p.version);
+                self.seen = req.endpoints.clone();
             }
             match req.prompt_tokens {
                 Some(n) => {
@@ -252,15 +262,6 @@ impl Guest {
                 .map_err(|e| classify(&self.store, e, &self.limits))?;
         }
         Ok(())
-    }
-}
-
-/// Whether both are absent or both point at the same allocation.
-fn same_arc(a: Option<&Arc<str>>, b: Option<&Arc<str>>) -> bool {
-    match (a, b) {
-        (None, None) => true,
-        (Some(a), Some(b)) => Arc::ptr_eq(a, b),
-        _ => false,
     }
 }
 

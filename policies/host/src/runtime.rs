@@ -23,8 +23,7 @@ use crate::{ModuleInfo, PolicyError, PolicyRequest, PolicySource, SandboxLimits,
 struct Loaded {
     info: ModuleInfo,
     pre: InstancePre<HostState>,
-    /// Boxed, so taking one out and putting it back moves a pointer.
-    idle: Mutex<Vec<Box<Guest>>>,
+    idle: Mutex<Vec<Guest>>,
 }
 
 /// The last endpoint snapshot serialized for the guests, so an unchanged
@@ -237,7 +236,7 @@ fn prepare(
             version: format!("self-test-{name}").into(),
             ..s
         });
-        if let Err(e) = guest.run(&req, snap.as_ref()) {
+        if let Err(e) = guest.run(&req, || snap) {
             return Err(PolicyError::SelfTest {
                 request: name,
                 source: Box::new(e),
@@ -254,7 +253,7 @@ fn prepare(
             path,
         },
         pre,
-        idle: Mutex::new(vec![Box::new(first)]),
+        idle: Mutex::new(vec![first]),
     })
 }
 
@@ -397,14 +396,13 @@ impl PolicyRuntime {
         );
         let _g = span.enter();
         self.check_input(req)?;
-        let snapshot = self.snapshot_props(req.endpoints.as_ref());
         let loaded = self.current();
         let pooled = lock(&loaded.idle).pop();
         let mut guest = match pooled {
             Some(g) => g,
             None => self.fresh(&loaded)?,
         };
-        match guest.run(req, snapshot.as_ref()) {
+        match guest.run(req, || self.snapshot_props(req.endpoints.as_ref())) {
             Ok(d) => {
                 self.give_back(&loaded, guest);
                 Ok(d)
@@ -425,23 +423,20 @@ impl PolicyRuntime {
     /// Runs one request on a brand-new instance (for the benchmark).
     pub fn decide_fresh(&self, req: &PolicyRequest) -> Result<Decision, PolicyError> {
         self.check_input(req)?;
-        let snapshot = self.snapshot_props(req.endpoints.as_ref());
         let loaded = self.current();
         let mut guest = self.fresh(&loaded)?;
-        guest.run(req, snapshot.as_ref())
+        guest.run(req, || self.snapshot_props(req.endpoints.as_ref()))
     }
 
-    fn fresh(&self, loaded: &Loaded) -> Result<Box<Guest>, PolicyError> {
-        Guest::new(&self.engine, &loaded.pre, &self.limits, self.config.clone())
-            .map(Box::new)
-            .inspect_err(|e| {
-                if e.is_guest_fault() {
-                    self.metrics.traps.inc();
-                }
-            })
+    fn fresh(&self, loaded: &Loaded) -> Result<Guest, PolicyError> {
+        Guest::new(&self.engine, &loaded.pre, &self.limits, self.config.clone()).inspect_err(|e| {
+            if e.is_guest_fault() {
+                self.metrics.traps.inc();
+            }
+        })
     }
 
-    fn give_back(&self, loaded: &Loaded, guest: Box<Guest>) {
+    fn give_back(&self, loaded: &Loaded, guest: Guest) {
         let mut idle = lock(&loaded.idle);
         if idle.len() < self.limits.instances {
             idle.push(guest);
