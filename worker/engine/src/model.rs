@@ -457,26 +457,46 @@ impl Model {
                 tasks.extend((0..s.tokens.len()).map(|t| (&*s.cache, start + t + 1)));
             }
             let span = group * hd;
-            let head_task = |buf: &mut AttnBuf, (i, (q, out)): (usize, (&[f32], &mut [f32]))| {
+            // Each worker takes runs of consecutive tasks and asks for the
+            // next task's K/V lines before computing the current one, so the
+            // cache reads of one overlap the arithmetic of the other.
+            let count = rows * c.kv_heads;
+            let run = count.div_ceil(2 * self.pool.threads()).max(1);
+            let kv_of = |i: usize| {
                 let (cache, n) = tasks[i / c.kv_heads];
-                let g = i % c.kv_heads;
-                attend(
-                    q,
-                    &cache.k[li],
-                    &cache.v[li],
-                    cache.layout,
-                    g,
-                    n,
-                    scale,
-                    buf,
-                    out,
-                );
+                (cache, n, i % c.kv_heads)
+            };
+            let prefetch = |i: usize| {
+                let (cache, n, g) = kv_of(i);
+                prefetch_kv(&cache.k[li], &cache.v[li], cache.layout, g, n);
+            };
+            let head_run = |buf: &mut AttnBuf, (r, outs): (usize, &mut [f32])| {
+                let first = r * run;
+                prefetch(first);
+                for (j, out) in outs.chunks_exact_mut(span).enumerate() {
+                    let i = first + j;
+                    if i + 1 < count {
+                        prefetch(i + 1);
+                    }
+                    let (cache, n, g) = kv_of(i);
+                    let q = &qs[i * span..(i + 1) * span];
+                    attend(
+                        q,
+                        &cache.k[li],
+                        &cache.v[li],
+                        cache.layout,
+                        g,
+                        n,
+                        scale,
+                        buf,
+                        out,
+                    );
+                }
             };
             self.pool.install(|| {
-                qs.par_chunks(span)
-                    .zip(attn.par_chunks_mut(span))
+                attn.par_chunks_mut(run * span)
                     .enumerate()
-                    .for_each_init(AttnBuf::default, head_task)
+                    .for_each_init(AttnBuf::default, head_run)
             });
             drop(tasks);
             let o = layer.wo.forward(attn, rows, dense, &self.pool)?;
@@ -528,14 +548,12 @@ impl Model {
 struct AttnBuf {
     /// `[group][positions]` scores, then probabilities.
     scores: Vec<f32>,
-    /// One K row (positions) or V row (dimensions), widened to f32.
-    row: Vec<f32>,
 }
 
-/// Asks for every cache line of KV head `g`'s positions `0..n` up front: the
-/// K rows are 1 KB apart (`[head_dim, S]`), a pattern the hardware
-/// prefetchers do not follow, so without this each row's lines are waited
-/// for one after the other.
+/// Asks for every cache line of KV head `g`'s positions `0..n`: the K rows
+/// are 1 KB apart (`[head_dim, S]`), a pattern the hardware prefetchers do
+/// not follow, so without this each row's lines are waited for one after
+/// the other.
 #[inline(always)]
 fn prefetch_kv(kc: &[u16], vc: &[u16], layout: rngd_kv_wire::KvLayout, g: usize, n: usize) {
     #[cfg(target_arch = "x86_64")]
@@ -623,24 +641,23 @@ fn attend_impl(
 ) {
     let hd = layout.head_dim;
     let heads = q.len() / hd;
-    prefetch_kv(kc, vc, layout, g, n);
-    let AttnBuf { scores, row } = buf;
+    let scores = &mut buf.scores;
     scores.clear();
     scores.resize(heads * n, 0.0);
-    row.clear();
-    row.resize(n.max(hd), 0.0);
-    // K is `[head_dim, S]` per head: each dimension adds its contiguous row
-    // of positions to the scores (vectorized over positions; every score sees
-    // the dimensions in order, one `mul_add` each).
-    for dim in 0..hd {
-        let at = layout.k_offset(g, dim, 0);
-        for (r, k) in row[..n].iter_mut().zip(&kc[at..at + n]) {
-            *r = from_bf16(*k);
-        }
-        for (h, sc) in scores.chunks_exact_mut(n).enumerate() {
-            let qd = q[h * hd + dim];
-            for (s, k) in sc.iter_mut().zip(&row[..n]) {
-                *s = k.mul_add(qd, *s);
+    // K is `[head_dim, S]` per head. Scores are made 8 positions at a time
+    // for up to 4 query heads, accumulators in registers: each dimension's
+    // 8 keys are widened once and added to every head's scores. Every score
+    // sees the dimensions in order, one `mul_add` each.
+    for s0 in (0..n).step_by(8) {
+        let len = (n - s0).min(8);
+        for h0 in (0..heads).step_by(4) {
+            let qh = &q[h0 * hd..];
+            let sc = &mut scores[h0 * n..];
+            match (heads - h0).min(4) {
+                1 => score_block::<1>(qh, kc, layout, g, s0, len, n, sc),
+                2 => score_block::<2>(qh, kc, layout, g, s0, len, n, sc),
+                3 => score_block::<3>(qh, kc, layout, g, s0, len, n, sc),
+                _ => score_block::<4>(qh, kc, layout, g, s0, len, n, sc),
             }
         }
     }
@@ -665,16 +682,168 @@ fn attend_impl(
         let sum = sc.iter().fold(0f32, |a, s| a + s);
         *inv = 1.0 / sum;
     }
-    out.fill(0.0);
-    for pos in 0..n {
-        let at = layout.v_offset(g, pos, 0);
-        for (r, v) in row[..hd].iter_mut().zip(&vc[at..at + hd]) {
-            *r = from_bf16(*v);
+    // V is `[S, head_dim]` per head: 16 dimensions at a time for up to 4
+    // query heads, each position's values widened once. Every output sums
+    // the positions in order, one `mul_add` each.
+    for d0 in (0..hd).step_by(16) {
+        let len = (hd - d0).min(16);
+        for h0 in (0..heads).step_by(4) {
+            let (p, inv) = (&scores[h0 * n..], &inv[h0..]);
+            let o = &mut out[h0 * hd..];
+            match (heads - h0).min(4) {
+                1 => value_block::<1>(p, inv, vc, layout, g, n, d0, len, o),
+                2 => value_block::<2>(p, inv, vc, layout, g, n, d0, len, o),
+                3 => value_block::<3>(p, inv, vc, layout, g, n, d0, len, o),
+                _ => value_block::<4>(p, inv, vc, layout, g, n, d0, len, o),
+            }
         }
-        for (h, out) in out.chunks_exact_mut(hd).enumerate() {
-            let w = scores[h * n + pos] * inv[h];
-            for (o, v) in out.iter_mut().zip(&row[..hd]) {
-                *o = v.mul_add(w, *o);
+    }
+}
+
+/// Scores of `H` query heads (`q`: `[H, head_dim]`) for positions `s0..s0 +
+/// len` (len ≤ 8) into `scores` (`[H, n]`).
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn score_block<const H: usize>(
+    q: &[f32],
+    kc: &[u16],
+    layout: rngd_kv_wire::KvLayout,
+    g: usize,
+    s0: usize,
+    len: usize,
+    n: usize,
+    scores: &mut [f32],
+) {
+    let hd = layout.head_dim;
+    let mut acc = [[0f32; 8]; H];
+    for dim in 0..hd {
+        let at = layout.k_offset(g, dim, s0);
+        let mut k = [0f32; 8];
+        for (k, x) in k.iter_mut().zip(&kc[at..at + len]) {
+            *k = from_bf16(*x);
+        }
+        for (h, acc) in acc.iter_mut().enumerate() {
+            let qd = q[h * hd + dim];
+            for (a, k) in acc.iter_mut().zip(&k) {
+                *a = k.mul_add(qd, *a);
+            }
+        }
+    }
+    for (h, acc) in acc.iter().enumerate() {
+        scores[h * n + s0..h * n + s0 + len].copy_from_slice(&acc[..len]);
+    }
+}
+
+/// Outputs of `H` query heads for dimensions `d0..d0 + len` (len ≤ 16):
+/// `Σ_pos p[h][pos] · inv[h] · v[pos]`, into `out` (`[H, head_dim]`).
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn value_block<const H: usize>(
+    p: &[f32],
+    inv: &[f32],
+    vc: &[u16],
+    layout: rngd_kv_wire::KvLayout,
+    g: usize,
+    n: usize,
+    d0: usize,
+    len: usize,
+    out: &mut [f32],
+) {
+    let hd = layout.head_dim;
+    let mut acc = [[0f32; 16]; H];
+    for pos in 0..n {
+        let at = layout.v_offset(g, pos, d0);
+        let mut v = [0f32; 16];
+        for (v, x) in v.iter_mut().zip(&vc[at..at + len]) {
+            *v = from_bf16(*x);
+        }
+        for (h, acc) in acc.iter_mut().enumerate() {
+            let w = p[h * n + pos] * inv[h];
+            for (a, v) in acc.iter_mut().zip(&v) {
+                *a = v.mul_add(w, *a);
+            }
+        }
+    }
+    for (h, acc) in acc.iter().enumerate() {
+        out[h * hd + d0..h * hd + d0 + len].copy_from_slice(&acc[..len]);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rngd_kv_wire::{Dtype, KvLayout};
+
+    /// Attention written the plain way: one head at a time, one position or
+    /// dimension at a time, the same operation order the blocked kernel
+    /// promises.
+    fn attend_reference(
+        q: &[f32],
+        c: &SeqCache,
+        layer: usize,
+        g: usize,
+        n: usize,
+        scale: f32,
+    ) -> Vec<f32> {
+        let l = c.layout;
+        let hd = l.head_dim;
+        let mut out = vec![0f32; q.len()];
+        for (qh, out) in q.chunks_exact(hd).zip(out.chunks_exact_mut(hd)) {
+            let mut sc = vec![0f32; n];
+            for (dim, qd) in qh.iter().enumerate() {
+                for (pos, s) in sc.iter_mut().enumerate() {
+                    *s = from_bf16(c.k[layer][l.k_offset(g, dim, pos)]).mul_add(*qd, *s);
+                }
+            }
+            let max = sc
+                .iter()
+                .map(|s| s * scale)
+                .fold(f32::NEG_INFINITY, f32::max);
+            let p: Vec<f32> = sc
+                .iter()
+                .map(|s| crate::vmath::exp(s * scale - max))
+                .collect();
+            let inv = 1.0 / p.iter().fold(0f32, |a, s| a + s);
+            for (pos, p) in p.iter().enumerate() {
+                let w = p * inv;
+                for (dim, o) in out.iter_mut().enumerate() {
+                    *o = from_bf16(c.v[layer][l.v_offset(g, pos, dim)]).mul_add(w, *o);
+                }
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn blocked_attention_gives_the_plain_loops_bits() {
+        let l = KvLayout {
+            layers: 2,
+            kv_heads: 2,
+            head_dim: 24,
+            seq_len: 40,
+            dtype: Dtype::Bf16,
+        };
+        let mut c = SeqCache::new(l);
+        let val = |i: usize| ((i * 7919) % 1009) as f32 / 1009.0 - 0.5;
+        for pos in 0..l.seq_len {
+            for layer in 0..l.layers {
+                let k: Vec<f32> = (0..48).map(|i| val(i + 48 * pos + 3 * layer)).collect();
+                let v: Vec<f32> = (0..48).map(|i| val(5 * i + pos + layer)).collect();
+                c.write(layer, pos, &k, &v);
+            }
+        }
+        let mut buf = AttnBuf::default();
+        // 1..=6 query heads per KV head (chunks of 4 and a rest), every tail
+        // length of the position and dimension blocks.
+        for heads in 1..=6 {
+            let q: Vec<f32> = (0..heads * 24).map(|i| val(31 * i + heads)).collect();
+            for n in [1, 7, 8, 9, 17, 40] {
+                for g in 0..2 {
+                    let mut out = vec![0f32; q.len()];
+                    attend(&q, &c.k[1], &c.v[1], l, g, n, 0.2, &mut buf, &mut out);
+                    let want = attend_reference(&q, &c, 1, g, n, 0.2);
+                    assert_eq!(out, want, "heads {heads} n {n} g {g}");
+                }
             }
         }
     }

@@ -27,15 +27,21 @@ pub fn uniform(seed: u64, index: u64) -> f64 {
     (bits >> 11) as f64 / (1u64 << 53) as f64
 }
 
-/// Index of the largest logit (the lowest index among equals).
+/// Index of the largest logit (the lowest index among equals; NaNs never
+/// win, and a NaN first logit gives 0).
 pub fn argmax(logits: &[f32]) -> u32 {
-    let mut best = 0usize;
-    for (i, v) in logits.iter().enumerate() {
-        if *v > logits[best] {
-            best = i;
-        }
+    let Some(first) = logits.first() else {
+        return 0;
+    };
+    if first.is_nan() {
+        return 0;
     }
-    best as u32
+    // Two passes that vectorize: the maximum (a NaN never compares greater),
+    // then its first position.
+    let max = logits
+        .iter()
+        .fold(*first, |m, v| if *v > m { *v } else { m });
+    logits.iter().position(|v| *v == max).unwrap_or(0) as u32
 }
 
 /// Picks generated token number `index` (0 = the token the prefill produces).
@@ -188,6 +194,17 @@ mod tests {
             sample(&[0.1, 3.0, 3.0, -1.0], &params(0.0, 0, 1.0, 0), 0),
             1
         );
+        // NaNs never win; a NaN first logit gives 0; empty gives 0.
+        assert_eq!(argmax(&[0.5, f32::NAN, 2.0, f32::NAN, 2.0]), 2);
+        assert_eq!(argmax(&[f32::NAN, 1.0, 2.0]), 0);
+        assert_eq!(argmax(&[-0.0, 0.0]), 0);
+        assert_eq!(argmax(&[]), 0);
+        let long: Vec<f32> = (0..49_152).map(|i| ((i * 7919) % 10_007) as f32).collect();
+        let want = long
+            .iter()
+            .enumerate()
+            .fold(0, |b, (i, v)| if *v > long[b] { i } else { b });
+        assert_eq!(argmax(&long) as usize, want);
     }
 
     #[test]
