@@ -487,7 +487,7 @@ impl Scheduler {
                 dense,
             )
             .map(|logits| {
-                let first_token = sample(&logits[0], &job.params, 0);
+                let first_token = sample(&logits, &job.params, 0);
                 Prefilled {
                     first_token,
                     kv: cache.export(),
@@ -575,11 +575,12 @@ impl Scheduler {
         );
         match result {
             Ok(logits) => {
-                for (i, logits) in active.iter().zip(logits) {
+                let vocab = self.model.cfg.vocab;
+                for (i, logits) in active.iter().zip(logits.chunks_exact(vocab)) {
                     let Some(stream) = self.slots[*i].as_mut() else {
                         continue;
                     };
-                    let id = sample(&logits, &stream.params, stream.sampled);
+                    let id = sample(logits, &stream.params, stream.sampled);
                     stream.last = id;
                     if !stream.on_token(&self.tokenizer, id) {
                         self.slots[*i] = None;

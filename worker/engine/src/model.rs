@@ -354,13 +354,14 @@ impl Model {
     }
 
     /// Runs new tokens of each sequence through the model, appending their K/V to the
-    /// sequences' caches; returns the logits of each sequence's last new token.
+    /// sequences' caches; returns the logits of each sequence's last new token,
+    /// `[sequences, vocab]` in one buffer.
     /// `dense` uses the f32 weights (if loaded) for the projections.
     pub(crate) fn forward(
         &self,
         seqs: &mut [SeqStep<'_>],
         dense: bool,
-    ) -> Result<Vec<Vec<f32>>, EngineError> {
+    ) -> Result<Vec<f32>, EngineError> {
         if dense {
             // candle's f32 GEMM schedules its own threads.
             self.forward_on(seqs, true)
@@ -375,7 +376,7 @@ impl Model {
         &self,
         seqs: &mut [SeqStep<'_>],
         dense: bool,
-    ) -> Result<Vec<Vec<f32>>, EngineError> {
+    ) -> Result<Vec<f32>, EngineError> {
         let c = &self.cfg;
         let d = c.hidden;
         let hd = c.head_dim;
@@ -539,7 +540,7 @@ impl Model {
         let mut h = vec![0f32; last.len()];
         rms_norm(&last, &self.out_norm, c.eps, &mut h);
         let logits = self.lm_head.forward(h, seqs.len(), false, &self.pool)?;
-        Ok(logits.chunks_exact(c.vocab).map(<[f32]>::to_vec).collect())
+        Ok(logits)
     }
 }
 
