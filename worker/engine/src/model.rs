@@ -1,10 +1,11 @@
-//! The Llama forward pass on candle-core matmuls, with attention over the
-//! wire-layout cache written out by hand.
+//! The Llama forward pass: our int8 matmuls (candle's f32 GEMM for prefill),
+//! with attention over the wire-layout cache written out by hand.
 //!
 //! One function, [`Model::forward`], serves prefill (one sequence, many
 //! positions) and decode (many sequences, one position each): the rows of all
 //! sequences are stacked and go through each projection as one matmul, while
-//! RoPE, the cache writes and attention run per sequence. Every operation is
+//! RoPE and the cache writes run per sequence and attention per (row, KV
+//! head), all on the model's thread pool. Every operation is
 //! row-independent (each output row depends only on its own input row and its
 //! own cache), so a stream's tokens do not depend on which other streams share
 //! its batch.
@@ -372,11 +373,7 @@ impl Model {
         }
     }
 
-    fn forward_on(
-        &self,
-        seqs: &mut [SeqStep<'_>],
-        dense: bool,
-    ) -> Result<Vec<f32>, EngineError> {
+    fn forward_on(&self, seqs: &mut [SeqStep<'_>], dense: bool) -> Result<Vec<f32>, EngineError> {
         let c = &self.cfg;
         let d = c.hidden;
         let hd = c.head_dim;
@@ -701,6 +698,26 @@ fn attend_impl(
     }
 }
 
+/// Up to `N` bf16 values widened to f32, zeros past the end of `x`. A full
+/// block takes the fixed-length path, which vectorizes.
+#[inline(always)]
+fn widen<const N: usize>(x: &[u16]) -> [f32; N] {
+    let mut out = [0f32; N];
+    match <&[u16; N]>::try_from(x) {
+        Ok(full) => {
+            for (o, x) in out.iter_mut().zip(full) {
+                *o = from_bf16(*x);
+            }
+        }
+        Err(_) => {
+            for (o, x) in out.iter_mut().zip(x) {
+                *o = from_bf16(*x);
+            }
+        }
+    }
+    out
+}
+
 /// Scores of `H` query heads (`q`: `[H, head_dim]`) for positions `s0..s0 +
 /// len` (len ≤ 8) into `scores` (`[H, n]`).
 #[inline(always)]
@@ -719,10 +736,7 @@ fn score_block<const H: usize>(
     let mut acc = [[0f32; 8]; H];
     for dim in 0..hd {
         let at = layout.k_offset(g, dim, s0);
-        let mut k = [0f32; 8];
-        for (k, x) in k.iter_mut().zip(&kc[at..at + len]) {
-            *k = from_bf16(*x);
-        }
+        let k = widen::<8>(&kc[at..at + len]);
         for (h, acc) in acc.iter_mut().enumerate() {
             let qd = q[h * hd + dim];
             for (a, k) in acc.iter_mut().zip(&k) {
@@ -754,10 +768,7 @@ fn value_block<const H: usize>(
     let mut acc = [[0f32; 16]; H];
     for pos in 0..n {
         let at = layout.v_offset(g, pos, d0);
-        let mut v = [0f32; 16];
-        for (v, x) in v.iter_mut().zip(&vc[at..at + len]) {
-            *v = from_bf16(*x);
-        }
+        let v = widen::<16>(&vc[at..at + len]);
         for (h, acc) in acc.iter_mut().enumerate() {
             let w = p[h * n + pos] * inv[h];
             for (a, v) in acc.iter_mut().zip(&v) {
