@@ -354,6 +354,59 @@ impl Model {
         }
     }
 
+    /// One decode position per sequence: RoPE, the cache write and attention
+    /// of each sequence in one task (see `forward_on`).
+    fn attend_sequences(
+        &self,
+        li: usize,
+        seqs: &mut [SeqStep<'_>],
+        qkv: &[f32],
+        attn: &mut [f32],
+        scale: f32,
+    ) {
+        let c = &self.cfg;
+        let hd = c.head_dim;
+        let (q_width, kv_width) = (c.heads * hd, c.kv_heads * hd);
+        let width = q_width + 2 * kv_width;
+        let span = (c.heads / c.kv_heads) * hd;
+        let task = |buf: &mut AttnBuf, ((s, r), out): ((&mut SeqStep<'_>, &[f32]), &mut [f32])| {
+            let pos = s.cache.tokens;
+            let layout = s.cache.layout;
+            for g in 0..c.kv_heads {
+                prefetch_kv(&s.cache.k[li], &s.cache.v[li], layout, g, pos + 1);
+            }
+            let mut q = std::mem::take(&mut buf.q);
+            let mut k = std::mem::take(&mut buf.k);
+            q.clear();
+            q.extend_from_slice(&r[..q_width]);
+            k.clear();
+            k.extend_from_slice(&r[q_width..q_width + kv_width]);
+            self.rope(&mut q, c.heads, pos);
+            self.rope(&mut k, c.kv_heads, pos);
+            s.cache.write(li, pos, &k, &r[q_width + kv_width..width]);
+            for (g, out) in out.chunks_exact_mut(span).enumerate() {
+                attend(
+                    &q[g * span..(g + 1) * span],
+                    &s.cache.k[li],
+                    &s.cache.v[li],
+                    layout,
+                    g,
+                    pos + 1,
+                    scale,
+                    buf,
+                    out,
+                );
+            }
+            (buf.q, buf.k) = (q, k);
+        };
+        self.pool.install(|| {
+            seqs.par_iter_mut()
+                .zip(qkv.par_chunks(width))
+                .zip(attn.par_chunks_mut(q_width))
+                .for_each_init(AttnBuf::default, task)
+        });
+    }
+
     /// Runs new tokens of each sequence through the model, appending their K/V to the
     /// sequences' caches; returns the logits of each sequence's last new token,
     /// `[sequences, vocab]` in one buffer.
@@ -413,90 +466,100 @@ impl Model {
             rms_norm(&x, &layer.attn_norm, c.eps, &mut h);
             let qkv = layer.qkv.forward(h, rows, dense, &self.pool)?;
             let mut attn = vec![0f32; rows * q_width];
-            let mut qs = vec![0f32; rows * q_width];
             let width = q_width + 2 * kv_width;
-            // RoPE and the new K/V into each sequence's cache first (position
-            // t attends to 0..=start+t), sequences in parallel: each writes
-            // only its own cache.
-            let mut jobs: Vec<(&mut SeqStep<'_>, &[f32], &mut [f32])> =
-                Vec::with_capacity(seqs.len());
-            {
-                let (mut qkv_rest, mut q_rest) = (&qkv[..], &mut qs[..]);
-                for s in seqs.iter_mut() {
-                    let n = s.tokens.len();
-                    let (a, b) = qkv_rest.split_at(n * width);
-                    let (qa, qb) = std::mem::take(&mut q_rest).split_at_mut(n * q_width);
-                    jobs.push((s, a, qa));
-                    (qkv_rest, q_rest) = (b, qb);
-                }
-            }
-            let write = |(s, r, q): (&mut SeqStep<'_>, &[f32], &mut [f32])| {
-                let start = s.cache.tokens;
-                let mut k = vec![0f32; kv_width];
-                for (t, (r, q)) in r
-                    .chunks_exact(width)
-                    .zip(q.chunks_exact_mut(q_width))
-                    .enumerate()
+            if seqs.len() >= self.pool.threads() && seqs.iter().all(|s| s.tokens.len() == 1) {
+                // Decode with a sequence per thread or more: one task per
+                // sequence does RoPE, writes its K/V and runs its attention
+                // (all heads), so the cache lines the write needs are the
+                // ones attention reads, asked for once. The same operations
+                // per head as the phases below.
+                self.attend_sequences(li, seqs, &qkv, &mut attn, scale);
+                drop(qkv);
+            } else {
+                let mut qs = vec![0f32; rows * q_width];
+                // RoPE and the new K/V into each sequence's cache first (position
+                // t attends to 0..=start+t), sequences in parallel: each writes
+                // only its own cache.
+                let mut jobs: Vec<(&mut SeqStep<'_>, &[f32], &mut [f32])> =
+                    Vec::with_capacity(seqs.len());
                 {
-                    q.copy_from_slice(&r[..q_width]);
-                    k.copy_from_slice(&r[q_width..q_width + kv_width]);
-                    self.rope(q, c.heads, start + t);
-                    self.rope(&mut k, c.kv_heads, start + t);
-                    s.cache.write(li, start + t, &k, &r[q_width + kv_width..]);
-                }
-            };
-            self.pool.install(|| jobs.into_par_iter().for_each(write));
-            drop(qkv);
-            // Attention, one task per (row, KV head): the head's query heads
-            // together, so its K/V rows are read once for all of them.
-            let mut tasks: Vec<(&SeqCache, usize)> = Vec::with_capacity(rows);
-            for s in seqs.iter() {
-                let start = s.cache.tokens;
-                tasks.extend((0..s.tokens.len()).map(|t| (&*s.cache, start + t + 1)));
-            }
-            let span = group * hd;
-            // Each worker takes runs of consecutive tasks and asks for the
-            // next task's K/V lines before computing the current one, so the
-            // cache reads of one overlap the arithmetic of the other.
-            let count = rows * c.kv_heads;
-            let run = count.div_ceil(2 * self.pool.threads()).max(1);
-            let kv_of = |i: usize| {
-                let (cache, n) = tasks[i / c.kv_heads];
-                (cache, n, i % c.kv_heads)
-            };
-            let prefetch = |i: usize| {
-                let (cache, n, g) = kv_of(i);
-                prefetch_kv(&cache.k[li], &cache.v[li], cache.layout, g, n);
-            };
-            let head_run = |buf: &mut AttnBuf, (r, outs): (usize, &mut [f32])| {
-                let first = r * run;
-                prefetch(first);
-                for (j, out) in outs.chunks_exact_mut(span).enumerate() {
-                    let i = first + j;
-                    if i + 1 < count {
-                        prefetch(i + 1);
+                    let (mut qkv_rest, mut q_rest) = (&qkv[..], &mut qs[..]);
+                    for s in seqs.iter_mut() {
+                        let n = s.tokens.len();
+                        let (a, b) = qkv_rest.split_at(n * width);
+                        let (qa, qb) = std::mem::take(&mut q_rest).split_at_mut(n * q_width);
+                        jobs.push((s, a, qa));
+                        (qkv_rest, q_rest) = (b, qb);
                     }
-                    let (cache, n, g) = kv_of(i);
-                    let q = &qs[i * span..(i + 1) * span];
-                    attend(
-                        q,
-                        &cache.k[li],
-                        &cache.v[li],
-                        cache.layout,
-                        g,
-                        n,
-                        scale,
-                        buf,
-                        out,
-                    );
                 }
-            };
-            self.pool.install(|| {
-                attn.par_chunks_mut(run * span)
-                    .enumerate()
-                    .for_each_init(AttnBuf::default, head_run)
-            });
-            drop(tasks);
+                let write = |(s, r, q): (&mut SeqStep<'_>, &[f32], &mut [f32])| {
+                    let start = s.cache.tokens;
+                    let mut k = vec![0f32; kv_width];
+                    for (t, (r, q)) in r
+                        .chunks_exact(width)
+                        .zip(q.chunks_exact_mut(q_width))
+                        .enumerate()
+                    {
+                        q.copy_from_slice(&r[..q_width]);
+                        k.copy_from_slice(&r[q_width..q_width + kv_width]);
+                        self.rope(q, c.heads, start + t);
+                        self.rope(&mut k, c.kv_heads, start + t);
+                        s.cache.write(li, start + t, &k, &r[q_width + kv_width..]);
+                    }
+                };
+                self.pool.install(|| jobs.into_par_iter().for_each(write));
+                drop(qkv);
+                // Attention, one task per (row, KV head): the head's query heads
+                // together, so its K/V rows are read once for all of them.
+                let mut tasks: Vec<(&SeqCache, usize)> = Vec::with_capacity(rows);
+                for s in seqs.iter() {
+                    let start = s.cache.tokens;
+                    tasks.extend((0..s.tokens.len()).map(|t| (&*s.cache, start + t + 1)));
+                }
+                let span = group * hd;
+                // Each worker takes runs of consecutive tasks and asks for the
+                // next task's K/V lines before computing the current one, so the
+                // cache reads of one overlap the arithmetic of the other.
+                let count = rows * c.kv_heads;
+                let run = count.div_ceil(2 * self.pool.threads()).max(1);
+                let kv_of = |i: usize| {
+                    let (cache, n) = tasks[i / c.kv_heads];
+                    (cache, n, i % c.kv_heads)
+                };
+                let prefetch = |i: usize| {
+                    let (cache, n, g) = kv_of(i);
+                    prefetch_kv(&cache.k[li], &cache.v[li], cache.layout, g, n);
+                };
+                let head_run = |buf: &mut AttnBuf, (r, outs): (usize, &mut [f32])| {
+                    let first = r * run;
+                    prefetch(first);
+                    for (j, out) in outs.chunks_exact_mut(span).enumerate() {
+                        let i = first + j;
+                        if i + 1 < count {
+                            prefetch(i + 1);
+                        }
+                        let (cache, n, g) = kv_of(i);
+                        let q = &qs[i * span..(i + 1) * span];
+                        attend(
+                            q,
+                            &cache.k[li],
+                            &cache.v[li],
+                            cache.layout,
+                            g,
+                            n,
+                            scale,
+                            buf,
+                            out,
+                        );
+                    }
+                };
+                self.pool.install(|| {
+                    attn.par_chunks_mut(run * span)
+                        .enumerate()
+                        .for_each_init(AttnBuf::default, head_run)
+                });
+                drop(tasks);
+            }
             let o = layer.wo.forward(attn, rows, dense, &self.pool)?;
             for (x, o) in x.iter_mut().zip(&o) {
                 *x += o;
@@ -546,6 +609,9 @@ impl Model {
 struct AttnBuf {
     /// `[group][positions]` scores, then probabilities.
     scores: Vec<f32>,
+    /// A row's queries and new keys, for RoPE (per-sequence tasks).
+    q: Vec<f32>,
+    k: Vec<f32>,
 }
 
 /// Asks for every cache line of KV head `g`'s positions `0..n`: the K rows
