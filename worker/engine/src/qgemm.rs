@@ -278,8 +278,22 @@ impl QActs {
         QActs::quantize_impl(x, rows, k)
     }
 
-    #[inline(always)]
+    /// The scalar path.
     fn quantize_impl(x: &[f32], rows: usize, k: usize) -> QActs {
+        QActs::quantize_with(x, rows, k, |block, q| {
+            let d = quantize_block(block, q);
+            (d, q.iter().map(|v| i32::from(*v)).sum())
+        })
+    }
+
+    /// Quantizes with `block` (zero-padded block → scale and `Σ q`, writes `q`).
+    #[inline(always)]
+    fn quantize_with(
+        x: &[f32],
+        rows: usize,
+        k: usize,
+        mut block: impl FnMut(&[f32; BLOCK], &mut [i8; BLOCK]) -> (f32, i32),
+    ) -> QActs {
         let blocks = k.div_ceil(BLOCK);
         let mut acts = QActs {
             rows,
@@ -292,9 +306,9 @@ impl QActs {
         for (r, row) in x.chunks_exact(k).enumerate() {
             for b in 0..blocks {
                 let i = b * rows + r;
-                let q = &mut acts.quants[i];
-                acts.scales[i] = quantize_block(block_of(row, b, &mut buf), q);
-                acts.corr[i] = -128 * q.iter().map(|v| i32::from(*v)).sum::<i32>();
+                let (d, sum) = block(block_of(row, b, &mut buf), &mut acts.quants[i]);
+                acts.scales[i] = d;
+                acts.corr[i] = -128 * sum;
             }
         }
         acts
@@ -402,25 +416,7 @@ mod x86 {
     /// `t + copysign(0.5 - 2⁻²⁵, t)`, which is exact).
     #[target_feature(enable = "avx2,fma")]
     pub(super) fn quantize_acts(x: &[f32], rows: usize, k: usize) -> QActs {
-        let blocks = k.div_ceil(BLOCK);
-        let mut acts = QActs {
-            rows,
-            blocks,
-            quants: vec![[0; BLOCK]; rows * blocks],
-            scales: vec![0.0; rows * blocks],
-            corr: vec![0; rows * blocks],
-        };
-        let mut buf = [0f32; BLOCK];
-        for (r, row) in x.chunks_exact(k).enumerate() {
-            for b in 0..blocks {
-                let i = b * rows + r;
-                let block = super::block_of(row, b, &mut buf);
-                let (d, sum) = quantize_block_avx2(block, &mut acts.quants[i]);
-                acts.scales[i] = d;
-                acts.corr[i] = -128 * sum;
-            }
-        }
-        acts
+        QActs::quantize_with(x, rows, k, |block, q| quantize_block_avx2(block, q))
     }
 
     /// One block: returns the scale and `Σ q`, writes `q`.
