@@ -354,6 +354,26 @@ impl Model {
         }
     }
 
+    /// One row of the fused Q/K/V output (`row`): its query with RoPE into
+    /// `q`, its key with RoPE (in `k`) and its value into `cache` at `pos`.
+    fn rope_and_store(
+        &self,
+        li: usize,
+        cache: &mut SeqCache,
+        pos: usize,
+        row: &[f32],
+        q: &mut [f32],
+        k: &mut [f32],
+    ) {
+        let c = &self.cfg;
+        let (qw, kw) = (c.heads * c.head_dim, c.kv_heads * c.head_dim);
+        q.copy_from_slice(&row[..qw]);
+        k.copy_from_slice(&row[qw..qw + kw]);
+        self.rope(q, c.heads, pos);
+        self.rope(k, c.kv_heads, pos);
+        cache.write(li, pos, k, &row[qw + kw..qw + 2 * kw]);
+    }
+
     /// One decode position per sequence: RoPE, the cache write and attention
     /// of each sequence in one task (see `forward_on`).
     fn attend_sequences(
@@ -377,13 +397,9 @@ impl Model {
             }
             let mut q = std::mem::take(&mut buf.q);
             let mut k = std::mem::take(&mut buf.k);
-            q.clear();
-            q.extend_from_slice(&r[..q_width]);
-            k.clear();
-            k.extend_from_slice(&r[q_width..q_width + kv_width]);
-            self.rope(&mut q, c.heads, pos);
-            self.rope(&mut k, c.kv_heads, pos);
-            s.cache.write(li, pos, &k, &r[q_width + kv_width..width]);
+            q.resize(q_width, 0.0);
+            k.resize(kv_width, 0.0);
+            self.rope_and_store(li, s.cache, pos, r, &mut q, &mut k);
             for (g, out) in out.chunks_exact_mut(span).enumerate() {
                 attend(
                     &q[g * span..(g + 1) * span],
@@ -500,11 +516,7 @@ impl Model {
                         .zip(q.chunks_exact_mut(q_width))
                         .enumerate()
                     {
-                        q.copy_from_slice(&r[..q_width]);
-                        k.copy_from_slice(&r[q_width..q_width + kv_width]);
-                        self.rope(q, c.heads, start + t);
-                        self.rope(&mut k, c.kv_heads, start + t);
-                        s.cache.write(li, start + t, &k, &r[q_width + kv_width..]);
+                        self.rope_and_store(li, s.cache, start + t, r, q, &mut k);
                     }
                 };
                 self.pool.install(|| jobs.into_par_iter().for_each(write));
