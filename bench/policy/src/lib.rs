@@ -1,11 +1,23 @@
 //! `rngd-pd bench policy`: policy decision cost in wasm against the same logic
 //! compiled natively, in the same run.
 //!
-//! One decision = HTTP context create + request headers + body + done on a
-//! warm instance (the host's per-request work included: header and body copy,
-//! snapshot memo lookup); the same request on a fresh instance (instantiate +
-//! configure + decide); and [`rngd_policy_core::PdPolicy::decide`] natively
-//! with the same inputs. Decisions of both must agree.
+//! One decision = HTTP context create + request headers + body + done +
+//! delete, with the host's per-request work (lending the request, the
+//! snapshot memo, reading the decision back). Timed, one of each in turn:
+//!
+//! - **wasm**: the built `pd_default.wasm` on a warm instance of
+//!   [`PolicyRuntime`] (sandbox, pool, wasmtime);
+//! - **native**: the same module's code (crate `pd-default` and its SDK)
+//!   compiled natively and run through the same lifecycle and host semantics
+//!   in process ([`nullvm`], Envoy's "null VM" arrangement): the cost of the
+//!   VM is the difference;
+//! - **core**: [`rngd_policy_core::PdPolicy::decide`] alone, the policy logic
+//!   without any ABI (a floor, not a plugin).
+//!
+//! Also a fresh instance per decision (instantiate + configure + decide).
+//! All decisions must agree.
+
+pub mod nullvm;
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -56,12 +68,14 @@ pub enum Error {
     /// The policy runtime failed.
     #[error("policy runtime: {0}")]
     Policy(#[from] PolicyError),
-    /// Wasm and native decided differently.
-    #[error("wasm and native decisions differ: wasm {wasm:?}, native {native:?}")]
+    /// Two variants decided differently.
+    #[error("wasm and {other} decisions differ: wasm {wasm:?}, {other} {native:?}")]
     Mismatch {
+        /// Which variant differs from wasm (`native` or `core`).
+        other: &'static str,
         /// Wasm decision.
         wasm: Box<Option<Decision>>,
-        /// Native decision.
+        /// The other decision.
         native: Box<Option<Decision>>,
     },
     /// A worker thread failed.
@@ -69,7 +83,7 @@ pub enum Error {
     Join(#[from] tokio::task::JoinError),
 }
 
-/// Results (µs per decision). Warm wasm and native decisions are timed
+/// Results (µs per decision). Warm wasm, native and core decisions are timed
 /// interleaved, one of each in turn.
 #[derive(Debug, Clone, Serialize)]
 pub struct Report {
@@ -81,12 +95,20 @@ pub struct Report {
     pub wasm_p50_us: f64,
     /// Warm instance, 99th percentile.
     pub wasm_p99_us: f64,
-    /// Native, median.
+    /// The same module compiled natively, same lifecycle ([`nullvm`]), median.
     pub native_p50_us: f64,
     /// Native, 99th percentile.
     pub native_p99_us: f64,
-    /// `wasm_p99_us / native_p99_us`.
+    /// `wasm_p99_us / native_p99_us`: what running the policy in the VM costs.
     pub ratio_p99: f64,
+    /// `wasm_p50_us / native_p50_us`.
+    pub ratio_p50: f64,
+    /// The core decision alone (no ABI, no lifecycle), median.
+    pub core_p50_us: f64,
+    /// The core decision alone, 99th percentile.
+    pub core_p99_us: f64,
+    /// `wasm_p99_us / core_p99_us`: the VM and the ABI lifecycle together.
+    pub ratio_p99_core: f64,
     /// Fresh instance per decision, median.
     pub fresh_instance_p50_us: f64,
     /// Fresh instance per decision, 99th percentile.
@@ -180,16 +202,19 @@ pub async fn run(args: Args) -> Result<Report, Error> {
     let (report, json) = report;
     if !json {
         println!(
-            "policy decision, {} endpoints, {} iterations\n  wasm warm   p50 {:>8.2} us  p99 {:>8.2} us\n  native      p50 {:>8.2} us  p99 {:>8.2} us\n  wasm fresh  p50 {:>8.2} us  p99 {:>8.2} us\n  ratio p99 {:.2}",
+            "policy decision, {} endpoints, {} iterations\n  wasm warm   p50 {:>8.2} us  p99 {:>8.2} us\n  native      p50 {:>8.2} us  p99 {:>8.2} us  (same module, same lifecycle)\n  core only   p50 {:>8.2} us  p99 {:>8.2} us\n  wasm fresh  p50 {:>8.2} us  p99 {:>8.2} us\n  ratio p99 wasm/native {:.2}, wasm/core {:.2}",
             report.endpoints,
             report.iterations,
             report.wasm_p50_us,
             report.wasm_p99_us,
             report.native_p50_us,
             report.native_p99_us,
+            report.core_p50_us,
+            report.core_p99_us,
             report.fresh_instance_p50_us,
             report.fresh_instance_p99_us,
-            report.ratio_p99
+            report.ratio_p99,
+            report.ratio_p99_core
         );
     }
     println!("{}", serde_json::to_string(&report).unwrap_or_default());
@@ -218,7 +243,9 @@ fn measure(args: &Args) -> Result<Report, Error> {
     )?;
     let req = request(snapshot(args.endpoints));
 
-    // Native: the same core logic with the same inputs and snapshot caching.
+    // Native: the module's code run natively through the same lifecycle.
+    let mut null_vm = nullvm::NullVm::new(&config)?;
+    // Core: the same core logic with the same inputs and snapshot caching.
     let mut policy =
         PdPolicy::new(
             PolicyConfig::from_json(&config).map_err(|e| PolicyError::NoDecision {
@@ -227,7 +254,7 @@ fn measure(args: &Args) -> Result<Report, Error> {
         );
     let json = serde_json::to_vec(req.endpoints.as_deref().unwrap_or_default()).unwrap_or_default();
     let version = b"1".to_vec();
-    let mut native_once = || -> Decision {
+    let mut core_once = || -> Decision {
         let subset = req
             .headers
             .iter()
@@ -244,38 +271,53 @@ fn measure(args: &Args) -> Result<Report, Error> {
         )
     };
 
-    // Warm-up of both (the first decision parses the snapshot).
+    // Warm-up of all three (the first decision parses the snapshot).
+    let mut lent = req.clone();
     for _ in 0..1000 {
-        runtime.decide_blocking(&req)?;
-        native_once();
+        runtime.decide_blocking(&mut lent)?;
+        null_vm.decide(&mut lent)?;
+        core_once();
     }
-    // Timed, interleaved: one wasm decision, one native decision, so both see
-    // the same machine load (this host is shared and noisy).
+    // Timed, interleaved: one decision of each in turn, so all see the same
+    // machine load (this host is shared and noisy).
     let mut wasm = Vec::with_capacity(args.iterations);
     let mut native = Vec::with_capacity(args.iterations);
-    let mut wasm_decision = None;
-    let mut native_decision = None;
+    let mut core = Vec::with_capacity(args.iterations);
+    let mut decisions = (None, None, None);
     for _ in 0..args.iterations {
         let t = Instant::now();
-        let d = runtime.decide_blocking(&req)?;
+        let d = runtime.decide_blocking(&mut lent)?;
         wasm.push(t.elapsed().as_secs_f64() * 1e6);
-        wasm_decision = Some(d);
+        decisions.0 = Some(d);
         let t = Instant::now();
-        let d = native_once();
+        let d = null_vm.decide(&mut lent)?;
         native.push(t.elapsed().as_secs_f64() * 1e6);
-        native_decision = Some(d);
+        decisions.1 = Some(d);
+        let t = Instant::now();
+        let d = core_once();
+        core.push(t.elapsed().as_secs_f64() * 1e6);
+        decisions.2 = Some(d);
     }
-    wasm.sort_by(f64::total_cmp);
-    native.sort_by(f64::total_cmp);
-    let (fresh, _) = timed(args.fresh_iterations, || Ok(runtime.decide_fresh(&req)?))?;
-    if wasm_decision != native_decision {
-        return Err(Error::Mismatch {
-            wasm: Box::new(wasm_decision),
-            native: Box::new(native_decision),
-        });
+    for v in [&mut wasm, &mut native, &mut core] {
+        v.sort_by(f64::total_cmp);
+    }
+    let (fresh, _) = timed(args.fresh_iterations, || {
+        Ok(runtime.decide_fresh(&mut lent)?)
+    })?;
+    let (wasm_decision, native_decision, core_decision) = decisions;
+    for (other, d) in [("native", &native_decision), ("core", &core_decision)] {
+        if &wasm_decision != d {
+            return Err(Error::Mismatch {
+                other,
+                wasm: Box::new(wasm_decision),
+                native: Box::new(d.clone()),
+            });
+        }
     }
     let wasm_p99 = percentile(&wasm, 0.99);
     let native_p99 = percentile(&native, 0.99);
+    let core_p99 = percentile(&core, 0.99);
+    let ratio = |a: f64, b: f64| if b > 0.0 { a / b } else { 0.0 };
     Ok(Report {
         endpoints: args.endpoints,
         iterations: args.iterations,
@@ -283,11 +325,11 @@ fn measure(args: &Args) -> Result<Report, Error> {
         wasm_p99_us: wasm_p99,
         native_p50_us: percentile(&native, 0.5),
         native_p99_us: native_p99,
-        ratio_p99: if native_p99 > 0.0 {
-            wasm_p99 / native_p99
-        } else {
-            0.0
-        },
+        ratio_p99: ratio(wasm_p99, native_p99),
+        ratio_p50: ratio(percentile(&wasm, 0.5), percentile(&native, 0.5)),
+        core_p50_us: percentile(&core, 0.5),
+        core_p99_us: core_p99,
+        ratio_p99_core: ratio(wasm_p99, core_p99),
         fresh_instance_p50_us: percentile(&fresh, 0.5),
         fresh_instance_p99_us: percentile(&fresh, 0.99),
         module_sha256: runtime.active().sha256,
@@ -312,6 +354,78 @@ mod tests {
             .expect("bench runs (build the guests with policies/build.sh first)");
         assert_eq!(r.endpoints, 8);
         assert!(r.wasm_p50_us > 0.0 && r.native_p50_us > 0.0 && r.fresh_instance_p50_us > 0.0);
+        assert!(r.core_p50_us > 0.0);
         assert!(r.wasm_p50_us <= r.wasm_p99_us);
+    }
+
+    /// The native baseline runs the same module through the same lifecycle:
+    /// it must decide exactly as the wasm module does, rejections included.
+    #[test]
+    fn null_vm_decides_as_the_wasm_module() {
+        let module = rngd_policy_host::find_built_module("pd_default", "wasm32-unknown-unknown")
+            .expect("build the guests with policies/build.sh first");
+        let config = br#"{"disaggregation_threshold_tokens":16}"#.to_vec();
+        let runtime = PolicyRuntime::new(
+            PolicySource {
+                module,
+                config: config.clone(),
+            },
+            SandboxLimits::default(),
+        )
+        .expect("module loads");
+        let mut vm = nullvm::NullVm::new(&config).expect("null vm");
+        let endpoints: std::sync::Arc<[Endpoint]> = snapshot(6).into();
+        let with = |body: &str, eps: Option<std::sync::Arc<[Endpoint]>>, prompt: Option<usize>| {
+            let mut r = request(Vec::new());
+            r.body = body.as_bytes().to_vec();
+            r.endpoints = eps;
+            r.prompt_tokens = prompt;
+            r
+        };
+        let cases = [
+            with(
+                r#"{"prompt":"hi","max_tokens":8}"#,
+                Some(endpoints.clone()),
+                Some(4),
+            ),
+            with(
+                r#"{"prompt":"hi","max_tokens":8}"#,
+                Some(endpoints.clone()),
+                Some(400),
+            ),
+            with(
+                r#"{"prompt":"hi","max_tokens":8}"#,
+                Some(endpoints.clone()),
+                Some(4090),
+            ),
+            with(
+                r#"{"prompt":"hi","max_tokens":8}"#,
+                Some(Vec::new().into()),
+                Some(4),
+            ),
+            with(r#"{"prompt": nope}"#, Some(endpoints.clone()), Some(4)),
+            with("", None, None),
+        ];
+        let mut kinds = std::collections::BTreeSet::new();
+        for mut req in cases {
+            let before = (req.headers.clone(), req.body.clone());
+            let wasm = runtime.decide_blocking(&mut req).expect("wasm decides");
+            let native = vm.decide(&mut req).expect("native decides");
+            assert_eq!(wasm, native);
+            assert_eq!(
+                (req.headers.clone(), req.body.clone()),
+                before,
+                "request handed back unchanged"
+            );
+            kinds.insert(match &wasm {
+                Decision::Route(r) if r.prefill.is_some() => "split".to_string(),
+                Decision::Route(_) => "local".to_string(),
+                Decision::Reject(l) => l.status.to_string(),
+            });
+        }
+        // Routes with and without a remote prefill, and rejections.
+        for k in ["split", "local", "400", "503"] {
+            assert!(kinds.contains(k), "no {k} decision among {kinds:?}");
+        }
     }
 }

@@ -11,6 +11,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use wasmtime::{Caller, Linker, Memory, ResourceLimiter, TypedFunc};
 
 use crate::SandboxLimits;
+use crate::request::{Property, RequestState};
 
 /// Status codes of the ABI (`proxy_status_t`).
 pub(crate) mod status {
@@ -60,123 +61,6 @@ impl ResourceLimiter for Limiter {
         _maximum: Option<usize>,
     ) -> wasmtime::Result<bool> {
         Ok(desired <= 100_000)
-    }
-}
-
-/// The request the guest is looking at, and what it did to it.
-#[derive(Default)]
-pub(crate) struct RequestState {
-    /// Request headers as the host passed them (never edited: the guest's
-    /// edits live in `set` and `removed`, see [`RequestState::header`]).
-    pub headers: Vec<(String, String)>,
-    /// Request body.
-    pub body: Vec<u8>,
-    /// `rngd_pd.endpoints` JSON.
-    pub endpoints: Option<Arc<str>>,
-    /// `rngd_pd.endpoints_version`.
-    pub endpoints_version: Option<Arc<str>>,
-    /// `rngd_pd.prompt_tokens`.
-    pub prompt_tokens: Option<String>,
-    /// Headers the guest set, replaced or added, in order (lowercase names).
-    pub set: Vec<(String, String)>,
-    /// Names of passed headers the guest removed (lowercase).
-    pub removed: Vec<String>,
-    /// A local response the guest sent.
-    pub local: Option<rngd_policy_core::LocalResponse>,
-}
-
-/// The properties a guest can read (`proxy_get_property`; path tokens joined by NUL).
-#[derive(Clone, Copy)]
-enum Property {
-    Endpoints,
-    EndpointsVersion,
-    PromptTokens,
-    PluginName,
-}
-
-impl Property {
-    fn of(path: &[u8]) -> Option<Property> {
-        Some(match path {
-            b"rngd_pd\0endpoints" => Property::Endpoints,
-            b"rngd_pd\0endpoints_version" => Property::EndpointsVersion,
-            b"rngd_pd\0prompt_tokens" => Property::PromptTokens,
-            b"plugin_name" => Property::PluginName,
-            _ => return None,
-        })
-    }
-}
-
-impl RequestState {
-    /// The value of header `key` as the guest sees it: what it set, else the
-    /// passed header unless it removed it.
-    pub fn header(&self, key: &str) -> Option<&str> {
-        if let Some((_, v)) = self.set.iter().find(|(k, _)| k.eq_ignore_ascii_case(key)) {
-            return Some(v);
-        }
-        if self.is_removed(key) {
-            return None;
-        }
-        self.headers
-            .iter()
-            .find(|(k, _)| k.eq_ignore_ascii_case(key))
-            .map(|(_, v)| v.as_str())
-    }
-
-    fn is_removed(&self, key: &str) -> bool {
-        self.removed.iter().any(|k| k.eq_ignore_ascii_case(key))
-    }
-
-    /// Every header as the guest sees it: passed ones it neither removed nor
-    /// set, then the ones it set.
-    fn view(&self) -> Vec<(String, String)> {
-        let mut out: Vec<(String, String)> = self
-            .headers
-            .iter()
-            .filter(|(k, _)| {
-                !self.is_removed(k) && !self.set.iter().any(|(s, _)| s.eq_ignore_ascii_case(k))
-            })
-            .cloned()
-            .collect();
-        out.extend(self.set.iter().cloned());
-        out
-    }
-
-    /// Sets header `key` (`add`: appends `, value` to its current value).
-    fn set_header(&mut self, key: &str, value: &str, add: bool) {
-        let old = if add { self.header(key) } else { None };
-        let joined;
-        let value = match old {
-            Some(old) if !old.is_empty() => {
-                joined = format!("{old},{value}");
-                joined.as_str()
-            }
-            _ => value,
-        };
-        self.removed.retain(|k| !k.eq_ignore_ascii_case(key));
-        match self
-            .set
-            .iter_mut()
-            .find(|(k, _)| k.eq_ignore_ascii_case(key))
-        {
-            Some(slot) => {
-                slot.1.clear();
-                slot.1.push_str(value);
-            }
-            None => self.set.push((key.to_ascii_lowercase(), value.to_string())),
-        }
-    }
-
-    /// Removes header `key`.
-    fn remove_header(&mut self, key: &str) {
-        self.set.retain(|(k, _)| !k.eq_ignore_ascii_case(key));
-        if !self.is_removed(key)
-            && self
-                .headers
-                .iter()
-                .any(|(k, _)| k.eq_ignore_ascii_case(key))
-        {
-            self.removed.push(key.to_ascii_lowercase());
-        }
     }
 }
 
@@ -613,17 +497,7 @@ pub(crate) fn define(linker: &mut Linker<HostState>) -> wasmtime::Result<()> {
                 Ok(None) => return Ok(status::NOT_FOUND),
                 Err(s) => return Ok(s),
             };
-            give_from(&mut cx, rp, rl, |st| {
-                let req = &st.req;
-                match which {
-                    Property::Endpoints => req.endpoints.as_deref().map(str::as_bytes),
-                    Property::EndpointsVersion => {
-                        req.endpoints_version.as_deref().map(str::as_bytes)
-                    }
-                    Property::PromptTokens => req.prompt_tokens.as_deref().map(str::as_bytes),
-                    Property::PluginName => Some(b"rngd-pd-policy".as_slice()),
-                }
-            })
+            give_from(&mut cx, rp, rl, |st| st.req.property(which))
         },
     )?;
     linker.func_wrap(
@@ -709,18 +583,8 @@ pub(crate) fn define(linker: &mut Linker<HostState>) -> wasmtime::Result<()> {
                 (Ok(d), Ok(b), Ok(h)) => (d, b, h),
                 (Err(s), _, _) | (_, Err(s), _) | (_, _, Err(s)) => return Ok(s),
             };
-            let Some(headers) = decode_map(&hdrs) else {
-                return Ok(status::BAD_ARGUMENT);
-            };
-            let Ok(status_code) = u16::try_from(code) else {
-                return Ok(status::BAD_ARGUMENT);
-            };
-            if !(200..=599).contains(&status_code) {
-                return Ok(status::BAD_ARGUMENT);
-            }
-            tracing::debug!(status = status_code, details = %String::from_utf8_lossy(&details), "policy sent a local response");
-            cx.data_mut().req.local = Some(rngd_policy_core::LocalResponse { status: status_code, body, headers });
-            Ok(status::OK)
+            tracing::debug!(status = code, details = %String::from_utf8_lossy(&details), "policy sent a local response");
+            Ok(cx.data_mut().req.send_local_response(code, body, &hdrs).map_or_else(|s| s, |()| status::OK))
         },
     )?;
     linker.func_wrap(

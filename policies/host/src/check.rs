@@ -69,13 +69,13 @@ pub fn check(path: &Path, config: &[u8]) -> Result<String, PolicyError> {
         wasm.len(),
         sha256_hex(&wasm)
     );
-    for (i, (name, req)) in canned_requests().into_iter().enumerate() {
+    for (i, (name, mut req)) in canned_requests().into_iter().enumerate() {
         let snap = req.endpoints.as_ref().map(|eps| SnapshotProps {
             json: serde_json::to_string(&**eps).unwrap_or_default().into(),
             version: format!("check-{i}").into(),
         });
         let decision = guest
-            .run(&req, || snap)
+            .run(&mut req, || snap)
             .map_err(|e| PolicyError::SelfTest {
                 request: name,
                 source: Box::new(e),

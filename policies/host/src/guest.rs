@@ -2,20 +2,15 @@
 //! context lifecycle (`_initialize`, `proxy_on_vm_start`, `proxy_on_configure`)
 //! and the HTTP context lifecycle of one request.
 
-use std::fmt::Write as _;
 use std::sync::Arc;
 
-use rngd_api::headers;
-use rngd_policy_core::{Decision, Endpoint, Route};
+use rngd_policy_core::{Decision, Endpoint};
 use wasmtime::{Engine, InstancePre, Module, Store, Trap, TypedFunc};
 
-use crate::abi::{HostState, RequestState};
+use crate::abi::HostState;
 use crate::{PolicyError, PolicyRequest, SandboxLimits};
 
 const ROOT_CONTEXT: u32 = 1;
-
-/// A pooled instance keeps its body buffer between requests up to this size.
-const KEEP_BODY_CAPACITY: usize = 64 << 10;
 
 /// The endpoint snapshot as the guest reads it: JSON plus a version.
 #[derive(Clone)]
@@ -180,74 +175,58 @@ impl Guest {
     /// Runs one request through a new HTTP context. On `Err` with
     /// [`PolicyError::is_guest_fault`] the instance must be dropped.
     ///
+    /// The request's headers and body are lent to the instance's host state
+    /// for the call (swapped in and back out, never copied) and come back
+    /// unchanged.
+    ///
     /// `snapshot` gives the snapshot properties for `req.endpoints`; it is
     /// called only when those are not the endpoints (the same `Arc`) this
     /// instance ran with last, so a steady snapshot costs no lookup.
     pub fn run(
         &mut self,
-        req: &PolicyRequest,
+        req: &mut PolicyRequest,
         snapshot: impl FnOnce() -> Option<SnapshotProps>,
     ) -> Result<Decision, PolicyError> {
         let ctx = self.next_context;
         self.next_context = self.next_context.checked_add(1).unwrap_or(ROOT_CONTEXT + 1);
-        {
-            // Buffers of the previous request are reused.
-            let st = &mut self.store.data_mut().req;
-            copy_pairs(&mut st.headers, &req.headers);
-            st.body.clear();
-            st.body.extend_from_slice(&req.body);
-            let seen = match (&self.seen, &req.endpoints) {
-                (Some(a), Some(b)) => Arc::ptr_eq(a, b),
-                (None, None) => true,
-                _ => false,
-            };
-            if !seen {
-                let props = snapshot();
-                st.endpoints = props.as_ref().map(|p| p.json.clone());
-                st.endpoints_version = props.map(|p| p.version);
-                self.seen = req.endpoints.clone();
-            }
-            match req.prompt_tokens {
-                Some(n) => {
-                    let s = st.prompt_tokens.get_or_insert_with(String::new);
-                    s.clear();
-                    // Writing to a String cannot fail.
-                    let _ = write!(s, "{n}");
-                }
-                None => st.prompt_tokens = None,
-            }
-            st.set.clear();
-            st.removed.clear();
-            st.local = None;
-        }
-        let result = self.run_context(ctx, req);
+        let headers = req.headers.len() as u32;
+        let body_len = req.body.len() as u32;
+        let seen = match (&self.seen, &req.endpoints) {
+            (Some(a), Some(b)) => Arc::ptr_eq(a, b),
+            (None, None) => true,
+            _ => false,
+        };
         let st = &mut self.store.data_mut().req;
-        let decision = result.and_then(|()| decision_of(st));
-        if st.body.capacity() > KEEP_BODY_CAPACITY {
-            st.body = Vec::new();
+        if !seen {
+            let props = snapshot();
+            st.set_snapshot(
+                props.as_ref().map(|p| p.json.clone()),
+                props.map(|p| p.version),
+            );
+            self.seen = req.endpoints.clone();
         }
-        decision
+        st.begin(req);
+        let result = self.run_context(ctx, headers, body_len);
+        let decision = self.store.data_mut().req.finish(req);
+        result.and(decision)
     }
 
-    fn run_context(&mut self, ctx: u32, req: &PolicyRequest) -> Result<(), PolicyError> {
-        let end_of_stream = u32::from(req.body.is_empty());
+    fn run_context(&mut self, ctx: u32, headers: u32, body_len: u32) -> Result<(), PolicyError> {
+        let end_of_stream = u32::from(body_len == 0);
         self.store.set_epoch_deadline(self.deadline_ticks);
         self.on_context_create
             .call(&mut self.store, (ctx, ROOT_CONTEXT))
             .map_err(|e| classify(&self.store, e, &self.limits))?;
         self.store.set_epoch_deadline(self.deadline_ticks);
         self.on_request_headers
-            .call(
-                &mut self.store,
-                (ctx, req.headers.len() as u32, end_of_stream),
-            )
+            .call(&mut self.store, (ctx, headers, end_of_stream))
             .map_err(|e| classify(&self.store, e, &self.limits))?;
         if end_of_stream == 0
-            && self.store.data().req.local.is_none()
+            && !self.store.data().req.has_local_response()
             && let Some(body) = &self.on_request_body
         {
             self.store.set_epoch_deadline(self.deadline_ticks);
-            body.call(&mut self.store, (ctx, req.body.len() as u32, 1))
+            body.call(&mut self.store, (ctx, body_len, 1))
                 .map_err(|e| classify(&self.store, e, &self.limits))?;
         }
         if let Some(done) = &self.on_done {
@@ -263,19 +242,6 @@ impl Guest {
         }
         Ok(())
     }
-}
-
-/// Copies `src` into `dst`, reusing the strings `dst` already holds (a
-/// `Vec<(String, String)>::clone_from` would allocate every string anew: tuples
-/// clone element by element without `clone_from`).
-fn copy_pairs(dst: &mut Vec<(String, String)>, src: &[(String, String)]) {
-    dst.truncate(src.len());
-    let kept = dst.len();
-    for (d, s) in dst.iter_mut().zip(src) {
-        d.0.clone_from(&s.0);
-        d.1.clone_from(&s.1);
-    }
-    dst.extend_from_slice(&src[kept..]);
 }
 
 /// Maps a wasmtime call error to the matching guest fault.
@@ -294,30 +260,4 @@ fn classify(store: &Store<HostState>, e: wasmtime::Error, limits: &SandboxLimits
         message: format!("{e:#}"),
         guest_log: store.data().errors.clone(),
     }
-}
-
-/// Reads the decision out of what the guest did to the request (the headers
-/// it set move into the decision).
-fn decision_of(st: &mut RequestState) -> Result<Decision, PolicyError> {
-    if let Some(local) = st.local.take() {
-        return Ok(Decision::Reject(local));
-    }
-    let get = |set: &[(String, String)], name: &str| {
-        set.iter().find(|(k, _)| k == name).map(|(_, v)| v.clone())
-    };
-    let Some(decode) = get(&st.set, headers::DESTINATION_ENDPOINT) else {
-        return Err(PolicyError::NoDecision {
-            detail: format!(
-                "neither {} was set nor a local response sent (headers set: {:?})",
-                headers::DESTINATION_ENDPOINT,
-                st.set.iter().map(|(k, _)| k.as_str()).collect::<Vec<_>>()
-            ),
-        });
-    };
-    Ok(Decision::Route(Route {
-        decode,
-        prefill: get(&st.set, headers::PREFILLER_HOST_PORT),
-        kv_transport: get(&st.set, headers::KV_TRANSPORT),
-        headers: std::mem::take(&mut st.set),
-    }))
 }

@@ -12,6 +12,7 @@ mod abi;
 mod admin;
 mod check;
 mod guest;
+mod request;
 mod runtime;
 
 use std::path::{Path, PathBuf};
@@ -20,6 +21,7 @@ use std::time::{Duration, SystemTime};
 
 pub use admin::admin_router;
 pub use check::{CheckArgs, check};
+pub use request::RequestState;
 pub use rngd_policy_core::{Decision, Endpoint, LocalResponse, Route};
 pub use runtime::PolicyRuntime;
 

@@ -227,7 +227,7 @@ fn prepare(
 ) -> Result<Loaded, PolicyError> {
     let pre = compile(engine, linker, wasm)?;
     let mut guest = Guest::new(engine, &pre, limits, config.clone())?;
-    for (name, req) in canned_requests() {
+    for (name, mut req) in canned_requests() {
         let snap = req.endpoints.as_ref().map(|eps| SnapshotProps {
             json: serde_json::to_string(&**eps).unwrap_or_default().into(),
             version: "self-test".into(),
@@ -236,7 +236,7 @@ fn prepare(
             version: format!("self-test-{name}").into(),
             ..s
         });
-        if let Err(e) = guest.run(&req, || snap) {
+        if let Err(e) = guest.run(&mut req, || snap) {
             return Err(PolicyError::SelfTest {
                 request: name,
                 source: Box::new(e),
@@ -375,7 +375,7 @@ impl PolicyRuntime {
     /// misbehaving guest holds the thread for at most the sandbox's call
     /// timeout per callback (epoch interruption), and its instance is
     /// discarded.
-    pub async fn decide(&self, req: PolicyRequest) -> Result<Decision, PolicyError> {
+    pub async fn decide(&self, mut req: PolicyRequest) -> Result<Decision, PolicyError> {
         let _permit = self
             .permits
             .acquire()
@@ -383,17 +383,27 @@ impl PolicyRuntime {
             .map_err(|_| PolicyError::Unavailable {
                 detail: "decision slots closed".into(),
             })?;
-        self.decide_blocking(&req)
+        self.decide_blocking(&mut req)
     }
 
     /// Decides one request on the calling thread (blocks it for up to the
     /// call timeout). [`PolicyRuntime::decide`] is the async entry point.
-    pub fn decide_blocking(&self, req: &PolicyRequest) -> Result<Decision, PolicyError> {
-        let span = tracing::debug_span!(
-            "policy_decide",
-            headers = req.headers.len(),
-            body = req.body.len()
-        );
+    ///
+    /// The request is lent to the guest: its headers and body are swapped
+    /// into the instance for the call, never copied, and are unchanged when
+    /// this returns (also on error).
+    pub fn decide_blocking(&self, req: &mut PolicyRequest) -> Result<Decision, PolicyError> {
+        // Built only when debug is on: even a disabled span costs a few
+        // percent of a decision (callsite and `log` bridge checks).
+        let span = if tracing::enabled!(tracing::Level::DEBUG) {
+            tracing::debug_span!(
+                "policy_decide",
+                headers = req.headers.len(),
+                body = req.body.len()
+            )
+        } else {
+            tracing::Span::none()
+        };
         let _g = span.enter();
         self.check_input(req)?;
         let loaded = self.current();
@@ -402,7 +412,8 @@ impl PolicyRuntime {
             Some(g) => g,
             None => self.fresh(&loaded)?,
         };
-        match guest.run(req, || self.snapshot_props(req.endpoints.as_ref())) {
+        let endpoints = req.endpoints.clone();
+        match guest.run(req, || self.snapshot_props(endpoints.as_ref())) {
             Ok(d) => {
                 self.give_back(&loaded, guest);
                 Ok(d)
@@ -421,11 +432,12 @@ impl PolicyRuntime {
     }
 
     /// Runs one request on a brand-new instance (for the benchmark).
-    pub fn decide_fresh(&self, req: &PolicyRequest) -> Result<Decision, PolicyError> {
+    pub fn decide_fresh(&self, req: &mut PolicyRequest) -> Result<Decision, PolicyError> {
         self.check_input(req)?;
         let loaded = self.current();
         let mut guest = self.fresh(&loaded)?;
-        guest.run(req, || self.snapshot_props(req.endpoints.as_ref()))
+        let endpoints = req.endpoints.clone();
+        guest.run(req, || self.snapshot_props(endpoints.as_ref()))
     }
 
     fn fresh(&self, loaded: &Loaded) -> Result<Guest, PolicyError> {

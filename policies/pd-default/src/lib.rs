@@ -20,10 +20,24 @@ mod entry {
 
     proxy_wasm::main! {{
         proxy_wasm::set_log_level(LogLevel::Info);
-        proxy_wasm::set_root_context(|_| -> Box<dyn RootContext> {
-            Box::new(Root { policy: Rc::new(RefCell::new(PdPolicy::default())) })
-        });
+        proxy_wasm::set_root_context(new_root);
     }}
+}
+
+fn new_root(_context_id: u32) -> Box<dyn RootContext> {
+    Box::new(Root {
+        policy: Rc::new(RefCell::new(PdPolicy::default())),
+    })
+}
+
+/// Registers the root context on this thread without the wasm entry point's
+/// logger and panic hook, which would take over a native process's. This is
+/// how the module's code runs natively, in process, through the same
+/// proxy-wasm lifecycle (the policy benchmark's baseline, like Envoy's null
+/// VM); a wasm host calls `_initialize` instead.
+#[cfg(not(target_family = "wasm"))]
+pub fn register_native_root() {
+    proxy_wasm::set_root_context(new_root);
 }
 
 /// The plugin: holds the configured policy and its snapshot cache.
