@@ -13,12 +13,22 @@ rustup target add wasm32-unknown-unknown wasm32-wasip1 >/dev/null
 # Python packages, pinned to the versions the suite was written against.
 "$PY" -m pip install --quiet --disable-pip-version-check -r "$(dirname "$0")/python/requirements.txt"
 
-# Debian packages: promtool (metrics exposition checks), ip (network namespaces).
+# Debian packages: promtool (metrics exposition checks), ip (network
+# namespaces), npm (for binaryen below).
 need=()
 command -v promtool >/dev/null 2>&1 || need+=(prometheus)
 command -v ip >/dev/null 2>&1 || need+=(iproute2)
+command -v npm >/dev/null 2>&1 || need+=(nodejs npm)
 if [ ${#need[@]} -gt 0 ]; then
     export DEBIAN_FRONTEND=noninteractive
     apt-get update -qq
     apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
+fi
+
+# Binaryen's wasm-opt (npm package `binaryen`, run by node), which
+# policies/build.sh applies to the default policy module.
+tools=${XDG_CACHE_HOME:-$HOME/.cache}/rngd-pd/tools
+if [ ! -x "$tools/node_modules/.bin/wasm-opt" ]; then
+    mkdir -p "$tools"
+    npm install --silent --no-audit --no-fund --prefix "$tools" binaryen@132.0.0 >/dev/null
 fi

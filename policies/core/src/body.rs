@@ -10,10 +10,38 @@
 //! (strings, escapes, UTF-8, numbers, literals, nesting) and skips string
 //! content eight bytes at a time.
 
-use crate::CoreError;
+use crate::{CoreError, push_digit, same};
 
 /// Nesting deeper than this is refused (as `serde_json` does).
 const MAX_DEPTH: usize = 128;
+
+/// The top-level fields read, in the order of `seen` in [`scan`].
+const FIELDS: [&[u8]; 4] = [
+    b"max_tokens",
+    b"max_completion_tokens",
+    b"prompt",
+    b"messages",
+];
+
+/// The open containers of [`Scanner::value`], one bit each (1 = array), in
+/// two words: a `u128` shift is a library call in a wasm guest.
+#[derive(Default)]
+struct Open([u64; 2]);
+
+impl Open {
+    fn set(&mut self, depth: usize, array: bool) {
+        let (w, bit) = (depth / 64 % 2, 1u64 << (depth % 64));
+        if array {
+            self.0[w] |= bit;
+        } else {
+            self.0[w] &= !bit;
+        }
+    }
+
+    fn is_array(&self, depth: usize) -> bool {
+        self.0[depth / 64 % 2] >> (depth % 64) & 1 != 0
+    }
+}
 
 /// What the policy reads from a request body.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -49,13 +77,7 @@ pub(crate) fn scan(body: &[u8]) -> Result<BodyFields, CoreError> {
                 Key::Raw(raw) => raw,
                 Key::Escaped(s) => s.as_bytes(),
             };
-            let field = match name {
-                b"max_tokens" => Some(0),
-                b"max_completion_tokens" => Some(1),
-                b"prompt" => Some(2),
-                b"messages" => Some(3),
-                _ => None,
-            };
+            let field = FIELDS.iter().position(|f| same(f, name));
             match field {
                 Some(f) if seen[f] => return Err(s.error("duplicate field")),
                 Some(f) => seen[f] = true,
@@ -232,17 +254,14 @@ impl<'a> Scanner<'a> {
 
     /// A token count: a non-negative integer or `null`.
     fn count(&mut self) -> Result<Option<u64>, CoreError> {
-        if self.b[self.i..].starts_with(b"null") {
+        if self.at(b"null") {
             self.i += 4;
             return Ok(None);
         }
         let start = self.i;
         let mut n: u64 = 0;
         while let Some(d @ b'0'..=b'9') = self.peek() {
-            n = n
-                .checked_mul(10)
-                .and_then(|n| n.checked_add(u64::from(d - b'0')))
-                .ok_or_else(|| self.error("token count out of range"))?;
+            n = push_digit(n, d - b'0').ok_or_else(|| self.error("token count out of range"))?;
             self.i += 1;
         }
         let digits = self.i - start;
@@ -260,7 +279,7 @@ impl<'a> Scanner<'a> {
     /// (1 = array): one call per field instead of one per nested value.
     fn value(&mut self) -> Result<(), CoreError> {
         let mut open = 0usize;
-        let mut arrays: u128 = 0;
+        let mut arrays = Open::default();
         loop {
             // A value starts here, inside `open` containers.
             if open >= MAX_DEPTH {
@@ -287,10 +306,8 @@ impl<'a> Scanner<'a> {
                 if self.peek() == Some(close) {
                     self.i += 1;
                 } else {
-                    if is_array {
-                        arrays |= 1 << open;
-                    } else {
-                        arrays &= !(1 << open);
+                    arrays.set(open, is_array);
+                    if !is_array {
                         self.member_key()?;
                     }
                     open += 1;
@@ -302,7 +319,7 @@ impl<'a> Scanner<'a> {
                 if open == 0 {
                     return Ok(());
                 }
-                let is_array = arrays & (1 << (open - 1)) != 0;
+                let is_array = arrays.is_array(open - 1);
                 self.ws();
                 match self.next() {
                     Some(b',') => {
@@ -333,8 +350,15 @@ impl<'a> Scanner<'a> {
         Ok(())
     }
 
+    /// Whether `word` comes next.
+    fn at(&self, word: &[u8]) -> bool {
+        self.b
+            .get(self.i..self.i + word.len())
+            .is_some_and(|w| same(w, word))
+    }
+
     fn literal(&mut self, word: &[u8]) -> Result<(), CoreError> {
-        if self.b[self.i..].starts_with(word) {
+        if self.at(word) {
             self.i += word.len();
             Ok(())
         } else {

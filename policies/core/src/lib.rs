@@ -28,6 +28,42 @@ pub const PROP_PROMPT_TOKENS_PATH: &[u8] = b"rngd_pd\0prompt_tokens";
 /// [`PROP_ENDPOINTS_VERSION`] as `proxy_get_property` takes it.
 pub const PROP_ENDPOINTS_VERSION_PATH: &[u8] = b"rngd_pd\0endpoints_version";
 
+/// Byte-string equality without a `memcmp` call. In a wasm guest `memcmp` is
+/// an out-of-line byte loop (natively it is expanded inline for short
+/// constants); the strings a decision compares (field names, versions, node
+/// names, transports) are short, so this is a word or two.
+#[inline]
+pub(crate) fn same(a: &[u8], b: &[u8]) -> bool {
+    if a.len() != b.len() {
+        return false;
+    }
+    let (mut x, mut y) = (a, b);
+    // Whole words by value (no variable-length copy: in a wasm guest that
+    // is a `memory.copy`, a call out of the guest).
+    while let (Some((xw, xr)), Some((yw, yr))) =
+        (x.split_first_chunk::<8>(), y.split_first_chunk::<8>())
+    {
+        if u64::from_le_bytes(*xw) != u64::from_le_bytes(*yw) {
+            return false;
+        }
+        (x, y) = (xr, yr);
+    }
+    x.iter().zip(y).all(|(p, q)| p == q)
+}
+
+/// `n * 10 + digit`, or `None` past `u64::MAX`. Comparisons only: a checked
+/// 64-bit multiply is a 128-bit library call on wasm32.
+#[inline]
+pub(crate) fn push_digit(n: u64, digit: u8) -> Option<u64> {
+    const LIMIT: u64 = u64::MAX / 10;
+    let d = u64::from(digit);
+    if n > LIMIT || (n == LIMIT && d > u64::MAX % 10) {
+        None
+    } else {
+        Some(n * 10 + d)
+    }
+}
+
 /// Errors of the policy logic.
 #[derive(Debug, thiserror::Error)]
 pub enum CoreError {
@@ -195,6 +231,38 @@ pub struct LocalResponse {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn same_is_slice_equality() {
+        let words: [&[u8]; 9] = [
+            b"",
+            b"a",
+            b"shm",
+            b"tcp",
+            b"prompt",
+            b"messages",
+            b"max_tokens",
+            b"max_completion_tokens",
+            b"max_completion_tokenz",
+        ];
+        for a in words {
+            for b in words {
+                assert_eq!(same(a, b), a == b, "{a:?} {b:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn push_digit_stops_exactly_past_u64_max() {
+        let mut n = 0u64;
+        for d in u64::MAX.to_string().bytes() {
+            n = push_digit(n, d - b'0').expect("u64::MAX fits");
+        }
+        assert_eq!(n, u64::MAX);
+        assert_eq!(push_digit(u64::MAX / 10, 6), None);
+        assert_eq!(push_digit(u64::MAX, 0), None);
+        assert_eq!(push_digit(12, 3), Some(123));
+    }
 
     #[test]
     fn property_paths_are_the_names_joined_by_nul() {

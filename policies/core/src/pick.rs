@@ -44,7 +44,10 @@ fn listed(list: &str, address: &str) -> bool {
 }
 
 fn supports(e: &Endpoint, transport: &str) -> bool {
-    e.transports.is_empty() || e.transports.iter().any(|t| t == transport)
+    e.transports.is_empty()
+        || e.transports
+            .iter()
+            .any(|t| crate::same(t.as_bytes(), transport.as_bytes()))
 }
 
 /// Keeps the better of `best` and `e`: lowest score first, ties broken by
@@ -308,7 +311,8 @@ fn pick<'a>(
             ),
         };
         if let Some(prefill) = prefill {
-            let same_node = !prefill.node.is_empty() && prefill.node == decode.node;
+            let same_node = !prefill.node.is_empty()
+                && crate::same(prefill.node.as_bytes(), decode.node.as_bytes());
             let same = same_node.then_some(config.same_node_transport.as_str());
             let cross = Some(config.cross_node_transport.as_str());
             if let Some(t) = [same, cross]
@@ -412,7 +416,7 @@ impl SnapshotCache {
     ) -> Result<Option<&[Endpoint]>, CoreError> {
         if let Some(v) = version
             && self.valid
-            && self.version == v
+            && crate::same(&self.version, v)
         {
             return Ok(Some(&self.endpoints));
         }
@@ -544,14 +548,52 @@ impl PdPolicy {
     }
 }
 
+/// A decimal property value: digits with an optional `+`, surrounding
+/// whitespace allowed (as `str::parse::<u64>` after `trim`, without its
+/// 128-bit overflow check, a library call on wasm32).
 fn parse_decimal(b: &[u8]) -> Option<u64> {
-    std::str::from_utf8(b).ok()?.trim().parse().ok()
+    let s = std::str::from_utf8(b).ok()?.trim().as_bytes();
+    let digits = s.strip_prefix(b"+").unwrap_or(s);
+    if digits.is_empty() {
+        return None;
+    }
+    digits.iter().try_fold(0u64, |n, &c| {
+        c.is_ascii_digit()
+            .then(|| crate::push_digit(n, c - b'0'))
+            .flatten()
+    })
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::Vendor;
+
+    #[test]
+    fn parse_decimal_is_trimmed_str_parse() {
+        for t in [
+            "0",
+            "7",
+            "210",
+            " 42\n",
+            "+5",
+            "++5",
+            "-1",
+            "",
+            " ",
+            "+",
+            "1e3",
+            "4.0",
+            "12a",
+            "18446744073709551615",
+            "18446744073709551616",
+            "99999999999999999999",
+            "\u{a0}9",
+        ] {
+            let want = t.trim().parse::<u64>().ok();
+            assert_eq!(parse_decimal(t.as_bytes()), want, "{t:?}");
+        }
+    }
 
     fn ep(address: &str, role: Role, node: &str, queue: u32) -> Endpoint {
         Endpoint {

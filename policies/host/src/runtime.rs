@@ -393,9 +393,10 @@ impl PolicyRuntime {
     /// into the instance for the call, never copied, and are unchanged when
     /// this returns (also on error).
     pub fn decide_blocking(&self, req: &mut PolicyRequest) -> Result<Decision, PolicyError> {
-        // Built only when debug is on: even a disabled span costs a few
-        // percent of a decision (callsite and `log` bridge checks).
-        let span = if tracing::enabled!(tracing::Level::DEBUG) {
+        // Built only when debug is on (one load of the global level): even a
+        // disabled span costs a few percent of a decision (callsite, filter
+        // and `log` bridge checks).
+        let span = if tracing::level_enabled!(tracing::Level::DEBUG) {
             tracing::debug_span!(
                 "policy_decide",
                 headers = req.headers.len(),
