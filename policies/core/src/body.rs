@@ -205,7 +205,7 @@ impl<'a> Scanner<'a> {
         }
         // Rare: decode it (the scan above validated it) to compare by value.
         let quoted = &b[start - 1..self.i];
-        serde_json::from_slice::<String>(quoted)
+        crate::json::string(quoted)
             .map(Key::Escaped)
             .map_err(|_| self.error("invalid string"))
     }

@@ -63,7 +63,7 @@ impl PolicyConfig {
         if bytes.iter().all(u8::is_ascii_whitespace) {
             return Ok(PolicyConfig::default());
         }
-        serde_json::from_slice(bytes).map_err(|source| CoreError::Config { source })
+        crate::json::config(bytes).map_err(|source| CoreError::Config { source })
     }
 
     /// Load score of an endpoint: lower is better.

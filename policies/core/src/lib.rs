@@ -4,9 +4,11 @@
 
 mod body;
 mod config;
+mod json;
 mod pick;
 
 pub use config::PolicyConfig;
+pub use json::JsonError;
 pub use pick::{
     Outcome, PdPolicy, RequestInput, RouteRef, SnapshotCache, choose, decide,
     estimate_prompt_tokens,
@@ -72,7 +74,7 @@ pub enum CoreError {
     Config {
         /// Cause.
         #[source]
-        source: serde_json::Error,
+        source: JsonError,
     },
     /// The request body is not a JSON object, or a token count in it is not
     /// a non-negative integer.
@@ -88,7 +90,7 @@ pub enum CoreError {
     Snapshot {
         /// Cause.
         #[source]
-        source: serde_json::Error,
+        source: JsonError,
     },
 }
 
@@ -192,19 +194,26 @@ impl Decision {
 }
 
 impl LocalResponse {
-    /// An OpenAI-style JSON error response (`{"error":{...}}`).
+    /// An OpenAI-style JSON error response (`{"error":{...}}`, the bytes
+    /// `serde_json` writes for [`rngd_api::openai::ErrorBody`], written
+    /// directly: the wasm module carries no serializer).
     pub fn error(status: u16, message: impl Into<String>, code: Option<&str>) -> Self {
-        let mut body = rngd_api::openai::ErrorBody::new(
-            rngd_api::openai::ErrorBody::kind_for_status(status),
-            message,
-        );
-        if let Some(code) = code {
-            body = body.with_code(code);
+        let message = message.into();
+        let kind = rngd_api::openai::ErrorBody::kind_for_status(status);
+        let mut body = Vec::with_capacity(message.len() + 96);
+        body.extend_from_slice(br#"{"error":{"message":"#);
+        json::write_string(&mut body, &message);
+        body.extend_from_slice(br#","type":"#);
+        json::write_string(&mut body, kind);
+        body.extend_from_slice(br#","param":null,"code":"#);
+        match code {
+            Some(code) => json::write_string(&mut body, code),
+            None => body.extend_from_slice(b"null"),
         }
+        body.extend_from_slice(b"}}");
         LocalResponse {
             status,
-            // Serializing a struct of strings cannot fail.
-            body: serde_json::to_vec(&body).unwrap_or_default(),
+            body,
             headers: vec![("content-type".to_string(), "application/json".to_string())],
         }
     }
@@ -231,6 +240,31 @@ pub struct LocalResponse {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn error_bodies_are_what_serde_json_writes() {
+        for (status, message, code) in [
+            (
+                400,
+                "prompt_tokens (500) + max_tokens (64) exceeds seq_len 512",
+                Some("context_length_exceeded"),
+            ),
+            (503, "no endpoint \"qualifies\"\n", None),
+            (429, "", None),
+            (500, "é \u{1}", Some("x")),
+        ] {
+            let mut want = rngd_api::openai::ErrorBody::new(
+                rngd_api::openai::ErrorBody::kind_for_status(status),
+                message,
+            );
+            if let Some(c) = code {
+                want = want.with_code(c);
+            }
+            let got = LocalResponse::error(status, message, code);
+            assert_eq!(got.body, serde_json::to_vec(&want).unwrap());
+            assert_eq!(got.message().as_deref(), Some(message));
+        }
+    }
 
     #[test]
     fn same_is_slice_equality() {

@@ -425,7 +425,7 @@ impl SnapshotCache {
         };
         self.ranking = None;
         self.endpoints =
-            serde_json::from_slice(&json).map_err(|source| CoreError::Snapshot { source })?;
+            crate::json::endpoints(&json).map_err(|source| CoreError::Snapshot { source })?;
         match version {
             Some(v) => {
                 self.version.clear();
