@@ -589,7 +589,7 @@ mod tests {
             address: format!("10.0.{}.{}:80{:02}", i / 7, i % 250, i % 100),
             role: [Role::Prefill, Role::Decode, Role::Solo][i % 3],
             vendor: [Vendor::Rngd, Vendor::Atom, Vendor::Cpu][i % 3],
-            node: if i % 4 == 0 {
+            node: if i.is_multiple_of(4) {
                 String::new()
             } else {
                 format!("node-\"{i}\"\\é\u{1F600}\t")
@@ -598,7 +598,7 @@ mod tests {
             queue_depth: i as u32 % 9,
             running: u32::MAX - i as u32,
             kv_usage: (i as f64) * 0.013_7 + 1e-9 * i as f64,
-            healthy: i % 5 != 0,
+            healthy: !i.is_multiple_of(5),
             transports: (0..i % 3)
                 .map(|t| ["shm", "tcp", "nixl-ucx"][t].into())
                 .collect(),
