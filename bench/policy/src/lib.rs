@@ -382,30 +382,20 @@ mod tests {
             r.prompt_tokens = prompt;
             r
         };
-        let cases = [
-            with(
-                r#"{"prompt":"hi","max_tokens":8}"#,
-                Some(endpoints.clone()),
-                Some(4),
-            ),
-            with(
-                r#"{"prompt":"hi","max_tokens":8}"#,
-                Some(endpoints.clone()),
-                Some(400),
-            ),
-            with(
-                r#"{"prompt":"hi","max_tokens":8}"#,
-                Some(endpoints.clone()),
-                Some(4090),
-            ),
-            with(
-                r#"{"prompt":"hi","max_tokens":8}"#,
-                Some(Vec::new().into()),
-                Some(4),
-            ),
+        let short = r#"{"prompt":"hi","max_tokens":8}"#;
+        let mut cases: Vec<PolicyRequest> = [
+            (Some(endpoints.clone()), 4),
+            (Some(endpoints.clone()), 400),
+            (Some(endpoints.clone()), 4090),
+            (Some(Vec::new().into()), 4),
+        ]
+        .into_iter()
+        .map(|(eps, prompt)| with(short, eps, Some(prompt)))
+        .collect();
+        cases.extend([
             with(r#"{"prompt": nope}"#, Some(endpoints.clone()), Some(4)),
             with("", None, None),
-        ];
+        ]);
         let mut kinds = std::collections::BTreeSet::new();
         for mut req in cases {
             let before = (req.headers.clone(), req.body.clone());

@@ -18,19 +18,12 @@ use std::marker::PhantomData;
 use std::sync::Arc;
 
 use rngd_policy_core::{Decision, Endpoint};
+use rngd_policy_host::codes::{
+    BUFFER_PLUGIN_CONFIGURATION, BUFFER_REQUEST_BODY, MAP_REQUEST_HEADERS, status,
+};
 use rngd_policy_host::{PolicyError, PolicyRequest, RequestState};
 
-/// ABI status codes (the values `proxy-wasm`'s `Status` enum declares).
-mod status {
-    pub const OK: u32 = 0;
-    pub const NOT_FOUND: u32 = 1;
-    pub const BAD_ARGUMENT: u32 = 2;
-}
-
 const ROOT_CONTEXT: u32 = 1;
-const MAP_REQUEST_HEADERS: u32 = 0;
-const BUFFER_REQUEST_BODY: u32 = 0;
-const BUFFER_PLUGIN_CONFIGURATION: u32 = 7;
 
 // The lifecycle entry points the SDK exports (`#[no_mangle]` in `proxy-wasm`).
 unsafe extern "C" {

@@ -13,19 +13,11 @@ use wasmtime::{Caller, Linker, Memory, ResourceLimiter, TypedFunc};
 use crate::SandboxLimits;
 use crate::request::{Property, RequestState};
 
-/// Status codes of the ABI (`proxy_status_t`).
-pub(crate) mod status {
-    pub const OK: u32 = 0;
-    pub const NOT_FOUND: u32 = 1;
-    pub const BAD_ARGUMENT: u32 = 2;
-    pub const INVALID_MEMORY_ACCESS: u32 = 6;
-    pub const INTERNAL_FAILURE: u32 = 10;
-}
+use crate::codes::{
+    BUFFER_PLUGIN_CONFIGURATION, BUFFER_REQUEST_BODY, BUFFER_VM_CONFIGURATION, MAP_REQUEST_HEADERS,
+    status,
+};
 
-const MAP_REQUEST_HEADERS: u32 = 0;
-const BUFFER_REQUEST_BODY: u32 = 0;
-const BUFFER_VM_CONFIGURATION: u32 = 6;
-const BUFFER_PLUGIN_CONFIGURATION: u32 = 7;
 /// WASI `errno` for "bad file descriptor".
 const WASI_EBADF: i32 = 8;
 

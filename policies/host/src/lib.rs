@@ -11,6 +11,7 @@
 mod abi;
 mod admin;
 mod check;
+pub mod codes;
 mod guest;
 mod request;
 mod runtime;
