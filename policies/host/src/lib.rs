@@ -5,6 +5,9 @@
 //!   instances, hot-swap, watch the module file.
 //! - [`admin_router`]: `GET`/`PUT /admin/policy`.
 //! - [`check`]: `rngd-pd policy check FILE.wasm`.
+//! - [`RequestState`]: one request as a guest sees it through the ABI, and
+//!   the decision read back out of it (also used by a native run of a module).
+//! - [`codes`]: the ABI's status codes and map and buffer types.
 //!
 //! The decision contract is `docs/policy-abi.md`.
 
