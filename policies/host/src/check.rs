@@ -75,7 +75,7 @@ pub fn check(path: &Path, config: &[u8]) -> Result<String, PolicyError> {
             version: format!("check-{i}").into(),
         });
         let decision = guest
-            .run(&mut req, || snap)
+            .run(&mut req, |_| snap)
             .map_err(|e| PolicyError::SelfTest {
                 request: name,
                 source: Box::new(e),

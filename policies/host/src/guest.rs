@@ -179,13 +179,14 @@ impl Guest {
     /// for the call (swapped in and back out, never copied) and come back
     /// unchanged.
     ///
-    /// `snapshot` gives the snapshot properties for `req.endpoints`; it is
-    /// called only when those are not the endpoints (the same `Arc`) this
-    /// instance ran with last, so a steady snapshot costs no lookup.
+    /// `snapshot` gives the snapshot properties for the endpoints it is
+    /// passed (`req.endpoints`); it is called only when those are not the
+    /// endpoints (the same `Arc`) this instance ran with last, so a steady
+    /// snapshot costs no lookup and no reference count change.
     pub fn run(
         &mut self,
         req: &mut PolicyRequest,
-        snapshot: impl FnOnce() -> Option<SnapshotProps>,
+        snapshot: impl FnOnce(Option<&Arc<[Endpoint]>>) -> Option<SnapshotProps>,
     ) -> Result<Decision, PolicyError> {
         let ctx = self.next_context;
         self.next_context = self.next_context.checked_add(1).unwrap_or(ROOT_CONTEXT + 1);
@@ -198,7 +199,7 @@ impl Guest {
         };
         let st = &mut self.store.data_mut().req;
         if !seen {
-            let props = snapshot();
+            let props = snapshot(req.endpoints.as_ref());
             st.set_snapshot(
                 props.as_ref().map(|p| p.json.clone()),
                 props.map(|p| p.version),

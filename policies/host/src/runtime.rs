@@ -236,7 +236,7 @@ fn prepare(
             version: format!("self-test-{name}").into(),
             ..s
         });
-        if let Err(e) = guest.run(&mut req, || snap) {
+        if let Err(e) = guest.run(&mut req, |_| snap) {
             return Err(PolicyError::SelfTest {
                 request: name,
                 source: Box::new(e),
@@ -413,8 +413,7 @@ impl PolicyRuntime {
             Some(g) => g,
             None => self.fresh(&loaded)?,
         };
-        let endpoints = req.endpoints.clone();
-        match guest.run(req, || self.snapshot_props(endpoints.as_ref())) {
+        match guest.run(req, |eps| self.snapshot_props(eps)) {
             Ok(d) => {
                 self.give_back(&loaded, guest);
                 Ok(d)
@@ -437,8 +436,7 @@ impl PolicyRuntime {
         self.check_input(req)?;
         let loaded = self.current();
         let mut guest = self.fresh(&loaded)?;
-        let endpoints = req.endpoints.clone();
-        guest.run(req, || self.snapshot_props(endpoints.as_ref()))
+        guest.run(req, |eps| self.snapshot_props(eps))
     }
 
     fn fresh(&self, loaded: &Loaded) -> Result<Guest, PolicyError> {
