@@ -3,7 +3,7 @@
 //! atomically and watches the module file.
 
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock, Weak};
 use std::time::{Duration, SystemTime};
 
@@ -19,11 +19,18 @@ use crate::abi::{self, HostState};
 use crate::guest::{Guest, SnapshotProps, check_exports};
 use crate::{ModuleInfo, PolicyError, PolicyRequest, PolicySource, SandboxLimits, sha256_hex};
 
-/// A compiled module and its warm instances.
+/// A compiled module.
 struct Loaded {
     info: ModuleInfo,
     pre: InstancePre<HostState>,
-    idle: Mutex<Vec<Guest>>,
+    /// Which activation this is (see [`PolicyRuntime::decide_blocking`]).
+    generation: u64,
+}
+
+/// A warm instance and the activation of the module it runs.
+struct Warm {
+    guest: Guest,
+    generation: u64,
 }
 
 /// The last endpoint snapshot serialized for the guests, so an unchanged
@@ -51,6 +58,11 @@ pub struct PolicyRuntime {
     config: Arc<[u8]>,
     path: PathBuf,
     active: RwLock<Arc<Loaded>>,
+    /// `active`'s generation, readable without the lock.
+    generation: AtomicU64,
+    /// Warm instances, of the active module or (until a decision drops
+    /// them) of the one before a swap.
+    idle: Mutex<Vec<Warm>>,
     permits: Arc<tokio::sync::Semaphore>,
     memo: Mutex<SnapshotMemo>,
     metrics: Metrics,
@@ -216,7 +228,8 @@ pub(crate) fn canned_requests() -> Vec<(&'static str, PolicyRequest)> {
     ]
 }
 
-/// Builds a loaded module: compile, instantiate, run the canned requests.
+/// Builds a loaded module: compile, instantiate, run the canned requests;
+/// returns it with a first warm instance.
 fn prepare(
     engine: &Engine,
     linker: &Linker<HostState>,
@@ -224,7 +237,8 @@ fn prepare(
     config: &Arc<[u8]>,
     wasm: &[u8],
     path: Option<PathBuf>,
-) -> Result<Loaded, PolicyError> {
+    generation: u64,
+) -> Result<(Loaded, Warm), PolicyError> {
     let pre = compile(engine, linker, wasm)?;
     let mut guest = Guest::new(engine, &pre, limits, config.clone())?;
     for (name, mut req) in canned_requests() {
@@ -245,16 +259,20 @@ fn prepare(
     }
     // The self-test instance has parsed a different snapshot; start clean.
     drop(guest);
-    let first = Guest::new(engine, &pre, limits, config.clone())?;
-    Ok(Loaded {
+    let first = Warm {
+        guest: Guest::new(engine, &pre, limits, config.clone())?,
+        generation,
+    };
+    let loaded = Loaded {
         info: ModuleInfo {
             sha256: sha256_hex(wasm),
             loaded_at: SystemTime::now(),
             path,
         },
         pre,
-        idle: Mutex::new(vec![first]),
-    })
+        generation,
+    };
+    Ok((loaded, first))
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -275,13 +293,14 @@ impl PolicyRuntime {
         let engine = sandbox_engine(&limits, stop.clone())?;
         let linker = sandbox_linker(&engine)?;
         let config: Arc<[u8]> = source.config.clone().into();
-        let loaded = match prepare(
+        let (loaded, first) = match prepare(
             &engine,
             &linker,
             &limits,
             &config,
             &wasm,
             Some(source.module.clone()),
+            0,
         ) {
             Ok(l) => l,
             Err(e) => {
@@ -320,6 +339,8 @@ impl PolicyRuntime {
             config,
             path: source.module,
             active: RwLock::new(Arc::new(loaded)),
+            generation: AtomicU64::new(0),
+            idle: Mutex::new(vec![first]),
             permits,
             memo: Mutex::new(SnapshotMemo::default()),
             metrics,
@@ -407,25 +428,29 @@ impl PolicyRuntime {
         };
         let _g = span.enter();
         self.check_input(req)?;
-        let loaded = self.current();
-        let pooled = lock(&loaded.idle).pop();
-        let mut guest = match pooled {
-            Some(g) => g,
-            None => self.fresh(&loaded)?,
+        // A warm instance of the active module, without taking the module
+        // lock: its generation says whether it is one (an instance of the
+        // module before a swap is dropped here, and a new one made).
+        let active = self.generation.load(Ordering::Acquire);
+        let pooled = lock(&self.idle).pop();
+        let mut warm = match pooled {
+            Some(w) if w.generation == active => w,
+            _ => self.fresh(&self.current())?,
         };
-        match guest.run(req, |eps| self.snapshot_props(eps)) {
+        match warm.guest.run(req, |eps| self.snapshot_props(eps)) {
             Ok(d) => {
-                self.give_back(&loaded, guest);
+                self.give_back(warm);
                 Ok(d)
             }
             Err(e) if e.is_guest_fault() => {
                 // A trapped proxy-wasm instance cannot be reused: drop it.
                 self.metrics.traps.inc();
-                tracing::warn!(error = %e, sha256 = %loaded.info.sha256, "policy guest fault; instance discarded");
+                let sha256 = self.current().info.sha256.clone();
+                tracing::warn!(error = %e, %sha256, generation = warm.generation, "policy guest fault; instance discarded");
                 Err(e)
             }
             Err(e) => {
-                self.give_back(&loaded, guest);
+                self.give_back(warm);
                 Err(e)
             }
         }
@@ -434,24 +459,35 @@ impl PolicyRuntime {
     /// Runs one request on a brand-new instance (for the benchmark).
     pub fn decide_fresh(&self, req: &mut PolicyRequest) -> Result<Decision, PolicyError> {
         self.check_input(req)?;
-        let loaded = self.current();
-        let mut guest = self.fresh(&loaded)?;
-        guest.run(req, |eps| self.snapshot_props(eps))
+        let mut warm = self.fresh(&self.current())?;
+        warm.guest.run(req, |eps| self.snapshot_props(eps))
     }
 
-    fn fresh(&self, loaded: &Loaded) -> Result<Guest, PolicyError> {
-        Guest::new(&self.engine, &loaded.pre, &self.limits, self.config.clone()).inspect_err(|e| {
-            if e.is_guest_fault() {
-                self.metrics.traps.inc();
-            }
-        })
+    fn fresh(&self, loaded: &Loaded) -> Result<Warm, PolicyError> {
+        Guest::new(&self.engine, &loaded.pre, &self.limits, self.config.clone())
+            .map(|guest| Warm {
+                guest,
+                generation: loaded.generation,
+            })
+            .inspect_err(|e| {
+                if e.is_guest_fault() {
+                    self.metrics.traps.inc();
+                }
+            })
     }
 
-    fn give_back(&self, loaded: &Loaded, guest: Guest) {
-        let mut idle = lock(&loaded.idle);
-        if idle.len() < self.limits.instances {
-            idle.push(guest);
+    /// Keeps an instance warm if it runs the active module and the pool has
+    /// room; drops it (outside the lock) otherwise.
+    fn give_back(&self, warm: Warm) {
+        let mut idle = lock(&self.idle);
+        if warm.generation == self.generation.load(Ordering::Acquire)
+            && idle.len() < self.limits.instances
+        {
+            idle.push(warm);
+            return;
         }
+        drop(idle);
+        drop(warm);
     }
 
     fn check_input(&self, req: &PolicyRequest) -> Result<(), PolicyError> {
@@ -523,8 +559,12 @@ impl PolicyRuntime {
         let _serial = self.swap_lock.lock().await;
         let me = self.me()?;
         let sha = sha256_hex(&wasm);
+        // Swaps are serialized (`swap_lock`): the next generation is free.
+        let generation = self.generation.load(Ordering::Acquire) + 1;
         let res = tokio::task::spawn_blocking(move || {
-            prepare(&me.engine, &me.linker, &me.limits, &me.config, &wasm, path)
+            prepare(
+                &me.engine, &me.linker, &me.limits, &me.config, &wasm, path, generation,
+            )
         })
         .await
         .map_err(|e| PolicyError::Unavailable {
@@ -532,15 +572,19 @@ impl PolicyRuntime {
         })
         .and_then(|r| r);
         match res {
-            Ok(loaded) => {
+            Ok((loaded, first)) => {
                 let info = loaded.info.clone();
-                let old = std::mem::replace(
-                    &mut *self
-                        .active
-                        .write()
-                        .unwrap_or_else(std::sync::PoisonError::into_inner),
-                    Arc::new(loaded),
-                );
+                let mut active = self
+                    .active
+                    .write()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner);
+                let old = std::mem::replace(&mut *active, Arc::new(loaded));
+                self.generation.store(generation, Ordering::Release);
+                drop(active);
+                // The old module's idle instances go now; those running
+                // finish their request and are dropped when handed back.
+                let stale = std::mem::replace(&mut *lock(&self.idle), vec![first]);
+                drop(stale);
                 self.metrics.reloads.inc();
                 tracing::info!(sha256 = %info.sha256, previous = %old.info.sha256, "policy module swapped");
                 Ok(info)

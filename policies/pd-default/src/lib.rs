@@ -14,6 +14,8 @@ use rngd_policy_core::{
     PolicyConfig,
 };
 
+pub mod heap;
+
 /// The module entry point (`_initialize`), registering the root context.
 mod entry {
     use super::*;
