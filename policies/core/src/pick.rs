@@ -552,7 +552,14 @@ impl PdPolicy {
 /// whitespace allowed (as `str::parse::<u64>` after `trim`, without its
 /// 128-bit overflow check, a library call on wasm32).
 fn parse_decimal(b: &[u8]) -> Option<u64> {
-    let s = std::str::from_utf8(b).ok()?.trim().as_bytes();
+    // Digits and `+` are valid UTF-8 with nothing to trim: the usual value
+    // skips the UTF-8 check and the Unicode-aware trim (two calls in wasm).
+    let plain = b.iter().all(|&c| c.is_ascii_digit() || c == b'+');
+    let s = if plain {
+        b
+    } else {
+        std::str::from_utf8(b).ok()?.trim().as_bytes()
+    };
     let digits = s.strip_prefix(b"+").unwrap_or(s);
     if digits.is_empty() {
         return None;
@@ -578,6 +585,9 @@ mod tests {
             " 42\n",
             "+5",
             "++5",
+            "5+",
+            "1+2",
+            "+0",
             "-1",
             "",
             " ",
