@@ -3,7 +3,12 @@
 //!
 //! One decision = HTTP context create + request headers + body + done +
 //! delete, with the host's per-request work (lending the request, the
-//! snapshot memo, reading the decision back). Timed, one of each in turn:
+//! snapshot memo, reading the decision back). Timed interleaved, one
+//! decision of each in turn with the order rotating, so all three share the
+//! machine's conditions of the same microseconds (this host is shared and
+//! noisy) and each starts on caches the other two used last, as a decision in
+//! a serving process starts after other request work. `--block N` runs N
+//! decisions of each in a row instead (warmer caches for all three).
 //!
 //! - **wasm**: the built `pd_default.wasm` on a warm instance of
 //!   [`PolicyRuntime`] (sandbox, pool, wasmtime);
@@ -39,6 +44,10 @@ pub struct Args {
     /// Timed decisions on a fresh instance.
     #[arg(long, default_value_t = 300)]
     pub fresh_iterations: usize,
+    /// Decisions a variant makes in a row before the next variant's turn
+    /// (1: the three alternate decision by decision).
+    #[arg(long, default_value_t = 1)]
+    pub block: usize,
     /// Policy module; default: the built `pd_default.wasm` (wasm32-unknown-unknown).
     #[arg(long)]
     pub module: Option<PathBuf>,
@@ -53,6 +62,7 @@ impl Default for Args {
             endpoints: 64,
             iterations: 20_000,
             fresh_iterations: 300,
+            block: 1,
             module: None,
             json: false,
         }
@@ -84,13 +94,15 @@ pub enum Error {
 }
 
 /// Results (µs per decision). Warm wasm, native and core decisions are timed
-/// interleaved, one of each in turn.
+/// interleaved: one decision (or `block` decisions) of each in turn.
 #[derive(Debug, Clone, Serialize)]
 pub struct Report {
     /// Endpoints in the snapshot.
     pub endpoints: usize,
     /// Timed decisions per variant.
     pub iterations: usize,
+    /// Decisions per variant in a row (see [`Args::block`]).
+    pub block: usize,
     /// Warm instance, median.
     pub wasm_p50_us: f64,
     /// Warm instance, 99th percentile.
@@ -284,32 +296,38 @@ fn measure(args: &Args) -> Result<Report, Error> {
     let mut native = Vec::with_capacity(args.iterations);
     let mut core = Vec::with_capacity(args.iterations);
     let mut decisions = (None, None, None);
-    for i in 0..args.iterations {
+    let block = args.block.max(1);
+    let mut round = 0;
+    while wasm.len() < args.iterations {
+        let n = block.min(args.iterations - wasm.len());
         // The order rotates, so each variant runs first, second and third
         // equally often: none always follows the one that warmed the
         // caches it shares (host code, the request's bytes) for it.
         for k in 0..3 {
-            match (i + k) % 3 {
-                0 => {
-                    let t = Instant::now();
-                    let d = runtime.decide_blocking(&mut lent)?;
-                    wasm.push(t.elapsed().as_secs_f64() * 1e6);
-                    decisions.0 = Some(d);
-                }
-                1 => {
-                    let t = Instant::now();
-                    let d = null_vm.decide(&mut lent)?;
-                    native.push(t.elapsed().as_secs_f64() * 1e6);
-                    decisions.1 = Some(d);
-                }
-                _ => {
-                    let t = Instant::now();
-                    let d = core_once();
-                    core.push(t.elapsed().as_secs_f64() * 1e6);
-                    decisions.2 = Some(d);
+            for _ in 0..n {
+                match (round + k) % 3 {
+                    0 => {
+                        let t = Instant::now();
+                        let d = runtime.decide_blocking(&mut lent)?;
+                        wasm.push(t.elapsed().as_secs_f64() * 1e6);
+                        decisions.0 = Some(d);
+                    }
+                    1 => {
+                        let t = Instant::now();
+                        let d = null_vm.decide(&mut lent)?;
+                        native.push(t.elapsed().as_secs_f64() * 1e6);
+                        decisions.1 = Some(d);
+                    }
+                    _ => {
+                        let t = Instant::now();
+                        let d = core_once();
+                        core.push(t.elapsed().as_secs_f64() * 1e6);
+                        decisions.2 = Some(d);
+                    }
                 }
             }
         }
+        round += 1;
     }
     for v in [&mut wasm, &mut native, &mut core] {
         v.sort_by(f64::total_cmp);
@@ -334,6 +352,7 @@ fn measure(args: &Args) -> Result<Report, Error> {
     Ok(Report {
         endpoints: args.endpoints,
         iterations: args.iterations,
+        block,
         wasm_p50_us: percentile(&wasm, 0.5),
         wasm_p99_us: wasm_p99,
         native_p50_us: percentile(&native, 0.5),
@@ -359,6 +378,7 @@ mod tests {
             endpoints: 8,
             iterations: 200,
             fresh_iterations: 5,
+            block: 7,
             json: true,
             module: None,
         };
