@@ -27,10 +27,11 @@ struct Loaded {
     generation: u64,
 }
 
-/// A warm instance and the activation of the module it runs.
+/// A warm instance and the module it runs (moved along with it, never
+/// cloned per decision).
 struct Warm {
     guest: Guest,
-    generation: u64,
+    loaded: Arc<Loaded>,
 }
 
 /// The last endpoint snapshot serialized for the guests, so an unchanged
@@ -238,7 +239,7 @@ fn prepare(
     wasm: &[u8],
     path: Option<PathBuf>,
     generation: u64,
-) -> Result<(Loaded, Warm), PolicyError> {
+) -> Result<Warm, PolicyError> {
     let pre = compile(engine, linker, wasm)?;
     let mut guest = Guest::new(engine, &pre, limits, config.clone())?;
     for (name, mut req) in canned_requests() {
@@ -259,10 +260,7 @@ fn prepare(
     }
     // The self-test instance has parsed a different snapshot; start clean.
     drop(guest);
-    let first = Warm {
-        guest: Guest::new(engine, &pre, limits, config.clone())?,
-        generation,
-    };
+    let guest = Guest::new(engine, &pre, limits, config.clone())?;
     let loaded = Loaded {
         info: ModuleInfo {
             sha256: sha256_hex(wasm),
@@ -272,7 +270,10 @@ fn prepare(
         pre,
         generation,
     };
-    Ok((loaded, first))
+    Ok(Warm {
+        guest,
+        loaded: Arc::new(loaded),
+    })
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -293,7 +294,7 @@ impl PolicyRuntime {
         let engine = sandbox_engine(&limits, stop.clone())?;
         let linker = sandbox_linker(&engine)?;
         let config: Arc<[u8]> = source.config.clone().into();
-        let (loaded, first) = match prepare(
+        let first = match prepare(
             &engine,
             &linker,
             &limits,
@@ -329,7 +330,7 @@ impl PolicyRuntime {
             )?,
             registry,
         };
-        tracing::info!(sha256 = %loaded.info.sha256, path = %source.module.display(), "policy module active");
+        tracing::info!(sha256 = %first.loaded.info.sha256, path = %source.module.display(), "policy module active");
         let permits = Arc::new(tokio::sync::Semaphore::new(limits.instances.max(1)));
         Ok(Arc::new_cyclic(|me| PolicyRuntime {
             me: me.clone(),
@@ -338,7 +339,7 @@ impl PolicyRuntime {
             limits,
             config,
             path: source.module,
-            active: RwLock::new(Arc::new(loaded)),
+            active: RwLock::new(first.loaded.clone()),
             generation: AtomicU64::new(0),
             idle: Mutex::new(vec![first]),
             permits,
@@ -434,7 +435,7 @@ impl PolicyRuntime {
         let active = self.generation.load(Ordering::Acquire);
         let pooled = lock(&self.idle).pop();
         let mut warm = match pooled {
-            Some(w) if w.generation == active => w,
+            Some(w) if w.loaded.generation == active => w,
             _ => self.fresh(&self.current())?,
         };
         match warm.guest.run(req, |eps| self.snapshot_props(eps)) {
@@ -445,8 +446,7 @@ impl PolicyRuntime {
             Err(e) if e.is_guest_fault() => {
                 // A trapped proxy-wasm instance cannot be reused: drop it.
                 self.metrics.traps.inc();
-                let sha256 = self.current().info.sha256.clone();
-                tracing::warn!(error = %e, %sha256, generation = warm.generation, "policy guest fault; instance discarded");
+                tracing::warn!(error = %e, sha256 = %warm.loaded.info.sha256, "policy guest fault; instance discarded");
                 Err(e)
             }
             Err(e) => {
@@ -463,11 +463,11 @@ impl PolicyRuntime {
         warm.guest.run(req, |eps| self.snapshot_props(eps))
     }
 
-    fn fresh(&self, loaded: &Loaded) -> Result<Warm, PolicyError> {
+    fn fresh(&self, loaded: &Arc<Loaded>) -> Result<Warm, PolicyError> {
         Guest::new(&self.engine, &loaded.pre, &self.limits, self.config.clone())
             .map(|guest| Warm {
                 guest,
-                generation: loaded.generation,
+                loaded: loaded.clone(),
             })
             .inspect_err(|e| {
                 if e.is_guest_fault() {
@@ -480,7 +480,7 @@ impl PolicyRuntime {
     /// room; drops it (outside the lock) otherwise.
     fn give_back(&self, warm: Warm) {
         let mut idle = lock(&self.idle);
-        if warm.generation == self.generation.load(Ordering::Acquire)
+        if warm.loaded.generation == self.generation.load(Ordering::Acquire)
             && idle.len() < self.limits.instances
         {
             idle.push(warm);
@@ -572,13 +572,13 @@ impl PolicyRuntime {
         })
         .and_then(|r| r);
         match res {
-            Ok((loaded, first)) => {
-                let info = loaded.info.clone();
+            Ok(first) => {
+                let info = first.loaded.info.clone();
                 let mut active = self
                     .active
                     .write()
                     .unwrap_or_else(std::sync::PoisonError::into_inner);
-                let old = std::mem::replace(&mut *active, Arc::new(loaded));
+                let old = std::mem::replace(&mut *active, first.loaded.clone());
                 self.generation.store(generation, Ordering::Release);
                 drop(active);
                 // The old module's idle instances go now; those running
