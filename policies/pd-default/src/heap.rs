@@ -41,11 +41,10 @@ fn class(size: usize, align: usize) -> Option<usize> {
     Some((usize::BITS - (size - 1).leading_zeros()) as usize - MIN.trailing_zeros() as usize)
 }
 
-/// The layout of a class's blocks.
-fn block(class: usize) -> Layout {
-    // The size is a power of two no larger than MAX and the alignment 16:
-    // always a valid layout.
-    Layout::from_size_align(MIN << class, MIN).unwrap_or(Layout::new::<[u128; 1]>())
+/// The layout of a class's blocks (always `Some` for a class below
+/// `CLASSES`: a power-of-two size up to `MAX`, aligned to 16).
+fn block(class: usize) -> Option<Layout> {
+    Layout::from_size_align(MIN << class, MIN).ok()
 }
 
 /// Size-class free lists in front of a fallback allocator (see the module
@@ -88,8 +87,11 @@ unsafe impl<A: GlobalAlloc> GlobalAlloc for SizeClasses<A> {
         };
         let head = self.heads[c].get();
         if head.is_null() {
-            // SAFETY: `block(c)` has a non-zero size.
-            return unsafe { self.fallback.alloc(block(c)) };
+            let Some(block) = block(c) else {
+                return ptr::null_mut();
+            };
+            // SAFETY: `block` has a non-zero size.
+            return unsafe { self.fallback.alloc(block) };
         }
         // SAFETY: `head` is a free block of this class (at least 16 bytes,
         // 16-aligned) whose first bytes hold the next free block.
@@ -167,7 +169,9 @@ mod tests {
             "over-aligned layouts go to the fallback"
         );
         for c in 0..CLASSES {
-            assert_eq!(class(block(c).size(), 1), Some(c));
+            let block = block(c).expect("every class has a block layout");
+            assert_eq!(class(block.size(), 1), Some(c));
+            assert_eq!(block.align(), MIN);
         }
     }
 
