@@ -191,6 +191,14 @@ fn percentile(sorted: &[f64], p: f64) -> f64 {
     sorted[i.min(sorted.len() - 1)]
 }
 
+/// Runs `f` once, appending its time (µs) to `us`.
+fn time_one<T>(us: &mut Vec<f64>, f: impl FnOnce() -> Result<T, Error>) -> Result<T, Error> {
+    let t = Instant::now();
+    let out = f()?;
+    us.push(t.elapsed().as_secs_f64() * 1e6);
+    Ok(out)
+}
+
 fn timed(
     n: usize,
     mut f: impl FnMut() -> Result<Decision, Error>,
@@ -198,9 +206,7 @@ fn timed(
     let mut last = f()?;
     let mut us = Vec::with_capacity(n);
     for _ in 0..n {
-        let t = Instant::now();
-        last = f()?;
-        us.push(t.elapsed().as_secs_f64() * 1e6);
+        last = time_one(&mut us, &mut f)?;
     }
     us.sort_by(f64::total_cmp);
     Ok((us, last))
@@ -307,23 +313,15 @@ fn measure(args: &Args) -> Result<Report, Error> {
             for _ in 0..n {
                 match (round + k) % 3 {
                     0 => {
-                        let t = Instant::now();
-                        let d = runtime.decide_blocking(&mut lent)?;
-                        wasm.push(t.elapsed().as_secs_f64() * 1e6);
-                        decisions.0 = Some(d);
+                        decisions.0 = Some(time_one(&mut wasm, || {
+                            Ok(runtime.decide_blocking(&mut lent)?)
+                        })?);
                     }
                     1 => {
-                        let t = Instant::now();
-                        let d = null_vm.decide(&mut lent)?;
-                        native.push(t.elapsed().as_secs_f64() * 1e6);
-                        decisions.1 = Some(d);
+                        decisions.1 =
+                            Some(time_one(&mut native, || Ok(null_vm.decide(&mut lent)?))?);
                     }
-                    _ => {
-                        let t = Instant::now();
-                        let d = core_once();
-                        core.push(t.elapsed().as_secs_f64() * 1e6);
-                        decisions.2 = Some(d);
-                    }
+                    _ => decisions.2 = Some(time_one(&mut core, || Ok(core_once()))?),
                 }
             }
         }

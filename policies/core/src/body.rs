@@ -217,7 +217,7 @@ impl<'a> Scanner<'a> {
     /// Inlined into its callers, as are `key`, `member_key` and `count`: in
     /// a wasm guest every call costs a stack check, an epoch check and
     /// spills around it, and a body has a call per string (measured: ~6%
-    /// of a wasm decision, for ~1.5 KB of module).
+    /// of a wasm decision, for ~2 KB of module).
     #[inline(always)]
     fn string(&mut self) -> Result<bool, CoreError> {
         self.i += 1;
