@@ -94,17 +94,8 @@ pub enum CoreError {
     },
 }
 
-/// What an endpoint can do.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Role {
-    /// Prefill only.
-    Prefill,
-    /// Decode (and local prefill of short prompts).
-    Decode,
-    /// Whole requests.
-    Solo,
-}
+/// What an endpoint can do: the one worker-role type, owned by `rngd-api`.
+pub use rngd_api::Role;
 
 /// Accelerator vendor of an endpoint.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]

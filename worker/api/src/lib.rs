@@ -4,8 +4,13 @@
 //! - [`headers`]: HTTP header names of the routing conventions (GIE, llm-d).
 //! - [`openai`]: the OpenAI-compatible request/response/error bodies.
 //! - [`pd`]: the prefill/decode protocol (`kv_transfer_params`, vLLM-compatible).
+//! - [`rules`]: the request rules every door applies (sampling ranges, defaults,
+//!   request ids, worker roles).
 
 pub mod env;
 pub mod headers;
 pub mod openai;
 pub mod pd;
+pub mod rules;
+
+pub use rules::Role;

@@ -1,0 +1,85 @@
+//! The endpoint pool and the pick, shared by both front doors (the gateway
+//! and the Envoy endpoint picker): each is a thin adapter over this crate,
+//! HTTP/SSE in one, ext_proc in the other.
+//!
+//! - [`source`]: the [`EndpointSource`] seam; a fixed list and a hot-reloaded file.
+//! - [`scrape`]: live load from the workers' `/metrics`, staleness, `Arc` snapshots.
+//! - [`load`]: the one Prometheus reader of the `vllm:*` gauges.
+//! - [`prompt`]: the prompt counter (the engine's tokenizer and chat template)
+//!   and [`prepare`], which validates a client body and counts its prompt.
+//! - [`pick`]: the [`Policy`] seam and [`Picker::pick`], the one routing call.
+//!
+//! Test doubles ([`prompt::ByteCounter`], [`pick::NativePolicy`]) are behind
+//! the `test-util` feature.
+
+pub mod load;
+pub mod pick;
+pub mod prompt;
+pub mod scrape;
+pub mod source;
+
+use std::path::PathBuf;
+
+pub use load::{LoadSample, parse_load};
+pub use pick::{PickError, PickRequest, Picker, Policy, PolicyFailure};
+pub use prompt::{ApiKind, PrepareError, Prepared, PromptCounter, gguf_counter, prepare};
+pub use scrape::{HttpFetcher, MetricsFetcher, ScrapedEndpoints};
+pub use source::{EndpointSource, FileEndpoints, StaticEndpoints, can_serve};
+
+/// A boxed error from an implementation of one of this crate's traits.
+pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
+
+/// Errors of the pool outside a pick.
+#[derive(Debug, thiserror::Error)]
+pub enum PoolError {
+    /// A configuration value is unusable.
+    #[error("configuration: {0}")]
+    Config(String),
+    /// The endpoints file could not be read.
+    #[error("read endpoints file {path}: {source}")]
+    EndpointsRead {
+        /// File path.
+        path: PathBuf,
+        /// Cause.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The endpoints file is not a JSON list of endpoints.
+    #[error("parse endpoints file {path}: {source}")]
+    EndpointsParse {
+        /// File path.
+        path: PathBuf,
+        /// Cause.
+        #[source]
+        source: serde_json::Error,
+    },
+    /// A `/metrics` scrape failed at the HTTP level.
+    #[error("scrape {address}: {source}")]
+    Scrape {
+        /// Endpoint `ip:port`.
+        address: String,
+        /// Cause.
+        #[source]
+        source: reqwest::Error,
+    },
+    /// A `/metrics` scrape answered with a non-success status or no model-server metrics.
+    #[error("scrape {address}: {reason}")]
+    ScrapeContent {
+        /// Endpoint `ip:port`.
+        address: String,
+        /// What was wrong.
+        reason: String,
+    },
+    /// The HTTP client could not be built.
+    #[error("http client: {0}")]
+    Client(#[source] reqwest::Error),
+    /// The model's tokenizer could not be loaded.
+    #[error("tokenizer of {path}: {source}")]
+    Tokenizer {
+        /// The model file.
+        path: PathBuf,
+        /// Cause.
+        #[source]
+        source: BoxError,
+    },
+}

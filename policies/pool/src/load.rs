@@ -1,0 +1,156 @@
+//! The one reader of a model server's load: the `vllm:*` gauges of a
+//! Prometheus text page (`docs/epp.md`, "Load figures").
+//!
+//! - Gauges are summed over label sets (`kv_cache_usage_perc`: the largest),
+//!   as f64, then rounded once; negative sums read as 0.
+//! - Name, labels and value may be separated by spaces or tabs; a `}` inside
+//!   a quoted label value does not end the label set; a trailing timestamp is
+//!   ignored; `NaN` and infinities are skipped.
+//! - A page with neither `vllm:num_requests_waiting` nor
+//!   `vllm:num_requests_running` is not a model server's: [`parse_load`] says
+//!   `None`, and the scraper counts that as a failed scrape (the endpoint
+//!   turns unhealthy), the same as an unreachable one.
+
+use rngd_telemetry::names;
+
+/// Load figures parsed from one scrape.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct LoadSample {
+    /// `vllm:num_requests_waiting` (summed over label sets).
+    pub waiting: u32,
+    /// `vllm:num_requests_running` (summed over label sets).
+    pub running: u32,
+    /// `vllm:kv_cache_usage_perc` (largest over label sets), clamped to 0..=1.
+    pub kv_usage: f64,
+}
+
+/// The text after a sample's label set, or `None` when the set never closes.
+fn after_labels(rest: &str) -> Option<&str> {
+    let mut in_quote = false;
+    let mut escaped = false;
+    for (i, c) in rest.char_indices().skip(1) {
+        match c {
+            _ if escaped => escaped = false,
+            '\\' if in_quote => escaped = true,
+            '"' => in_quote = !in_quote,
+            '}' if !in_quote => return Some(&rest[i + 1..]),
+            _ => {}
+        }
+    }
+    None
+}
+
+/// One sample line as `(name, value)`; `None` for comments, blank and
+/// malformed lines.
+fn sample(line: &str) -> Option<(&str, f64)> {
+    let line = line.trim_matches([' ', '\t', '\r']);
+    if line.is_empty() || line.starts_with('#') {
+        return None;
+    }
+    let name_end = line.find(['{', ' ', '\t'])?;
+    let (name, rest) = line.split_at(name_end);
+    let rest = if rest.starts_with('{') {
+        after_labels(rest)?
+    } else {
+        rest
+    };
+    let value: f64 = rest
+        .split([' ', '\t'])
+        .find(|t| !t.is_empty())?
+        .parse()
+        .ok()?;
+    value.is_finite().then_some((name, value))
+}
+
+/// Parses the vLLM model-server gauges out of a Prometheus text page;
+/// `None` when neither request gauge is on it (see the module docs).
+pub fn parse_load(text: &str) -> Option<LoadSample> {
+    let (mut waiting, mut running, mut kv) = (None::<f64>, None::<f64>, 0.0f64);
+    for (name, value) in text.lines().filter_map(sample) {
+        match name {
+            names::VLLM_NUM_REQUESTS_WAITING => *waiting.get_or_insert(0.0) += value,
+            names::VLLM_NUM_REQUESTS_RUNNING => *running.get_or_insert(0.0) += value,
+            names::VLLM_KV_CACHE_USAGE_PERC => kv = kv.max(value),
+            _ => {}
+        }
+    }
+    if waiting.is_none() && running.is_none() {
+        return None;
+    }
+    // `as` saturates: a sum past u32::MAX reads as u32::MAX.
+    let count = |v: Option<f64>| v.unwrap_or(0.0).max(0.0).round() as u32;
+    Some(LoadSample {
+        waiting: count(waiting),
+        running: count(running),
+        kv_usage: kv.clamp(0.0, 1.0),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The gateway's former parser test: labels, a timestamp, other metrics.
+    #[test]
+    fn parses_vllm_gauges() {
+        let text = "# HELP vllm:num_requests_waiting w\n# TYPE vllm:num_requests_waiting gauge\n\
+            vllm:num_requests_waiting 3\nvllm:num_requests_running{model_name=\"a b\"} 2\n\
+            vllm:num_requests_running{model_name=\"c\"} 1\nvllm:kv_cache_usage_perc 0.25 1700000000\nother 9\n";
+        assert_eq!(
+            parse_load(text),
+            Some(LoadSample {
+                waiting: 3,
+                running: 3,
+                kv_usage: 0.25
+            })
+        );
+    }
+
+    /// The picker's former parser test: sums and maxima over label sets, and
+    /// a page that is not a model server's.
+    #[test]
+    fn parses_vllm_gauges_with_labels() {
+        let text = "# HELP vllm:num_requests_waiting x\n# TYPE vllm:num_requests_waiting gauge\n\
+            vllm:num_requests_waiting{model_name=\"a\"} 3\nvllm:num_requests_waiting{model_name=\"b\"} 2\n\
+            vllm:num_requests_running 4\nvllm:kv_cache_usage_perc{model_name=\"a\"} 0.25\n\
+            vllm:kv_cache_usage_perc{model_name=\"b\"} 0.5\nother_metric 9\n";
+        let s = parse_load(text).expect("sample");
+        assert_eq!(s.waiting, 5);
+        assert_eq!(s.running, 4);
+        assert!((s.kv_usage - 0.5).abs() < 1e-12);
+        assert_eq!(parse_load("other_metric 1\n"), None);
+        assert_eq!(parse_load(""), None);
+    }
+
+    /// Where the two former parsers disagreed.
+    #[test]
+    fn tabs_quoted_braces_rounding_and_bad_values() {
+        // Tabs as separators.
+        let s = parse_load("vllm:num_requests_waiting\t2\nvllm:num_requests_running{a=\"x\"}\t\t1\r\n")
+            .expect("tabs");
+        assert_eq!((s.waiting, s.running), (2, 1));
+        // A `}` inside a quoted label value (and an escaped quote).
+        let s = parse_load(
+            "vllm:num_requests_waiting{model_name=\"a}b\",x=\"q\\\"}\"} 7\nvllm:num_requests_running 0\n",
+        )
+        .expect("quoted brace");
+        assert_eq!(s.waiting, 7);
+        // Summed first, rounded once: 0.6 + 0.6 = 1.2 → 1 (not 0 + 0).
+        let s = parse_load(
+            "vllm:num_requests_waiting{a=\"1\"} 0.6\nvllm:num_requests_waiting{a=\"2\"} 0.6\n",
+        )
+        .expect("fractions");
+        assert_eq!((s.waiting, s.running), (1, 0));
+        // NaN and infinities are skipped, negatives clamp, an open label set is dropped.
+        let s = parse_load(
+            "vllm:num_requests_waiting NaN\nvllm:num_requests_running -3\n\
+             vllm:num_requests_waiting{a=\"x\" 9\nvllm:kv_cache_usage_perc +Inf\n",
+        )
+        .expect("bad values");
+        assert_eq!(s, LoadSample::default());
+        // Only the waiting gauge present still counts as a model server.
+        assert!(parse_load("vllm:num_requests_waiting 0\n").is_some());
+        // A name with no value is not a sample.
+        assert_eq!(parse_load("vllm:num_requests_waiting\n"), None);
+    }
+}

@@ -1,0 +1,266 @@
+//! The one routing call both front doors make: [`Picker::pick`] takes the
+//! current endpoint snapshot (narrowed by a subset hint), asks the [`Policy`]
+//! and checks what it answers. Every way it can fail is a [`PickError`]; each
+//! door maps those to its own wire (HTTP status, ext_proc immediate response)
+//! in one place.
+
+use std::sync::Arc;
+
+use async_trait::async_trait;
+use rngd_policy_core::{Decision, Endpoint, LocalResponse, Route};
+use rngd_policy_host::{PolicyRequest, PolicyRuntime};
+
+use crate::BoxError;
+use crate::source::EndpointSource;
+
+/// A policy that could not decide (trap, timeout, bad output, unavailable).
+#[derive(Debug, thiserror::Error)]
+#[error("{source}")]
+pub struct PolicyFailure {
+    /// The HTTP status a client gets for it (500 for a guest fault, 503 when
+    /// no instance is available, …).
+    pub status: u16,
+    /// Cause.
+    #[source]
+    pub source: BoxError,
+}
+
+/// Decides where a request goes (or rejects it): the routing policy.
+#[async_trait]
+pub trait Policy: Send + Sync + 'static {
+    /// Runs the policy on one request.
+    async fn decide(&self, req: PolicyRequest) -> Result<Decision, PolicyFailure>;
+}
+
+/// The real policy: a proxy-wasm module run sandboxed by `rngd-policy-host`.
+#[async_trait]
+impl Policy for PolicyRuntime {
+    async fn decide(&self, req: PolicyRequest) -> Result<Decision, PolicyFailure> {
+        PolicyRuntime::decide(self, req)
+            .await
+            .map_err(|e| PolicyFailure {
+                status: e.http_status(),
+                source: Box::new(e),
+            })
+    }
+}
+
+/// The default policy's logic (`rngd_policy_core::decide`) run natively,
+/// without a sandbox: the stand-in for the wasm module in tests and
+/// benchmarks that are not about the module.
+#[cfg(feature = "test-util")]
+#[derive(Debug, Default)]
+pub struct NativePolicy {
+    /// The policy configuration.
+    pub config: rngd_policy_core::PolicyConfig,
+}
+
+#[cfg(feature = "test-util")]
+#[async_trait]
+impl Policy for NativePolicy {
+    async fn decide(&self, req: PolicyRequest) -> Result<Decision, PolicyFailure> {
+        let header = |name: &str| {
+            req.headers
+                .iter()
+                .find(|(k, _)| k.eq_ignore_ascii_case(name))
+                .map(|(_, v)| v.as_str())
+        };
+        let input = rngd_policy_core::RequestInput {
+            body: Some(&req.body),
+            content_length: Some(req.body.len() as u64),
+            prompt_tokens: req.prompt_tokens.map(|n| n as u64),
+            subset: header(rngd_api::headers::DESTINATION_ENDPOINT_SUBSET),
+        };
+        let endpoints: &[Endpoint] = req.endpoints.as_deref().unwrap_or(&[]);
+        Ok(rngd_policy_core::decide(&self.config, endpoints, &input))
+    }
+}
+
+/// Why a pick produced no route.
+#[derive(Debug, thiserror::Error)]
+pub enum PickError {
+    /// The policy answered locally: its status and body go to the client.
+    #[error("the policy rejected the request with status {}", .0.status)]
+    Rejected(LocalResponse),
+    /// The subset hint names no endpoint of the pool (503).
+    #[error("no endpoint is eligible under the subset hint")]
+    NoEndpointInSubset,
+    /// The policy failed.
+    #[error("routing policy failed: {0}")]
+    Policy(#[source] PolicyFailure),
+    /// The policy routed to an address that is not in the endpoint snapshot
+    /// (500; nothing is connected to).
+    #[error("the policy chose {address}, which is not an endpoint of the pool")]
+    OffTable {
+        /// The address it chose.
+        address: String,
+    },
+}
+
+impl PickError {
+    /// The HTTP status a client gets.
+    pub fn status(&self) -> u16 {
+        match self {
+            PickError::Rejected(l) => l.status,
+            PickError::NoEndpointInSubset => 503,
+            PickError::Policy(f) => f.status,
+            PickError::OffTable { .. } => 500,
+        }
+    }
+}
+
+/// One request as a front door hands it to [`Picker::pick`].
+#[derive(Debug, Clone, Default)]
+pub struct PickRequest {
+    /// Request headers including the pseudo-headers `:method`, `:path`, `:authority`.
+    pub headers: Vec<(String, String)>,
+    /// The body the policy reads.
+    pub body: Vec<u8>,
+    /// Prompt tokens counted by [`crate::prompt::prepare`].
+    pub prompt_tokens: Option<usize>,
+    /// Subset hint (`ip:port` list from filter metadata); `None` = no hint.
+    pub subset: Option<Vec<String>>,
+}
+
+/// The endpoint pool and the policy that routes over it.
+pub struct Picker {
+    policy: Arc<dyn Policy>,
+    endpoints: Arc<dyn EndpointSource>,
+}
+
+impl std::fmt::Debug for Picker {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Picker").finish_non_exhaustive()
+    }
+}
+
+fn listed(snapshot: &[Endpoint], address: &str) -> bool {
+    snapshot.iter().any(|e| e.address == address)
+}
+
+impl Picker {
+    /// A picker routing over `endpoints` with `policy`.
+    pub fn new(policy: Arc<dyn Policy>, endpoints: Arc<dyn EndpointSource>) -> Self {
+        Picker { policy, endpoints }
+    }
+
+    /// The endpoint source.
+    pub fn endpoints(&self) -> &Arc<dyn EndpointSource> {
+        &self.endpoints
+    }
+
+    /// Routes one request. The snapshot `Arc` is passed on unchanged when no
+    /// subset hint narrows it, so the policy host's same-snapshot shortcut hits.
+    pub async fn pick(&self, req: PickRequest) -> Result<Route, PickError> {
+        let mut snapshot = self.endpoints.snapshot();
+        if let Some(subset) = &req.subset {
+            snapshot = snapshot
+                .iter()
+                .filter(|e| subset.iter().any(|s| s == &e.address))
+                .cloned()
+                .collect();
+            if snapshot.is_empty() {
+                return Err(PickError::NoEndpointInSubset);
+            }
+        }
+        let preq = PolicyRequest {
+            headers: req.headers,
+            body: req.body,
+            endpoints: Some(Arc::clone(&snapshot)),
+            prompt_tokens: req.prompt_tokens,
+        };
+        let route = match self.policy.decide(preq).await {
+            Ok(Decision::Route(r)) => r,
+            Ok(Decision::Reject(local)) => return Err(PickError::Rejected(local)),
+            Err(f) => return Err(PickError::Policy(f)),
+        };
+        for address in std::iter::once(&route.decode).chain(route.prefill.as_ref()) {
+            if !listed(&snapshot, address) {
+                return Err(PickError::OffTable {
+                    address: address.chars().take(200).collect(),
+                });
+            }
+        }
+        Ok(route)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::source::{StaticEndpoints, local_endpoint};
+    use rngd_policy_core::Role;
+
+    struct Fixed(Decision);
+
+    #[async_trait]
+    impl Policy for Fixed {
+        async fn decide(&self, _req: PolicyRequest) -> Result<Decision, PolicyFailure> {
+            Ok(self.0.clone())
+        }
+    }
+
+    fn route(decode: &str, prefill: Option<&str>) -> Decision {
+        Decision::Route(Route {
+            decode: decode.into(),
+            prefill: prefill.map(String::from),
+            kv_transport: None,
+            headers: vec![],
+        })
+    }
+
+    fn pool() -> Arc<StaticEndpoints> {
+        StaticEndpoints::new(vec![
+            local_endpoint("10.0.0.1:1".into(), Role::Decode, 512, &[]),
+            local_endpoint("10.0.0.2:2".into(), Role::Prefill, 512, &[]),
+        ])
+    }
+
+    #[tokio::test]
+    async fn routes_inside_the_table_only() {
+        let ok = Picker::new(Arc::new(Fixed(route("10.0.0.1:1", Some("10.0.0.2:2")))), pool());
+        assert!(ok.pick(PickRequest::default()).await.is_ok());
+        for d in [route("10.9.9.9:1", None), route("10.0.0.1:1", Some("127.0.0.1:22"))] {
+            let p = Picker::new(Arc::new(Fixed(d)), pool());
+            let e = p.pick(PickRequest::default()).await.unwrap_err();
+            assert!(matches!(e, PickError::OffTable { .. }), "{e}");
+            assert_eq!(e.status(), 500);
+        }
+    }
+
+    #[tokio::test]
+    async fn subset_hint_narrows_the_pool() {
+        let p = Picker::new(Arc::new(Fixed(route("10.0.0.1:1", None))), pool());
+        let e = p
+            .pick(PickRequest {
+                subset: Some(vec!["10.0.0.7:7".into()]),
+                ..Default::default()
+            })
+            .await
+            .unwrap_err();
+        assert_eq!(e.status(), 503);
+        // A hint that excludes the chosen address makes the choice off-table.
+        let e = p
+            .pick(PickRequest {
+                subset: Some(vec!["10.0.0.2:2".into()]),
+                ..Default::default()
+            })
+            .await
+            .unwrap_err();
+        assert!(matches!(e, PickError::OffTable { .. }));
+    }
+
+    #[tokio::test]
+    async fn native_policy_routes_over_the_snapshot() {
+        let p = Picker::new(Arc::new(NativePolicy::default()), pool());
+        let r = p
+            .pick(PickRequest {
+                body: br#"{"model":"m","prompt":"hi","max_tokens":4}"#.to_vec(),
+                prompt_tokens: Some(2),
+                ..Default::default()
+            })
+            .await
+            .expect("route");
+        assert_eq!(r.decode, "10.0.0.1:1");
+    }
+}

@@ -1,0 +1,467 @@
+//! Live load on top of an endpoint list: [`ScrapedEndpoints`] scrapes every
+//! endpoint's `/metrics` (vLLM names, read by [`crate::load::parse_load`]) on
+//! an interval, as GIE's picker does, and marks an endpoint unhealthy when its
+//! last good scrape is older than the staleness bound or it never answered.
+//! The snapshot is rebuilt only when a figure, the list or staleness changes;
+//! otherwise the same `Arc` is handed out.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use async_trait::async_trait;
+use rngd_policy_core::Endpoint;
+use tokio::task::JoinHandle;
+
+use crate::PoolError;
+use crate::load::{LoadSample, parse_load};
+use crate::source::EndpointSource;
+
+/// Default scrape interval (GIE's refresh-metrics interval).
+pub const DEFAULT_SCRAPE_INTERVAL: Duration = Duration::from_millis(50);
+/// Default age after which scraped data is stale and the endpoint unhealthy.
+pub const DEFAULT_STALE_AFTER: Duration = Duration::from_secs(2);
+
+/// Fetches an endpoint's `/metrics` text.
+#[async_trait]
+pub trait MetricsFetcher: Send + Sync + 'static {
+    /// The Prometheus text of `address` (`ip:port`).
+    async fn fetch(&self, address: &str) -> Result<String, PoolError>;
+}
+
+/// [`MetricsFetcher`] over HTTP: `GET http://ADDRESS/metrics`.
+#[derive(Debug, Clone)]
+pub struct HttpFetcher {
+    client: reqwest::Client,
+}
+
+impl HttpFetcher {
+    /// A fetcher whose requests (connect included) time out after `timeout`.
+    pub fn new(timeout: Duration) -> Result<Self, PoolError> {
+        let client = reqwest::Client::builder()
+            .timeout(timeout)
+            .connect_timeout(timeout)
+            .pool_max_idle_per_host(2)
+            .redirect(reqwest::redirect::Policy::none())
+            .build()
+            .map_err(PoolError::Client)?;
+        Ok(HttpFetcher { client })
+    }
+}
+
+#[async_trait]
+impl MetricsFetcher for HttpFetcher {
+    async fn fetch(&self, address: &str) -> Result<String, PoolError> {
+        let err = |source| PoolError::Scrape {
+            address: address.to_string(),
+            source,
+        };
+        let resp = self
+            .client
+            .get(format!("http://{address}/metrics"))
+            .send()
+            .await
+            .map_err(err)?;
+        if !resp.status().is_success() {
+            return Err(PoolError::ScrapeContent {
+                address: address.to_string(),
+                reason: format!("HTTP {}", resp.status()),
+            });
+        }
+        resp.text().await.map_err(err)
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Scraped {
+    sample: LoadSample,
+    at: Instant,
+}
+
+/// The scraped samples and the last snapshot built from them.
+#[derive(Default)]
+struct ScrapeState {
+    samples: HashMap<String, Scraped>,
+    /// Bumped when a sample's figures change or an endpoint gains or loses
+    /// one (a re-scrape with the same figures only refreshes its time).
+    generation: u64,
+    cached: Option<CachedSnapshot>,
+}
+
+/// A built snapshot and what it was built from.
+struct CachedSnapshot {
+    inner: Arc<[Endpoint]>,
+    generation: u64,
+    /// The first moment a sample it used turns stale (then it is rebuilt).
+    valid_until: Option<Instant>,
+    built: Arc<[Endpoint]>,
+}
+
+/// An [`EndpointSource`] that adds live load figures and freshness to another source.
+pub struct ScrapedEndpoints {
+    inner: Arc<dyn EndpointSource>,
+    fetcher: Arc<dyn MetricsFetcher>,
+    stale_after: Duration,
+    state: Mutex<ScrapeState>,
+    scrape_failures: Option<prometheus::IntCounter>,
+}
+
+impl std::fmt::Debug for ScrapedEndpoints {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ScrapedEndpoints")
+            .field("stale_after", &self.stale_after)
+            .finish_non_exhaustive()
+    }
+}
+
+impl ScrapedEndpoints {
+    /// Wraps `inner`; data older than `stale_after` marks an endpoint unhealthy.
+    pub fn new(
+        inner: Arc<dyn EndpointSource>,
+        fetcher: Arc<dyn MetricsFetcher>,
+        stale_after: Duration,
+        scrape_failures: Option<prometheus::IntCounter>,
+    ) -> Arc<Self> {
+        Arc::new(ScrapedEndpoints {
+            inner,
+            fetcher,
+            stale_after,
+            state: Mutex::new(ScrapeState::default()),
+            scrape_failures,
+        })
+    }
+
+    /// Scrapes one endpoint now and records the result (at `Instant::now()`).
+    pub async fn scrape_one(&self, address: &str) -> Result<LoadSample, PoolError> {
+        let result = self.fetcher.fetch(address).await.and_then(|text| {
+            parse_load(&text).ok_or_else(|| PoolError::ScrapeContent {
+                address: address.to_string(),
+                reason: "no vllm:num_requests_* metrics on the page".to_string(),
+            })
+        });
+        match &result {
+            Ok(sample) => {
+                let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
+                let now = Instant::now();
+                let changed = match st.samples.get_mut(address) {
+                    Some(old) => {
+                        // A sample that had gone stale counts as a change too.
+                        let changed = old.sample != *sample
+                            || now.saturating_duration_since(old.at) > self.stale_after;
+                        old.sample = *sample;
+                        old.at = now;
+                        changed
+                    }
+                    None => {
+                        st.samples.insert(
+                            address.to_string(),
+                            Scraped {
+                                sample: *sample,
+                                at: now,
+                            },
+                        );
+                        true
+                    }
+                };
+                if changed {
+                    st.generation += 1;
+                }
+            }
+            Err(_) => {
+                if let Some(c) = &self.scrape_failures {
+                    c.inc();
+                }
+                // A failed scrape makes the endpoint unhealthy at once, not
+                // only once its last good figures go stale.
+                let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
+                if st.samples.remove(address).is_some() {
+                    st.generation += 1;
+                }
+            }
+        }
+        result
+    }
+
+    /// Scrapes every endpoint of the inner source once, concurrently.
+    pub async fn scrape_all(&self) {
+        let addrs: Vec<String> = self
+            .inner
+            .snapshot()
+            .iter()
+            .map(|e| e.address.clone())
+            .collect();
+        futures::future::join_all(addrs.iter().map(|a| self.scrape_one(a))).await;
+    }
+
+    /// The snapshot as it would be at `now` (data older than the limit =
+    /// unhealthy). The same `Arc` comes back while neither the inner list nor
+    /// any sample's figures changed and no sample it used has gone stale.
+    pub fn snapshot_at(&self, now: Instant) -> Arc<[Endpoint]> {
+        let inner = self.inner.snapshot();
+        let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(c) = &st.cached
+            && Arc::ptr_eq(&c.inner, &inner)
+            && c.generation == st.generation
+            && c.valid_until.is_none_or(|t| now < t)
+        {
+            return Arc::clone(&c.built);
+        }
+        let mut valid_until: Option<Instant> = None;
+        let built: Arc<[Endpoint]> = inner
+            .iter()
+            .map(|ep| {
+                let mut ep = ep.clone();
+                match st.samples.get(&ep.address) {
+                    Some(s) if now.saturating_duration_since(s.at) <= self.stale_after => {
+                        ep.queue_depth = s.sample.waiting;
+                        ep.running = s.sample.running;
+                        ep.kv_usage = s.sample.kv_usage;
+                        let stale_at = s.at + self.stale_after + Duration::from_nanos(1);
+                        valid_until = Some(valid_until.map_or(stale_at, |t| t.min(stale_at)));
+                    }
+                    _ => ep.healthy = false,
+                }
+                ep
+            })
+            .collect();
+        st.cached = Some(CachedSnapshot {
+            inner,
+            generation: st.generation,
+            valid_until,
+            built: Arc::clone(&built),
+        });
+        built
+    }
+
+    /// Starts one scrape loop per endpoint (every `every`), following changes of
+    /// the inner source's address set.
+    pub fn spawn(self: &Arc<Self>, every: Duration) -> JoinHandle<()> {
+        let this = Arc::clone(self);
+        tokio::spawn(async move {
+            let mut loops: HashMap<String, JoinHandle<()>> = HashMap::new();
+            let mut tick = tokio::time::interval(every.max(Duration::from_millis(100)));
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                let current: Vec<String> = this
+                    .inner
+                    .snapshot()
+                    .iter()
+                    .map(|e| e.address.clone())
+                    .collect();
+                loops.retain(|addr, handle| {
+                    let keep = current.contains(addr);
+                    if !keep {
+                        handle.abort();
+                        let mut st = this.state.lock().unwrap_or_else(|e| e.into_inner());
+                        st.samples.remove(addr);
+                        st.generation += 1;
+                    }
+                    keep
+                });
+                for addr in current {
+                    if loops.contains_key(&addr) {
+                        continue;
+                    }
+                    let scraper = Arc::clone(&this);
+                    let a = addr.clone();
+                    loops.insert(
+                        addr,
+                        tokio::spawn(async move {
+                            let mut t = tokio::time::interval(every);
+                            t.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+                            let mut failing = false;
+                            loop {
+                                t.tick().await;
+                                match scraper.scrape_one(&a).await {
+                                    Ok(_) if failing => {
+                                        tracing::info!(endpoint = %a, "scrape recovered");
+                                        failing = false;
+                                    }
+                                    Err(e) if !failing => {
+                                        tracing::warn!(endpoint = %a, error = %e, "scrape failed");
+                                        failing = true;
+                                    }
+                                    _ => {}
+                                }
+                            }
+                        }),
+                    );
+                }
+                tick.tick().await;
+            }
+        })
+    }
+}
+
+impl EndpointSource for ScrapedEndpoints {
+    fn snapshot(&self) -> Arc<[Endpoint]> {
+        self.snapshot_at(Instant::now())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::source::StaticEndpoints;
+    use rngd_policy_core::{Role, Vendor};
+
+    fn ep(addr: &str) -> Endpoint {
+        Endpoint {
+            address: addr.to_string(),
+            role: Role::Solo,
+            vendor: Vendor::Cpu,
+            node: String::new(),
+            seq_len: 512,
+            queue_depth: 0,
+            running: 0,
+            kv_usage: 0.0,
+            healthy: true,
+            transports: vec![],
+        }
+    }
+
+    struct FakeFetcher(HashMap<String, String>);
+
+    #[async_trait]
+    impl MetricsFetcher for FakeFetcher {
+        async fn fetch(&self, address: &str) -> Result<String, PoolError> {
+            self.0
+                .get(address)
+                .cloned()
+                .ok_or_else(|| PoolError::ScrapeContent {
+                    address: address.to_string(),
+                    reason: "connection refused (fake)".to_string(),
+                })
+        }
+    }
+
+    #[test]
+    fn parses_vllm_gauges_with_labels() {
+        let text = "# HELP vllm:num_requests_waiting x\n# TYPE vllm:num_requests_waiting gauge\n\
+            vllm:num_requests_waiting{model_name=\"a\"} 3\nvllm:num_requests_waiting{model_name=\"b\"} 2\n\
+            vllm:num_requests_running 4\nvllm:kv_cache_usage_perc{model_name=\"a\"} 0.25\n\
+            vllm:kv_cache_usage_perc{model_name=\"b\"} 0.5\nother_metric 9\n";
+        let s = parse_load(text).expect("sample");
+        assert_eq!(s.waiting, 5);
+        assert_eq!(s.running, 4);
+        assert!((s.kv_usage - 0.5).abs() < 1e-12);
+        assert_eq!(parse_load("other_metric 1\n"), None);
+    }
+
+    #[tokio::test]
+    async fn scraped_data_feeds_snapshot_and_goes_stale() {
+        let inner = StaticEndpoints::new(vec![ep("10.0.0.1:1"), ep("10.0.0.2:2")]);
+        let mut pages = HashMap::new();
+        pages.insert(
+            "10.0.0.1:1".to_string(),
+            "vllm:num_requests_waiting 7\nvllm:num_requests_running 1\nvllm:kv_cache_usage_perc 0.3\n".to_string(),
+        );
+        let failures = prometheus::IntCounter::new("f", "f").expect("counter");
+        let src = ScrapedEndpoints::new(
+            inner,
+            Arc::new(FakeFetcher(pages)),
+            Duration::from_secs(2),
+            Some(failures.clone()),
+        );
+        src.scrape_all().await;
+        let now = Instant::now();
+        let snap = src.snapshot_at(now);
+        assert_eq!(snap[0].queue_depth, 7);
+        assert_eq!(snap[0].running, 1);
+        assert!(snap[0].healthy);
+        assert!(!snap[1].healthy, "never scraped successfully → unhealthy");
+        assert_eq!(failures.get(), 1);
+        let later = src.snapshot_at(now + Duration::from_secs(3));
+        assert!(!later[0].healthy, "data older than 2 s → unhealthy");
+    }
+
+    /// Serves `vllm:num_requests_waiting` = the current value of its counter.
+    struct Waiting(std::sync::atomic::AtomicU32);
+
+    #[async_trait]
+    impl MetricsFetcher for Waiting {
+        async fn fetch(&self, _address: &str) -> Result<String, PoolError> {
+            let n = self.0.load(std::sync::atomic::Ordering::Relaxed);
+            Ok(format!(
+                "vllm:num_requests_waiting {n}\nvllm:num_requests_running 0\n"
+            ))
+        }
+    }
+
+    #[tokio::test]
+    async fn snapshot_is_reused_until_figures_change_or_go_stale() {
+        let inner = StaticEndpoints::new(vec![ep("10.0.0.1:1")]);
+        let fetcher = Arc::new(Waiting(1.into()));
+        let src =
+            ScrapedEndpoints::new(inner.clone(), fetcher.clone(), Duration::from_secs(2), None);
+        src.scrape_all().await;
+        let now = Instant::now();
+        let a = src.snapshot_at(now);
+        assert_eq!(a[0].queue_depth, 1);
+        assert!(
+            Arc::ptr_eq(&a, &src.snapshot_at(now)),
+            "unchanged → same Arc"
+        );
+        // A re-scrape with the same figures keeps the snapshot.
+        src.scrape_all().await;
+        assert!(Arc::ptr_eq(&a, &src.snapshot_at(now)));
+        // Going stale rebuilds it (unhealthy), even with no new scrape.
+        let stale = src.snapshot_at(now + Duration::from_secs(3));
+        assert!(!Arc::ptr_eq(&a, &stale));
+        assert!(!stale[0].healthy);
+        // New figures rebuild it.
+        fetcher.0.store(5, std::sync::atomic::Ordering::Relaxed);
+        src.scrape_all().await;
+        let b = src.snapshot_at(Instant::now());
+        assert_eq!(b[0].queue_depth, 5);
+        assert!(b[0].healthy);
+        // A changed inner list rebuilds it.
+        inner.set(vec![ep("10.0.0.1:1"), ep("10.0.0.3:3")]);
+        let c = src.snapshot_at(Instant::now());
+        assert_eq!(c.len(), 2);
+        assert!(!Arc::ptr_eq(&b, &c));
+    }
+
+    /// Serves a page while it holds one; refuses otherwise.
+    struct Switch(std::sync::Mutex<Option<String>>);
+
+    #[async_trait]
+    impl MetricsFetcher for Switch {
+        async fn fetch(&self, address: &str) -> Result<String, PoolError> {
+            self.0
+                .lock()
+                .unwrap()
+                .clone()
+                .ok_or_else(|| PoolError::ScrapeContent {
+                    address: address.to_string(),
+                    reason: "connection refused (fake)".to_string(),
+                })
+        }
+    }
+
+    #[tokio::test]
+    async fn unreachable_endpoints_are_unhealthy_at_once_and_recover() {
+        let inner = StaticEndpoints::new(vec![ep("127.0.0.1:1")]);
+        let page = "vllm:num_requests_waiting 4\nvllm:num_requests_running 1\nvllm:kv_cache_usage_perc 0.5\n";
+        let fetcher = Arc::new(Switch(std::sync::Mutex::new(Some(page.to_string()))));
+        let src = ScrapedEndpoints::new(inner, fetcher.clone(), Duration::from_secs(60), None);
+        assert!(!src.snapshot()[0].healthy, "never scraped → unhealthy");
+        src.scrape_all().await;
+        let snap = src.snapshot();
+        assert!(snap[0].healthy);
+        assert_eq!(
+            (snap[0].queue_depth, snap[0].running, snap[0].kv_usage),
+            (4, 1, 0.5)
+        );
+        assert!(crate::source::can_serve(&snap));
+        *fetcher.0.lock().unwrap() = None;
+        src.scrape_all().await;
+        assert!(
+            !src.snapshot()[0].healthy,
+            "a failed scrape is unhealthy at once, well before the 60 s staleness bound"
+        );
+        *fetcher.0.lock().unwrap() = Some(page.to_string());
+        src.scrape_all().await;
+        assert!(src.snapshot()[0].healthy);
+    }
+}
