@@ -16,6 +16,7 @@ mod admin;
 mod check;
 pub mod codes;
 mod guest;
+pub mod locate;
 mod request;
 mod runtime;
 
