@@ -81,35 +81,16 @@ pub struct Args {
     pub policy_watch_ms: u64,
 }
 
-/// The default policy module: next to this executable's target dir, else
-/// `$CARGO_TARGET_DIR`.
+/// The default policy module, as every component finds it
+/// ([`rngd_policy_host::locate::default_module`]: `$RNGD_PD_POLICY`, beside
+/// this executable, the image path, `$CARGO_TARGET_DIR`); the error lists
+/// where it looked.
 pub fn default_policy_module() -> anyhow::Result<PathBuf> {
-    let name = "pd_default.wasm";
-    let mut tried = Vec::new();
-    if let Ok(exe) = std::env::current_exe() {
-        // <target>/release/rngd-pd → <target>/wasm32-unknown-unknown/release/pd_default.wasm
-        if let Some(target) = exe.parent().and_then(|p| p.parent()) {
-            let p = target.join("wasm32-unknown-unknown/release").join(name);
-            if p.is_file() {
-                return Ok(p);
-            }
-            tried.push(p);
-        }
-    }
-    match rngd_policy_host::find_built_module("pd_default", "wasm32-unknown-unknown") {
-        Ok(p) => Ok(p),
-        Err(p) => {
-            tried.push(p);
-            let list: Vec<String> = tried.iter().map(|p| p.display().to_string()).collect();
-            anyhow::bail!(
-                "the default policy module was not found (looked at {}): build it with `policies/build.sh`, \
-                 or pass --policy PATH.wasm",
-                list.join(", ")
-            )
-        }
-    }
+    Ok(rngd_policy_host::locate::default_module(None)?)
 }
 
+/// The endpoints file alone is watched and reloaded; URL flags (with or
+/// without a file) make a fixed list.
 fn endpoints_from(args: &Args) -> anyhow::Result<Vec<rngd_policy_core::Endpoint>> {
     let mut eps = Vec::new();
     if let Some(path) = &args.endpoints {

@@ -1,7 +1,9 @@
-//! `rngd-pd`: the one binary. Each subcommand lives in its own module, which
-//! only parses flags and calls into the library crate that owns the work.
+//! `rngd-pd`: the serving binary (workers, relay, gateway, endpoint picker,
+//! the local stack, model and policy tools). Each subcommand lives in its own
+//! module, which parses flags and calls into the library crate that owns the
+//! work. Benchmarks are not here: they live in the `rngd-pd-bench` binary
+//! (`bench/cli`), so this one links no harness.
 
-mod bench;
 mod ext_proc;
 mod gateway;
 mod model;
@@ -38,9 +40,6 @@ enum Command {
     /// Work with policy modules.
     #[command(subcommand)]
     Policy(policy::Command),
-    /// Benchmarks (each measures its baseline in the same run).
-    #[command(subcommand)]
-    Bench(bench::Command),
 }
 
 fn init_tracing() {
@@ -96,7 +95,6 @@ fn main() -> anyhow::Result<()> {
             Command::Up(a) => up::run(a).await,
             Command::Model(c) => model::run(c).await,
             Command::Policy(c) => policy::run(c).await,
-            Command::Bench(c) => bench::run(c).await,
         }
     })
 }

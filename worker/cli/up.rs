@@ -244,7 +244,7 @@ async fn build_default_policy() -> anyhow::Result<PathBuf> {
     if !status.success() {
         bail!("policies/build.sh failed ({status})");
     }
-    crate::gateway::default_policy_module()
+    Ok(rngd_policy_host::locate::default_module(None)?)
 }
 
 /// Runs the subcommand.
@@ -259,15 +259,16 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         let m = args.model.clone();
         tokio::task::spawn_blocking(move || ensure_model(m.as_deref())).await??
     };
-    let policy = match &args.policy {
-        Some(p) if p.is_file() => p.clone(),
-        Some(p) => bail!("policy module {} does not exist", p.display()),
-        None => match crate::gateway::default_policy_module() {
-            Ok(p) => p,
-            Err(missing) => build_default_policy()
+    // --policy or $RNGD_PD_POLICY must exist; with neither, a module not
+    // found anywhere is built from the source tree.
+    let policy = match rngd_policy_host::locate::default_module(args.policy.as_deref()) {
+        Ok(p) => p,
+        Err(missing @ rngd_policy_host::locate::LocateError::NotFound { .. }) => {
+            build_default_policy()
                 .await
-                .map_err(|e| missing.context(e))?,
-        },
+                .map_err(|e| anyhow::Error::from(missing).context(e))?
+        }
+        Err(named) => return Err(named.into()),
     };
     let pid = std::process::id();
     let mut stack = Stack {

@@ -1,4 +1,4 @@
-//! `rngd-pd bench engine`: the CPU engine's prefill and decode timings (the llama.cpp comparison wraps it).
+//! `rngd-pd-bench engine`: the CPU engine's prefill and decode timings (the llama.cpp comparison wraps it).
 //!
 //! For each prompt, `--runs` times: a prefill (wall time of
 //! [`Engine::prefill`], which includes exporting the bf16 cache) and a greedy
@@ -18,36 +18,44 @@ use rngd_engine::cpu::{CpuEngine, CpuEngineOptions};
 use rngd_engine::{Engine, EngineError, GenEvent, Prefilled, SamplingParams};
 use serde::Serialize;
 
-/// Flags of `rngd-pd bench engine`.
-#[derive(Debug, Clone, clap::Args)]
-pub struct Args {
-    /// GGUF model (default: `$RNGD_PD_MODEL`, else the cached default model).
-    #[arg(long)]
+/// What to run (the flags of `rngd-pd-bench engine`).
+#[derive(Debug, Clone)]
+pub struct Options {
+    /// GGUF model. Default `None`: `$RNGD_PD_MODEL`, else the cached default model.
     pub model: Option<PathBuf>,
-    /// Prompt lengths in tokens, cut from a fixed text (ignored with --prompt-ids).
-    #[arg(long = "prompt-tokens", value_delimiter = ',', default_values_t = vec![32, 197, 470])]
+    /// Prompt lengths in tokens, cut from a fixed text (ignored with
+    /// `prompt_ids`). Default 32, 197 and 470.
     pub prompt_tokens: Vec<usize>,
-    /// JSON file with the prompts as token ids (`[[1, 2, …], …]`).
-    #[arg(long = "prompt-ids")]
+    /// JSON file with the prompts as token ids (`[[1, 2, …], …]`). Default `None`.
     pub prompt_ids: Option<PathBuf>,
-    /// Tokens to decode per prompt.
-    #[arg(long = "decode-tokens", default_value_t = 32)]
+    /// Tokens to decode per prompt. Default 32.
     pub decode_tokens: usize,
-    /// Repetitions (medians are reported).
-    #[arg(long, default_value_t = 3)]
+    /// Repetitions (medians are reported). Default 3.
     pub runs: usize,
-    /// Streams decoded together for the batch measurement.
-    #[arg(long, default_value_t = 8)]
+    /// Streams decoded together for the batch measurement. Default 8.
     pub batch: usize,
-    /// Threads of the decode matmul (default: all cores).
-    #[arg(long)]
+    /// Threads of the decode matmul. Default `None`: all cores.
     pub threads: Option<usize>,
-    /// Compiled context length S.
-    #[arg(long = "seq-len", default_value_t = 512)]
+    /// Compiled context length S. Default 512.
     pub seq_len: usize,
-    /// Print a last line with the report as one JSON object.
-    #[arg(long)]
+    /// Print a last line with the report as one JSON object. Default off.
     pub json: bool,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Options {
+            model: None,
+            prompt_tokens: vec![32, 197, 470],
+            prompt_ids: None,
+            decode_tokens: 32,
+            runs: 3,
+            batch: 8,
+            threads: None,
+            seq_len: 512,
+            json: false,
+        }
+    }
 }
 
 /// Errors of the benchmark.
@@ -137,7 +145,7 @@ const TEXT: &str = "The history of computing is a story of people, machines and 
     year. Programming languages grew from machine code to assembly, then to high-level languages that \
     let people describe what they want instead of how the hardware should do it. ";
 
-fn prompts(args: &Args, engine: &CpuEngine) -> Result<Vec<Vec<u32>>, Error> {
+fn prompts(args: &Options, engine: &CpuEngine) -> Result<Vec<Vec<u32>>, Error> {
     if let Some(path) = &args.prompt_ids {
         let raw = std::fs::read(path).map_err(|source| Error::Io {
             path: path.clone(),
@@ -184,7 +192,7 @@ async fn drain(
 }
 
 /// Runs the benchmark and prints the report (and the JSON line with `--json`).
-pub async fn run(args: Args) -> Result<Report, Error> {
+pub async fn run(args: Options) -> Result<Report, Error> {
     if args.runs == 0 || args.batch == 0 || args.decode_tokens < 2 {
         return Err(Error::Args(
             "--runs and --batch must be ≥ 1 and --decode-tokens ≥ 2".into(),

@@ -1,4 +1,4 @@
-//! `rngd-pd bench gateway`: the latency the gateway adds (policy + proxying)
+//! `rngd-pd-bench gateway`: the latency the gateway adds (policy + proxying)
 //! over calling the decode worker directly.
 //!
 //! Both paths run in the same process and the same run, against the same
@@ -21,11 +21,9 @@ use serde::Serialize;
 /// Errors of the benchmark.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
-    /// The policy module is missing.
-    #[error(
-        "policy module not found at {0}: build it with `policies/build.sh` or pass --policy PATH"
-    )]
-    PolicyMissing(PathBuf),
+    /// The policy module was not found (the error says where it looked).
+    #[error(transparent)]
+    PolicyMissing(#[from] rngd_policy_host::locate::LocateError),
     /// The in-process worker failed to start.
     #[error("worker: {0}")]
     Worker(String),
@@ -59,27 +57,36 @@ pub enum Error {
     Mismatch(String),
 }
 
-/// Flags.
-#[derive(Debug, Clone, clap::Args)]
-pub struct Args {
-    /// Measured requests per path.
-    #[arg(long, default_value_t = 2000)]
+/// What to run (the flags of `rngd-pd-bench gateway`).
+#[derive(Debug, Clone)]
+pub struct Options {
+    /// Measured requests per path. Default 2000.
     pub requests: usize,
-    /// Warm-up requests per path (not measured).
-    #[arg(long, default_value_t = 200)]
+    /// Warm-up requests per path (not measured). Default 200.
     pub warmup: usize,
-    /// Tokens generated per request.
-    #[arg(long, default_value_t = 8)]
+    /// Tokens generated per request. Default 8.
     pub max_tokens: u32,
-    /// Stream the responses (SSE) instead of one JSON body.
-    #[arg(long)]
+    /// Stream the responses (SSE) instead of one JSON body. Default off.
     pub stream: bool,
-    /// Policy module; default: the `pd_default` guest built by `policies/build.sh`.
-    #[arg(long)]
+    /// Policy module. Default `None`: the default module as
+    /// [`rngd_policy_host::locate::default_module`] finds it (`$RNGD_PD_POLICY`,
+    /// beside the executable, the image path, `$CARGO_TARGET_DIR`).
     pub policy: Option<PathBuf>,
-    /// Print only the JSON line.
-    #[arg(long)]
+    /// Print only the JSON line. Default off.
     pub json: bool,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Options {
+            requests: 2000,
+            warmup: 200,
+            max_tokens: 8,
+            stream: false,
+            policy: None,
+            json: false,
+        }
+    }
 }
 
 /// The result.
@@ -166,13 +173,8 @@ fn text_of(stream: bool, bytes: &[u8]) -> String {
 }
 
 /// Runs the benchmark.
-pub async fn run(args: Args) -> Result<Report, Error> {
-    let policy = match &args.policy {
-        Some(p) if p.is_file() => p.clone(),
-        Some(p) => return Err(Error::PolicyMissing(p.clone())),
-        None => rngd_policy_host::find_built_module("pd_default", "wasm32-unknown-unknown")
-            .map_err(Error::PolicyMissing)?,
-    };
+pub async fn run(args: Options) -> Result<Report, Error> {
+    let policy = rngd_policy_host::locate::default_module(args.policy.as_deref())?;
     // The decode worker, on the fake instant engine.
     let engine = Arc::new(rngd_engine::fake::EchoEngine::new(512));
     let transports =

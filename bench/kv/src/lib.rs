@@ -1,4 +1,4 @@
-//! `rngd-pd bench kv`: KV transport throughput against memcpy / raw TCP in the same run.
+//! `rngd-pd-bench kv`: KV transport throughput against memcpy / raw TCP in the same run.
 //!
 //! Moves full Llama-3.1-8B S=512 requests (64 × 1 MiB = 67.1 MB) through a
 //! transport (push on one client, pull on another, release), `--in-flight`
@@ -22,27 +22,34 @@ use serde::Serialize;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
-/// Flags of `rngd-pd bench kv`.
-#[derive(Debug, Clone, clap::Args)]
-pub struct Args {
-    /// Transport to measure: `shm` or `tcp`.
-    #[arg(long, default_value = "shm")]
+/// What to run (the flags of `rngd-pd-bench kv`).
+#[derive(Debug, Clone)]
+pub struct Options {
+    /// Transport to measure: `shm` or `tcp`. Default `shm`.
     pub transport: String,
-    /// Requests in flight at once.
-    #[arg(long = "in-flight", default_value_t = 8)]
+    /// Requests in flight at once. Default 8.
     pub in_flight: usize,
-    /// Requests per round.
-    #[arg(long, default_value_t = 16)]
+    /// Requests per round. Default 16.
     pub requests: usize,
-    /// Rounds (each: one baseline pass and one transport pass).
-    #[arg(long, default_value_t = 3)]
+    /// Rounds (each: one baseline pass and one transport pass). Default 3.
     pub rounds: usize,
-    /// Skip CRC-32 on the tcp transport (as `AIRM_KV_TCP_CRC=0`).
-    #[arg(long = "no-crc")]
+    /// Skip CRC-32 on the tcp transport (as `AIRM_KV_TCP_CRC=0`). Default off.
     pub no_crc: bool,
-    /// Print a last line with the report as one JSON object.
-    #[arg(long)]
+    /// Print a last line with the report as one JSON object. Default off.
     pub json: bool,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Options {
+            transport: "shm".into(),
+            in_flight: 8,
+            requests: 16,
+            rounds: 3,
+            no_crc: false,
+            json: false,
+        }
+    }
 }
 
 /// Result of a run (also the `--json` line).
@@ -297,7 +304,7 @@ async fn transport_pass(
 }
 
 /// Runs the benchmark and prints human lines (and with `--json` a last JSON line).
-pub async fn run(args: Args) -> Result<Report, Error> {
+pub async fn run(args: Options) -> Result<Report, Error> {
     if args.in_flight == 0 || args.requests == 0 || args.rounds == 0 {
         return Err(Error::Args(
             "--in-flight, --requests and --rounds must be positive".into(),

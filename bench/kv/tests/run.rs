@@ -1,10 +1,10 @@
 //! A small run of the benchmark per transport: the report is filled in and
 //! the bytes came back exact (speed is only reported, never asserted).
 
-use rngd_bench_kv::{Args, run};
+use rngd_bench_kv::{Options, run};
 
-fn args(transport: &str) -> Args {
-    Args {
+fn args(transport: &str) -> Options {
+    Options {
         transport: transport.into(),
         in_flight: 2,
         requests: 2,

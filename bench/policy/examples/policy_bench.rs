@@ -1,16 +1,11 @@
-//! Runs the policy benchmark without the CLI:
-//! `cargo run --release -p rngd-bench-policy --example policy_bench -- --endpoints 64`.
-
-use clap::Parser;
-
-/// Command line of the example.
-#[derive(Parser)]
-struct Cli {
-    #[command(flatten)]
-    args: rngd_bench_policy::Args,
-}
+//! Runs the policy benchmark through the library with the default options
+//! (64 endpoints, the default module): `cargo run --release -p
+//! rngd-bench-policy --example policy_bench`. Every flag is in
+//! `rngd-pd-bench policy`.
 
 #[tokio::main]
 async fn main() -> Result<(), rngd_bench_policy::Error> {
-    rngd_bench_policy::run(Cli::parse().args).await.map(|_| ())
+    rngd_bench_policy::run(rngd_bench_policy::Options::default())
+        .await
+        .map(|_| ())
 }

@@ -1,4 +1,4 @@
-//! `rngd-pd bench policy`: policy decision cost in wasm against the same logic
+//! `rngd-pd-bench policy`: policy decision cost in wasm against the same logic
 //! compiled natively, in the same run.
 //!
 //! One decision = HTTP context create + request headers + body + done +
@@ -29,36 +29,33 @@ use std::time::Instant;
 
 use rngd_api::headers;
 use rngd_policy_core::{Decision, Endpoint, PdPolicy, PolicyConfig, Role, Vendor};
+use rngd_policy_host::locate::{self, LocateError};
 use rngd_policy_host::{PolicyError, PolicyRequest, PolicyRuntime, PolicySource, SandboxLimits};
 use serde::Serialize;
 
-/// Arguments of `rngd-pd bench policy`.
-#[derive(Debug, Clone, clap::Args)]
-pub struct Args {
-    /// Endpoints in the snapshot.
-    #[arg(long, default_value_t = 64)]
+/// What to run (the flags of `rngd-pd-bench policy`).
+#[derive(Debug, Clone)]
+pub struct Options {
+    /// Endpoints in the snapshot. Default 64.
     pub endpoints: usize,
-    /// Timed decisions per variant (warm wasm, native).
-    #[arg(long, default_value_t = 20_000)]
+    /// Timed decisions per variant (warm wasm, native, core). Default 20,000.
     pub iterations: usize,
-    /// Timed decisions on a fresh instance.
-    #[arg(long, default_value_t = 300)]
+    /// Timed decisions on a fresh instance. Default 300.
     pub fresh_iterations: usize,
     /// Decisions a variant makes in a row before the next variant's turn
-    /// (1: the three alternate decision by decision).
-    #[arg(long, default_value_t = 1)]
+    /// (1: the three alternate decision by decision). Default 1.
     pub block: usize,
-    /// Policy module; default: the built `pd_default.wasm` (wasm32-unknown-unknown).
-    #[arg(long)]
+    /// Policy module. Default `None`: the default module as
+    /// [`rngd_policy_host::locate::default_module`] finds it (`$RNGD_PD_POLICY`,
+    /// beside the executable, the image path, `$CARGO_TARGET_DIR`).
     pub module: Option<PathBuf>,
-    /// Print only the JSON line.
-    #[arg(long)]
+    /// Print only the JSON line. Default off.
     pub json: bool,
 }
 
-impl Default for Args {
+impl Default for Options {
     fn default() -> Self {
-        Args {
+        Options {
             endpoints: 64,
             iterations: 20_000,
             fresh_iterations: 300,
@@ -72,9 +69,9 @@ impl Default for Args {
 /// Errors of the benchmark.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
-    /// The module was not built.
-    #[error("policy module {0} not found: run policies/build.sh first")]
-    MissingModule(PathBuf),
+    /// The module was not found (the error says where it looked).
+    #[error(transparent)]
+    MissingModule(#[from] LocateError),
     /// The policy runtime failed.
     #[error("policy runtime: {0}")]
     Policy(#[from] PolicyError),
@@ -101,7 +98,7 @@ pub struct Report {
     pub endpoints: usize,
     /// Timed decisions per variant.
     pub iterations: usize,
-    /// Decisions per variant in a row (see [`Args::block`]).
+    /// Decisions per variant in a row (see [`Options::block`]).
     pub block: usize,
     /// Warm instance, median.
     pub wasm_p50_us: f64,
@@ -214,7 +211,7 @@ fn timed(
 
 /// Runs the benchmark (blocking work on a blocking thread) and prints a
 /// summary (unless `--json`) followed by the JSON line.
-pub async fn run(args: Args) -> Result<Report, Error> {
+pub async fn run(args: Options) -> Result<Report, Error> {
     let report =
         tokio::task::spawn_blocking(move || measure(&args).map(|r| (r, args.json))).await??;
     let (report, json) = report;
@@ -239,15 +236,8 @@ pub async fn run(args: Args) -> Result<Report, Error> {
     Ok(report)
 }
 
-fn measure(args: &Args) -> Result<Report, Error> {
-    let module = match &args.module {
-        Some(p) => p.clone(),
-        None => rngd_policy_host::find_built_module("pd_default", "wasm32-unknown-unknown")
-            .map_err(Error::MissingModule)?,
-    };
-    if !module.is_file() {
-        return Err(Error::MissingModule(module));
-    }
+fn measure(args: &Options) -> Result<Report, Error> {
+    let module = locate::default_module(args.module.as_deref())?;
     let config = b"{}".to_vec();
     let runtime = PolicyRuntime::new(
         PolicySource {
@@ -372,7 +362,7 @@ mod tests {
 
     #[tokio::test]
     async fn runs_and_agrees_with_native() {
-        let args = Args {
+        let args = Options {
             endpoints: 8,
             iterations: 200,
             fresh_iterations: 5,
@@ -393,8 +383,8 @@ mod tests {
     /// it must decide exactly as the wasm module does, rejections included.
     #[test]
     fn null_vm_decides_as_the_wasm_module() {
-        let module = rngd_policy_host::find_built_module("pd_default", "wasm32-unknown-unknown")
-            .expect("build the guests with policies/build.sh first");
+        let module = locate::default_module(None)
+            .unwrap_or_else(|e| panic!("{e} (build the guests with policies/build.sh first)"));
         let config = br#"{"disaggregation_threshold_tokens":16}"#.to_vec();
         let runtime = PolicyRuntime::new(
             PolicySource {

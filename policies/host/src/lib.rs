@@ -20,7 +20,7 @@ pub mod locate;
 mod request;
 mod runtime;
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
@@ -246,32 +246,17 @@ pub fn sha256_hex(bytes: &[u8]) -> String {
         .collect()
 }
 
-/// Path of a guest built by `policies/build.sh`:
-/// `$CARGO_TARGET_DIR/<target>/release/<name>.wasm` (`-` in `name` becomes
-/// `_`; the target dir defaults to `<workspace>/target`).
+/// Path of a guest built by `policies/build.sh`, found by
+/// [`locate::built_guest`]: `$CARGO_TARGET_DIR/<target>/release/<name>.wasm`
+/// (`-` in `name` becomes `_`), else the same path under the cargo target
+/// directory of the running executable. For tests.
 ///
 /// # Panics
-/// When the file does not exist, with a message saying to run `policies/build.sh`.
+/// When the file does not exist, with a message listing where it looked and
+/// saying to run `policies/build.sh`.
 pub fn built_module(name: &str, target: &str) -> PathBuf {
-    match find_built_module(name, target) {
+    match locate::built_guest(name, target) {
         Ok(p) => p,
-        Err(p) => panic!(
-            "policy module {} not found: build the guests first with `policies/build.sh` \
-             (CARGO_TARGET_DIR must match the one used there)",
-            p.display()
-        ),
+        Err(e) => panic!("{e}"),
     }
-}
-
-/// Like [`built_module`] but returns the expected path as the error instead
-/// of panicking.
-pub fn find_built_module(name: &str, target: &str) -> Result<PathBuf, PathBuf> {
-    let dir = std::env::var_os("CARGO_TARGET_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../../target"));
-    let p = dir
-        .join(target)
-        .join("release")
-        .join(format!("{}.wasm", name.replace('-', "_")));
-    if p.is_file() { Ok(p) } else { Err(p) }
 }

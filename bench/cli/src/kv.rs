@@ -1,0 +1,37 @@
+//! Flags of `rngd-pd-bench kv` ([`rngd_bench_kv::Options`]).
+
+/// Flags of `rngd-pd-bench kv`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct Args {
+    /// Transport to measure: `shm` or `tcp`.
+    #[arg(long, default_value = "shm")]
+    pub transport: String,
+    /// Requests in flight at once.
+    #[arg(long = "in-flight", default_value_t = 8)]
+    pub in_flight: usize,
+    /// Requests per round.
+    #[arg(long, default_value_t = 16)]
+    pub requests: usize,
+    /// Rounds (each: one baseline pass and one transport pass).
+    #[arg(long, default_value_t = 3)]
+    pub rounds: usize,
+    /// Skip CRC-32 on the tcp transport (as `AIRM_KV_TCP_CRC=0`).
+    #[arg(long = "no-crc")]
+    pub no_crc: bool,
+    /// Print a last line with the report as one JSON object.
+    #[arg(long)]
+    pub json: bool,
+}
+
+impl From<Args> for rngd_bench_kv::Options {
+    fn from(a: Args) -> Self {
+        rngd_bench_kv::Options {
+            transport: a.transport,
+            in_flight: a.in_flight,
+            requests: a.requests,
+            rounds: a.rounds,
+            no_crc: a.no_crc,
+            json: a.json,
+        }
+    }
+}
