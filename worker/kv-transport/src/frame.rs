@@ -21,7 +21,23 @@
 //! | 40     | 8    | epoch: requests: expected relay epoch (0 = any); replies: the relay's |
 //!
 //! Requests are answered in any order (match them by `seq`); an ERR reply's
-//! body is a UTF-8 message.
+//! body is a UTF-8 message; a STATS reply's body is JSON [`RelayStats`].
+//!
+//! Both ends of the protocol build on this module and on nothing of each
+//! other: the relay server ([`crate::relay`]) and its client
+//! ([`crate::tcp`]). Besides the header it holds what they share: the
+//! [`RelayStats`] body, the socket buffer size and the body readers.
+
+use bytes::{Bytes, BytesMut};
+use serde::{Deserialize, Serialize};
+use tokio::io::AsyncReadExt;
+
+/// The transport this protocol belongs to; errors of both ends name it.
+pub const TRANSPORT: &str = "tcp";
+/// Buffer size for frame headers and small bodies. Small on purpose: a body
+/// at least this large bypasses the buffer and goes straight between the
+/// socket and the blob's own memory, so blobs are not copied twice.
+pub(crate) const IO_BUF: usize = 8 * 1024;
 
 /// Frame magic.
 pub const MAGIC: [u8; 4] = *b"RKVT";
@@ -42,7 +58,7 @@ pub enum Op {
     Get = 2,
     /// Drop every blob of `key`.
     Del = 3,
-    /// Relay counters (reply body = JSON [`crate::relay::RelayStats`]).
+    /// Relay counters (reply body = JSON [`RelayStats`]).
     Stats = 4,
     /// Success reply (GET: body = blob).
     Ok = 0x81,
@@ -196,6 +212,58 @@ impl Header {
             epoch: u64_at(40),
         })
     }
+}
+
+/// Relay counters (the STATS reply).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RelayStats {
+    /// This relay process's epoch.
+    pub epoch: u64,
+    /// Requests with at least one blob held.
+    pub keys: usize,
+    /// Blobs held.
+    pub blobs: usize,
+    /// Bytes held (and reserved by PUTs being received).
+    pub bytes: u64,
+    /// GETs waiting for a blob.
+    pub waiters: usize,
+    /// Open client connections.
+    pub connections: usize,
+    /// PUT bodies being received right now.
+    pub puts_in_progress: usize,
+    /// Requests expired by the TTL so far.
+    pub expired: u64,
+}
+
+/// Reads exactly `n` bytes into a fresh buffer without zero-filling it first.
+pub(crate) async fn read_body<R: tokio::io::AsyncRead + Unpin>(
+    rd: &mut R,
+    n: usize,
+) -> std::io::Result<Bytes> {
+    Ok(read_body_crc(rd, n, false).await?.0)
+}
+
+/// Like [`read_body`], and with `crc` computes the CRC-32 chunk by chunk as
+/// the bytes arrive (while they are still in cache).
+pub(crate) async fn read_body_crc<R: tokio::io::AsyncRead + Unpin>(
+    rd: &mut R,
+    n: usize,
+    crc: bool,
+) -> std::io::Result<(Bytes, Option<u32>)> {
+    let mut buf = BytesMut::with_capacity(n);
+    let mut hasher = crc.then(rngd_kv_wire::Crc32::new);
+    while buf.len() < n {
+        let start = buf.len();
+        let want = n - start;
+        let got = (&mut *rd).take(want as u64).read_buf(&mut buf).await?;
+        if got == 0 {
+            return Err(std::io::ErrorKind::UnexpectedEof.into());
+        }
+        if let Some(h) = hasher.as_mut() {
+            h.update(&buf[start..]);
+        }
+    }
+    Ok((buf.freeze(), hasher.map(rngd_kv_wire::Crc32::finish)))
 }
 
 #[cfg(test)]

@@ -367,30 +367,55 @@ async fn relay_stopping_mid_push_is_a_clear_error_for_the_pusher() {
     relay.stop().await;
 }
 
+/// The flags themselves are parsed in `rngd-pd relay` (`worker/cli/relay.rs`,
+/// which has the flag-parsing half of this test); here the options they give.
 #[test]
-fn relay_args_read_flags_and_env_names() {
-    use clap::Parser;
-    #[derive(Parser)]
-    struct Cli {
-        #[command(flatten)]
-        args: relay::RelayArgs,
-    }
-    let cli = Cli::try_parse_from([
-        "relay",
-        "--listen",
-        "127.0.0.1:9999",
-        "--ttl-s",
-        "2.5",
-        "--max-bytes",
-        "1000",
-        "--max-frame",
-        "100",
-    ])
-    .unwrap();
-    let cfg = cli.args.config().unwrap();
+fn relay_options_give_the_config() {
+    let opts = relay::RelayOptions {
+        listen: "127.0.0.1:9999".into(),
+        ttl_s: 2.5,
+        max_bytes: 1000,
+        max_frame: 100,
+    };
+    let cfg = opts.config().unwrap();
     assert_eq!(cfg.listen, "127.0.0.1:9999");
     assert_eq!(cfg.ttl, Duration::from_millis(2500));
     assert_eq!((cfg.max_bytes, cfg.max_frame), (1000, 100));
-    let cli = Cli::try_parse_from(["relay", "--ttl-s", "0"]).unwrap();
-    assert!(cli.args.config().is_err(), "a zero TTL is rejected");
+    let opts = relay::RelayOptions {
+        ttl_s: 0.0,
+        ..relay::RelayOptions::default()
+    };
+    assert!(opts.config().is_err(), "a zero TTL is rejected");
+}
+
+#[tokio::test]
+async fn launched_relay_serves_until_shut_down() {
+    let launched = relay::launch(relay::RelayOptions {
+        listen: "127.0.0.1:0".into(),
+        ..relay::RelayOptions::default()
+    })
+    .await
+    .unwrap();
+    assert_ne!(launched.addr.port(), 0, "the bound port is reported");
+    let t = TcpTransport::connect_to(launched.addr.to_string(), &TransportConfig::default());
+    let p = conformance::payload("launched", 5, 3, 1000);
+    let h = t.push(p.clone()).await.unwrap();
+    assert_eq!(t.pull(&h, Duration::from_secs(5)).await.unwrap(), p.blobs);
+    t.release(&h).await.unwrap();
+    assert_eq!(t.stats().await.unwrap().keys, 0);
+    launched.shutdown();
+    launched.join().await.unwrap();
+    let gone = TcpTransport::connect_to(
+        h.location.split('#').next().unwrap(),
+        &TransportConfig::default(),
+    );
+    assert!(gone.stats().await.is_err(), "the relay stopped listening");
+    let bad = relay::launch(relay::RelayOptions {
+        listen: "127.0.0.1:0".into(),
+        max_bytes: 0,
+        ..relay::RelayOptions::default()
+    })
+    .await
+    .unwrap_err();
+    assert!(matches!(bad, KvError::Config { .. }), "{bad}");
 }

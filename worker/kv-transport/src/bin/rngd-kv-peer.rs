@@ -1,77 +1,150 @@
-//! `rngd-kv-peer`: a test tool, not part of the product. The across-nodes test
-//! (`tests/netns.rs`) runs it inside network namespaces with `ip netns exec`
-//! to play the relay, the prefill side (push) and the decode side (pull) of
-//! the `tcp` transport.
+//! `rngd-kv-peer`: a test tool, not part of the product. The across-nodes
+//! test (`tests/netns.rs`) runs it inside network namespaces with
+//! `ip netns exec` to play the relay, the prefill side (push) and the decode
+//! side (pull) of the `tcp` transport.
 //!
-//! - `relay --listen HOST:PORT`: prints `relay listening on ADDR`, serves
-//!   until stdin closes (or a signal);
-//! - `push --addr A --id R --seed S --blobs N --blob-len L`: pushes
-//!   deterministic bytes (the conformance pattern), prints the handle as JSON;
-//! - `pull --addr A --handle JSON --seed S --timeout-ms T`: pulls, checks the
-//!   bytes against the pattern, releases, prints `ok BYTES`; exits 1 on any error.
+//! - `relay [--listen HOST:PORT]` (default `0.0.0.0:0`): prints
+//!   `relay listening on ADDR`, serves until stdin closes;
+//! - `push --addr A --id R --seed S [--blobs N] [--blob-len L]` (defaults 64
+//!   blobs of 1 MiB): pushes deterministic bytes (the conformance pattern),
+//!   prints the handle as JSON;
+//! - `pull --addr A --handle JSON --seed S [--timeout-ms T]` (default 30000):
+//!   pulls, checks the bytes against the pattern, releases, prints
+//!   `ok BYTES`; exits 1 on any error.
+//!
+//! Flags are `--name value` or `--name=value`; a usage error exits 2.
 
+use std::collections::HashMap;
 use std::process::ExitCode;
+use std::str::FromStr;
 use std::time::Duration;
 
-use clap::{Parser, Subcommand};
 use rngd_kv_transport::{
     KvHandle, KvTransport, TransportConfig, conformance, relay, tcp::TcpTransport,
 };
 use tokio::io::AsyncReadExt;
 
-#[derive(Parser)]
-#[command(about = "Test tool: relay / push / pull peer of the tcp KV transport")]
-struct Cli {
-    #[command(subcommand)]
-    cmd: Cmd,
-}
+const USAGE: &str = "\
+rngd-kv-peer: test tool: relay / push / pull peer of the tcp KV transport
 
-#[derive(Subcommand)]
+usage:
+  rngd-kv-peer relay [--listen HOST:PORT]
+  rngd-kv-peer push --addr A --id R --seed S [--blobs N] [--blob-len L]
+  rngd-kv-peer pull --addr A --handle JSON --seed S [--timeout-ms T]";
+
 enum Cmd {
     /// Run a relay until stdin closes.
-    Relay {
-        /// Listen address.
-        #[arg(long, default_value = "0.0.0.0:0")]
-        listen: String,
-    },
+    Relay { listen: String },
     /// Push a deterministic request and print its handle.
     Push {
-        /// Relay address.
-        #[arg(long)]
         addr: String,
-        /// Request id.
-        #[arg(long)]
         id: String,
-        /// Pattern seed.
-        #[arg(long)]
         seed: u64,
-        /// Number of blobs.
-        #[arg(long, default_value_t = 64)]
         blobs: usize,
-        /// Bytes per blob.
-        #[arg(long, default_value_t = 1 << 20)]
         blob_len: usize,
     },
     /// Pull a request, check it byte-exact against the pattern, release it.
     Pull {
-        /// Relay address.
-        #[arg(long)]
         addr: String,
-        /// The handle JSON printed by `push`.
-        #[arg(long)]
         handle: String,
-        /// Pattern seed used by `push`.
-        #[arg(long)]
         seed: u64,
-        /// Pull timeout.
-        #[arg(long, default_value_t = 30_000)]
         timeout_ms: u64,
     },
 }
 
+/// The `--name value` flags after the subcommand.
+struct Flags(HashMap<String, String>);
+
+impl Flags {
+    fn parse(args: &[String], known: &[&str]) -> Result<Flags, String> {
+        let mut out = HashMap::new();
+        let mut it = args.iter();
+        while let Some(arg) = it.next() {
+            let Some(flag) = arg.strip_prefix("--") else {
+                return Err(format!("unexpected argument `{arg}`"));
+            };
+            let (name, value) = match flag.split_once('=') {
+                Some((n, v)) => (n.to_string(), v.to_string()),
+                None => {
+                    let v = it.next().ok_or_else(|| format!("--{flag} needs a value"))?;
+                    (flag.to_string(), v.clone())
+                }
+            };
+            if !known.contains(&name.as_str()) {
+                return Err(format!("unknown flag --{name}"));
+            }
+            if out.insert(name.clone(), value).is_some() {
+                return Err(format!("--{name} given twice"));
+            }
+        }
+        Ok(Flags(out))
+    }
+
+    fn string(&self, name: &str) -> Result<String, String> {
+        self.0
+            .get(name)
+            .cloned()
+            .ok_or_else(|| format!("--{name} is required"))
+    }
+
+    fn number<T: FromStr>(&self, name: &str, default: Option<T>) -> Result<T, String> {
+        match (self.0.get(name), default) {
+            (Some(v), _) => v
+                .parse()
+                .map_err(|_| format!("--{name}: `{v}` is not a valid number")),
+            (None, Some(d)) => Ok(d),
+            (None, None) => Err(format!("--{name} is required")),
+        }
+    }
+}
+
+fn parse(args: &[String]) -> Result<Cmd, String> {
+    let (cmd, rest) = args.split_first().ok_or("a subcommand is required")?;
+    match cmd.as_str() {
+        "relay" => {
+            let f = Flags::parse(rest, &["listen"])?;
+            Ok(Cmd::Relay {
+                listen: f.string("listen").unwrap_or_else(|_| "0.0.0.0:0".into()),
+            })
+        }
+        "push" => {
+            let f = Flags::parse(rest, &["addr", "id", "seed", "blobs", "blob-len"])?;
+            Ok(Cmd::Push {
+                addr: f.string("addr")?,
+                id: f.string("id")?,
+                seed: f.number("seed", None)?,
+                blobs: f.number("blobs", Some(64))?,
+                blob_len: f.number("blob-len", Some(1 << 20))?,
+            })
+        }
+        "pull" => {
+            let f = Flags::parse(rest, &["addr", "handle", "seed", "timeout-ms"])?;
+            Ok(Cmd::Pull {
+                addr: f.string("addr")?,
+                handle: f.string("handle")?,
+                seed: f.number("seed", None)?,
+                timeout_ms: f.number("timeout-ms", Some(30_000))?,
+            })
+        }
+        other => Err(format!("unknown subcommand `{other}`")),
+    }
+}
+
 #[tokio::main]
 async fn main() -> ExitCode {
-    match run(Cli::parse()).await {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    if args.iter().any(|a| a == "-h" || a == "--help") {
+        println!("{USAGE}");
+        return ExitCode::SUCCESS;
+    }
+    let cmd = match parse(&args) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("rngd-kv-peer: {e}\n\n{USAGE}");
+            return ExitCode::from(2);
+        }
+    };
+    match run(cmd).await {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("rngd-kv-peer: {e}");
@@ -80,8 +153,8 @@ async fn main() -> ExitCode {
     }
 }
 
-async fn run(cli: Cli) -> Result<(), String> {
-    match cli.cmd {
+async fn run(cmd: Cmd) -> Result<(), String> {
+    match cmd {
         Cmd::Relay { listen } => {
             let listener = tokio::net::TcpListener::bind(&listen)
                 .await

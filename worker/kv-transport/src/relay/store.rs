@@ -1,0 +1,205 @@
+//! The relay's memory: blobs keyed by `(request key, blob index)`, the
+//! memory cap, the TTL sweep, the GETs waiting for a blob, and the counters
+//! of the STATS reply. The protocol side is [`super::server`].
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::time::Instant;
+
+use bytes::Bytes;
+use tokio::sync::Notify;
+use tokio_util::sync::CancellationToken;
+
+use super::RelayConfig;
+use crate::frame::RelayStats;
+
+/// A stored blob and the CRC-32 it was PUT with (`None`: sent without one).
+pub(super) type Stored = (Bytes, Option<u32>);
+
+struct Slot {
+    blobs: HashMap<u32, Stored>,
+    created: Instant,
+}
+
+/// One relay process's state, shared by its connections.
+pub(super) struct Relay {
+    /// This process's epoch (see [`new_epoch`]).
+    pub(super) epoch: u64,
+    pub(super) cfg: RelayConfig,
+    store: Mutex<HashMap<String, Slot>>,
+    /// Bytes held or reserved (the memory cap counts these).
+    pub(super) used: AtomicU64,
+    arrived: Notify,
+    waiters: AtomicUsize,
+    /// Open connections (a gauge).
+    pub(super) connections: AtomicUsize,
+    /// PUT bodies being received (a gauge).
+    pub(super) puts_in_progress: AtomicUsize,
+    expired: AtomicU64,
+}
+
+/// Decrements a gauge when dropped.
+pub(super) struct Gauge<'a>(&'a AtomicUsize);
+
+impl<'a> Gauge<'a> {
+    /// Increments `g` until the returned guard drops.
+    pub(super) fn up(g: &'a AtomicUsize) -> Gauge<'a> {
+        g.fetch_add(1, Ordering::SeqCst);
+        Gauge(g)
+    }
+}
+
+impl Drop for Gauge<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+/// A random, non-zero epoch for a new relay process.
+fn new_epoch() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u128(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap_or_default()
+            .as_nanos(),
+    );
+    h.write_u32(std::process::id());
+    h.finish() | 1
+}
+
+impl Relay {
+    /// A relay with an empty store and a fresh epoch.
+    pub(super) fn new(cfg: RelayConfig) -> Relay {
+        Relay {
+            epoch: new_epoch(),
+            store: Mutex::new(HashMap::new()),
+            used: AtomicU64::new(0),
+            arrived: Notify::new(),
+            waiters: AtomicUsize::new(0),
+            connections: AtomicUsize::new(0),
+            puts_in_progress: AtomicUsize::new(0),
+            expired: AtomicU64::new(0),
+            cfg,
+        }
+    }
+
+    /// The STATS reply.
+    pub(super) fn stats(&self) -> RelayStats {
+        let store = self.store.lock().expect("relay store poisoned");
+        RelayStats {
+            epoch: self.epoch,
+            keys: store.len(),
+            blobs: store.values().map(|s| s.blobs.len()).sum(),
+            bytes: self.used.load(Ordering::SeqCst),
+            waiters: self.waiters.load(Ordering::SeqCst),
+            connections: self.connections.load(Ordering::SeqCst),
+            puts_in_progress: self.puts_in_progress.load(Ordering::SeqCst),
+            expired: self.expired.load(Ordering::SeqCst),
+        }
+    }
+
+    /// Reserves `n` bytes under the memory cap.
+    pub(super) fn reserve(&self, n: u64) -> bool {
+        let mut cur = self.used.load(Ordering::SeqCst);
+        loop {
+            if cur.saturating_add(n) > self.cfg.max_bytes {
+                return false;
+            }
+            match self
+                .used
+                .compare_exchange(cur, cur + n, Ordering::SeqCst, Ordering::SeqCst)
+            {
+                Ok(_) => return true,
+                Err(actual) => cur = actual,
+            }
+        }
+    }
+
+    /// Gives back bytes [`Relay::reserve`]d (or held by a dropped blob).
+    pub(super) fn unreserve(&self, n: u64) {
+        self.used.fetch_sub(n, Ordering::SeqCst);
+    }
+
+    /// Stores a blob (replacing one at the same index) and wakes the waiting GETs.
+    pub(super) fn insert(&self, key: String, index: u32, blob: Stored) {
+        let old = {
+            let mut store = self.store.lock().expect("relay store poisoned");
+            let slot = store.entry(key).or_insert_with(|| Slot {
+                blobs: HashMap::new(),
+                created: Instant::now(),
+            });
+            slot.blobs.insert(index, blob)
+        };
+        if let Some((old, _)) = old {
+            self.unreserve(old.len() as u64);
+        }
+        self.arrived.notify_waiters();
+    }
+
+    fn lookup(&self, key: &str, index: u32) -> Option<Stored> {
+        let store = self.store.lock().expect("relay store poisoned");
+        store.get(key).and_then(|s| s.blobs.get(&index).cloned())
+    }
+
+    /// Drops every blob of `key`; returns how many there were.
+    pub(super) fn remove(&self, key: &str) -> usize {
+        let slot = self.store.lock().expect("relay store poisoned").remove(key);
+        match slot {
+            Some(slot) => {
+                let bytes: u64 = slot.blobs.values().map(|b| b.0.len() as u64).sum();
+                self.unreserve(bytes);
+                slot.blobs.len()
+            }
+            None => 0,
+        }
+    }
+
+    /// Drops the requests older than the TTL.
+    pub(super) fn expire(&self) {
+        let now = Instant::now();
+        let gone: Vec<(String, Slot)> = {
+            let mut store = self.store.lock().expect("relay store poisoned");
+            let keys: Vec<String> = store
+                .iter()
+                .filter(|(_, s)| now.duration_since(s.created) >= self.cfg.ttl)
+                .map(|(k, _)| k.clone())
+                .collect();
+            keys.into_iter()
+                .filter_map(|k| store.remove(&k).map(|s| (k, s)))
+                .collect()
+        };
+        for (key, slot) in gone {
+            let bytes: u64 = slot.blobs.values().map(|b| b.0.len() as u64).sum();
+            self.unreserve(bytes);
+            self.expired.fetch_add(1, Ordering::SeqCst);
+            tracing::info!(key, bytes, "relay: expired unread KV cache");
+        }
+    }
+
+    /// Waits for blob `index` of `key` until `deadline`, or until `cancel`.
+    pub(super) async fn wait_for(
+        &self,
+        key: &str,
+        index: u32,
+        deadline: tokio::time::Instant,
+        cancel: &CancellationToken,
+    ) -> Option<Stored> {
+        let _g = Gauge::up(&self.waiters);
+        loop {
+            let notified = self.arrived.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            if let Some(b) = self.lookup(key, index) {
+                return Some(b);
+            }
+            tokio::select! {
+                _ = &mut notified => {}
+                _ = tokio::time::sleep_until(deadline) => return None,
+                _ = cancel.cancelled() => return None,
+            }
+        }
+    }
+}
