@@ -1,23 +1,29 @@
 //! [`PolicyRuntime`]: compiles a module, self-tests it, serves decisions from a
 //! small pool of warm instances off the async threads, swaps modules
 //! atomically and watches the module file.
+//!
+//! This module holds the runtime and its instance pool (the decision path);
+//! `sandbox` sets up the engine, the linker and the canned self-test
+//! requests; `swap` replaces the active module (swap, file watch).
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock, Weak};
-use std::time::{Duration, SystemTime};
+use std::time::SystemTime;
 
 use prometheus::{IntCounter, Registry};
-use rngd_policy_core::{Decision, Endpoint, Role, Vendor};
+use rngd_policy_core::{Decision, Endpoint};
 use rngd_telemetry::names;
-use wasmtime::{
-    Config, Engine, InstanceAllocationStrategy, InstancePre, Linker, Module,
-    PoolingAllocationConfig,
-};
+use wasmtime::{Engine, InstancePre, Linker};
 
-use crate::abi::{self, HostState};
-use crate::guest::{Guest, SnapshotProps, check_exports};
+use crate::abi::HostState;
+use crate::guest::{Guest, SnapshotProps};
 use crate::{ModuleInfo, PolicyError, PolicyRequest, PolicySource, SandboxLimits, sha256_hex};
+
+mod sandbox;
+mod swap;
+
+pub(crate) use sandbox::{canned_requests, compile, sandbox_engine, sandbox_linker};
 
 /// A compiled module.
 struct Loaded {
@@ -84,149 +90,6 @@ impl Drop for PolicyRuntime {
     fn drop(&mut self) {
         self.stop.store(true, Ordering::Relaxed);
     }
-}
-
-fn boxed(e: wasmtime::Error) -> crate::BoxError {
-    e.into()
-}
-
-/// A wasmtime engine configured for the sandbox, with its epoch ticker.
-pub(crate) fn sandbox_engine(
-    limits: &SandboxLimits,
-    stop: Arc<AtomicBool>,
-) -> Result<Engine, PolicyError> {
-    let mut pool = PoolingAllocationConfig::new();
-    let slots = (limits.instances as u32).saturating_mul(4).clamp(8, 64);
-    pool.total_core_instances(slots)
-        .total_memories(slots)
-        .total_tables(slots)
-        .max_memories_per_module(1)
-        .max_tables_per_module(1)
-        .max_memory_size(limits.memory_bytes);
-    let mut config = Config::new();
-    config
-        .epoch_interruption(true)
-        // Compiling on one thread keeps a swap from stalling the serving threads.
-        .parallel_compilation(false)
-        .allocation_strategy(InstanceAllocationStrategy::Pooling(pool));
-    if rngd_api::env::var(rngd_api::env::RNGD_PD_POLICY_PERFMAP).as_deref() == Some("1") {
-        // Symbol map for `perf` (profiling the guest code); off by default.
-        config.profiler(wasmtime::ProfilingStrategy::PerfMap);
-    }
-    let engine = Engine::new(&config).map_err(|e| PolicyError::Engine { source: boxed(e) })?;
-    let ticker = engine.clone();
-    let tick = limits.epoch_tick;
-    std::thread::Builder::new()
-        .name("policy-epoch".into())
-        .spawn(move || {
-            while !stop.load(Ordering::Relaxed) {
-                std::thread::sleep(tick);
-                ticker.increment_epoch();
-            }
-        })
-        .map_err(|e| PolicyError::Engine {
-            source: Box::new(e),
-        })?;
-    Ok(engine)
-}
-
-pub(crate) fn sandbox_linker(engine: &Engine) -> Result<Linker<HostState>, PolicyError> {
-    let mut linker = Linker::new(engine);
-    abi::define(&mut linker).map_err(|e| PolicyError::Engine { source: boxed(e) })?;
-    Ok(linker)
-}
-
-/// Compiles and links a module (no instance yet).
-pub(crate) fn compile(
-    engine: &Engine,
-    linker: &Linker<HostState>,
-    wasm: &[u8],
-) -> Result<InstancePre<HostState>, PolicyError> {
-    let module =
-        Module::new(engine, wasm).map_err(|e| PolicyError::Compile { source: boxed(e) })?;
-    check_exports(&module)?;
-    linker
-        .instantiate_pre(&module)
-        .map_err(|e| PolicyError::Abi {
-            detail: format!("{e:#}"),
-        })
-}
-
-/// The canned requests every new module must answer (route or reject, no error).
-pub(crate) fn canned_requests() -> Vec<(&'static str, PolicyRequest)> {
-    let ep = |address: &str, role: Role, node: &str, queue: u32| Endpoint {
-        address: address.to_string(),
-        role,
-        vendor: Vendor::Cpu,
-        node: node.to_string(),
-        seq_len: 512,
-        queue_depth: queue,
-        running: 1,
-        kv_usage: 0.25,
-        healthy: true,
-        transports: vec![],
-    };
-    let pool = vec![
-        ep("10.0.0.1:8001", Role::Decode, "node-a", 2),
-        ep("10.0.0.2:8001", Role::Decode, "node-b", 0),
-        ep("10.0.0.3:8002", Role::Prefill, "node-b", 0),
-    ];
-    let headers = |method: &str| {
-        vec![
-            (":method".to_string(), method.to_string()),
-            (":path".to_string(), "/v1/chat/completions".to_string()),
-            (":authority".to_string(), "gateway".to_string()),
-            ("content-type".to_string(), "application/json".to_string()),
-        ]
-    };
-    let chat = br#"{"model":"smollm2","messages":[{"role":"user","content":"Explain disaggregated serving in one paragraph."}],"max_tokens":64}"#.to_vec();
-    vec![
-        (
-            "long prompt, 3 endpoints",
-            PolicyRequest {
-                headers: headers("POST"),
-                body: chat.clone(),
-                endpoints: Some(pool.clone().into()),
-                prompt_tokens: Some(200),
-            },
-        ),
-        (
-            "short prompt, 3 endpoints",
-            PolicyRequest {
-                headers: headers("POST"),
-                body: chat.clone(),
-                endpoints: Some(pool.clone().into()),
-                prompt_tokens: Some(8),
-            },
-        ),
-        (
-            "prompt over the context length",
-            PolicyRequest {
-                headers: headers("POST"),
-                body: chat.clone(),
-                endpoints: Some(pool.into()),
-                prompt_tokens: Some(500),
-            },
-        ),
-        (
-            "no endpoints",
-            PolicyRequest {
-                headers: headers("POST"),
-                body: chat,
-                endpoints: Some(Arc::from([])),
-                prompt_tokens: Some(10),
-            },
-        ),
-        (
-            "no snapshot property, no body",
-            PolicyRequest {
-                headers: headers("GET"),
-                body: vec![],
-                endpoints: None,
-                prompt_tokens: None,
-            },
-        ),
-    ]
 }
 
 /// Builds a loaded module: compile, instantiate, run the canned requests;
@@ -543,112 +406,4 @@ impl PolicyRuntime {
         memo.props = Some(props.clone());
         Some(props)
     }
-
-    /// Compiles `wasm` off the serving threads, self-tests it with canned
-    /// requests and makes it active. In-flight requests finish on the old
-    /// module. On failure the old module stays active and the error says why.
-    pub async fn swap(&self, wasm: Vec<u8>) -> Result<ModuleInfo, PolicyError> {
-        self.swap_from(wasm, None).await
-    }
-
-    async fn swap_from(
-        &self,
-        wasm: Vec<u8>,
-        path: Option<PathBuf>,
-    ) -> Result<ModuleInfo, PolicyError> {
-        let _serial = self.swap_lock.lock().await;
-        let me = self.me()?;
-        let sha = sha256_hex(&wasm);
-        // Swaps are serialized (`swap_lock`): the next generation is free.
-        let generation = self.generation.load(Ordering::Acquire) + 1;
-        let res = tokio::task::spawn_blocking(move || {
-            prepare(
-                &me.engine, &me.linker, &me.limits, &me.config, &wasm, path, generation,
-            )
-        })
-        .await
-        .map_err(|e| PolicyError::Unavailable {
-            detail: format!("compile thread failed: {e}"),
-        })
-        .and_then(|r| r);
-        match res {
-            Ok(first) => {
-                let info = first.loaded.info.clone();
-                let mut active = self
-                    .active
-                    .write()
-                    .unwrap_or_else(std::sync::PoisonError::into_inner);
-                let old = std::mem::replace(&mut *active, first.loaded.clone());
-                self.generation.store(generation, Ordering::Release);
-                drop(active);
-                // The old module's idle instances go now; those running
-                // finish their request and are dropped when handed back.
-                let stale = std::mem::replace(&mut *lock(&self.idle), vec![first]);
-                drop(stale);
-                self.metrics.reloads.inc();
-                tracing::info!(sha256 = %info.sha256, previous = %old.info.sha256, "policy module swapped");
-                Ok(info)
-            }
-            Err(e) => {
-                self.metrics.reload_failures.inc();
-                tracing::warn!(sha256 = %sha, error = %e, "policy module rejected; the active module stays");
-                Err(e)
-            }
-        }
-    }
-
-    /// Polls the module file every `every` and swaps when its content changes
-    /// (also through a symlink swap, as a mounted ConfigMap does). A bad file
-    /// is reported once per content and never replaces the active module.
-    /// The task ends when the runtime is dropped.
-    pub fn watch(self: &Arc<Self>, every: Duration) -> tokio::task::JoinHandle<()> {
-        let weak = Arc::downgrade(self);
-        let path = self.path.clone();
-        // Taken now, not when the task first runs, so a change in between is seen.
-        let mut last_stat = stat_now(&path);
-        tokio::spawn(async move {
-            let mut last_failed: Option<String> = None;
-            let mut tick = tokio::time::interval(every);
-            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-            loop {
-                tick.tick().await;
-                let Some(rt) = weak.upgrade() else { break };
-                let now = stat(&path).await;
-                if now == last_stat {
-                    continue;
-                }
-                last_stat = now;
-                let bytes = match tokio::fs::read(&path).await {
-                    Ok(b) => b,
-                    Err(e) => {
-                        tracing::warn!(path = %path.display(), error = %e, "policy module unreadable; keeping the active one");
-                        continue;
-                    }
-                };
-                let sha = sha256_hex(&bytes);
-                if sha == rt.active().sha256 || last_failed.as_deref() == Some(sha.as_str()) {
-                    continue;
-                }
-                match rt.swap_from(bytes, Some(path.clone())).await {
-                    Ok(_) => last_failed = None,
-                    Err(_) => last_failed = Some(sha),
-                }
-            }
-        })
-    }
-}
-
-type FileStamp = (u64, Option<SystemTime>, u64);
-
-fn stamp(m: &std::fs::Metadata) -> FileStamp {
-    use std::os::unix::fs::MetadataExt;
-    (m.len(), m.modified().ok(), m.ino())
-}
-
-fn stat_now(path: &Path) -> Option<FileStamp> {
-    std::fs::metadata(path).ok().as_ref().map(stamp)
-}
-
-async fn stat(path: &Path) -> Option<FileStamp> {
-    tokio::fs::metadata(path).await.ok().as_ref().map(stamp)
 }

@@ -1,0 +1,124 @@
+//! Replacing the active module: [`PolicyRuntime::swap`] (compile off the
+//! serving threads, self-test, activate atomically; the old module stays on
+//! failure) and [`PolicyRuntime::watch`] (poll the module file and swap when
+//! its content changes).
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, SystemTime};
+
+use super::{PolicyRuntime, lock, prepare};
+use crate::{ModuleInfo, PolicyError, sha256_hex};
+
+// === impl PolicyRuntime ===
+
+impl PolicyRuntime {
+    /// Compiles `wasm` off the serving threads, self-tests it with canned
+    /// requests and makes it active. In-flight requests finish on the old
+    /// module. On failure the old module stays active and the error says why.
+    pub async fn swap(&self, wasm: Vec<u8>) -> Result<ModuleInfo, PolicyError> {
+        self.swap_from(wasm, None).await
+    }
+
+    async fn swap_from(
+        &self,
+        wasm: Vec<u8>,
+        path: Option<PathBuf>,
+    ) -> Result<ModuleInfo, PolicyError> {
+        let _serial = self.swap_lock.lock().await;
+        let me = self.me()?;
+        let sha = sha256_hex(&wasm);
+        // Swaps are serialized (`swap_lock`): the next generation is free.
+        let generation = self.generation.load(Ordering::Acquire) + 1;
+        let res = tokio::task::spawn_blocking(move || {
+            prepare(
+                &me.engine, &me.linker, &me.limits, &me.config, &wasm, path, generation,
+            )
+        })
+        .await
+        .map_err(|e| PolicyError::Unavailable {
+            detail: format!("compile thread failed: {e}"),
+        })
+        .and_then(|r| r);
+        match res {
+            Ok(first) => {
+                let info = first.loaded.info.clone();
+                let mut active = self
+                    .active
+                    .write()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner);
+                let old = std::mem::replace(&mut *active, first.loaded.clone());
+                self.generation.store(generation, Ordering::Release);
+                drop(active);
+                // The old module's idle instances go now; those running
+                // finish their request and are dropped when handed back.
+                let stale = std::mem::replace(&mut *lock(&self.idle), vec![first]);
+                drop(stale);
+                self.metrics.reloads.inc();
+                tracing::info!(sha256 = %info.sha256, previous = %old.info.sha256, "policy module swapped");
+                Ok(info)
+            }
+            Err(e) => {
+                self.metrics.reload_failures.inc();
+                tracing::warn!(sha256 = %sha, error = %e, "policy module rejected; the active module stays");
+                Err(e)
+            }
+        }
+    }
+
+    /// Polls the module file every `every` and swaps when its content changes
+    /// (also through a symlink swap, as a mounted ConfigMap does). A bad file
+    /// is reported once per content and never replaces the active module.
+    /// The task ends when the runtime is dropped.
+    pub fn watch(self: &Arc<Self>, every: Duration) -> tokio::task::JoinHandle<()> {
+        let weak = Arc::downgrade(self);
+        let path = self.path.clone();
+        // Taken now, not when the task first runs, so a change in between is seen.
+        let mut last_stat = stat_now(&path);
+        tokio::spawn(async move {
+            let mut last_failed: Option<String> = None;
+            let mut tick = tokio::time::interval(every);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tick.tick().await;
+                let Some(rt) = weak.upgrade() else { break };
+                let now = stat(&path).await;
+                if now == last_stat {
+                    continue;
+                }
+                last_stat = now;
+                let bytes = match tokio::fs::read(&path).await {
+                    Ok(b) => b,
+                    Err(e) => {
+                        tracing::warn!(path = %path.display(), error = %e, "policy module unreadable; keeping the active one");
+                        continue;
+                    }
+                };
+                let sha = sha256_hex(&bytes);
+                if sha == rt.active().sha256 || last_failed.as_deref() == Some(sha.as_str()) {
+                    continue;
+                }
+                match rt.swap_from(bytes, Some(path.clone())).await {
+                    Ok(_) => last_failed = None,
+                    Err(_) => last_failed = Some(sha),
+                }
+            }
+        })
+    }
+}
+
+type FileStamp = (u64, Option<SystemTime>, u64);
+
+fn stamp(m: &std::fs::Metadata) -> FileStamp {
+    use std::os::unix::fs::MetadataExt;
+    (m.len(), m.modified().ok(), m.ino())
+}
+
+fn stat_now(path: &Path) -> Option<FileStamp> {
+    std::fs::metadata(path).ok().as_ref().map(stamp)
+}
+
+async fn stat(path: &Path) -> Option<FileStamp> {
+    tokio::fs::metadata(path).await.ok().as_ref().map(stamp)
+}
