@@ -12,17 +12,19 @@ use crate::guest::{Guest, SnapshotProps};
 use crate::runtime::{canned_requests, compile, sandbox_engine, sandbox_linker};
 use crate::{PolicyError, SandboxLimits, sha256_hex};
 
-/// Arguments of `rngd-pd policy check`.
-#[derive(Debug, Clone, clap::Args)]
-pub struct CheckArgs {
-    /// The `.wasm` module.
+/// What `rngd-pd policy check` is asked to check (the flags are the CLI's).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CheckOptions {
+    /// The `.wasm` module to check. No default.
     pub module: PathBuf,
-    /// Plugin configuration file (JSON); default `{}`.
-    #[arg(long)]
+    /// Plugin configuration file (JSON) the module is configured with;
+    /// `None` (the default) configures it with `{}`.
     pub config: Option<PathBuf>,
 }
 
-impl CheckArgs {
+// === impl CheckOptions ===
+
+impl CheckOptions {
     /// Reads the configuration and runs [`check`].
     pub fn run(&self) -> Result<String, PolicyError> {
         let config = match &self.config {

@@ -4,7 +4,7 @@
 //! - [`PolicyRuntime`]: compile, self-test, serve decisions from a pool of warm
 //!   instances, hot-swap, watch the module file.
 //! - [`admin_router`]: `GET`/`PUT /admin/policy`.
-//! - [`check`]: `rngd-pd policy check FILE.wasm`.
+//! - [`check`], [`CheckOptions`]: `rngd-pd policy check FILE.wasm`.
 //! - [`RequestState`]: one request as a guest sees it through the ABI, and
 //!   the decision read back out of it (also used by a native run of a module).
 //! - [`codes`]: the ABI's status codes and map and buffer types.
@@ -25,7 +25,7 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 pub use admin::admin_router;
-pub use check::{CheckArgs, check};
+pub use check::{CheckOptions, check};
 pub use request::RequestState;
 pub use rngd_policy_core::{Decision, Endpoint, LocalResponse, Route};
 pub use runtime::PolicyRuntime;
