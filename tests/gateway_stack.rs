@@ -9,11 +9,14 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use rngd_engine::fake::EchoEngine;
-use rngd_gateway::launch::{LaunchOptions, PolicyChoice, TokenizerChoice};
-use rngd_gateway::{GatewayConfig, endpoints};
+use rngd_gateway::GatewayConfig;
+use rngd_gateway::launch::{
+    LaunchOptions, PolicyChoice, ScrapeOptions, SourceChoice, TokenizerChoice,
+};
 use rngd_kv_transport::fake::MemoryTransport;
 use rngd_kv_transport::{KvError, KvTransport};
 use rngd_policy_core::Role;
+use rngd_pool::source as endpoints;
 use rngd_worker::{TransportFactory, Transports, WorkerConfig};
 use serde_json::{Value, json};
 
@@ -56,7 +59,7 @@ async fn stack(token_delay: Duration) -> Stack {
     let gateway = rngd_gateway::launch::launch(LaunchOptions {
         listen: "127.0.0.1:0".into(),
         kpi_listen: None,
-        endpoints: vec![
+        endpoints: SourceChoice::Static(vec![
             endpoints::local_endpoint(
                 prefill.addr.to_string(),
                 Role::Prefill,
@@ -69,7 +72,7 @@ async fn stack(token_delay: Duration) -> Stack {
                 512,
                 &["memory".into()],
             ),
-        ],
+        ]),
         policy: PolicyChoice::Wasm {
             module: policy_module(),
             config: serde_json::to_vec(&json!({"same_node_transport": "memory"})).unwrap(),
@@ -77,18 +80,18 @@ async fn stack(token_delay: Duration) -> Stack {
             watch_every: None,
         },
         admin_token: None,
-        tokenizer: TokenizerChoice::Custom(Arc::new(rngd_gateway::ByteTokenizer)),
+        tokenizer: TokenizerChoice::Custom(Arc::new(rngd_pool::prompt::ByteCounter)),
         config: GatewayConfig::default(),
-        scrape_every: Duration::from_millis(50),
-        stale_after: Duration::from_secs(2),
+        scrape: ScrapeOptions {
+            every: Some(Duration::from_millis(50)),
+            stale_after: Duration::from_secs(2),
+        },
     })
     .await
     .unwrap();
-    let source = rngd_gateway::HttpLoadSource::new(Duration::from_secs(2)).unwrap();
-    gateway.gateway.endpoints().scrape_once(&source).await;
     assert!(
-        gateway.gateway.endpoints().can_serve(),
-        "workers not healthy after a scrape"
+        gateway.wait_ready(Duration::from_secs(10)).await,
+        "workers not healthy after 10 s of scraping"
     );
     Stack {
         url: format!("http://{}", gateway.addr),

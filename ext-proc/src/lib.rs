@@ -2,25 +2,24 @@
 //! Gateway API Inference Extension (GIE) endpoint picker (`docs/epp.md`).
 //!
 //! Envoy streams each request to [`processor::ExtProcService`]; once the body is
-//! complete it is parsed, its prompt counted ([`picker::PromptCounter`]), and the
-//! policy module ([`picker::Decider`]) picks the decode (and prefill) endpoint
-//! from the current endpoint snapshot ([`endpoints::EndpointSource`]). The
+//! complete it goes through the request rules and prompt counting the gateway
+//! uses too ([`rngd_pool::prepare`]), and the pool's picker
+//! ([`rngd_pool::Picker`]) asks the policy module for the decode (and prefill)
+//! endpoint from the current endpoint snapshot ([`rngd_pool::EndpointSource`]). The
 //! answer is a header mutation (`x-gateway-destination-endpoint`, plus
 //! `x-prefiller-host-port` / `x-rngd-pd-kv-transport` for PD) with
 //! `clear_route_cache` and `envoy.lb` dynamic metadata, followed by the body
 //! re-sent in chunks of at most 62,000 bytes.
 //!
-//! - [`endpoints`]: the endpoints file (hot-reloaded) and the `/metrics` scraper.
-//! - [`picker`]: body parsing, prompt counting, subset hints, policy call, error mapping.
-//! - [`policy`]: the wasm policy runtime as a [`picker::Decider`].
+//! - [`launch`]: assembles a running picker from [`launch::Options`] (CLI, benchmark).
+//! - [`picker`]: the pool's pick seen from ext_proc, and its error mapping.
 //! - [`processor`]: the `ext_proc` stream state machine (FULL_DUPLEX_STREAMED and BUFFERED).
 //! - [`server`]: the gRPC, health and metrics listeners.
 //! - [`metrics`]: the picker's Prometheus metrics.
 
-pub mod endpoints;
+pub mod launch;
 pub mod metrics;
 pub mod picker;
-pub mod policy;
 pub mod processor;
 pub mod server;
 
@@ -46,56 +45,26 @@ pub enum ExtProcError {
         #[source]
         source: std::io::Error,
     },
-    /// The endpoints file could not be read.
-    #[error("read endpoints file {path}: {source}")]
-    EndpointsRead {
-        /// File path.
+    /// The endpoint pool (endpoints file, scraper, tokenizer) could not be set up.
+    #[error(transparent)]
+    Pool(#[from] rngd_pool::PoolError),
+    /// The policy module could not be loaded.
+    #[error("policy {path}: {source}")]
+    Policy {
+        /// The module.
+        path: PathBuf,
+        /// Cause.
+        #[source]
+        source: rngd_policy_host::PolicyError,
+    },
+    /// A file could not be read.
+    #[error("read {path}: {source}")]
+    Read {
+        /// The file.
         path: PathBuf,
         /// Cause.
         #[source]
         source: std::io::Error,
-    },
-    /// The endpoints file is not a JSON list of endpoints.
-    #[error("parse endpoints file {path}: {source}")]
-    EndpointsParse {
-        /// File path.
-        path: PathBuf,
-        /// Cause.
-        #[source]
-        source: serde_json::Error,
-    },
-    /// A `/metrics` scrape failed at the HTTP level.
-    #[error("scrape {address}: {source}")]
-    Scrape {
-        /// Endpoint `ip:port`.
-        address: String,
-        /// Cause.
-        #[source]
-        source: reqwest::Error,
-    },
-    /// A `/metrics` scrape answered with a non-success status or no model-server metrics.
-    #[error("scrape {address}: {reason}")]
-    ScrapeContent {
-        /// Endpoint `ip:port`.
-        address: String,
-        /// What was wrong.
-        reason: String,
-    },
-    /// The policy failed (trap, timeout, bad output).
-    #[error("policy decision failed: {source}")]
-    Decide {
-        /// HTTP status the client gets (500 for a guest fault, 503 when unavailable, …).
-        status: u16,
-        /// Cause.
-        #[source]
-        source: BoxError,
-    },
-    /// The prompt could not be tokenized.
-    #[error("count prompt tokens: {source}")]
-    Count {
-        /// Cause.
-        #[source]
-        source: BoxError,
     },
     /// A metric could not be registered.
     #[error("metrics: {source}")]

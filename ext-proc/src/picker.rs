@@ -1,48 +1,27 @@
-//! One pick: parse the body, count the prompt, apply the subset hint, ask the
-//! policy, and map every failure to GIE's status codes.
+//! The ext_proc side of a pick: the body goes through the same rules and
+//! prompt counting as at the gateway ([`rngd_pool::prepare`]), the route
+//! through the same [`rngd_pool::Picker::pick`]; this module only maps the
+//! outcome to what the state machine sends Envoy (GIE's status codes).
 //!
-//! | condition                                   | status |
-//! |---------------------------------------------|--------|
-//! | body not JSON / not an object / no `model`  | 400    |
-//! | subset hint empty or matching no endpoint   | 503    |
-//! | policy reject (`LocalResponse`)             | the policy's status and body (429/503/400 …) |
-//! | policy failure, tokenizer failure           | 500    |
+//! | condition                                          | status |
+//! |----------------------------------------------------|--------|
+//! | body breaks a request rule (not JSON, no `model`, bad sampling field, …) | 400 (with `param`) |
+//! | the tokenizer fails on the prompt                  | 400    |
+//! | subset hint empty or matching no endpoint          | 503    |
+//! | policy reject (`LocalResponse`)                    | the policy's status and body (429/503/400 …) |
+//! | policy failure                                     | its status (500 guest fault, 503 unavailable) |
+//! | policy routes outside the endpoint table           | 500    |
 
 use std::sync::Arc;
 use std::time::Instant;
 
-use async_trait::async_trait;
 use rngd_api::headers;
 use rngd_api::openai::ErrorBody;
+use rngd_api::rules::RuleError;
 use rngd_policy_core::{Decision, LocalResponse, Route};
-use rngd_policy_host::PolicyRequest;
-use serde_json::Value;
+use rngd_pool::{ApiKind, PickError, PickRequest, PrepareError, PromptCounter};
 
-use crate::endpoints::EndpointSource;
 use crate::metrics::EppMetrics;
-use crate::{BoxError, ExtProcError};
-
-/// Makes the routing decision for one request (the policy module).
-#[async_trait]
-pub trait Decider: Send + Sync + 'static {
-    /// Decides where `req` goes.
-    async fn decide(&self, req: PolicyRequest) -> Result<Decision, ExtProcError>;
-}
-
-/// Counts the tokens of a prompt text (the model's tokenizer).
-pub trait PromptCounter: Send + Sync + 'static {
-    /// Number of tokens `text` encodes to.
-    fn count(&self, text: &str) -> Result<usize, BoxError>;
-}
-
-/// The outcome of a pick.
-#[derive(Debug, Clone, PartialEq)]
-pub enum Pick {
-    /// Send the request to the route's endpoint(s).
-    Route(Route),
-    /// Answer locally.
-    Reject(LocalResponse),
-}
 
 /// Everything known about a request when the pick runs.
 #[derive(Debug, Clone, Default)]
@@ -55,10 +34,9 @@ pub struct PickInput {
     pub subset: Option<Vec<String>>,
 }
 
-/// Combines the endpoint source, the tokenizer and the policy.
+/// The pool's picker, the prompt counter and the picker's metrics.
 pub struct Picker {
-    decider: Arc<dyn Decider>,
-    endpoints: Arc<dyn EndpointSource>,
+    pool: rngd_pool::Picker,
     counter: Option<Arc<dyn PromptCounter>>,
     metrics: EppMetrics,
 }
@@ -79,79 +57,89 @@ pub fn error_response(
     message: impl Into<String>,
 ) -> LocalResponse {
     let body = ErrorBody::new(kind, message).with_code(code);
+    json_response(status, &body)
+}
+
+fn json_response(status: u16, body: &ErrorBody) -> LocalResponse {
     LocalResponse {
         status,
-        body: serde_json::to_vec(&body).unwrap_or_default(),
+        body: serde_json::to_vec(body).unwrap_or_default(),
         headers: vec![("content-type".to_string(), "application/json".to_string())],
     }
 }
 
-fn bad_request(code: &str, message: impl Into<String>) -> Pick {
-    Pick::Reject(error_response(400, "invalid_request_error", code, message))
-}
-
-/// The text whose tokens make the prompt of an OpenAI body, or token ids.
-enum PromptText {
-    Text(String),
-    Tokens(usize),
-    None,
-}
-
-fn prompt_text(body: &Value) -> PromptText {
-    if let Some(p) = body.get("prompt") {
-        return match p {
-            Value::String(s) => PromptText::Text(s.clone()),
-            Value::Array(items) => {
-                if items.iter().all(Value::is_number) {
-                    PromptText::Tokens(items.len())
-                } else if items.iter().all(Value::is_array) {
-                    PromptText::Tokens(items.iter().filter_map(Value::as_array).map(Vec::len).sum())
-                } else {
-                    PromptText::Text(
-                        items
-                            .iter()
-                            .filter_map(Value::as_str)
-                            .collect::<Vec<_>>()
-                            .join(""),
-                    )
-                }
-            }
-            _ => PromptText::None,
-        };
-    }
-    if let Some(Value::Array(messages)) = body.get("messages") {
-        // ChatML rendering (the SmolLM2 template): an estimate of what the worker prefills.
-        let mut text = String::new();
-        for m in messages {
-            let role = m.get("role").and_then(Value::as_str).unwrap_or("user");
-            let content = match m.get("content") {
-                Some(Value::String(s)) => s.clone(),
-                Some(Value::Array(parts)) => parts
-                    .iter()
-                    .filter_map(|p| p.get("text").and_then(Value::as_str))
-                    .collect::<Vec<_>>()
-                    .join(""),
-                _ => String::new(),
-            };
-            text.push_str(&format!("<|im_start|>{role}\n{content}<|im_end|>\n"));
+/// The one place a failed pick becomes what Envoy answers the client.
+fn reject(e: PrepareOrPick) -> LocalResponse {
+    match e {
+        PrepareOrPick::Rule(r) => rule_response(&r),
+        PrepareOrPick::Tokenize(e) => error_response(
+            400,
+            "invalid_request_error",
+            "tokenize_failed",
+            e.to_string(),
+        ),
+        PrepareOrPick::Pick(PickError::Rejected(local)) => local,
+        PrepareOrPick::Pick(e @ PickError::NoEndpointInSubset) => error_response(
+            503,
+            "service_unavailable",
+            "no_endpoint_in_subset",
+            e.to_string(),
+        ),
+        PrepareOrPick::Pick(e @ PickError::Policy(_)) => {
+            tracing::error!(error = %e, "policy failed");
+            error_response(e.status(), "server_error", "policy_error", e.to_string())
         }
-        text.push_str("<|im_start|>assistant\n");
-        return PromptText::Text(text);
+        PrepareOrPick::Pick(e @ PickError::OffTable { .. }) => {
+            tracing::error!(error = %e, "policy routed off the endpoint table");
+            error_response(500, "server_error", "policy_error", e.to_string())
+        }
     }
-    PromptText::None
+}
+
+/// A broken request rule as a 400 with its `param` and code.
+pub fn rule_response(r: &RuleError) -> LocalResponse {
+    let mut body = ErrorBody::new("invalid_request_error", r.message.clone());
+    if let Some(p) = r.param {
+        body = body.with_param(p);
+    }
+    if let Some(c) = r.code {
+        body = body.with_code(c);
+    }
+    json_response(400, &body)
+}
+
+enum PrepareOrPick {
+    Rule(RuleError),
+    Tokenize(rngd_pool::BoxError),
+    Pick(PickError),
+}
+
+impl From<PrepareError> for PrepareOrPick {
+    fn from(e: PrepareError) -> Self {
+        match e {
+            PrepareError::Rule(r) => PrepareOrPick::Rule(r),
+            PrepareError::Tokenize(t) => PrepareOrPick::Tokenize(t),
+        }
+    }
+}
+
+fn path_of(headers: &[(String, String)]) -> Option<&str> {
+    headers
+        .iter()
+        .find(|(k, _)| k == ":path")
+        .map(|(_, v)| v.as_str())
 }
 
 impl Picker {
-    /// A picker over these parts; `counter = None` leaves `rngd_pd.prompt_tokens` unset.
+    /// A picker over these parts; `counter = None` leaves `rngd_pd.prompt_tokens`
+    /// unset (the request rules still apply).
     pub fn new(
-        decider: Arc<dyn Decider>,
-        endpoints: Arc<dyn EndpointSource>,
+        pool: rngd_pool::Picker,
         counter: Option<Arc<dyn PromptCounter>>,
         metrics: EppMetrics,
     ) -> Self {
         Picker {
-            decider,
-            endpoints,
+            pool,
             counter,
             metrics,
         }
@@ -163,111 +151,59 @@ impl Picker {
     }
 
     /// Picks for one request; never fails (failures become local responses).
-    pub async fn pick(&self, input: PickInput) -> Pick {
+    pub async fn pick(&self, input: PickInput) -> Decision {
         let start = Instant::now();
-        let pick = self.pick_inner(input).await;
+        let decision = match self.pick_inner(input).await {
+            Ok(route) => Decision::Route(route),
+            Err(e) => Decision::Reject(reject(e)),
+        };
         self.metrics
             .pick_us
             .observe(start.elapsed().as_secs_f64() * 1e6);
-        let result = match &pick {
-            Pick::Route(_) => "route".to_string(),
-            Pick::Reject(r) => format!("reject_{}", r.status),
+        let result = match &decision {
+            Decision::Route(_) => "route".to_string(),
+            Decision::Reject(r) => format!("reject_{}", r.status),
         };
         self.metrics.picks.with_label_values(&[&result]).inc();
-        pick
+        decision
     }
 
-    async fn pick_inner(&self, input: PickInput) -> Pick {
+    async fn pick_inner(&self, input: PickInput) -> Result<Route, PrepareOrPick> {
         let mut prompt_tokens = None;
         if let Some(body) = &input.body {
-            if body.is_empty() {
-                return bad_request("empty_body", "request body is empty");
-            }
-            let json: Value = match serde_json::from_slice(body) {
-                Ok(v) => v,
-                Err(e) => {
-                    return bad_request(
-                        "invalid_json",
-                        format!("request body is not valid JSON: {e}"),
-                    );
+            // The OpenAI APIs get the gateway's rules; any other path with a
+            // body only needs to be a JSON object naming a model (GIE).
+            let kind = path_of(&input.headers).and_then(ApiKind::from_path);
+            match (kind, &self.counter) {
+                (Some(kind), Some(counter)) => {
+                    let counter = Arc::clone(counter);
+                    let body = body.clone();
+                    // Tokenizing a long prompt is CPU work: off the async threads.
+                    let prepared = tokio::task::spawn_blocking(move || {
+                        rngd_pool::prepare(kind, &body, counter.as_ref(), None)
+                    })
+                    .await
+                    .map_err(|e| PrepareOrPick::Tokenize(Box::new(e)))??;
+                    prompt_tokens = Some(prepared.prompt_tokens);
                 }
-            };
-            if !json.is_object() {
-                return bad_request("invalid_json", "request body must be a JSON object");
-            }
-            match json.get("model") {
-                Some(Value::String(m)) if !m.is_empty() => {}
-                _ => return bad_request("missing_model", "request body has no \"model\""),
-            }
-            if let Some(counter) = &self.counter {
-                prompt_tokens = match prompt_text(&json) {
-                    PromptText::Text(t) => match counter.count(&t) {
-                        Ok(n) => Some(n),
-                        Err(source) => {
-                            let e = ExtProcError::Count { source };
-                            tracing::error!(error = %e, "prompt count failed");
-                            return Pick::Reject(error_response(
-                                500,
-                                "server_error",
-                                "internal",
-                                e.to_string(),
-                            ));
-                        }
-                    },
-                    PromptText::Tokens(n) => Some(n),
-                    PromptText::None => None,
-                };
-            }
-        }
-        let mut endpoints = self.endpoints.snapshot();
-        if let Some(subset) = &input.subset {
-            endpoints = endpoints
-                .iter()
-                .filter(|e| subset.iter().any(|s| s == &e.address))
-                .cloned()
-                .collect();
-            if endpoints.is_empty() {
-                return Pick::Reject(error_response(
-                    503,
-                    "service_unavailable",
-                    "no_endpoint_in_subset",
-                    "no endpoint is eligible under the subset hint",
-                ));
-            }
-        }
-        let req = PolicyRequest {
-            headers: input.headers,
-            body: input.body.unwrap_or_default(),
-            endpoints: Some(endpoints),
-            prompt_tokens,
-        };
-        match self.decider.decide(req).await {
-            Ok(Decision::Route(route)) => {
-                if route.decode.is_empty() {
-                    return Pick::Reject(error_response(
-                        500,
-                        "server_error",
-                        "internal",
-                        "policy routed to an empty destination",
-                    ));
+                (Some(kind), None) => {
+                    rngd_pool::prompt::check(kind, body).map_err(PrepareOrPick::Rule)?
                 }
-                Pick::Route(route)
-            }
-            Ok(Decision::Reject(local)) => Pick::Reject(local),
-            Err(e) => {
-                tracing::error!(error = %e, "policy failed");
-                let status = match &e {
-                    ExtProcError::Decide { status, .. } => *status,
-                    _ => 500,
-                };
-                Pick::Reject(error_response(
-                    status,
-                    "server_error",
-                    "policy_error",
-                    e.to_string(),
-                ))
+                (None, _) => {
+                    rngd_api::rules::parse_body::<serde_json::Value>(body)
+                        .map_err(PrepareOrPick::Rule)?;
+                }
             }
         }
+        self.pool
+            .pick(PickRequest {
+                headers: input.headers,
+                body: input.body.unwrap_or_default(),
+                prompt_tokens,
+                subset: input.subset,
+            })
+            .await
+            .map_err(PrepareOrPick::Pick)
     }
 }
 

@@ -33,10 +33,10 @@ use envoy_types::pb::envoy::r#type::v3::HttpStatus;
 use envoy_types::pb::google::protobuf::{Struct, Value, value::Kind};
 use futures::{Stream, StreamExt};
 use rngd_api::headers;
-use rngd_policy_core::{LocalResponse, Route};
+use rngd_policy_core::{Decision, LocalResponse, Route};
 use tracing::Instrument;
 
-use crate::picker::{Pick, PickInput, Picker, error_response, route_headers};
+use crate::picker::{PickInput, Picker, error_response, route_headers};
 
 /// Largest body chunk re-sent to Envoy (GIE's limit, below Envoy's 64 KiB buffers).
 pub const MAX_CHUNK: usize = 62_000;
@@ -365,7 +365,7 @@ impl StreamState {
         if no_body_visible {
             let pick = self.pick(picker, None).await;
             return match pick {
-                Pick::Route(route) => {
+                Decision::Route(route) => {
                     self.phase = Phase::Routed;
                     let dest = route.decode.clone();
                     Step {
@@ -377,7 +377,7 @@ impl StreamState {
                         close: false,
                     }
                 }
-                Pick::Reject(local) => Step {
+                Decision::Reject(local) => Step {
                     responses: vec![immediate(&local)],
                     close: true,
                 },
@@ -455,7 +455,7 @@ impl StreamState {
             _ => {
                 let body = std::mem::take(&mut self.body);
                 match self.pick(picker, Some(body)).await {
-                    Pick::Route(route) => {
+                    Decision::Route(route) => {
                         self.phase = Phase::Routed;
                         let dest = route.decode.clone();
                         Step {
@@ -471,7 +471,7 @@ impl StreamState {
                             close: false,
                         }
                     }
-                    Pick::Reject(local) => Step {
+                    Decision::Reject(local) => Step {
                         responses: vec![immediate(&local)],
                         close: true,
                     },
@@ -491,7 +491,7 @@ impl StreamState {
             chunks.push(Vec::new());
         }
         match self.pick(picker, Some(body)).await {
-            Pick::Route(route) => {
+            Decision::Route(route) => {
                 self.phase = Phase::Routed;
                 let dest = route.decode.clone();
                 let mut responses = Vec::with_capacity(chunks.len() + 1);
@@ -509,14 +509,14 @@ impl StreamState {
                     close: false,
                 }
             }
-            Pick::Reject(local) => Step {
+            Decision::Reject(local) => Step {
                 responses: vec![immediate(&local)],
                 close: true,
             },
         }
     }
 
-    async fn pick(&mut self, picker: &Picker, body: Option<Vec<u8>>) -> Pick {
+    async fn pick(&mut self, picker: &Picker, body: Option<Vec<u8>>) -> Decision {
         let input = PickInput {
             headers: self.headers.clone(),
             body,
@@ -524,11 +524,11 @@ impl StreamState {
         };
         let pick = picker.pick(input).await;
         match &pick {
-            Pick::Route(r) => {
+            Decision::Route(r) => {
                 self.destination = Some(r.decode.clone());
                 tracing::info!(decode = %r.decode, prefill = ?r.prefill, kv_transport = ?r.kv_transport, "picked");
             }
-            Pick::Reject(l) => tracing::info!(status = l.status, "rejected"),
+            Decision::Reject(l) => tracing::info!(status = l.status, "rejected"),
         }
         pick
     }

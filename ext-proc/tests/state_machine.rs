@@ -14,11 +14,11 @@ use rngd_ext_proc::envoy_types::pb::envoy::service::ext_proc::v3::{
     processing_request, processing_response,
 };
 use rngd_ext_proc::envoy_types::pb::google::protobuf::{ListValue, Struct, Value, value::Kind};
-use rngd_ext_proc::endpoints::StaticEndpoints;
+use rngd_ext_proc::BoxError;
 use rngd_ext_proc::metrics::EppMetrics;
-use rngd_ext_proc::picker::{Decider, Picker, PromptCounter};
+use rngd_ext_proc::picker::Picker;
 use rngd_ext_proc::server::{self, GrpcServing, RunningServer, ServerConfig};
-use rngd_ext_proc::{BoxError, ExtProcError};
+use rngd_pool::{Policy, PolicyFailure, PromptCounter, StaticEndpoints};
 use rngd_policy_core::{Decision, Endpoint, LocalResponse, Role, Route, Vendor};
 use rngd_policy_host::PolicyRequest;
 use tokio::sync::mpsc;
@@ -50,11 +50,11 @@ struct FakePolicy {
 }
 
 #[async_trait]
-impl Decider for FakePolicy {
-    async fn decide(&self, req: PolicyRequest) -> Result<Decision, ExtProcError> {
+impl Policy for FakePolicy {
+    async fn decide(&self, req: PolicyRequest) -> Result<Decision, PolicyFailure> {
         self.seen.lock().unwrap().push(req.clone());
         if self.fail {
-            return Err(ExtProcError::Decide {
+            return Err(PolicyFailure {
                 status: 500,
                 source: "guest trapped (fake)".into(),
             });
@@ -110,8 +110,17 @@ impl Decider for FakePolicy {
 struct WordCounter;
 
 impl PromptCounter for WordCounter {
+    fn model_name(&self) -> &str {
+        "words"
+    }
     fn count(&self, text: &str) -> Result<usize, BoxError> {
         Ok(text.split_whitespace().count())
+    }
+    fn chat_prompt(&self, messages: &[(String, String)]) -> Result<String, BoxError> {
+        Ok(messages
+            .iter()
+            .map(|(r, c)| format!("{r}: {c}\n"))
+            .collect())
     }
 }
 
@@ -128,8 +137,7 @@ async fn harness(endpoints: Vec<Endpoint>, fail: bool) -> Harness {
     });
     let metrics = EppMetrics::new().expect("metrics");
     let picker = Picker::new(
-        policy.clone(),
-        StaticEndpoints::new(endpoints),
+        rngd_pool::Picker::new(policy.clone(), StaticEndpoints::new(endpoints)),
         Some(Arc::new(WordCounter)),
         metrics.clone(),
     );
@@ -581,7 +589,9 @@ async fn policy_rejects_pass_through_and_failures_are_500() {
 #[tokio::test]
 async fn buffered_mode_continues_headers_and_routes_on_the_body_response() {
     let h = harness(default_endpoints(), false).await;
-    let body = br#"{"model":"m","messages":[{"role":"user","content":"hello there"}]}"#;
+    // A completion body: the path of `post_headers` is /v1/completions, and
+    // the picker applies that API's rules.
+    let body = br#"{"model":"m","prompt":"hello there"}"#;
     let resps = exchange(
         h.server.grpc_addr,
         vec![post_headers(BodySendMode::Buffered), body_msg(body, true)],
@@ -879,8 +889,7 @@ async fn per_connection_and_shared_serving_both_pick_and_stop_on_abort() {
     for serving in [GrpcServing::PerConnection(2), GrpcServing::Shared] {
         let policy = Arc::new(FakePolicy::default());
         let picker = Picker::new(
-            policy.clone(),
-            StaticEndpoints::new(default_endpoints()),
+            rngd_pool::Picker::new(policy.clone(), StaticEndpoints::new(default_endpoints())),
             None,
             EppMetrics::new().expect("metrics"),
         );

@@ -30,15 +30,9 @@ pub enum GatewayError {
         #[source]
         source: std::io::Error,
     },
-    /// The endpoints file is not a JSON list of endpoints.
-    #[error("endpoints file {path}: {source}")]
-    Endpoints {
-        /// The file.
-        path: String,
-        /// Cause.
-        #[source]
-        source: serde_json::Error,
-    },
+    /// The endpoint pool (endpoints, scraper, tokenizer) could not be set up.
+    #[error(transparent)]
+    Pool(#[from] rngd_pool::PoolError),
     /// Binding or serving a listener failed.
     #[error("listener {addr}: {source}")]
     Listen {
@@ -48,9 +42,6 @@ pub enum GatewayError {
         #[source]
         source: std::io::Error,
     },
-    /// The tokenizer could not be loaded.
-    #[error("tokenizer: {0}")]
-    Tokenizer(#[source] BoxError),
     /// The policy could not be loaded.
     #[error("policy: {0}")]
     Policy(#[source] BoxError),
@@ -91,6 +82,9 @@ impl fmt::Display for Stage {
 /// and an OpenAI-style error body, here and nowhere else.
 #[derive(Debug, thiserror::Error)]
 pub enum ApiError {
+    /// A request rule is broken (`rngd_api::rules`) → 400 with its param and code.
+    #[error(transparent)]
+    Rule(#[from] rngd_api::rules::RuleError),
     /// Malformed JSON, wrong types, unsupported values → 400.
     #[error("{message}")]
     BadRequest {
@@ -122,9 +116,11 @@ pub enum ApiError {
         /// Body (OpenAI-style JSON) chosen by the policy.
         body: Vec<u8>,
     },
-    /// The policy failed (trap, timeout, memory cap, bad output) → 500.
-    #[error("routing policy failed: {0}")]
-    Policy(#[source] BoxError),
+    /// The pick failed: the policy failed (trap, timeout, memory cap, bad
+    /// output → 500; no instance → 503), routed off the endpoint table (500),
+    /// or a subset hint left no endpoint (503).
+    #[error("routing failed: {0}")]
+    Policy(#[source] rngd_pool::PickError),
     /// The tokenizer failed on the prompt → 400.
     #[error("tokenizing the prompt: {0}")]
     Tokenize(#[source] BoxError),
@@ -190,15 +186,19 @@ impl ApiError {
     /// The HTTP status this error maps to.
     pub fn status(&self) -> StatusCode {
         match self {
-            ApiError::BadRequest { .. } | ApiError::BodyRead(_) | ApiError::Tokenize(_) => {
-                StatusCode::BAD_REQUEST
-            }
+            ApiError::BadRequest { .. }
+            | ApiError::Rule(_)
+            | ApiError::BodyRead(_)
+            | ApiError::Tokenize(_) => StatusCode::BAD_REQUEST,
             ApiError::ModelNotFound(_) | ApiError::NotFound(_) => StatusCode::NOT_FOUND,
             ApiError::PayloadTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             ApiError::PolicyReject { status, .. } => {
                 StatusCode::from_u16(*status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR)
             }
-            ApiError::Policy(_) | ApiError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
+            ApiError::Policy(e) => {
+                StatusCode::from_u16(e.status()).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR)
+            }
+            ApiError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
             ApiError::Upstream { .. } => StatusCode::BAD_GATEWAY,
             // A worker's client error (bad sampling value, over-length) is the
             // client's: pass it through. Anything else from a worker is a
@@ -226,6 +226,16 @@ impl ApiError {
                     None => b,
                 }
             }
+            ApiError::Rule(r) => {
+                let mut b = ErrorBody::new(kind, r.message.clone());
+                if let Some(p) = r.param {
+                    b = b.with_param(p);
+                }
+                if let Some(c) = r.code {
+                    b = b.with_code(c);
+                }
+                b
+            }
             ApiError::ModelNotFound(m) => {
                 ErrorBody::new(kind, format!("The model '{m}' does not exist"))
                     .with_param("model")
@@ -239,6 +249,10 @@ impl ApiError {
             .with_code("request_too_large"),
             ApiError::BodyRead(_) => ErrorBody::new(kind, "the request body could not be read"),
             ApiError::PolicyReject { status, body } => policy_body(*status, body),
+            ApiError::Policy(rngd_pool::PickError::NoEndpointInSubset) => {
+                ErrorBody::new(kind, "no endpoint is eligible under the subset hint")
+                    .with_code("no_endpoint_in_subset")
+            }
             ApiError::Policy(_) => {
                 ErrorBody::new(kind, "the routing policy failed on this request")
                     .with_code("policy_error")
@@ -336,7 +350,22 @@ mod tests {
         assert_eq!(ApiError::bad_request("x").status(), 400);
         assert_eq!(ApiError::ModelNotFound("m".into()).status(), 404);
         assert_eq!(ApiError::PayloadTooLarge { limit: 1 }.status(), 413);
-        assert_eq!(ApiError::Policy("trap".into()).status(), 500);
+        let trap = rngd_pool::PolicyFailure {
+            status: 500,
+            source: "trap".into(),
+        };
+        assert_eq!(
+            ApiError::Policy(rngd_pool::PickError::Policy(trap)).status(),
+            500
+        );
+        let off = rngd_pool::PickError::OffTable {
+            address: "10.1.1.1:22".into(),
+        };
+        assert_eq!(ApiError::Policy(off).status(), 500);
+        assert_eq!(
+            ApiError::Policy(rngd_pool::PickError::NoEndpointInSubset).status(),
+            503
+        );
         let up = ApiError::Upstream {
             stage: Stage::Prefill,
             address: "a:1".into(),

@@ -23,7 +23,8 @@ use rngd_api::openai::{
     ChatResponseMessage, CompletionRequest, CompletionResponse, ErrorBody, Timings, Usage,
 };
 use rngd_api::pd::KvTransferParams;
-use rngd_policy_host::{Decision, PolicyRequest};
+use rngd_api::rules::ms;
+use rngd_pool::{ApiKind, PickError, PickRequest};
 use serde_json::Value;
 use tracing::Instrument;
 
@@ -32,42 +33,21 @@ use crate::metrics::RequestSample;
 use crate::server::{Gateway, unix_now};
 use crate::sse::{self, SseParser};
 
-/// Which API the client called.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum ApiKind {
-    /// `/v1/completions`.
-    Completion,
-    /// `/v1/chat/completions` (rendered to a completion upstream).
-    Chat,
-}
-
-/// A validated request, in the completion form the workers speak.
+/// A validated request ([`rngd_pool::prepare`]) and where it arrived.
 #[derive(Debug, Clone)]
 pub struct Prepared {
-    /// API called.
-    pub kind: ApiKind,
-    /// Model name as the client sent it (echoed back).
-    pub client_model: String,
-    /// The completion request for the workers (`max_tokens` set).
-    pub upstream: CompletionRequest,
-    /// Prompt tokens counted with the model's tokenizer.
-    pub prompt_tokens: usize,
-    /// Whether the client asked for a usage chunk on a stream.
-    pub include_usage: bool,
+    /// The request in the completion form the workers speak, and its count.
+    pub request: rngd_pool::Prepared,
     /// Request path.
     pub path: String,
     /// Arrival time.
     pub started: Instant,
 }
 
-fn ms(d: Duration) -> f64 {
-    d.as_secs_f64() * 1e3
-}
-
 /// Runs one request end to end.
 pub async fn run(gw: Arc<Gateway>, p: Prepared, headers: HeaderMap) -> Result<Response, ApiError> {
     let rid = gw.request_id(&headers);
-    let span = tracing::info_span!("request", id = %rid, path = %p.path, prompt_tokens = p.prompt_tokens, stream = p.upstream.sampling.stream);
+    let span = tracing::info_span!("request", id = %rid, path = %p.path, prompt_tokens = p.request.prompt_tokens, stream = p.request.upstream.sampling.stream);
     let result = run_inner(gw, p, headers, rid.clone())
         .instrument(span)
         .await;
@@ -111,34 +91,36 @@ async fn run_inner(
     rid: String,
 ) -> Result<Response, ApiError> {
     // Policy.
-    let body = serde_json::to_vec(&p.upstream).map_err(|e| ApiError::Internal(e.to_string()))?;
-    let preq = PolicyRequest {
+    let body =
+        serde_json::to_vec(&p.request.upstream).map_err(|e| ApiError::Internal(e.to_string()))?;
+    let pick = PickRequest {
         headers: policy_headers(&p, &headers),
         body,
-        endpoints: Some(gw.endpoints.snapshot().into()),
-        prompt_tokens: Some(p.prompt_tokens),
+        prompt_tokens: Some(p.request.prompt_tokens),
+        subset: None,
     };
     let t = Instant::now();
-    let decision = gw.policy.decide(preq).await;
+    let picked = gw.picker.pick(pick).await;
     gw.metrics.observe_policy(t.elapsed());
-    let route = match decision.map_err(ApiError::Policy)? {
-        Decision::Reject(local) => {
+    let route = match picked {
+        Ok(r) => r,
+        Err(PickError::Rejected(local)) => {
             tracing::info!(status = local.status, "policy rejected the request");
             return Err(ApiError::PolicyReject {
                 status: local.status,
                 body: local.body,
             });
         }
-        Decision::Route(r) => r,
+        Err(e) => return Err(ApiError::Policy(e)),
     };
     tracing::debug!(decode = %route.decode, prefill = ?route.prefill, kv_transport = ?route.kv_transport, "routed");
 
     // Prefill (PD), or none: the decode worker prefills itself.
-    let mut decode_req = p.upstream.clone();
+    let mut decode_req = p.request.upstream.clone();
     let mut prefill_info: Option<(KvTransferParams, Instant)> = None;
     let mut guard = KvGuard::disarmed();
     if let Some(prefill) = &route.prefill {
-        let mut req = p.upstream.clone();
+        let mut req = p.request.upstream.clone();
         req.sampling.stream = false;
         req.sampling.stream_options = None;
         req.kv_transfer_params = Some(KvTransferParams {
@@ -203,12 +185,12 @@ async fn run_inner(
     });
     let ctx = Ctx {
         gw: gw.clone(),
-        kind: p.kind,
-        id: match p.kind {
+        kind: p.request.kind,
+        id: match p.request.kind {
             ApiKind::Completion => format!("cmpl-{rid}"),
             ApiKind::Chat => format!("chatcmpl-{rid}"),
         },
-        model: p.client_model.clone(),
+        model: p.request.client_model.clone(),
         created: unix_now(),
         started: p.started,
         decode_sent,
@@ -216,8 +198,8 @@ async fn run_inner(
         kv_transport,
         address: route.decode.clone(),
     };
-    if p.upstream.sampling.stream {
-        Ok(stream_response(ctx, resp, p.include_usage))
+    if p.request.upstream.sampling.stream {
+        Ok(stream_response(ctx, resp, p.request.include_usage))
     } else {
         let bytes =
             read_with_timeout(Stage::Decode, &route.decode, resp, gw.config.decode_timeout).await?;

@@ -4,67 +4,14 @@
 //! `rngd-pd gateway` and by the benchmark.
 
 use std::net::SocketAddr;
-use std::path::PathBuf;
 use std::sync::Arc;
-use std::time::Duration;
 
-use rngd_policy_core::Endpoint;
-use rngd_policy_host::{PolicyRuntime, PolicySource, SandboxLimits};
+use rngd_pool::wiring::RunningSource;
+pub use rngd_pool::wiring::{PolicyChoice, ScrapeOptions, SourceChoice, TokenizerChoice};
 use tokio_util::sync::CancellationToken;
 
-use crate::endpoints::{EndpointTable, HttpLoadSource};
-use crate::error::{BoxError, GatewayError};
-use crate::policy::Policy;
+use crate::error::GatewayError;
 use crate::server::{self, Gateway, GatewayConfig};
-use crate::tokens::PromptTokenizer;
-
-/// Where the policy comes from.
-#[derive(Clone)]
-pub enum PolicyChoice {
-    /// A `.wasm` module run by `rngd-policy-host` (hot-reloaded, admin API).
-    Wasm {
-        /// The module file.
-        module: PathBuf,
-        /// Its plugin configuration (JSON; empty = defaults).
-        config: Vec<u8>,
-        /// Sandbox limits.
-        limits: SandboxLimits,
-        /// How often the file is checked for changes; `None` = never.
-        watch_every: Option<Duration>,
-    },
-    /// Any other implementation (tests, benchmarks).
-    Custom(Arc<dyn Policy>),
-}
-
-impl std::fmt::Debug for PolicyChoice {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            PolicyChoice::Wasm { module, .. } => f
-                .debug_struct("Wasm")
-                .field("module", module)
-                .finish_non_exhaustive(),
-            PolicyChoice::Custom(_) => f.write_str("Custom"),
-        }
-    }
-}
-
-/// Where the tokenizer comes from.
-#[derive(Clone)]
-pub enum TokenizerChoice {
-    /// A GGUF model file (metadata only is read).
-    Gguf(PathBuf),
-    /// Any other implementation.
-    Custom(Arc<dyn PromptTokenizer>),
-}
-
-impl std::fmt::Debug for TokenizerChoice {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            TokenizerChoice::Gguf(p) => f.debug_tuple("Gguf").field(p).finish(),
-            TokenizerChoice::Custom(_) => f.write_str("Custom"),
-        }
-    }
-}
 
 /// Everything a gateway is started from.
 #[derive(Debug, Clone)]
@@ -74,7 +21,7 @@ pub struct LaunchOptions {
     /// KPI listener `host:port` (`AIRM_METRICS_PORT`); `None` = off.
     pub kpi_listen: Option<String>,
     /// The workers.
-    pub endpoints: Vec<Endpoint>,
+    pub endpoints: SourceChoice,
     /// The policy.
     pub policy: PolicyChoice,
     /// Bearer token of `PUT /admin/policy`; `None` = admin API off.
@@ -83,10 +30,8 @@ pub struct LaunchOptions {
     pub tokenizer: TokenizerChoice,
     /// Request handling settings.
     pub config: GatewayConfig,
-    /// Scrape period of the workers' `/metrics`.
-    pub scrape_every: Duration,
-    /// Load data older than this marks an endpoint unhealthy.
-    pub stale_after: Duration,
+    /// Live load scraping of the workers' `/metrics`.
+    pub scrape: ScrapeOptions,
 }
 
 /// A running gateway.
@@ -101,12 +46,29 @@ pub struct Launched {
     stop: CancellationToken,
     tasks: Vec<tokio::task::JoinHandle<Result<(), GatewayError>>>,
     background: Vec<tokio::task::JoinHandle<()>>,
+    _source: RunningSource,
 }
 
 impl Launched {
     /// Asks every listener to stop (in-flight requests finish).
     pub fn shutdown(&self) {
         self.stop.cancel();
+    }
+
+    /// Waits (at most `within`) until an endpoint that can decode is
+    /// healthy in the snapshot, i.e. the scraper has seen it answer; returns
+    /// whether it did.
+    pub async fn wait_ready(&self, within: std::time::Duration) -> bool {
+        let deadline = tokio::time::Instant::now() + within;
+        loop {
+            if rngd_pool::can_serve(&self.gateway.endpoints().snapshot()) {
+                return true;
+            }
+            if tokio::time::Instant::now() >= deadline {
+                return false;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+        }
     }
 
     /// Waits for the listeners to stop; the first error wins.
@@ -139,63 +101,29 @@ async fn bind(addr: &str) -> Result<tokio::net::TcpListener, GatewayError> {
 
 /// Starts a gateway.
 pub async fn launch(opts: LaunchOptions) -> Result<Launched, GatewayError> {
-    if opts.endpoints.is_empty() {
+    if let SourceChoice::Static(list) = &opts.endpoints
+        && list.is_empty()
+    {
         return Err(GatewayError::Config(
             "no endpoints: give --prefill/--decode URLs or an endpoints file".into(),
         ));
     }
     let mut config = opts.config.clone();
-    let tokenizer: Arc<dyn PromptTokenizer> = match &opts.tokenizer {
-        TokenizerChoice::Gguf(path) => {
-            let path = path.clone();
-            let t = tokio::task::spawn_blocking(move || {
-                rngd_engine::tokenizer::Tokenizer::from_gguf(&path)
-            })
-            .await
-            .map_err(|e| GatewayError::Tokenizer(Box::new(e)))?
-            .map_err(|e| GatewayError::Tokenizer(Box::new(e)))?;
-            if let Some(stem) = match &opts.tokenizer {
-                TokenizerChoice::Gguf(p) => p.file_stem().and_then(|s| s.to_str()),
-                TokenizerChoice::Custom(_) => None,
-            } {
-                config.model_aliases.push(stem.to_string());
-            }
-            Arc::new(t)
-        }
-        TokenizerChoice::Custom(t) => t.clone(),
-    };
-    let mut background = Vec::new();
-    let (policy, runtime): (Arc<dyn Policy>, Option<Arc<PolicyRuntime>>) = match &opts.policy {
-        PolicyChoice::Wasm {
-            module,
-            config: pcfg,
-            limits,
-            watch_every,
-        } => {
-            let source = PolicySource {
-                module: module.clone(),
-                config: pcfg.clone(),
-            };
-            let limits = limits.clone();
-            let rt = tokio::task::spawn_blocking(move || PolicyRuntime::new(source, limits))
-                .await
-                .map_err(|e| GatewayError::Policy(Box::new(e)))?
-                .map_err(|e| GatewayError::Policy(Box::new(e) as BoxError))?;
-            if let Some(every) = watch_every {
-                background.push(rt.watch(*every));
-            }
-            (rt.clone(), Some(rt))
-        }
-        PolicyChoice::Custom(p) => (p.clone(), None),
-    };
-    let table = EndpointTable::new(opts.endpoints.clone(), opts.stale_after);
-    let source = Arc::new(HttpLoadSource::new(
-        opts.scrape_every.max(Duration::from_millis(200)),
-    )?);
-    background.push(table.spawn_scraper(source, opts.scrape_every));
-    let gateway = Gateway::new(config, policy, tokenizer, table)?;
+    let tokenizer = opts.tokenizer.load().await?;
+    if let Some(stem) = opts.tokenizer.file_stem() {
+        config.model_aliases.push(stem);
+    }
+    let loaded = opts
+        .policy
+        .load()
+        .await
+        .map_err(|e| GatewayError::Policy(Box::new(e)))?;
+    let background: Vec<tokio::task::JoinHandle<()>> = loaded.watch.into_iter().collect();
+    let source = opts.endpoints.start(opts.scrape, None)?;
+    let picker = rngd_pool::Picker::new(loaded.policy.clone(), source.source.clone());
+    let gateway = Gateway::new(config, picker, tokenizer)?;
     let mut app = server::router(gateway.clone());
-    if let Some(rt) = &runtime {
+    if let Some(rt) = &loaded.runtime {
         rt.register_metrics(gateway.metrics().registry())
             .map_err(|e| GatewayError::Policy(Box::new(e)))?;
         app = app.merge(rngd_policy_host::admin_router(
@@ -229,7 +157,7 @@ pub async fn launch(opts: LaunchOptions) -> Result<Launched, GatewayError> {
             s.cancelled().await
         })));
     }
-    tracing::info!(%addr, kpi = ?kpi_addr, model = gateway.model_name(), endpoints = opts.endpoints.len(), "gateway up");
+    tracing::info!(%addr, kpi = ?kpi_addr, model = gateway.model_name(), endpoints = gateway.endpoints().snapshot().len(), "gateway up");
     Ok(Launched {
         addr,
         kpi_addr,
@@ -237,5 +165,6 @@ pub async fn launch(opts: LaunchOptions) -> Result<Launched, GatewayError> {
         stop,
         tasks,
         background,
+        _source: source,
     })
 }

@@ -4,8 +4,9 @@
 //! - [`server`]: state ([`Gateway`]), router ([`router`]), handlers, `serve`.
 //! - [`flow`]: one request end to end (policy → prefill → decode, streaming).
 //! - [`error`]: [`ApiError`], the one place statuses and messages are decided.
-//! - [`endpoints`]: the live endpoint snapshot, scraped from workers' `/metrics`.
-//! - [`policy`], [`tokens`]: the pluggable edges (wasm policy, tokenizer).
+//! - The endpoint pool, the prompt counter, the request rules and the policy
+//!   call are `rngd-pool`'s, shared with the endpoint picker: this crate is
+//!   the HTTP/SSE adapter over them.
 //! - [`launch`]: assembles a running gateway from options (CLI, benchmark).
 //! - [`metrics`]: histograms, request counter and the `airm_*` KPIs.
 //! - [`probe`]: a readiness GET for `rngd-pd up`.
@@ -13,20 +14,14 @@
 //!
 //! See `docs/gateway.md`.
 
-pub mod endpoints;
 pub mod error;
 pub mod flow;
 pub mod launch;
 pub mod metrics;
-pub mod policy;
 pub mod probe;
 pub mod server;
 pub mod sse;
-pub mod tokens;
 
-pub use endpoints::{EndpointTable, HttpLoadSource, LoadSource, WorkerLoad};
 pub use error::{ApiError, BoxError, GatewayError, Stage};
 pub use metrics::GatewayMetrics;
-pub use policy::Policy;
 pub use server::{Gateway, GatewayConfig, kpi_router, router, serve};
-pub use tokens::{ByteTokenizer, PromptTokenizer};

@@ -5,6 +5,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
+pub(crate) use rngd_api::rules::unix_now;
+
 use axum::Router;
 use axum::body::Body;
 use axum::extract::{Request, State};
@@ -13,18 +15,12 @@ use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use http_body_util::BodyExt;
-use rngd_api::openai::{
-    ChatCompletionRequest, CompletionRequest, Model, ModelList, Prompt, SamplingFields,
-    StreamOptions,
-};
-use serde::de::DeserializeOwned;
+use rngd_api::openai::{Model, ModelList};
+use rngd_pool::{ApiKind, EndpointSource, Picker, PrepareError, PromptCounter};
 
-use crate::endpoints::EndpointTable;
 use crate::error::{ApiError, GatewayError};
-use crate::flow::{self, ApiKind, Prepared};
+use crate::flow::{self, Prepared};
 use crate::metrics::GatewayMetrics;
-use crate::policy::Policy;
-use crate::tokens::PromptTokenizer;
 
 /// Gateway settings.
 #[derive(Debug, Clone)]
@@ -45,8 +41,6 @@ pub struct GatewayConfig {
     pub stream_idle_timeout: Duration,
     /// TCP connect timeout towards workers.
     pub connect_timeout: Duration,
-    /// `max_tokens` of a completion that sets none (OpenAI's default is 16).
-    pub default_max_tokens: u32,
 }
 
 impl Default for GatewayConfig {
@@ -59,7 +53,6 @@ impl Default for GatewayConfig {
             decode_timeout: Duration::from_secs(600),
             stream_idle_timeout: Duration::from_secs(60),
             connect_timeout: Duration::from_secs(2),
-            default_max_tokens: 16,
         }
     }
 }
@@ -67,9 +60,8 @@ impl Default for GatewayConfig {
 /// Everything a request handler needs.
 pub struct Gateway {
     pub(crate) config: GatewayConfig,
-    pub(crate) policy: Arc<dyn Policy>,
-    pub(crate) tokenizer: Arc<dyn PromptTokenizer>,
-    pub(crate) endpoints: Arc<EndpointTable>,
+    pub(crate) picker: Picker,
+    pub(crate) tokenizer: Arc<dyn PromptCounter>,
     pub(crate) client: reqwest::Client,
     pub(crate) metrics: Arc<GatewayMetrics>,
     next_id: AtomicU64,
@@ -81,19 +73,17 @@ impl std::fmt::Debug for Gateway {
         f.debug_struct("Gateway")
             .field("config", &self.config)
             .field("model", &self.tokenizer.model_name())
-            .field("endpoints", &self.endpoints)
             .finish_non_exhaustive()
     }
 }
 
 impl Gateway {
-    /// Builds the gateway state. The endpoint table is used as is: start its
-    /// scraper ([`EndpointTable::spawn_scraper`]) to keep it live.
+    /// Builds the gateway state over a picker (the pool's endpoint source and
+    /// policy) and the prompt counter.
     pub fn new(
         config: GatewayConfig,
-        policy: Arc<dyn Policy>,
-        tokenizer: Arc<dyn PromptTokenizer>,
-        endpoints: Arc<EndpointTable>,
+        picker: Picker,
+        tokenizer: Arc<dyn PromptCounter>,
     ) -> Result<Arc<Self>, GatewayError> {
         let client = reqwest::Client::builder()
             .connect_timeout(config.connect_timeout)
@@ -107,9 +97,8 @@ impl Gateway {
             .unwrap_or(0);
         Ok(Arc::new(Gateway {
             config,
-            policy,
+            picker,
             tokenizer,
-            endpoints,
             client,
             metrics: Arc::new(GatewayMetrics::new()?),
             next_id: AtomicU64::new(0),
@@ -122,9 +111,9 @@ impl Gateway {
         &self.metrics
     }
 
-    /// The endpoint table.
-    pub fn endpoints(&self) -> &Arc<EndpointTable> {
-        &self.endpoints
+    /// The endpoint source the picker routes over.
+    pub fn endpoints(&self) -> &Arc<dyn EndpointSource> {
+        self.picker.endpoints()
     }
 
     /// The served model name.
@@ -136,15 +125,9 @@ impl Gateway {
         if let Some(v) = headers
             .get(rngd_api::headers::REQUEST_ID)
             .and_then(|v| v.to_str().ok())
+            .and_then(rngd_api::rules::sanitize_request_id)
         {
-            let v: String = v
-                .chars()
-                .filter(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
-                .take(64)
-                .collect();
-            if !v.is_empty() {
-                return v;
-            }
+            return v;
         }
         let n = self.next_id.fetch_add(1, Ordering::Relaxed);
         format!("{}-{n}", self.id_prefix)
@@ -233,8 +216,8 @@ async fn metrics_text(State(gw): State<Arc<Gateway>>) -> impl IntoResponse {
 }
 
 async fn health(State(gw): State<Arc<Gateway>>) -> Response {
-    let snapshot = gw.endpoints.snapshot();
-    let ok = gw.endpoints.can_serve();
+    let snapshot = gw.endpoints().snapshot();
+    let ok = rngd_pool::can_serve(&snapshot);
     let eps: Vec<serde_json::Value> = snapshot
         .iter()
         .map(|e| serde_json::json!({"address": e.address, "role": e.role, "healthy": e.healthy}))
@@ -262,13 +245,6 @@ async fn models(State(gw): State<Arc<Gateway>>) -> axum::Json<ModelList> {
     })
 }
 
-pub(crate) fn unix_now() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_secs())
-        .unwrap_or(0)
-}
-
 /// Reads the body under the limit (413 past it, whatever Content-Length says).
 async fn read_body(
     body: Body,
@@ -292,179 +268,40 @@ async fn read_body(
     }
 }
 
-fn parse_json<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiError> {
-    if bytes.is_empty() {
-        return Err(ApiError::bad_request(
-            "the request body is empty; expected a JSON object",
-        ));
-    }
-    serde_json::from_slice(bytes).map_err(|e| {
-        let what = match e.classify() {
-            serde_json::error::Category::Data => "invalid request",
-            _ => "malformed JSON body",
-        };
-        ApiError::bad_request(format!("{what}: {e}"))
-    })
-}
-
-fn validate_sampling(s: &SamplingFields) -> Result<(), ApiError> {
-    if let Some(n) = s.n
-        && n != 1
-    {
-        return Err(ApiError::bad_param(
-            "n",
-            format!("n = {n} is not supported; only n = 1 is served"),
-        ));
-    }
-    if s.max_tokens == Some(0) {
-        return Err(ApiError::bad_param(
-            "max_tokens",
-            "max_tokens must be at least 1",
-        ));
-    }
-    if let Some(t) = s.temperature
-        && !(0.0..=2.0).contains(&t)
-    {
-        return Err(ApiError::bad_param(
-            "temperature",
-            format!("temperature {t} is outside [0, 2]"),
-        ));
-    }
-    if let Some(p) = s.top_p
-        && !(p > 0.0 && p <= 1.0)
-    {
-        return Err(ApiError::bad_param(
-            "top_p",
-            format!("top_p {p} is outside (0, 1]"),
-        ));
-    }
-    Ok(())
-}
-
-/// Asks the upstream for usage on streams (the gateway needs token counts);
-/// returns whether the client asked for it.
-fn force_stream_usage(s: &mut SamplingFields) -> bool {
-    let asked = s.stream_options.as_ref().is_some_and(|o| o.include_usage);
-    if s.stream {
-        s.stream_options = Some(StreamOptions {
-            include_usage: true,
-        });
-    }
-    asked
-}
-
-async fn completions(State(gw): State<Arc<Gateway>>, req: Request) -> Result<Response, ApiError> {
+/// Reads, validates and counts a request of `kind` (the pool's rules, the
+/// model's tokenizer), then hands it to [`flow::run`].
+async fn handle(gw: Arc<Gateway>, kind: ApiKind, req: Request) -> Result<Response, ApiError> {
     let started = Instant::now();
     let (parts, body) = req.into_parts();
     let bytes = read_body(body, &parts.headers, gw.config.body_limit).await?;
-    let mut req: CompletionRequest = parse_json(&bytes)?;
-    gw.check_model(&req.model)?;
-    validate_sampling(&req.sampling)?;
-    req.prompt = match req.prompt {
-        Prompt::TextBatch(mut v) if v.len() == 1 => Prompt::Text(v.remove(0)),
-        Prompt::TokensBatch(mut v) if v.len() == 1 => Prompt::Tokens(v.remove(0)),
-        Prompt::TextBatch(_) | Prompt::TokensBatch(_) => {
-            return Err(ApiError::bad_param(
-                "prompt",
-                "only one prompt per request is served",
-            ));
-        }
-        p => p,
-    };
-    let prompt_tokens = match &req.prompt {
-        Prompt::Text(t) if t.is_empty() => {
-            return Err(ApiError::bad_param("prompt", "prompt must not be empty"));
-        }
-        Prompt::Text(t) => gw.tokenizer.count(t).map_err(ApiError::Tokenize)?,
-        Prompt::Tokens(t) if t.is_empty() => {
-            return Err(ApiError::bad_param("prompt", "prompt must not be empty"));
-        }
-        Prompt::Tokens(t) => t.len(),
-        Prompt::TextBatch(_) | Prompt::TokensBatch(_) => unreachable!("unwrapped above"),
-    };
-    if req.kv_transfer_params.is_some() {
-        return Err(ApiError::bad_param(
-            "kv_transfer_params",
-            "kv_transfer_params is set by the gateway, not by clients",
-        ));
-    }
-    req.sampling.max_tokens = Some(
-        req.sampling
-            .max_tokens
-            .unwrap_or(gw.config.default_max_tokens),
-    );
-    let include_usage = force_stream_usage(&mut req.sampling);
+    let counter = Arc::clone(&gw.tokenizer);
+    let seq_len = gw.config.seq_len;
+    // Tokenizing a long prompt is CPU work: off the async threads.
+    let prepared = tokio::task::spawn_blocking(move || {
+        rngd_pool::prepare(kind, &bytes, counter.as_ref(), Some(seq_len))
+    })
+    .await
+    .map_err(|e| ApiError::Internal(format!("tokenizer task: {e}")))?
+    .map_err(|e| match e {
+        PrepareError::Rule(r) => ApiError::Rule(r),
+        PrepareError::Tokenize(t) => ApiError::Tokenize(t),
+    })?;
+    gw.check_model(&prepared.client_model)?;
     let prepared = Prepared {
-        kind: ApiKind::Completion,
-        client_model: req.model.clone(),
-        upstream: req,
-        prompt_tokens,
-        include_usage,
+        request: prepared,
         path: parts.uri.path().to_string(),
         started,
     };
     flow::run(gw, prepared, parts.headers).await
+}
+
+async fn completions(State(gw): State<Arc<Gateway>>, req: Request) -> Result<Response, ApiError> {
+    handle(gw, ApiKind::Completion, req).await
 }
 
 async fn chat_completions(
     State(gw): State<Arc<Gateway>>,
     req: Request,
 ) -> Result<Response, ApiError> {
-    let started = Instant::now();
-    let (parts, body) = req.into_parts();
-    let bytes = read_body(body, &parts.headers, gw.config.body_limit).await?;
-    let chat: ChatCompletionRequest = parse_json(&bytes)?;
-    gw.check_model(&chat.model)?;
-    validate_sampling(&chat.sampling)?;
-    if chat.messages.is_empty() {
-        return Err(ApiError::bad_param(
-            "messages",
-            "messages must not be empty",
-        ));
-    }
-    let mut messages = Vec::with_capacity(chat.messages.len());
-    for m in &chat.messages {
-        let text = m
-            .content
-            .text()
-            .map_err(|e| ApiError::bad_param("messages", e))?;
-        messages.push((m.role.clone(), text));
-    }
-    let prompt = gw
-        .tokenizer
-        .chat_prompt(&messages)
-        .map_err(ApiError::Tokenize)?;
-    let prompt_tokens = gw.tokenizer.count(&prompt).map_err(ApiError::Tokenize)?;
-    let mut sampling = chat.sampling.clone();
-    let max_tokens = match chat.max_completion_tokens.or(sampling.max_tokens) {
-        Some(0) => {
-            return Err(ApiError::bad_param(
-                "max_completion_tokens",
-                "must be at least 1",
-            ));
-        }
-        Some(m) => m,
-        // OpenAI's chat default is "until the context is full".
-        None => (gw.config.seq_len as usize)
-            .saturating_sub(prompt_tokens)
-            .max(1) as u32,
-    };
-    sampling.max_tokens = Some(max_tokens);
-    let include_usage = force_stream_usage(&mut sampling);
-    let upstream = CompletionRequest {
-        model: chat.model.clone(),
-        prompt: Prompt::Text(prompt),
-        sampling,
-        kv_transfer_params: None,
-    };
-    let prepared = Prepared {
-        kind: ApiKind::Chat,
-        client_model: chat.model,
-        upstream,
-        prompt_tokens,
-        include_usage,
-        path: parts.uri.path().to_string(),
-        started,
-    };
-    flow::run(gw, prepared, parts.headers).await
+    handle(gw, ApiKind::Chat, req).await
 }

@@ -447,29 +447,15 @@ async fn unreachable_prefill_worker_is_502() {
     let dead = l.local_addr().unwrap().to_string();
     drop(l);
     let policy_eps = c.gw.endpoints().snapshot();
-    let table = rngd_gateway::EndpointTable::new(
-        vec![
-            rngd_gateway::endpoints::local_endpoint(
-                dead.clone(),
-                rngd_policy_core::Role::Prefill,
-                64,
-                &[],
-            ),
-            policy_eps[1].clone(),
-        ],
-        Duration::from_secs(3600),
-    );
-    // Mark both fresh by hand: the dead one "answered" a moment ago.
-    table.record(&dead, Ok(rngd_gateway::WorkerLoad::default()));
-    table.record(
-        &policy_eps[1].address,
-        Ok(rngd_gateway::WorkerLoad::default()),
-    );
+    // A fixed list: both count as healthy (no scraping), the dead one too.
+    let table = rngd_pool::StaticEndpoints::new(vec![
+        rngd_pool::source::local_endpoint(dead.clone(), rngd_policy_core::Role::Prefill, 64, &[]),
+        policy_eps[1].clone(),
+    ]);
     let gw = rngd_gateway::Gateway::new(
         GatewayConfig::default(),
-        c.policy.clone(),
+        rngd_pool::Picker::new(c.policy.clone(), table),
         std::sync::Arc::new(common::FakeTokenizer),
-        table,
     )
     .unwrap();
     let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();

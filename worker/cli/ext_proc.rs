@@ -1,25 +1,21 @@
-//! `rngd-pd ext-proc`: the Envoy ext_proc endpoint picker (GIE protocol); the
-//! work is in `rngd-ext-proc`. This module parses flags, loads the policy, the
-//! endpoints file and the tokenizer, and prints the bound addresses.
+//! `rngd-pd ext-proc`: the Envoy ext_proc endpoint picker (GIE protocol). This
+//! module parses flags into `rngd_ext_proc::launch::Options`, starts
+//! [`rngd_ext_proc::launch::launch`] and prints the bound addresses.
 
 use std::io::Write;
 use std::net::{IpAddr, SocketAddr};
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
 use rngd_api::env;
-use rngd_ext_proc::BoxError;
-use rngd_ext_proc::endpoints::{
-    DEFAULT_FILE_POLL, EndpointSource, FileEndpoints, HttpFetcher, ScrapedEndpoints,
-};
-use rngd_ext_proc::metrics::EppMetrics;
-use rngd_ext_proc::picker::{Picker, PromptCounter};
-use rngd_ext_proc::policy::RuntimeDecider;
+use rngd_ext_proc::launch::{Options, launch};
 use rngd_ext_proc::processor::{DEFAULT_MAX_BODY, MAX_CHUNK, ProcessorConfig};
-use rngd_ext_proc::server::{self, ServerConfig};
-use rngd_policy_host::{PolicyRuntime, PolicySource, SandboxLimits};
+use rngd_ext_proc::server;
+use rngd_policy_host::SandboxLimits;
+use rngd_pool::source::DEFAULT_FILE_POLL;
+use rngd_pool::wiring::ScrapeOptions;
+use rngd_pool::{PolicyChoice, SourceChoice, TokenizerChoice};
 
 /// Flags.
 #[derive(Debug, clap::Args)]
@@ -68,28 +64,6 @@ pub struct Args {
     pub admin_token: Option<String>,
 }
 
-/// The engine's GGUF tokenizer as a prompt counter.
-struct GgufCounter(rngd_engine::tokenizer::Tokenizer);
-
-impl PromptCounter for GgufCounter {
-    fn count(&self, text: &str) -> Result<usize, BoxError> {
-        Ok(self.0.encode(text)?.len())
-    }
-}
-
-fn load_counter(args: &Args) -> anyhow::Result<Option<Arc<dyn PromptCounter>>> {
-    if args.no_tokenizer {
-        tracing::warn!("prompt tokens are not counted (--no-tokenizer)");
-        return Ok(None);
-    }
-    let path = rngd_engine::model_fetch::resolve(args.model.as_deref())
-        .context("model for the tokenizer")?;
-    let tok = rngd_engine::tokenizer::Tokenizer::from_gguf(&path)
-        .with_context(|| format!("tokenizer of {}", path.display()))?;
-    tracing::info!(model = %path.display(), "tokenizer loaded");
-    Ok(Some(Arc::new(GgufCounter(tok))))
-}
-
 fn read_config(path: Option<&Path>) -> anyhow::Result<Vec<u8>> {
     match path {
         Some(p) => {
@@ -99,65 +73,53 @@ fn read_config(path: Option<&Path>) -> anyhow::Result<Vec<u8>> {
     }
 }
 
-/// Runs the subcommand.
-pub async fn run(args: Args) -> anyhow::Result<()> {
+/// The flags as the library's options.
+fn options(args: &Args) -> anyhow::Result<Options> {
     let watch = Duration::from_millis(args.watch_ms.max(10));
-    let runtime = PolicyRuntime::new(
-        PolicySource {
+    let tokenizer = if args.no_tokenizer {
+        None
+    } else {
+        let path = rngd_engine::model_fetch::resolve(args.model.as_deref())
+            .context("model for the tokenizer")?;
+        Some(TokenizerChoice::Gguf(path))
+    };
+    Ok(Options {
+        grpc: SocketAddr::new(args.host, args.grpc_port),
+        health: SocketAddr::new(args.host, args.health_port),
+        metrics: Some(SocketAddr::new(args.host, args.metrics_port)),
+        endpoints: SourceChoice::File {
+            path: args.endpoints.clone(),
+            poll: watch,
+        },
+        scrape: ScrapeOptions {
+            every: (args.scrape_interval_ms > 0)
+                .then(|| Duration::from_millis(args.scrape_interval_ms)),
+            stale_after: Duration::from_millis(args.stale_after_ms),
+        },
+        policy: PolicyChoice::Wasm {
             module: args.policy.clone(),
             config: read_config(args.policy_config.as_deref())?,
+            limits: SandboxLimits::default(),
+            watch_every: Some(watch),
         },
-        SandboxLimits::default(),
-    )
-    .with_context(|| format!("loading policy {}", args.policy.display()))?;
-    let _policy_watch = runtime.watch(watch);
-
-    let metrics = EppMetrics::new()?;
-    runtime
-        .register_metrics(&metrics.registry)
-        .context("registering the policy metrics")?;
-
-    let file = FileEndpoints::load(&args.endpoints)?;
-    let _file_watch = file.watch(watch);
-    let mut _scrape = None;
-    let source: Arc<dyn EndpointSource> = if args.scrape_interval_ms == 0 {
-        file
-    } else {
-        let stale = Duration::from_millis(args.stale_after_ms);
-        let scraped = ScrapedEndpoints::new(
-            file,
-            Arc::new(HttpFetcher::new(stale)),
-            stale,
-            Some(metrics.clone()),
-        );
-        _scrape = Some(scraped.spawn(Duration::from_millis(args.scrape_interval_ms)));
-        scraped
-    };
-
-    let counter = load_counter(&args)?;
-    let picker = Picker::new(
-        Arc::new(RuntimeDecider(Arc::clone(&runtime))),
-        source,
-        counter,
-        metrics,
-    );
-    let running = server::start(
-        Arc::new(picker),
-        ServerConfig {
-            grpc: SocketAddr::new(args.host, args.grpc_port),
-            health: SocketAddr::new(args.host, args.health_port),
-            metrics: Some(SocketAddr::new(args.host, args.metrics_port)),
-            processor: ProcessorConfig {
-                max_body_bytes: args.max_body_bytes,
-                chunk_size: MAX_CHUNK,
-            },
-            extra_routes: args
-                .admin_token
-                .clone()
-                .map(|token| rngd_policy_host::admin_router(Arc::clone(&runtime), Some(token))),
+        tokenizer,
+        processor: ProcessorConfig {
+            max_body_bytes: args.max_body_bytes,
+            chunk_size: MAX_CHUNK,
         },
-    )
-    .await?;
+        admin_token: args.admin_token.clone(),
+    })
+}
+
+/// Runs the subcommand.
+pub async fn run(args: Args) -> anyhow::Result<()> {
+    let launched = launch(options(&args)?).await.with_context(|| {
+        format!(
+            "starting the endpoint picker (policy {})",
+            args.policy.display()
+        )
+    })?;
+    let running = &launched.server;
     let mut out = std::io::stdout().lock();
     writeln!(
         out,
@@ -174,11 +136,9 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     }
     out.flush()?;
     drop(out);
-    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
     tokio::select! {
-        r = running.wait() => r?,
-        _ = tokio::signal::ctrl_c() => tracing::info!("SIGINT: stopping"),
-        _ = term.recv() => tracing::info!("SIGTERM: stopping"),
+        r = launched.wait() => r?,
+        _ = crate::gateway::shutdown_signal() => tracing::info!("stopping"),
     }
     Ok(())
 }

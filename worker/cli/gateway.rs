@@ -6,9 +6,12 @@ use std::time::Duration;
 
 use anyhow::Context;
 use rngd_api::env;
-use rngd_gateway::launch::{LaunchOptions, PolicyChoice, TokenizerChoice};
-use rngd_gateway::{GatewayConfig, endpoints};
+use rngd_gateway::GatewayConfig;
+use rngd_gateway::launch::{
+    LaunchOptions, PolicyChoice, ScrapeOptions, SourceChoice, TokenizerChoice,
+};
 use rngd_policy_core::Role;
+use rngd_pool::source as endpoints;
 
 /// Start of the line naming the KPI endpoint (printed before the listening line).
 pub const KPI_PREFIX: &str = "rngd-pd gateway kpi metrics on http://";
@@ -91,11 +94,8 @@ pub fn default_policy_module() -> anyhow::Result<PathBuf> {
 
 /// The endpoints file alone is watched and reloaded; URL flags (with or
 /// without a file) make a fixed list.
-fn endpoints_from(args: &Args) -> anyhow::Result<Vec<rngd_policy_core::Endpoint>> {
+fn endpoints_from(args: &Args) -> anyhow::Result<SourceChoice> {
     let mut eps = Vec::new();
-    if let Some(path) = &args.endpoints {
-        eps.extend(endpoints::load_endpoints_file(path)?);
-    }
     for (urls, role) in [
         (&args.prefill, Role::Prefill),
         (&args.decode, Role::Decode),
@@ -110,7 +110,15 @@ fn endpoints_from(args: &Args) -> anyhow::Result<Vec<rngd_policy_core::Endpoint>
             ));
         }
     }
-    Ok(eps)
+    match &args.endpoints {
+        Some(path) if eps.is_empty() => Ok(SourceChoice::file(path)),
+        Some(path) => {
+            let mut all = endpoints::load_endpoints_file(path)?;
+            all.extend(eps);
+            Ok(SourceChoice::Static(all))
+        }
+        None => Ok(SourceChoice::Static(eps)),
+    }
 }
 
 /// Runs the subcommand.
@@ -150,8 +158,10 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
             stream_idle_timeout: Duration::from_millis(args.stream_idle_timeout_ms),
             ..GatewayConfig::default()
         },
-        scrape_every: Duration::from_millis(args.scrape_interval_ms.max(1)),
-        stale_after: Duration::from_millis(args.stale_after_ms),
+        scrape: ScrapeOptions {
+            every: Some(Duration::from_millis(args.scrape_interval_ms.max(1))),
+            stale_after: Duration::from_millis(args.stale_after_ms),
+        },
     };
     let launched = rngd_gateway::launch::launch(opts).await?;
     // The KPI line comes first: readers stop at the listening line.

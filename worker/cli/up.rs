@@ -461,14 +461,14 @@ async fn bring_up(
     if !args.no_ext_proc {
         let eps_file = stack.scratch.join("endpoints.json");
         let eps = vec![
-            rngd_gateway::endpoints::local_endpoint(
-                rngd_gateway::endpoints::address_of(&prefill_url)?,
+            rngd_pool::source::local_endpoint(
+                rngd_pool::source::address_of(&prefill_url)?,
                 rngd_policy_core::Role::Prefill,
                 args.seq_len,
                 std::slice::from_ref(&args.kv_transport),
             ),
-            rngd_gateway::endpoints::local_endpoint(
-                rngd_gateway::endpoints::address_of(&decode_url)?,
+            rngd_pool::source::local_endpoint(
+                rngd_pool::source::address_of(&decode_url)?,
                 rngd_policy_core::Role::Decode,
                 args.seq_len,
                 std::slice::from_ref(&args.kv_transport),

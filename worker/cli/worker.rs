@@ -1,10 +1,114 @@
-//! `rngd-pd worker`: a worker sidecar (prefill, decode or solo); the work is in `rngd-worker`.
+//! `rngd-pd worker`: a worker sidecar (prefill, decode or solo). Parses the
+//! flags into [`rngd_worker::WorkerOptions`] and runs [`rngd_worker::launch`]
+//! until SIGINT/SIGTERM.
 
-/// Flags (see [`rngd_worker::WorkerArgs`]).
-pub type Args = rngd_worker::WorkerArgs;
+use std::path::PathBuf;
+
+use rngd_api::env;
+use rngd_worker::{Backend, Role, WorkerOptions};
+
+/// `--role`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum RoleArg {
+    /// Prefill only: answers `do_remote_decode` requests, pushes the KV.
+    Prefill,
+    /// Decode: continues from a pulled KV cache; also serves whole requests
+    /// (prefilling locally) and orchestrates `x-prefiller-host-port` requests.
+    Decode,
+    /// Everything on one worker (also answers prefill-only requests).
+    Solo,
+}
+
+/// `--backend`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum BackendArg {
+    /// The embedded CPU engine (candle).
+    Cpu,
+    /// FuriosaAI RNGD (needs the vendor runtime; not in this build).
+    Rngd,
+    /// Rebellions ATOM (needs the vendor runtime; not in this build).
+    Atom,
+}
+
+/// Flags of `rngd-pd worker`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct Args {
+    /// Role of this worker.
+    #[arg(long, value_enum, env = env::RNGD_PD_ROLE, default_value = "solo")]
+    pub role: RoleArg,
+    /// Engine backend.
+    #[arg(long, value_enum, env = env::RNGD_PD_BACKEND, default_value = "cpu")]
+    pub backend: BackendArg,
+    /// Card ordinal, or -1 for the card the device plugin allocated to this pod.
+    #[arg(long, env = env::RNGD_PD_CHIP, default_value_t = 0, allow_negative_numbers = true)]
+    pub chip: i64,
+    /// Listen host.
+    #[arg(long, env = env::RNGD_PD_HOST, default_value = "127.0.0.1")]
+    pub host: String,
+    /// Listen port; 0 picks a free one (the bound address is printed on stdout).
+    #[arg(long, env = env::RNGD_PD_PORT, default_value_t = 0)]
+    pub port: u16,
+    /// Default KV transport (`shm`, `tcp`); a request may name another.
+    #[arg(long, env = env::AIRM_KV_TRANSPORT, default_value = "shm")]
+    pub kv_transport: String,
+    /// GGUF model file; default: the model cache (`rngd-pd model fetch`).
+    #[arg(long, env = env::RNGD_PD_MODEL)]
+    pub model: Option<PathBuf>,
+    /// Compiled context length S.
+    #[arg(long, env = env::RNGD_PD_SEQ_LEN, default_value_t = 512)]
+    pub seq_len: usize,
+    /// Decode streams stepped together.
+    #[arg(long, env = env::RNGD_PD_BATCH, default_value_t = 8)]
+    pub batch: usize,
+    /// CPU threads of the `cpu` backend (default: all cores).
+    #[arg(long, env = env::RNGD_PD_THREADS)]
+    pub threads: Option<usize>,
+    /// Node this worker runs on (informational; reported in PD responses).
+    #[arg(long, env = env::RNGD_PD_NODE)]
+    pub node: Option<String>,
+    /// Kubelet device-plugin checkpoint (for `--chip -1`).
+    #[arg(long, env = env::RNGD_PD_KUBELET_CHECKPOINT, default_value = rngd_devices::DEFAULT_CHECKPOINT)]
+    pub kubelet_checkpoint: PathBuf,
+    /// How long a decode waits for the KV pull, ms.
+    #[arg(long, env = env::RNGD_PD_KV_PULL_TIMEOUT_MS, default_value_t = 30_000)]
+    pub kv_pull_timeout_ms: u64,
+    /// How long a decode worker waits for its prefill peer, ms.
+    #[arg(long, env = env::RNGD_PD_PREFILL_TIMEOUT_MS, default_value_t = 120_000)]
+    pub prefill_timeout_ms: u64,
+}
+
+impl Args {
+    /// The flags as the library's options.
+    pub fn into_options(self) -> WorkerOptions {
+        WorkerOptions {
+            role: match self.role {
+                RoleArg::Prefill => Role::Prefill,
+                RoleArg::Decode => Role::Decode,
+                RoleArg::Solo => Role::Solo,
+            },
+            backend: match self.backend {
+                BackendArg::Cpu => Backend::Cpu,
+                BackendArg::Rngd => Backend::Rngd,
+                BackendArg::Atom => Backend::Atom,
+            },
+            chip: self.chip,
+            host: self.host,
+            port: self.port,
+            kv_transport: self.kv_transport,
+            model: self.model,
+            seq_len: self.seq_len,
+            batch: self.batch,
+            threads: self.threads,
+            node: self.node,
+            kubelet_checkpoint: self.kubelet_checkpoint,
+            kv_pull_timeout_ms: self.kv_pull_timeout_ms,
+            prefill_timeout_ms: self.prefill_timeout_ms,
+        }
+    }
+}
 
 /// Runs the subcommand.
 pub async fn run(args: Args) -> anyhow::Result<()> {
-    rngd_worker::run(args).await?;
+    rngd_worker::launch(args.into_options(), crate::gateway::shutdown_signal()).await?;
     Ok(())
 }

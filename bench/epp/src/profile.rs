@@ -1,13 +1,13 @@
 //! `--profile`: percentiles of the phase timings in Envoy's access log, and
-//! the policy call timed inside the picker ([`TimedDecider`]).
+//! the policy call timed inside the picker ([`TimedPolicy`]).
 
 use std::collections::BTreeMap;
 use std::path::Path;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-use rngd_ext_proc::picker::Decider;
-use rngd_ext_proc::policy::RuntimeDecider;
+use rngd_policy_host::PolicyRuntime;
+use rngd_pool::{Policy, PolicyFailure};
 
 use crate::{BenchError, io};
 
@@ -24,29 +24,28 @@ pub(crate) fn round3(x: f64) -> f64 {
 }
 
 /// Times every policy call (profile mode only).
-pub(crate) struct TimedDecider {
-    pub(crate) inner: RuntimeDecider,
+pub(crate) struct TimedPolicy {
+    pub(crate) inner: Arc<PolicyRuntime>,
     pub(crate) us: Arc<Mutex<Vec<f64>>>,
 }
 
-/// What [`Decider::decide`] returns (the trait is declared with `async_trait`).
+/// What [`Policy::decide`] returns (the trait is declared with `async_trait`).
 type DecideFuture<'a> = std::pin::Pin<
     Box<
-        dyn std::future::Future<
-                Output = Result<rngd_policy_core::Decision, rngd_ext_proc::ExtProcError>,
-            > + Send
+        dyn std::future::Future<Output = Result<rngd_policy_core::Decision, PolicyFailure>>
+            + Send
             + 'a,
     >,
 >;
 
-impl Decider for TimedDecider {
+impl Policy for TimedPolicy {
     fn decide<'a, 'f>(&'a self, req: rngd_policy_host::PolicyRequest) -> DecideFuture<'f>
     where
         'a: 'f,
     {
         Box::pin(async move {
             let t = Instant::now();
-            let r = self.inner.decide(req).await;
+            let r = Policy::decide(self.inner.as_ref(), req).await;
             let us = t.elapsed().as_secs_f64() * 1e6;
             if let Ok(mut v) = self.us.lock() {
                 v.push(us);

@@ -8,16 +8,15 @@ use std::process::Stdio;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use rngd_ext_proc::endpoints::StaticEndpoints;
 use rngd_ext_proc::metrics::EppMetrics;
-use rngd_ext_proc::picker::{Decider, Picker};
-use rngd_ext_proc::policy::RuntimeDecider;
+use rngd_ext_proc::picker::Picker;
 use rngd_ext_proc::server::{self, GrpcServing, ServerConfig};
 use rngd_policy_core::{Endpoint, Role, Vendor};
 use rngd_policy_host::{PolicyRuntime, PolicySource, SandboxLimits};
+use rngd_pool::{Policy, StaticEndpoints};
 
 use crate::envoy::{Child, Variant, apply_variant, bench_config, envoy_counters, find_envoy};
-use crate::profile::{TimedDecider, percentile, read_profile, round3, spread};
+use crate::profile::{TimedPolicy, percentile, read_profile, round3, spread};
 use crate::{BenchError, Options, Report, io};
 
 const COMPLETION: &str = r#"{"id":"cmpl-bench","object":"text_completion","created":0,"model":"bench","choices":[{"index":0,"text":" ok","logprobs":null,"finish_reason":"length"}],"usage":{"prompt_tokens":4,"completion_tokens":1,"total_tokens":5}}"#;
@@ -172,15 +171,15 @@ pub async fn run(args: Options) -> Result<Report, BenchError> {
                     transports: vec![],
                 }]);
                 let metrics = EppMetrics::new().map_err(|source| BenchError::Epp { source })?;
-                let decider: Arc<dyn Decider> = if profile {
-                    Arc::new(TimedDecider {
-                        inner: RuntimeDecider(runtime),
+                let policy: Arc<dyn Policy> = if profile {
+                    Arc::new(TimedPolicy {
+                        inner: runtime,
                         us: decide_us,
                     })
                 } else {
-                    Arc::new(RuntimeDecider(runtime))
+                    runtime
                 };
-                let picker = Picker::new(decider, endpoints, None, metrics);
+                let picker = Picker::new(rngd_pool::Picker::new(policy, endpoints), None, metrics);
                 server::start_with(Arc::new(picker), ServerConfig::loopback(), serving)
                     .await
                     .map_err(|source| BenchError::Epp { source })

@@ -13,9 +13,12 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use rngd_gateway::launch::{LaunchOptions, PolicyChoice, TokenizerChoice};
-use rngd_gateway::{GatewayConfig, endpoints};
+use rngd_gateway::GatewayConfig;
+use rngd_gateway::launch::{
+    LaunchOptions, PolicyChoice, ScrapeOptions, SourceChoice, TokenizerChoice,
+};
 use rngd_policy_core::Role;
+use rngd_pool::source as endpoints;
 use serde::Serialize;
 
 /// Errors of the benchmark.
@@ -195,12 +198,12 @@ pub async fn run(args: Options) -> Result<Report, Error> {
     let launched = rngd_gateway::launch::launch(LaunchOptions {
         listen: "127.0.0.1:0".into(),
         kpi_listen: None,
-        endpoints: vec![endpoints::local_endpoint(
+        endpoints: SourceChoice::Static(vec![endpoints::local_endpoint(
             worker_addr.clone(),
             Role::Decode,
             512,
             &["shm".into()],
-        )],
+        )]),
         policy: PolicyChoice::Wasm {
             module: policy.clone(),
             config: Vec::new(),
@@ -208,18 +211,20 @@ pub async fn run(args: Options) -> Result<Report, Error> {
             watch_every: None,
         },
         admin_token: None,
-        tokenizer: TokenizerChoice::Custom(Arc::new(rngd_gateway::ByteTokenizer)),
+        tokenizer: TokenizerChoice::Custom(Arc::new(rngd_pool::prompt::ByteCounter)),
         config: GatewayConfig::default(),
-        scrape_every: Duration::from_millis(50),
-        stale_after: Duration::from_secs(2),
+        scrape: ScrapeOptions {
+            every: Some(Duration::from_millis(50)),
+            stale_after: Duration::from_secs(2),
+        },
     })
     .await?;
-    // Ready: the first scrape has marked the worker healthy.
-    launched
-        .gateway
-        .endpoints()
-        .scrape_once(&rngd_gateway::HttpLoadSource::new(Duration::from_secs(2))?)
-        .await;
+    // Ready once the first scrape has marked the worker healthy.
+    if !launched.wait_ready(Duration::from_secs(10)).await {
+        return Err(Error::Worker(
+            "the gateway never saw the worker healthy (10 s)".into(),
+        ));
+    }
 
     let client = reqwest::Client::builder()
         .tcp_nodelay(true)

@@ -20,13 +20,14 @@ use rngd_api::openai::{
     CompletionChoice, CompletionRequest, CompletionResponse, ErrorBody, Prompt, Timings, Usage,
 };
 use rngd_api::pd::KvTransferParams;
-use rngd_gateway::{
-    BoxError, EndpointTable, Gateway, GatewayConfig, HttpLoadSource, Policy, PromptTokenizer,
-    endpoints,
-};
+use rngd_gateway::{BoxError, Gateway, GatewayConfig};
 use rngd_kv_wire::{Dtype, KvHandle, KvLayout};
 use rngd_policy_core::{Decision, LocalResponse, Role, Route};
 use rngd_policy_host::PolicyRequest;
+use rngd_pool::source::{self as endpoints, EndpointSource};
+use rngd_pool::{
+    HttpFetcher, Policy, PolicyFailure, PromptCounter, ScrapedEndpoints, StaticEndpoints,
+};
 
 /// How a fake worker misbehaves.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -323,7 +324,7 @@ pub async fn spawn_worker(w: Arc<FakeWorker>) -> SocketAddr {
 /// Whitespace "tokenizer" with a ChatML-like template.
 pub struct FakeTokenizer;
 
-impl PromptTokenizer for FakeTokenizer {
+impl PromptCounter for FakeTokenizer {
     fn model_name(&self) -> &str {
         "fake-model"
     }
@@ -379,7 +380,16 @@ fn reject(status: u16, body: ErrorBody) -> Decision {
 
 #[async_trait::async_trait]
 impl Policy for FakePolicy {
-    async fn decide(&self, req: PolicyRequest) -> Result<Decision, BoxError> {
+    async fn decide(&self, req: PolicyRequest) -> Result<Decision, PolicyFailure> {
+        self.decide_inner(req).map_err(|source| PolicyFailure {
+            status: 500,
+            source,
+        })
+    }
+}
+
+impl FakePolicy {
+    fn decide_inner(&self, req: PolicyRequest) -> Result<Decision, BoxError> {
         self.seen.lock().unwrap().push(req.clone());
         let mode = *self.mode.lock().unwrap();
         match mode {
@@ -457,13 +467,24 @@ pub async fn cluster(config: GatewayConfig, token_delay: Duration) -> Cluster {
         endpoints::local_endpoint(pa.to_string(), Role::Prefill, 64, &["shm".to_string()]),
         endpoints::local_endpoint(da.to_string(), Role::Decode, 64, &["shm".to_string()]),
     ];
-    let table = EndpointTable::new(eps, Duration::from_secs(30));
-    table
-        .scrape_once(&HttpLoadSource::new(Duration::from_secs(2)).unwrap())
-        .await;
-    assert!(table.can_serve(), "fake decode worker not scraped healthy");
+    let table = ScrapedEndpoints::new(
+        StaticEndpoints::new(eps),
+        Arc::new(HttpFetcher::new(Duration::from_secs(2)).unwrap()),
+        Duration::from_secs(30),
+        None,
+    );
+    table.scrape_all().await;
+    assert!(
+        rngd_pool::can_serve(&table.snapshot()),
+        "fake decode worker not scraped healthy"
+    );
     let policy = FakePolicy::new(4);
-    let gw = Gateway::new(config, policy.clone(), Arc::new(FakeTokenizer), table).unwrap();
+    let gw = Gateway::new(
+        config,
+        rngd_pool::Picker::new(policy.clone(), table),
+        Arc::new(FakeTokenizer),
+    )
+    .unwrap();
     let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}", l.local_addr().unwrap());
     let app = rngd_gateway::router(gw.clone());

@@ -8,6 +8,7 @@
 //! - [`prompt`]: the prompt counter (the engine's tokenizer and chat template)
 //!   and [`prepare`], which validates a client body and counts its prompt.
 //! - [`pick`]: the [`Policy`] seam and [`Picker::pick`], the one routing call.
+//! - [`wiring`]: the policy, tokenizer and source choices both doors start from.
 //!
 //! Test doubles ([`prompt::ByteCounter`], [`pick::NativePolicy`]) are behind
 //! the `test-util` feature.
@@ -17,6 +18,7 @@ pub mod pick;
 pub mod prompt;
 pub mod scrape;
 pub mod source;
+pub mod wiring;
 
 use std::path::PathBuf;
 
@@ -25,6 +27,7 @@ pub use pick::{PickError, PickRequest, Picker, Policy, PolicyFailure};
 pub use prompt::{ApiKind, PrepareError, Prepared, PromptCounter, gguf_counter, prepare};
 pub use scrape::{HttpFetcher, MetricsFetcher, ScrapedEndpoints};
 pub use source::{EndpointSource, FileEndpoints, StaticEndpoints, can_serve};
+pub use wiring::{PolicyChoice, ScrapeOptions, SourceChoice, TokenizerChoice};
 
 /// A boxed error from an implementation of one of this crate's traits.
 pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;

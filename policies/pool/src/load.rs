@@ -126,8 +126,9 @@ mod tests {
     #[test]
     fn tabs_quoted_braces_rounding_and_bad_values() {
         // Tabs as separators.
-        let s = parse_load("vllm:num_requests_waiting\t2\nvllm:num_requests_running{a=\"x\"}\t\t1\r\n")
-            .expect("tabs");
+        let s =
+            parse_load("vllm:num_requests_waiting\t2\nvllm:num_requests_running{a=\"x\"}\t\t1\r\n")
+                .expect("tabs");
         assert_eq!((s.waiting, s.running), (2, 1));
         // A `}` inside a quoted label value (and an escaped quote).
         let s = parse_load(

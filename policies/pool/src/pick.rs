@@ -218,9 +218,15 @@ mod tests {
 
     #[tokio::test]
     async fn routes_inside_the_table_only() {
-        let ok = Picker::new(Arc::new(Fixed(route("10.0.0.1:1", Some("10.0.0.2:2")))), pool());
+        let ok = Picker::new(
+            Arc::new(Fixed(route("10.0.0.1:1", Some("10.0.0.2:2")))),
+            pool(),
+        );
         assert!(ok.pick(PickRequest::default()).await.is_ok());
-        for d in [route("10.9.9.9:1", None), route("10.0.0.1:1", Some("127.0.0.1:22"))] {
+        for d in [
+            route("10.9.9.9:1", None),
+            route("10.0.0.1:1", Some("127.0.0.1:22")),
+        ] {
             let p = Picker::new(Arc::new(Fixed(d)), pool());
             let e = p.pick(PickRequest::default()).await.unwrap_err();
             assert!(matches!(e, PickError::OffTable { .. }), "{e}");

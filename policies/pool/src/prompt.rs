@@ -43,12 +43,11 @@ impl PromptCounter for rngd_engine::tokenizer::Tokenizer {
 /// Loads the tokenizer of a GGUF model file as a counter (blocking: call it
 /// off the async threads).
 pub fn gguf_counter(path: &Path) -> Result<Arc<dyn PromptCounter>, PoolError> {
-    let t = rngd_engine::tokenizer::Tokenizer::from_gguf(path).map_err(|e| {
-        PoolError::Tokenizer {
+    let t =
+        rngd_engine::tokenizer::Tokenizer::from_gguf(path).map_err(|e| PoolError::Tokenizer {
             path: path.to_path_buf(),
             source: Box::new(e),
-        }
-    })?;
+        })?;
     Ok(Arc::new(t))
 }
 
@@ -122,6 +121,33 @@ pub struct Prepared {
     pub include_usage: bool,
 }
 
+fn completion(body: &[u8]) -> Result<CompletionRequest, RuleError> {
+    let req: CompletionRequest = rules::parse_body(body)?;
+    rules::check_completion(&req)?;
+    if req.kv_transfer_params.is_some() {
+        return Err(RuleError::param(
+            "kv_transfer_params",
+            "kv_transfer_params is set by the serving system, not by clients",
+        ));
+    }
+    Ok(req)
+}
+
+fn chat(body: &[u8]) -> Result<ChatCompletionRequest, RuleError> {
+    let req: ChatCompletionRequest = rules::parse_body(body)?;
+    rules::check_chat(&req)?;
+    Ok(req)
+}
+
+/// Applies every rule [`prepare`] applies, without counting the prompt (for
+/// a door that runs without a tokenizer).
+pub fn check(kind: ApiKind, body: &[u8]) -> Result<(), RuleError> {
+    match kind {
+        ApiKind::Completion => completion(body).map(drop),
+        ApiKind::Chat => chat(body).map(drop),
+    }
+}
+
 /// Parses and validates a client body of `kind`, renders a chat with the
 /// model's template and counts the prompt's tokens.
 ///
@@ -136,8 +162,7 @@ pub fn prepare(
 ) -> Result<Prepared, PrepareError> {
     let (client_model, mut upstream, prompt_tokens) = match kind {
         ApiKind::Completion => {
-            let mut req: CompletionRequest = rules::parse_body(body)?;
-            rules::check_completion(&req)?;
+            let mut req = completion(body)?;
             req.prompt = rules::single_prompt(&req.prompt)?;
             let n = match &req.prompt {
                 Prompt::Text(t) => counter.count(t).map_err(PrepareError::Tokenize)?,
@@ -150,8 +175,7 @@ pub fn prepare(
             (req.model.clone(), req, n)
         }
         ApiKind::Chat => {
-            let chat: ChatCompletionRequest = rules::parse_body(body)?;
-            rules::check_chat(&chat)?;
+            let chat = chat(body)?;
             let messages = rules::chat_messages(&chat)?;
             let prompt = counter
                 .chat_prompt(&messages)
@@ -174,20 +198,6 @@ pub fn prepare(
             (chat.model, upstream, n)
         }
     };
-    if client_model.is_empty() {
-        return Err(RuleError {
-            param: Some("model"),
-            message: "model must not be empty".into(),
-        }
-        .into());
-    }
-    if upstream.kv_transfer_params.is_some() {
-        return Err(RuleError {
-            param: Some("kv_transfer_params"),
-            message: "kv_transfer_params is set by the serving system, not by clients".into(),
-        }
-        .into());
-    }
     // The front doors need token counts on streams: ask the worker for usage
     // and remember whether the client wanted it passed on.
     let s = &mut upstream.sampling;
@@ -251,26 +261,46 @@ mod tests {
     #[test]
     fn refusals_name_the_param() {
         for (kind, body, param) in [
-            (ApiKind::Completion, &br#"{"model":"","prompt":"x"}"#[..], Some("model")),
+            (
+                ApiKind::Completion,
+                &br#"{"model":"","prompt":"x"}"#[..],
+                Some("model"),
+            ),
+            (
+                ApiKind::Completion,
+                br#"{"model":"m","prompt":"x","n":3}"#,
+                Some("n"),
+            ),
             (
                 ApiKind::Completion,
                 br#"{"model":"m","prompt":"x","kv_transfer_params":{"do_remote_prefill":true}}"#,
                 Some("kv_transfer_params"),
             ),
-            (ApiKind::Chat, br#"{"model":"m","messages":[]}"#, Some("messages")),
+            (
+                ApiKind::Chat,
+                br#"{"model":"m","messages":[]}"#,
+                Some("messages"),
+            ),
             (ApiKind::Chat, b"nope", None),
         ] {
             match prepare(kind, body, &ByteCounter, None) {
                 Err(PrepareError::Rule(e)) => assert_eq!(e.param, param),
                 other => panic!("{other:?}"),
             }
+            assert_eq!(check(kind, body).unwrap_err().param, param);
         }
     }
 
     #[test]
     fn paths() {
-        assert_eq!(ApiKind::from_path("/v1/completions"), Some(ApiKind::Completion));
-        assert_eq!(ApiKind::from_path("/v1/chat/completions?x=1"), Some(ApiKind::Chat));
+        assert_eq!(
+            ApiKind::from_path("/v1/completions"),
+            Some(ApiKind::Completion)
+        );
+        assert_eq!(
+            ApiKind::from_path("/v1/chat/completions?x=1"),
+            Some(ApiKind::Chat)
+        );
         assert_eq!(ApiKind::from_path("/v1/models"), None);
     }
 }

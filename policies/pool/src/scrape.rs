@@ -238,7 +238,9 @@ impl ScrapedEndpoints {
     pub fn spawn(self: &Arc<Self>, every: Duration) -> JoinHandle<()> {
         let this = Arc::clone(self);
         tokio::spawn(async move {
-            let mut loops: HashMap<String, JoinHandle<()>> = HashMap::new();
+            // Dropped with this task (abort included): stops every loop.
+            let mut loops = Loops::default();
+            let loops = &mut loops.0;
             let mut tick = tokio::time::interval(every.max(Duration::from_millis(100)));
             tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             loop {
@@ -290,6 +292,18 @@ impl ScrapedEndpoints {
                 tick.tick().await;
             }
         })
+    }
+}
+
+/// The per-endpoint scrape loops, aborted when dropped.
+#[derive(Default)]
+struct Loops(HashMap<String, JoinHandle<()>>);
+
+impl Drop for Loops {
+    fn drop(&mut self) {
+        for h in self.0.values() {
+            h.abort();
+        }
     }
 }
 

@@ -231,7 +231,10 @@ mod tests {
         assert!(src.reload().expect("reload"));
         assert_eq!(src.snapshot()[1].address, "2.2.2.2:2");
         std::fs::write(&path, b"not json").unwrap();
-        assert!(matches!(src.reload(), Err(PoolError::EndpointsParse { .. })));
+        assert!(matches!(
+            src.reload(),
+            Err(PoolError::EndpointsParse { .. })
+        ));
         assert_eq!(src.snapshot().len(), 2, "last good list stays");
     }
 

@@ -32,43 +32,65 @@ pub const CHAT_ROLES: [&str; 5] = ["system", "user", "assistant", "tool", "devel
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("{message}")]
 pub struct RuleError {
-    /// The offending parameter (`None` for a body that is not JSON at all).
+    /// The offending parameter (`None` for a body that is not a request at all).
     pub param: Option<&'static str>,
+    /// Machine-readable code, where one is defined (`empty_body`,
+    /// `invalid_json`, `missing_model`, `invalid_request`).
+    pub code: Option<&'static str>,
     /// Message for the client.
     pub message: String,
 }
 
 impl RuleError {
-    fn param(param: &'static str, message: impl Into<String>) -> Self {
+    /// A broken rule on `param`.
+    pub fn param(param: &'static str, message: impl Into<String>) -> Self {
         RuleError {
             param: Some(param),
+            code: None,
             message: message.into(),
         }
     }
 
-    fn body(message: impl Into<String>) -> Self {
+    fn body(code: &'static str, message: impl Into<String>) -> Self {
         RuleError {
             param: None,
+            code: Some(code),
             message: message.into(),
         }
     }
 }
 
-/// Parses a JSON request body; an empty body, malformed JSON and wrongly
-/// typed fields are refused with a message that says which.
+/// Parses a JSON request body. Refused, each with its code: an empty body
+/// (`empty_body`), malformed JSON or not an object (`invalid_json`), no
+/// non-empty string `model` (`missing_model`, param `model`), wrongly typed
+/// fields (`invalid_request`).
 pub fn parse_body<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, RuleError> {
     if bytes.iter().all(u8::is_ascii_whitespace) {
         return Err(RuleError::body(
+            "empty_body",
             "the request body is empty; expected a JSON object",
         ));
     }
-    serde_json::from_slice(bytes).map_err(|e| {
-        let what = match e.classify() {
-            serde_json::error::Category::Data => "invalid request",
-            _ => "malformed JSON body",
-        };
-        RuleError::body(format!("{what}: {e}"))
-    })
+    let value: serde_json::Value = serde_json::from_slice(bytes)
+        .map_err(|e| RuleError::body("invalid_json", format!("malformed JSON body: {e}")))?;
+    let Some(obj) = value.as_object() else {
+        return Err(RuleError::body(
+            "invalid_json",
+            "malformed JSON body: the request body must be a JSON object",
+        ));
+    };
+    match obj.get("model") {
+        Some(serde_json::Value::String(m)) if !m.is_empty() => {}
+        _ => {
+            return Err(RuleError {
+                param: Some("model"),
+                code: Some("missing_model"),
+                message: "the request has no \"model\" (a non-empty string)".into(),
+            });
+        }
+    }
+    serde_json::from_value(value)
+        .map_err(|e| RuleError::body("invalid_request", format!("invalid request: {e}")))
 }
 
 /// The sampling rules shared by completions and chat.
@@ -103,10 +125,10 @@ pub fn check_sampling(s: &SamplingFields) -> Result<(), RuleError> {
             format!("top_p {p} is outside (0, 1]"),
         ));
     }
-    if let Some(stop) = &s.stop {
-        if stop.to_vec().iter().any(String::is_empty) {
-            return Err(RuleError::param("stop", "stop sequences must not be empty"));
-        }
+    if let Some(stop) = &s.stop
+        && stop.to_vec().iter().any(String::is_empty)
+    {
+        return Err(RuleError::param("stop", "stop sequences must not be empty"));
     }
     Ok(())
 }
@@ -197,8 +219,7 @@ pub fn sanitize_request_id(raw: &str) -> Option<String> {
     let v = raw.trim();
     let ok = !v.is_empty()
         && v.len() <= MAX_REQUEST_ID_LEN
-        && v
-            .bytes()
+        && v.bytes()
             .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'));
     ok.then(|| v.to_string())
 }
@@ -274,8 +295,14 @@ mod tests {
         assert!(completion(r#"{"model":"m","prompt":"x","temperature":2}"#).is_ok());
         assert!(completion(r#"{"model":"m","prompt":"x","temperature":0,"top_p":1}"#).is_ok());
         for (body, param) in [
-            (r#"{"model":"m","prompt":"x","temperature":2.5}"#, "temperature"),
-            (r#"{"model":"m","prompt":"x","temperature":-1}"#, "temperature"),
+            (
+                r#"{"model":"m","prompt":"x","temperature":2.5}"#,
+                "temperature",
+            ),
+            (
+                r#"{"model":"m","prompt":"x","temperature":-1}"#,
+                "temperature",
+            ),
             (r#"{"model":"m","prompt":"x","top_p":0}"#, "top_p"),
             (r#"{"model":"m","prompt":"x","max_tokens":0}"#, "max_tokens"),
             (r#"{"model":"m","prompt":"x","n":2}"#, "n"),
@@ -290,9 +317,27 @@ mod tests {
 
     #[test]
     fn bodies_that_are_not_requests() {
-        for body in ["", "  ", "{", "[1]", r#"{"prompt":"x"}"#] {
+        for (body, code) in [
+            ("", "empty_body"),
+            ("  ", "empty_body"),
+            ("{", "invalid_json"),
+            ("[1]", "invalid_json"),
+            (r#"{"model":"m","prompt":5}"#, "invalid_request"),
+        ] {
             let e = completion(body).unwrap_err();
-            assert_eq!(e.param, None, "{body}");
+            assert_eq!((e.param, e.code), (None, Some(code)), "{body}");
+        }
+        for body in [
+            r#"{"prompt":"x"}"#,
+            r#"{"model":"","prompt":"x"}"#,
+            r#"{"model":1}"#,
+        ] {
+            let e = completion(body).unwrap_err();
+            assert_eq!(
+                (e.param, e.code),
+                (Some("model"), Some("missing_model")),
+                "{body}"
+            );
         }
     }
 
@@ -325,7 +370,10 @@ mod tests {
         assert_eq!(sanitize_request_id("ab"), Some("ab".into()));
         assert_eq!(sanitize_request_id(""), None);
         assert_eq!(sanitize_request_id(&"a".repeat(65)), None);
-        assert_eq!(sanitize_request_id(&"a".repeat(64)).map(|s| s.len()), Some(64));
+        assert_eq!(
+            sanitize_request_id(&"a".repeat(64)).map(|s| s.len()),
+            Some(64)
+        );
     }
 
     #[test]

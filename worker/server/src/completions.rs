@@ -3,7 +3,7 @@
 
 use std::convert::Infallible;
 use std::sync::Arc;
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 use axum::body::Bytes;
 use axum::extract::State;
@@ -17,15 +17,16 @@ use rngd_api::openai::{
     Timings, Usage,
 };
 use rngd_api::pd::KvTransferParams;
+use rngd_api::rules::{self, ms, unix_now};
 use rngd_engine::{Engine, FinishReason, GenEvent, KvCache, Prefilled, SamplingParams};
 use rngd_kv_transport::KvPayload;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tracing::Instrument;
 
-use crate::args::Role;
 use crate::error::ApiError;
 use crate::state::WorkerState;
+use rngd_api::Role;
 
 /// Extra time the worker gives a transport's own pull timeout before giving up itself.
 const PULL_GRACE: Duration = Duration::from_secs(2);
@@ -61,15 +62,8 @@ async fn handle(
 ) -> Result<Response, ApiError> {
     let started = Instant::now();
     let engine = state.engine().ok_or(ApiError::NotReady)?.clone();
-    let req: CompletionRequest = serde_json::from_slice(body)
-        .map_err(|e| ApiError::BadRequest(format!("invalid completion request: {e}")))?;
-    if let Some(n) = req.sampling.n
-        && n != 1
-    {
-        return Err(ApiError::BadRequest(format!(
-            "n = {n} is not supported; only n = 1 is served"
-        )));
-    }
+    let req: CompletionRequest = rules::parse_body(body)?;
+    rules::check_completion(&req)?;
     let header = |name: &str| {
         headers
             .get(name)
@@ -389,23 +383,11 @@ fn sampling(
     prompt: &[u32],
     seq_len: usize,
 ) -> Result<SamplingParams, ApiError> {
-    let max_tokens = f.max_tokens.unwrap_or(16) as usize;
-    if max_tokens == 0 {
-        return Err(ApiError::BadRequest("max_tokens must be at least 1".into()));
-    }
+    rules::check_sampling(f)?;
+    let max_tokens = rules::max_tokens_or_default(f.max_tokens) as usize;
     rngd_engine::check_context(prompt.len(), max_tokens, seq_len)?;
     let temperature = f.temperature.unwrap_or(1.0);
-    if !(temperature >= 0.0 && temperature.is_finite()) {
-        return Err(ApiError::BadRequest(format!(
-            "temperature {temperature} must be >= 0"
-        )));
-    }
     let top_p = f.top_p.unwrap_or(1.0);
-    if !(top_p > 0.0 && top_p <= 1.0) {
-        return Err(ApiError::BadRequest(format!(
-            "top_p {top_p} must be in (0, 1]"
-        )));
-    }
     let seed = f.seed.unwrap_or_else(|| {
         prompt.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, t| {
             (h ^ u64::from(*t)).wrapping_mul(0x0100_0000_01b3)
@@ -629,15 +611,4 @@ mod erased {
             })
         }
     }
-}
-
-fn ms(d: Duration) -> f64 {
-    d.as_secs_f64() * 1000.0
-}
-
-fn unix_now() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_secs())
-        .unwrap_or(0)
 }

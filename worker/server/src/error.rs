@@ -59,6 +59,9 @@ pub enum ApiError {
     /// Malformed or unsupported input.
     #[error("{0}")]
     BadRequest(String),
+    /// A request rule is broken (`rngd_api::rules`, the same at every door).
+    #[error(transparent)]
+    Rule(#[from] rngd_api::rules::RuleError),
     /// `prompt + max_tokens > S` (message from `context_length_message`).
     #[error("{0}")]
     ContextLength(String),
@@ -168,9 +171,10 @@ impl ApiError {
     /// The HTTP status of this error.
     pub fn status(&self) -> StatusCode {
         match self {
-            ApiError::BadRequest(_) | ApiError::ContextLength(_) | ApiError::WrongRole(_) => {
-                StatusCode::BAD_REQUEST
-            }
+            ApiError::BadRequest(_)
+            | ApiError::Rule(_)
+            | ApiError::ContextLength(_)
+            | ApiError::WrongRole(_) => StatusCode::BAD_REQUEST,
             ApiError::UnknownTransport { .. } => StatusCode::BAD_REQUEST,
             ApiError::NotReady => StatusCode::SERVICE_UNAVAILABLE,
             ApiError::KvPush { source, .. } | ApiError::KvPull { source, .. } => match **source {
@@ -210,6 +214,16 @@ impl ApiError {
         match self {
             ApiError::ContextLength(_) => {
                 body.with_code(CONTEXT_LENGTH_CODE).with_param("max_tokens")
+            }
+            ApiError::Rule(r) => {
+                let mut b = body;
+                if let Some(p) = r.param {
+                    b = b.with_param(p);
+                }
+                if let Some(c) = r.code {
+                    b = b.with_code(c);
+                }
+                b
             }
             ApiError::PrefillPeerRejected { body: peer, .. } => match &peer.error.code {
                 Some(code) => body.with_code(code),

@@ -1,7 +1,7 @@
 //! The worker sidecar: prefill / decode / solo roles over HTTP, the PD protocol
 //! and model-server metrics.
 //!
-//! - [`WorkerArgs`] / [`run`]: the `rngd-pd worker` process (flags, device
+//! - [`WorkerOptions`] / [`launch`]: the `rngd-pd worker` process (flags, device
 //!   allocation, backend, transports, model load, serve).
 //! - [`serve`] / [`router`] / [`WorkerState`]: the same server in-process, for
 //!   tests and benchmarks.
@@ -34,7 +34,7 @@ use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
-pub use args::{Backend, Role, WorkerArgs};
+pub use args::{Backend, Role, WorkerOptions};
 pub use error::{ApiError, WorkerError};
 pub use metrics::WorkerMetrics;
 pub use peer::{HttpPrefillPeer, PrefillPeer};
@@ -96,10 +96,9 @@ pub(crate) fn request_id(headers: &HeaderMap) -> String {
     if let Some(id) = headers
         .get(rngd_api::headers::REQUEST_ID)
         .and_then(|v| v.to_str().ok())
-        .map(str::trim)
-        .filter(|v| !v.is_empty() && v.len() <= 200)
+        .and_then(rngd_api::rules::sanitize_request_id)
     {
-        return id.to_string();
+        return id;
     }
     let nanos = SystemTime::now()
         .duration_since(UNIX_EPOCH)
@@ -200,7 +199,7 @@ pub fn check_backend(backend: Backend) -> Result<(), WorkerError> {
 }
 
 /// Resolves `--chip` (device plugin allocation for `-1`) against the real device directories.
-pub fn select_device(args: &WorkerArgs) -> Result<rngd_devices::Selection, WorkerError> {
+pub fn select_device(args: &WorkerOptions) -> Result<rngd_devices::Selection, WorkerError> {
     let (lister, prefixes): (rngd_devices::DirCardLister, &[&str]) = match args.backend {
         Backend::Rngd => (rngd_devices::DirCardLister::rngd(), &["furiosa.ai/"]),
         Backend::Atom => (rngd_devices::DirCardLister::atom(), &["rebellions.ai/"]),
@@ -224,8 +223,11 @@ pub fn select_device(args: &WorkerArgs) -> Result<rngd_devices::Selection, Worke
 /// Runs `rngd-pd worker`: checks the backend, picks the device, sets up the
 /// default transport, binds, loads the model (while `/health` already answers
 /// and `/ready` says 503), prints [`LISTENING_PREFIX`] + address on stdout, and
-/// serves until SIGINT/SIGTERM.
-pub async fn run(args: WorkerArgs) -> Result<(), WorkerError> {
+/// serves until `shutdown` resolves (the CLI passes SIGINT/SIGTERM).
+pub async fn launch(
+    args: WorkerOptions,
+    shutdown: impl std::future::Future<Output = ()>,
+) -> Result<(), WorkerError> {
     check_backend(args.backend)?;
     if args.seq_len == 0 || args.batch == 0 {
         return Err(WorkerError::Config(
@@ -279,12 +281,12 @@ pub async fn run(args: WorkerArgs) -> Result<(), WorkerError> {
         let _ = writeln!(out, "{LISTENING_PREFIX}{}", running.addr);
         let _ = out.flush();
     }
-    shutdown_signal().await;
+    shutdown.await;
     tracing::info!("shutting down");
     running.stop().await
 }
 
-async fn load_engine(args: &WorkerArgs) -> Result<Arc<dyn Engine>, WorkerError> {
+async fn load_engine(args: &WorkerOptions) -> Result<Arc<dyn Engine>, WorkerError> {
     let model = args.model.clone();
     let (seq_len, batch, threads) = (args.seq_len, args.batch, args.threads);
     tokio::task::spawn_blocking(
@@ -305,26 +307,4 @@ async fn load_engine(args: &WorkerArgs) -> Result<Arc<dyn Engine>, WorkerError> 
         source: std::io::Error::other(e),
     })?
     .map_err(WorkerError::Engine)
-}
-
-async fn shutdown_signal() {
-    #[cfg(unix)]
-    {
-        use tokio::signal::unix::{SignalKind, signal};
-        match signal(SignalKind::terminate()) {
-            Ok(mut term) => {
-                tokio::select! {
-                    _ = tokio::signal::ctrl_c() => {}
-                    _ = term.recv() => {}
-                }
-            }
-            Err(_) => {
-                let _ = tokio::signal::ctrl_c().await;
-            }
-        }
-    }
-    #[cfg(not(unix))]
-    {
-        let _ = tokio::signal::ctrl_c().await;
-    }
 }

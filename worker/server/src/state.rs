@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use rngd_engine::Engine;
 
-use crate::args::{Role, WorkerArgs};
+use crate::args::{Role, WorkerOptions};
 use crate::error::WorkerError;
 use crate::metrics::WorkerMetrics;
 use crate::peer::{HttpPrefillPeer, PrefillPeer};
@@ -37,7 +37,7 @@ impl WorkerConfig {
     }
 
     /// The configuration the flags describe.
-    pub fn from_args(args: &WorkerArgs) -> Self {
+    pub fn from_args(args: &WorkerOptions) -> Self {
         WorkerConfig {
             role: args.role,
             kv_pull_timeout: Duration::from_millis(args.kv_pull_timeout_ms),

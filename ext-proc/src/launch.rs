@@ -1,0 +1,135 @@
+//! Assembles a running endpoint picker from [`Options`]: the policy, the
+//! endpoint source and its scraper, the tokenizer (all loaded through
+//! `rngd_pool::wiring`, as the gateway loads them) and the gRPC, health and
+//! metrics listeners. Used by `rngd-pd ext-proc` and the benchmark; the same
+//! shape as `rngd_gateway::launch`.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use rngd_pool::wiring::{RunningSource, ScrapeOptions};
+use rngd_pool::{PolicyChoice, SourceChoice, TokenizerChoice};
+
+use crate::ExtProcError;
+use crate::metrics::EppMetrics;
+use crate::picker::Picker;
+use crate::processor::ProcessorConfig;
+use crate::server::{self, RunningServer, ServerConfig};
+
+/// Everything a picker is started from.
+#[derive(Debug, Clone)]
+pub struct Options {
+    /// ext_proc gRPC listener (port 0 = pick one).
+    pub grpc: SocketAddr,
+    /// gRPC health listener.
+    pub health: SocketAddr,
+    /// Metrics (and admin API) listener; `None` = off.
+    pub metrics: Option<SocketAddr>,
+    /// Where the endpoints come from.
+    pub endpoints: SourceChoice,
+    /// Live load scraping of the endpoints.
+    pub scrape: ScrapeOptions,
+    /// The policy.
+    pub policy: PolicyChoice,
+    /// The prompt counter; `None` = prompt tokens are not counted (the
+    /// request rules still apply).
+    pub tokenizer: Option<TokenizerChoice>,
+    /// State-machine limits (largest buffered body, re-sent chunk size).
+    pub processor: ProcessorConfig,
+    /// Bearer token of the policy admin API on the metrics listener; `None` = off.
+    pub admin_token: Option<String>,
+}
+
+/// A running picker.
+#[derive(Debug)]
+pub struct Launched {
+    /// The listeners.
+    pub server: RunningServer,
+    /// The picker (metrics).
+    pub picker: Arc<Picker>,
+    _source: RunningSource,
+    _policy_watch: AbortOnDrop,
+}
+
+impl Launched {
+    /// Waits for the listeners to stop; the first error wins.
+    pub async fn wait(self) -> Result<(), ExtProcError> {
+        self.server.wait().await
+    }
+}
+
+/// The policy file watcher, stopped with the picker.
+#[derive(Debug)]
+struct AbortOnDrop(Option<tokio::task::JoinHandle<()>>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        if let Some(t) = &self.0 {
+            t.abort();
+        }
+    }
+}
+
+/// Starts a picker.
+pub async fn launch(opts: Options) -> Result<Launched, ExtProcError> {
+    let metrics = EppMetrics::new()?;
+    let loaded = opts
+        .policy
+        .load()
+        .await
+        .map_err(|source| ExtProcError::Policy {
+            path: match &opts.policy {
+                PolicyChoice::Wasm { module, .. } => module.clone(),
+                PolicyChoice::Custom(_) => "(custom)".into(),
+            },
+            source,
+        })?;
+    if let Some(rt) = &loaded.runtime {
+        rt.register_metrics(&metrics.registry)
+            .map_err(|source| ExtProcError::Metrics {
+                source: rngd_telemetry::TelemetryError::Metric {
+                    name: "policy runtime metrics".into(),
+                    source,
+                },
+            })?;
+    }
+    let source = opts
+        .endpoints
+        .start(opts.scrape, Some(metrics.scrape_failures.clone()))?;
+    let counter = match &opts.tokenizer {
+        Some(t) => Some(t.load().await?),
+        None => {
+            tracing::warn!("prompt tokens are not counted (no tokenizer)");
+            None
+        }
+    };
+    let picker = Arc::new(Picker::new(
+        rngd_pool::Picker::new(loaded.policy.clone(), source.source.clone()),
+        counter,
+        metrics,
+    ));
+    let extra_routes = match (&loaded.runtime, &opts.admin_token) {
+        (Some(rt), Some(token)) => Some(rngd_policy_host::admin_router(
+            Arc::clone(rt),
+            Some(token.clone()),
+        )),
+        _ => None,
+    };
+    let server = server::start(
+        Arc::clone(&picker),
+        ServerConfig {
+            grpc: opts.grpc,
+            health: opts.health,
+            metrics: opts.metrics,
+            processor: opts.processor,
+            extra_routes,
+        },
+    )
+    .await?;
+    Ok(Launched {
+        server,
+        picker,
+        _source: source,
+        _policy_watch: AbortOnDrop(loaded.watch),
+    })
+}

@@ -1,0 +1,253 @@
+//! What both front doors are started from and load the same way: the policy
+//! ([`PolicyChoice`]), the prompt counter ([`TokenizerChoice`]) and the
+//! endpoint source with its scraper ([`SourceChoice`]). Each door's
+//! `launch()` calls these and adds its own listeners.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use rngd_policy_core::Endpoint;
+use rngd_policy_host::{PolicyError, PolicyRuntime, PolicySource, SandboxLimits};
+use tokio::task::JoinHandle;
+
+use crate::pick::Policy;
+use crate::prompt::PromptCounter;
+use crate::scrape::{HttpFetcher, ScrapedEndpoints};
+use crate::source::{DEFAULT_FILE_POLL, EndpointSource, FileEndpoints, StaticEndpoints};
+use crate::{PoolError, gguf_counter};
+
+/// Where the policy comes from.
+#[derive(Clone)]
+pub enum PolicyChoice {
+    /// A `.wasm` module run by `rngd-policy-host` (hot-reloaded, admin API).
+    Wasm {
+        /// The module file.
+        module: PathBuf,
+        /// Its plugin configuration (JSON; empty = defaults).
+        config: Vec<u8>,
+        /// Sandbox limits.
+        limits: SandboxLimits,
+        /// How often the file is checked for changes; `None` = never.
+        watch_every: Option<Duration>,
+    },
+    /// Any other implementation (tests, benchmarks).
+    Custom(Arc<dyn Policy>),
+}
+
+impl std::fmt::Debug for PolicyChoice {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            PolicyChoice::Wasm { module, .. } => f
+                .debug_struct("Wasm")
+                .field("module", module)
+                .finish_non_exhaustive(),
+            PolicyChoice::Custom(_) => f.write_str("Custom"),
+        }
+    }
+}
+
+/// A loaded policy.
+pub struct LoadedPolicy {
+    /// What the picker calls.
+    pub policy: Arc<dyn Policy>,
+    /// The wasm runtime behind it, if it is one (metrics, admin API).
+    pub runtime: Option<Arc<PolicyRuntime>>,
+    /// The module file watcher, if hot reload is on.
+    pub watch: Option<JoinHandle<()>>,
+}
+
+impl PolicyChoice {
+    /// Compiles the module (off the async threads) and starts its watcher.
+    pub async fn load(&self) -> Result<LoadedPolicy, PolicyError> {
+        match self {
+            PolicyChoice::Wasm {
+                module,
+                config,
+                limits,
+                watch_every,
+            } => {
+                let source = PolicySource {
+                    module: module.clone(),
+                    config: config.clone(),
+                };
+                let limits = limits.clone();
+                let rt = tokio::task::spawn_blocking(move || PolicyRuntime::new(source, limits))
+                    .await
+                    .map_err(|e| PolicyError::Unavailable {
+                        detail: format!("the loading thread failed: {e}"),
+                    })??;
+                let watch = watch_every.map(|every| rt.watch(every));
+                Ok(LoadedPolicy {
+                    policy: rt.clone(),
+                    runtime: Some(rt),
+                    watch,
+                })
+            }
+            PolicyChoice::Custom(p) => Ok(LoadedPolicy {
+                policy: p.clone(),
+                runtime: None,
+                watch: None,
+            }),
+        }
+    }
+}
+
+/// Where the prompt counter comes from.
+#[derive(Clone)]
+pub enum TokenizerChoice {
+    /// A GGUF model file (metadata only is read).
+    Gguf(PathBuf),
+    /// Any other implementation.
+    Custom(Arc<dyn PromptCounter>),
+}
+
+impl std::fmt::Debug for TokenizerChoice {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            TokenizerChoice::Gguf(p) => f.debug_tuple("Gguf").field(p).finish(),
+            TokenizerChoice::Custom(_) => f.write_str("Custom"),
+        }
+    }
+}
+
+impl TokenizerChoice {
+    /// Loads the counter (off the async threads).
+    pub async fn load(&self) -> Result<Arc<dyn PromptCounter>, PoolError> {
+        match self {
+            TokenizerChoice::Gguf(path) => {
+                let path = path.clone();
+                let p2 = path.clone();
+                tokio::task::spawn_blocking(move || gguf_counter(&p2))
+                    .await
+                    .map_err(|e| PoolError::Tokenizer {
+                        path,
+                        source: Box::new(e),
+                    })?
+            }
+            TokenizerChoice::Custom(c) => Ok(c.clone()),
+        }
+    }
+
+    /// The model file's stem (an accepted alias of the model name), if a file.
+    pub fn file_stem(&self) -> Option<String> {
+        match self {
+            TokenizerChoice::Gguf(p) => p.file_stem().and_then(|s| s.to_str()).map(String::from),
+            TokenizerChoice::Custom(_) => None,
+        }
+    }
+}
+
+/// Where the endpoint list comes from.
+#[derive(Clone)]
+pub enum SourceChoice {
+    /// A fixed list (flags).
+    Static(Vec<Endpoint>),
+    /// A JSON file, reloaded when it changes (checked every `poll`).
+    File {
+        /// The file.
+        path: PathBuf,
+        /// Poll interval ([`DEFAULT_FILE_POLL`] is the usual one).
+        poll: Duration,
+    },
+    /// Any other source (tests, benchmarks).
+    Custom(Arc<dyn EndpointSource>),
+}
+
+impl std::fmt::Debug for SourceChoice {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            SourceChoice::Static(v) => f.debug_tuple("Static").field(&v.len()).finish(),
+            SourceChoice::File { path, .. } => f.debug_tuple("File").field(path).finish(),
+            SourceChoice::Custom(_) => f.write_str("Custom"),
+        }
+    }
+}
+
+impl SourceChoice {
+    /// A file source polled at the default interval.
+    pub fn file(path: impl Into<PathBuf>) -> Self {
+        SourceChoice::File {
+            path: path.into(),
+            poll: DEFAULT_FILE_POLL,
+        }
+    }
+}
+
+/// How live load is added to the list.
+#[derive(Debug, Clone, Copy)]
+pub struct ScrapeOptions {
+    /// Interval of the endpoints' `/metrics` scrapes; `None` = no scraping
+    /// (the list's own `healthy` and load figures are used as they are).
+    pub every: Option<Duration>,
+    /// Scraped data older than this marks an endpoint unhealthy.
+    pub stale_after: Duration,
+}
+
+impl Default for ScrapeOptions {
+    fn default() -> Self {
+        ScrapeOptions {
+            every: Some(crate::scrape::DEFAULT_SCRAPE_INTERVAL),
+            stale_after: crate::scrape::DEFAULT_STALE_AFTER,
+        }
+    }
+}
+
+/// A running endpoint source and its background tasks (stopped on drop).
+pub struct RunningSource {
+    /// The snapshot source the picker reads.
+    pub source: Arc<dyn EndpointSource>,
+    tasks: Vec<JoinHandle<()>>,
+}
+
+impl Drop for RunningSource {
+    fn drop(&mut self) {
+        for t in &self.tasks {
+            t.abort();
+        }
+    }
+}
+
+impl std::fmt::Debug for RunningSource {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RunningSource")
+            .field("tasks", &self.tasks.len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl SourceChoice {
+    /// Builds the source, starts the file watcher and the scraper.
+    /// `scrape_failures` counts failed scrapes.
+    pub fn start(
+        &self,
+        scrape: ScrapeOptions,
+        scrape_failures: Option<prometheus::IntCounter>,
+    ) -> Result<RunningSource, PoolError> {
+        let mut tasks = Vec::new();
+        let base: Arc<dyn EndpointSource> = match self {
+            SourceChoice::Static(list) => StaticEndpoints::new(list.clone()),
+            SourceChoice::File { path, poll } => {
+                let f = FileEndpoints::load(path)?;
+                tasks.push(f.watch(*poll));
+                f
+            }
+            SourceChoice::Custom(s) => s.clone(),
+        };
+        let source: Arc<dyn EndpointSource> = match scrape.every {
+            None => base,
+            Some(every) => {
+                let timeout = scrape.stale_after.max(Duration::from_millis(200));
+                let scraped = ScrapedEndpoints::new(
+                    base,
+                    Arc::new(HttpFetcher::new(timeout)?),
+                    scrape.stale_after,
+                    scrape_failures,
+                );
+                tasks.push(scraped.spawn(every));
+                scraped
+            }
+        };
+        Ok(RunningSource { source, tasks })
+    }
+}
