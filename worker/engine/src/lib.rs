@@ -4,6 +4,10 @@
 //! token + KV cache in the NPU wire layout), decode (continue from such a cache,
 //! streaming tokens), or both locally. Backends: `cpu` (this crate, a Llama on
 //! candle); `rngd` / `atom` need vendor runtimes this build does not include.
+//!
+//! With the `test-util` feature (tests and benchmark harnesses only) it also
+//! has the test doubles: `fake` (`EchoEngine`, an engine that computes
+//! nothing) and `tiny` (a tiny random-weights model on the CPU engine's code).
 
 use std::time::Duration;
 
@@ -12,12 +16,14 @@ pub use rngd_kv_wire::KvLayout;
 use tokio::sync::mpsc;
 
 pub mod cpu;
+#[cfg(feature = "test-util")]
 pub mod fake;
 pub(crate) mod kv;
 pub(crate) mod model;
 pub mod model_fetch;
 pub(crate) mod qgemm;
 pub mod sampling;
+#[cfg(feature = "test-util")]
 pub mod tiny;
 pub mod tokenizer;
 pub(crate) mod vmath;

@@ -6,9 +6,10 @@
 //!   configured by [`TransportConfig`].
 //! - [`shm`]: files in `/dev/shm`, published by rename and mapped with memmap2.
 //! - [`tcp`]: a client of the relay server ([`relay`], `rngd-pd relay`); [`frame`]
-//!   is the relay's binary protocol.
-//! - [`fake`]: an in-memory transport for other crates' tests.
-//! - [`conformance`]: the behaviour suite every transport must pass.
+//!   is the relay's binary protocol, which both ends build on.
+//! - `fake`: an in-memory transport for other crates' tests, and
+//!   `conformance`: the behaviour suite every transport must pass; both only
+//!   with the `test-util` feature.
 //!
 //! The wire format is described in `docs/kv-wire.md`.
 
@@ -18,7 +19,9 @@ use bytes::Bytes;
 pub use rngd_kv_wire::{KvHandle, KvLayout, WireError};
 
 pub mod config;
+#[cfg(feature = "test-util")]
 pub mod conformance;
+#[cfg(feature = "test-util")]
 pub mod fake;
 pub mod frame;
 pub mod registry;

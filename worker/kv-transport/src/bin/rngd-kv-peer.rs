@@ -1,4 +1,5 @@
-//! `rngd-kv-peer`: a test tool, not part of the product. The across-nodes
+//! `rngd-kv-peer`: a test tool, not part of the product (built only with the
+//! `test-util` feature, which the crate's own tests enable). The across-nodes
 //! test (`tests/netns.rs`) runs it inside network namespaces with
 //! `ip netns exec` to play the relay, the prefill side (push) and the decode
 //! side (pull) of the `tcp` transport.
