@@ -1,0 +1,309 @@
+//! The three doors a request can enter by — the gateway (HTTP), the endpoint
+//! picker (ext_proc) and a worker called directly — apply the same request
+//! rules and count the same prompt tokens.
+//!
+//! - `same_verdicts_at_every_door`: one table of good and bad bodies, fed to
+//!   a real gateway, a real picker and a real worker server (on the
+//!   `EchoEngine` test double, behind the native default policy); every door
+//!   must give the same verdict (status and `param`).
+//! - `chat_prompt_tokens_agree_with_the_engine`: the same chat through the
+//!   gateway and the picker reaches the policy with the prompt-token count of
+//!   the engine's own tokenizer and chat template (the real SmolLM2 GGUF;
+//!   `rngd-pd model fetch` puts it in the cache, as `tests/run` does).
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use rngd_engine::fake::EchoEngine;
+use rngd_ext_proc::metrics::EppMetrics;
+use rngd_ext_proc::picker::{PickInput, Picker as EppPicker};
+use rngd_gateway::GatewayConfig;
+use rngd_gateway::launch::{
+    LaunchOptions, Launched, PolicyChoice, ScrapeOptions, SourceChoice, TokenizerChoice,
+};
+use rngd_policy_core::{Decision, Role};
+use rngd_policy_host::PolicyRequest;
+use rngd_pool::pick::NativePolicy;
+use rngd_pool::prompt::ByteCounter;
+use rngd_pool::source::local_endpoint;
+use rngd_pool::{Policy, PolicyFailure, PromptCounter, StaticEndpoints};
+use rngd_worker::{RunningWorker, Transports, WorkerConfig};
+use serde_json::{Value, json};
+
+/// The native default policy, recording the prompt tokens it was given.
+#[derive(Default)]
+struct Recording {
+    inner: NativePolicy,
+    prompt_tokens: Mutex<Vec<Option<usize>>>,
+}
+
+#[async_trait]
+impl Policy for Recording {
+    async fn decide(&self, req: PolicyRequest) -> Result<Decision, PolicyFailure> {
+        self.prompt_tokens.lock().unwrap().push(req.prompt_tokens);
+        self.inner.decide(req).await
+    }
+}
+
+async fn worker() -> RunningWorker {
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let transports = Transports::from_env("shm".to_string()).unwrap();
+    rngd_worker::serve(
+        l,
+        Arc::new(EchoEngine::new(512)),
+        transports,
+        WorkerConfig::new(Role::Solo),
+    )
+    .await
+    .unwrap()
+}
+
+struct Doors {
+    worker: RunningWorker,
+    gateway: Launched,
+    picker: EppPicker,
+    policy: Arc<Recording>,
+}
+
+async fn doors(tokenizer: TokenizerChoice) -> Doors {
+    let worker = worker().await;
+    let endpoints = vec![local_endpoint(
+        worker.addr.to_string(),
+        Role::Solo,
+        512,
+        &["shm".into()],
+    )];
+    let policy = Arc::new(Recording::default());
+    let gateway = rngd_gateway::launch::launch(LaunchOptions {
+        listen: "127.0.0.1:0".into(),
+        kpi_listen: None,
+        endpoints: SourceChoice::Static(endpoints.clone()),
+        policy: PolicyChoice::Custom(policy.clone()),
+        admin_token: None,
+        tokenizer: tokenizer.clone(),
+        config: GatewayConfig::default(),
+        // The list's own `healthy` is used: no scrape to wait for.
+        scrape: ScrapeOptions {
+            every: None,
+            stale_after: Duration::from_secs(2),
+        },
+    })
+    .await
+    .unwrap();
+    let counter: Arc<dyn PromptCounter> = tokenizer.load().await.unwrap();
+    let picker = EppPicker::new(
+        rngd_pool::Picker::new(policy.clone(), StaticEndpoints::new(endpoints)),
+        Some(counter),
+        EppMetrics::new().unwrap(),
+    );
+    Doors {
+        worker,
+        gateway,
+        picker,
+        policy,
+    }
+}
+
+/// Status and `error.param` of an HTTP answer.
+async fn http_verdict(url: String, body: &'static str) -> (u16, Option<String>) {
+    let resp = reqwest::Client::new()
+        .post(url)
+        .header("content-type", "application/json")
+        .body(body)
+        .send()
+        .await
+        .unwrap();
+    let status = resp.status().as_u16();
+    let v: Value = resp.json().await.unwrap_or(Value::Null);
+    let param = v["error"]["param"].as_str().map(String::from);
+    (status, param)
+}
+
+/// Status and `error.param` of the picker's answer (200 for a route).
+async fn picker_verdict(p: &EppPicker, path: &str, body: &'static str) -> (u16, Option<String>) {
+    let input = PickInput {
+        headers: vec![
+            (":method".into(), "POST".into()),
+            (":path".into(), path.into()),
+        ],
+        body: Some(body.as_bytes().to_vec()),
+        subset: None,
+    };
+    match p.pick(input).await {
+        Decision::Route(_) => (200, None),
+        Decision::Reject(local) => {
+            let v: Value = serde_json::from_slice(&local.body).unwrap_or(Value::Null);
+            (local.status, v["error"]["param"].as_str().map(String::from))
+        }
+    }
+}
+
+const COMPLETIONS: &[(&str, u16, Option<&str>)] = &[
+    (
+        r#"{"model":"echo","prompt":"hi","max_tokens":2}"#,
+        200,
+        None,
+    ),
+    (
+        r#"{"model":"echo","prompt":"hi","max_tokens":2,"temperature":2}"#,
+        200,
+        None,
+    ),
+    (
+        r#"{"model":"echo","prompt":"hi","temperature":2.5}"#,
+        400,
+        Some("temperature"),
+    ),
+    (
+        r#"{"model":"echo","prompt":"hi","temperature":-0.5}"#,
+        400,
+        Some("temperature"),
+    ),
+    (
+        r#"{"model":"echo","prompt":"hi","top_p":0}"#,
+        400,
+        Some("top_p"),
+    ),
+    (
+        r#"{"model":"echo","prompt":"hi","top_p":1.5}"#,
+        400,
+        Some("top_p"),
+    ),
+    (
+        r#"{"model":"echo","prompt":"hi","max_tokens":0}"#,
+        400,
+        Some("max_tokens"),
+    ),
+    (r#"{"model":"echo","prompt":"hi","n":2}"#, 400, Some("n")),
+    (r#"{"model":"echo","prompt":""}"#, 400, Some("prompt")),
+    (r#"{"model":"echo","prompt":[]}"#, 400, Some("prompt")),
+    (
+        r#"{"model":"echo","prompt":["a","b"]}"#,
+        400,
+        Some("prompt"),
+    ),
+    (
+        r#"{"model":"echo","prompt":"hi","stop":["x",""]}"#,
+        400,
+        Some("stop"),
+    ),
+    (r#"{"prompt":"hi"}"#, 400, Some("model")),
+    (r#"{"model":"","prompt":"hi"}"#, 400, Some("model")),
+    ("", 400, None),
+    (r#"{"model":"echo","prompt":"#, 400, None),
+    (r#"[1,2]"#, 400, None),
+    (r#"{"model":"echo","prompt":5}"#, 400, None),
+];
+
+const CHATS: &[(&str, u16, Option<&str>)] = &[
+    (
+        r#"{"model":"echo","messages":[{"role":"user","content":"hi"}],"max_tokens":2}"#,
+        200,
+        None,
+    ),
+    (r#"{"model":"echo","messages":[]}"#, 400, Some("messages")),
+    (
+        r#"{"model":"echo","messages":[{"role":"wizard","content":"hi"}]}"#,
+        400,
+        Some("messages"),
+    ),
+    (
+        r#"{"model":"echo","messages":[{"role":"user","content":[{"type":"image_url"}]}]}"#,
+        400,
+        Some("messages"),
+    ),
+    (
+        r#"{"model":"echo","messages":[{"role":"user","content":"hi"}],"max_completion_tokens":0}"#,
+        400,
+        Some("max_completion_tokens"),
+    ),
+    (
+        r#"{"model":"echo","messages":[{"role":"user","content":"hi"}],"temperature":3}"#,
+        400,
+        Some("temperature"),
+    ),
+];
+
+#[tokio::test]
+async fn same_verdicts_at_every_door() {
+    let d = doors(TokenizerChoice::Custom(Arc::new(ByteCounter))).await;
+    let gw = format!("http://{}", d.gateway.addr);
+    for &(body, status, param) in COMPLETIONS {
+        let want = (status, param.map(String::from));
+        let g = http_verdict(format!("{gw}/v1/completions"), body).await;
+        let w = http_verdict(format!("{}/v1/completions", d.worker.url()), body).await;
+        let p = picker_verdict(&d.picker, "/v1/completions", body).await;
+        assert_eq!(g, want, "gateway, body {body}");
+        assert_eq!(w, want, "worker, body {body}");
+        assert_eq!(p, want, "picker, body {body}");
+    }
+    // The workers speak completions only; chat has two doors.
+    for &(body, status, param) in CHATS {
+        let want = (status, param.map(String::from));
+        let g = http_verdict(format!("{gw}/v1/chat/completions"), body).await;
+        let p = picker_verdict(&d.picker, "/v1/chat/completions", body).await;
+        assert_eq!(g, want, "gateway, body {body}");
+        assert_eq!(p, want, "picker, body {body}");
+    }
+}
+
+#[tokio::test]
+async fn chat_prompt_tokens_agree_with_the_engine() {
+    let model = rngd_engine::model_fetch::resolve(None)
+        .expect("the default model is in the cache (`rngd-pd model fetch`)");
+    let tokenizer = rngd_engine::tokenizer::Tokenizer::from_gguf(&model).unwrap();
+    // With a system message, and without one (the template then inserts
+    // its default system prompt: a count of the bare ChatML would miss it).
+    let with_system = vec![
+        ("system", "You answer in one word."),
+        ("user", "What is the capital of France? Think, then answer."),
+        ("assistant", "Paris"),
+        ("user", "And of Italy, with ünïcödé and emoji 🚀?"),
+    ];
+    let without_system = vec![("user", "Name three colours.")];
+    let d = doors(TokenizerChoice::Gguf(model)).await;
+    let mut want = Vec::new();
+    for messages in [&with_system, &without_system] {
+        let pairs: Vec<(String, String)> = messages
+            .iter()
+            .map(|(r, c)| (r.to_string(), c.to_string()))
+            .collect();
+        // What the engine will prefill: its own template, its own tokenizer.
+        let engine_count = tokenizer
+            .encode(&tokenizer.chat_prompt(&pairs).unwrap())
+            .unwrap()
+            .len();
+        let body: &'static str = Box::leak(
+            json!({
+                "model": tokenizer.model_name(),
+                "max_tokens": 4,
+                "messages": messages.iter().map(|(r, c)| json!({"role": r, "content": c})).collect::<Vec<_>>(),
+            })
+            .to_string()
+            .into_boxed_str(),
+        );
+        let (status, _) = http_verdict(
+            format!("http://{}/v1/chat/completions", d.gateway.addr),
+            body,
+        )
+        .await;
+        assert_eq!(status, 200, "the gateway served the chat");
+        let (status, _) = picker_verdict(&d.picker, "/v1/chat/completions", body).await;
+        assert_eq!(status, 200, "the picker routed the chat");
+        want.extend([Some(engine_count), Some(engine_count)]);
+    }
+    let seen = d.policy.prompt_tokens.lock().unwrap().clone();
+    assert_eq!(
+        seen, want,
+        "gateway, then picker, for each chat: the engine's count every time"
+    );
+    let engine_count = want[0].unwrap();
+    let messages = with_system;
+    // The count is the template's, not the bare message text's.
+    let bare: usize = messages
+        .iter()
+        .map(|(_, c)| tokenizer.encode(c).unwrap().len())
+        .sum();
+    assert!(engine_count > bare, "{engine_count} vs {bare}");
+}
