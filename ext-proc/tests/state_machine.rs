@@ -14,11 +14,11 @@ use rngd_ext_proc::envoy_types::pb::envoy::service::ext_proc::v3::{
     processing_request, processing_response,
 };
 use rngd_ext_proc::envoy_types::pb::google::protobuf::{ListValue, Struct, Value, value::Kind};
-use rngd_ext_proc::BoxError;
 use rngd_ext_proc::metrics::EppMetrics;
 use rngd_ext_proc::picker::Picker;
 use rngd_ext_proc::server::{self, GrpcServing, RunningServer, ServerConfig};
-use rngd_pool::{Policy, PolicyFailure, PromptCounter, StaticEndpoints};
+use rngd_pool::prompt::WordCounter;
+use rngd_pool::{Policy, PolicyFailure, StaticEndpoints};
 use rngd_policy_core::{Decision, Endpoint, LocalResponse, Role, Route, Vendor};
 use rngd_policy_host::PolicyRequest;
 use tokio::sync::mpsc;
@@ -106,24 +106,6 @@ impl Policy for FakePolicy {
     }
 }
 
-/// Counts whitespace-separated words as tokens.
-struct WordCounter;
-
-impl PromptCounter for WordCounter {
-    fn model_name(&self) -> &str {
-        "words"
-    }
-    fn count(&self, text: &str) -> Result<usize, BoxError> {
-        Ok(text.split_whitespace().count())
-    }
-    fn chat_prompt(&self, messages: &[(String, String)]) -> Result<String, BoxError> {
-        Ok(messages
-            .iter()
-            .map(|(r, c)| format!("{r}: {c}\n"))
-            .collect())
-    }
-}
-
 struct Harness {
     server: RunningServer,
     policy: Arc<FakePolicy>,
@@ -138,7 +120,7 @@ async fn harness(endpoints: Vec<Endpoint>, fail: bool) -> Harness {
     let metrics = EppMetrics::new().expect("metrics");
     let picker = Picker::new(
         rngd_pool::Picker::new(policy.clone(), StaticEndpoints::new(endpoints)),
-        Some(Arc::new(WordCounter)),
+        Some(Arc::new(WordCounter { model: "m" })),
         metrics.clone(),
     );
     let server = server::start(

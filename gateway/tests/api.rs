@@ -455,7 +455,7 @@ async fn unreachable_prefill_worker_is_502() {
     let gw = rngd_gateway::Gateway::new(
         GatewayConfig::default(),
         rngd_pool::Picker::new(c.policy.clone(), table),
-        std::sync::Arc::new(common::FakeTokenizer),
+        std::sync::Arc::new(common::FAKE_TOKENIZER),
     )
     .unwrap();
     let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();

@@ -25,9 +25,7 @@ use rngd_kv_wire::{Dtype, KvHandle, KvLayout};
 use rngd_policy_core::{Decision, LocalResponse, Role, Route};
 use rngd_policy_host::PolicyRequest;
 use rngd_pool::source::{self as endpoints, EndpointSource};
-use rngd_pool::{
-    HttpFetcher, Policy, PolicyFailure, PromptCounter, ScrapedEndpoints, StaticEndpoints,
-};
+use rngd_pool::{HttpFetcher, Policy, PolicyFailure, ScrapedEndpoints, StaticEndpoints};
 
 /// How a fake worker misbehaves.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -321,25 +319,10 @@ pub async fn spawn_worker(w: Arc<FakeWorker>) -> SocketAddr {
     addr
 }
 
-/// Whitespace "tokenizer" with a ChatML-like template.
-pub struct FakeTokenizer;
-
-impl PromptCounter for FakeTokenizer {
-    fn model_name(&self) -> &str {
-        "fake-model"
-    }
-    fn count(&self, text: &str) -> Result<usize, BoxError> {
-        Ok(text.split_whitespace().count())
-    }
-    fn chat_prompt(&self, messages: &[(String, String)]) -> Result<String, BoxError> {
-        let mut s = String::new();
-        for (r, c) in messages {
-            s.push_str(&format!("<|im_start|>{r} {c} <|im_end|> "));
-        }
-        s.push_str("<|im_start|>assistant");
-        Ok(s)
-    }
-}
+/// Whitespace "tokenizer" with a ChatML-like template, serving `fake-model`.
+pub const FAKE_TOKENIZER: rngd_pool::prompt::WordCounter = rngd_pool::prompt::WordCounter {
+    model: "fake-model",
+};
 
 /// What the fake policy does.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -482,7 +465,7 @@ pub async fn cluster(config: GatewayConfig, token_delay: Duration) -> Cluster {
     let gw = Gateway::new(
         config,
         rngd_pool::Picker::new(policy.clone(), table),
-        Arc::new(FakeTokenizer),
+        Arc::new(FAKE_TOKENIZER),
     )
     .unwrap();
     let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();

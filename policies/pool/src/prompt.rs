@@ -73,6 +73,34 @@ impl PromptCounter for ByteCounter {
     }
 }
 
+/// Whitespace-separated words as tokens, a ChatML-like template and a
+/// model name of the test's choosing: the counter for tests that need token
+/// counts a reader can check by eye.
+#[cfg(feature = "test-util")]
+#[derive(Debug, Clone, Copy)]
+pub struct WordCounter {
+    /// The model name served.
+    pub model: &'static str,
+}
+
+#[cfg(feature = "test-util")]
+impl PromptCounter for WordCounter {
+    fn model_name(&self) -> &str {
+        self.model
+    }
+    fn count(&self, text: &str) -> Result<usize, BoxError> {
+        Ok(text.split_whitespace().count())
+    }
+    fn chat_prompt(&self, messages: &[(String, String)]) -> Result<String, BoxError> {
+        let mut s = String::new();
+        for (r, c) in messages {
+            s.push_str(&format!("<|im_start|>{r} {c} <|im_end|> "));
+        }
+        s.push_str("<|im_start|>assistant");
+        Ok(s)
+    }
+}
+
 /// Which API a request is for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ApiKind {
