@@ -11,7 +11,8 @@ pub use rngd_pool::wiring::{PolicyChoice, ScrapeOptions, SourceChoice, Tokenizer
 use tokio_util::sync::CancellationToken;
 
 use crate::error::GatewayError;
-use crate::server::{self, Gateway, GatewayConfig};
+use crate::server;
+use crate::state::{Gateway, GatewayConfig};
 
 /// Everything a gateway is started from.
 #[derive(Debug, Clone)]

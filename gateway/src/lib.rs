@@ -1,7 +1,8 @@
 //! The OpenAI-compatible gateway: runs the routing policy, drives prefill, the
 //! KV handoff and decode over the PD protocol, and streams the result back.
 //!
-//! - [`server`]: state ([`Gateway`]), router ([`router`]), handlers, `serve`.
+//! - [`state`]: the state ([`Gateway`]) and settings ([`GatewayConfig`]).
+//! - [`server`]: router ([`router`]), handlers, `serve`.
 //! - [`flow`]: one request end to end (policy → prefill → decode, streaming).
 //! - [`error`]: [`ApiError`], the one place statuses and messages are decided.
 //! - The endpoint pool, the prompt counter, the request rules and the policy
@@ -21,7 +22,9 @@ pub mod metrics;
 pub mod probe;
 pub mod server;
 pub mod sse;
+pub mod state;
 
 pub use error::{ApiError, BoxError, GatewayError, Stage};
 pub use metrics::GatewayMetrics;
-pub use server::{Gateway, GatewayConfig, kpi_router, router, serve};
+pub use server::{kpi_router, router, serve};
+pub use state::{Gateway, GatewayConfig};

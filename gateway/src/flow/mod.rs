@@ -1,0 +1,216 @@
+//! One request's journey: policy → prefill (PD protocol) → decode, streamed
+//! through as it arrives, with ids and model rewritten and timings added.
+//!
+//! Cancellation: the response stream owns the upstream decode stream, so a
+//! client that goes away drops it and the decode worker sees its connection
+//! close (and cancels). Between a successful prefill and the decode worker's
+//! answer, a [`KvGuard`] is armed: if the request is abandoned there, it sends
+//! the decode worker the handle with `max_tokens = 1` in the background so the
+//! worker pulls and releases the KV instead of leaving it to the TTL.
+//!
+//! - this module: the flow itself (policy → prefill → decode);
+//! - [`upstream`]: calls to the workers (timeouts, status mapping, the [`KvGuard`]);
+//! - [`respond`]: the non-streamed answer and the request's timings and metrics;
+//! - [`stream`]: the streamed answer, chunk by chunk (typed worker chunks).
+
+mod respond;
+mod stream;
+mod upstream;
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use axum::http::{HeaderMap, HeaderValue, header};
+use axum::response::{IntoResponse, Response};
+use rngd_api::openai::CompletionResponse;
+use rngd_api::pd::KvTransferParams;
+use rngd_api::rules::unix_now;
+use rngd_pool::{ApiKind, PickError, PickRequest};
+use tracing::Instrument;
+
+use crate::error::{ApiError, Stage};
+use crate::state::Gateway;
+use respond::{Ctx, full_response};
+use stream::stream_response;
+use upstream::{KvGuard, call_json, read_with_timeout, send};
+
+/// A validated request ([`rngd_pool::prepare`]) and where it arrived.
+#[derive(Debug, Clone)]
+pub struct Prepared {
+    /// The request in the completion form the workers speak, and its count.
+    pub request: rngd_pool::Prepared,
+    /// Request path.
+    pub path: String,
+    /// Arrival time.
+    pub started: Instant,
+}
+
+/// Runs one request end to end.
+pub async fn run(gw: Arc<Gateway>, p: Prepared, headers: HeaderMap) -> Result<Response, ApiError> {
+    let rid = gw.request_id(&headers);
+    let span = tracing::info_span!("request", id = %rid, path = %p.path, prompt_tokens = p.request.prompt_tokens, stream = p.request.upstream.sampling.stream);
+    let result = run_inner(gw, p, headers, rid.clone())
+        .instrument(span)
+        .await;
+    let mut resp = match result {
+        Ok(r) => r,
+        Err(e) => e.into_response(),
+    };
+    if let Ok(v) = HeaderValue::from_str(&rid) {
+        resp.headers_mut().insert(rngd_api::headers::REQUEST_ID, v);
+    }
+    Ok(resp)
+}
+
+fn policy_headers(p: &Prepared, headers: &HeaderMap) -> Vec<(String, String)> {
+    let authority = headers
+        .get(header::HOST)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("")
+        .to_string();
+    let mut out = vec![
+        (":method".to_string(), "POST".to_string()),
+        (":path".to_string(), p.path.clone()),
+        (":authority".to_string(), authority),
+        (":scheme".to_string(), "http".to_string()),
+    ];
+    for (k, v) in headers {
+        if k == header::HOST || k == header::CONTENT_LENGTH {
+            continue;
+        }
+        if let Ok(v) = v.to_str() {
+            out.push((k.as_str().to_string(), v.to_string()));
+        }
+    }
+    out
+}
+
+async fn run_inner(
+    gw: Arc<Gateway>,
+    p: Prepared,
+    headers: HeaderMap,
+    rid: String,
+) -> Result<Response, ApiError> {
+    // Policy.
+    let body =
+        serde_json::to_vec(&p.request.upstream).map_err(|e| ApiError::Internal(e.to_string()))?;
+    let pick = PickRequest {
+        headers: policy_headers(&p, &headers),
+        body,
+        prompt_tokens: Some(p.request.prompt_tokens),
+        subset: None,
+    };
+    let t = Instant::now();
+    let picked = gw.picker.pick(pick).await;
+    gw.metrics.observe_policy(t.elapsed());
+    let route = match picked {
+        Ok(r) => r,
+        Err(PickError::Rejected(local)) => {
+            tracing::info!(status = local.status, "policy rejected the request");
+            return Err(ApiError::PolicyReject {
+                status: local.status,
+                body: local.body,
+            });
+        }
+        Err(e) => return Err(ApiError::Policy(e)),
+    };
+    tracing::debug!(decode = %route.decode, prefill = ?route.prefill, kv_transport = ?route.kv_transport, "routed");
+
+    // Prefill (PD), or none: the decode worker prefills itself.
+    let mut decode_req = p.request.upstream.clone();
+    let mut prefill_info: Option<(KvTransferParams, Instant)> = None;
+    let mut guard = KvGuard::disarmed();
+    if let Some(prefill) = &route.prefill {
+        let mut req = p.request.upstream.clone();
+        req.sampling.stream = false;
+        req.sampling.stream_options = None;
+        req.kv_transfer_params = Some(KvTransferParams {
+            do_remote_decode: true,
+            kv_transport: route.kv_transport.clone(),
+            ..Default::default()
+        });
+        let resp: CompletionResponse = call_json(
+            &gw,
+            Stage::Prefill,
+            prefill,
+            &req,
+            &rid,
+            gw.config.prefill_timeout,
+        )
+        .await?;
+        let Some(mut params) = resp.kv_transfer_params else {
+            return Err(ApiError::Upstream {
+                stage: Stage::Prefill,
+                address: prefill.clone(),
+                detail: "its response has no kv_transfer_params".into(),
+                source: None,
+            });
+        };
+        if params.kv_handle.is_none() {
+            return Err(ApiError::Upstream {
+                stage: Stage::Prefill,
+                address: prefill.clone(),
+                detail: "its kv_transfer_params have no kv_handle".into(),
+                source: None,
+            });
+        }
+        params.do_remote_decode = false;
+        params.do_remote_prefill = true;
+        decode_req.kv_transfer_params = Some(params.clone());
+        guard = KvGuard::arm(&gw, &route.decode, &decode_req, &rid);
+        prefill_info = Some((params, Instant::now()));
+    }
+
+    // Decode.
+    let decode_sent = Instant::now();
+    let resp = send(
+        &gw,
+        Stage::Decode,
+        &route.decode,
+        &decode_req,
+        &rid,
+        gw.config.decode_timeout,
+    )
+    .await;
+    // The decode worker answered (or refused): the KV is its business now.
+    if resp.is_ok() {
+        guard.disarm();
+    }
+    let resp = resp?;
+    let kv_transport = prefill_info.as_ref().map(|(params, _)| {
+        route
+            .kv_transport
+            .clone()
+            .or_else(|| params.kv_handle.as_ref().map(|h| h.transport.clone()))
+            .unwrap_or_else(|| "unknown".to_string())
+    });
+    let ctx = Ctx {
+        gw: gw.clone(),
+        kind: p.request.kind,
+        id: match p.request.kind {
+            ApiKind::Completion => format!("cmpl-{rid}"),
+            ApiKind::Chat => format!("chatcmpl-{rid}"),
+        },
+        model: p.request.client_model.clone(),
+        created: unix_now(),
+        started: p.started,
+        decode_sent,
+        prefill: prefill_info,
+        kv_transport,
+        address: route.decode.clone(),
+    };
+    if p.request.upstream.sampling.stream {
+        Ok(stream_response(ctx, resp, p.request.include_usage))
+    } else {
+        let bytes =
+            read_with_timeout(Stage::Decode, &route.decode, resp, gw.config.decode_timeout).await?;
+        let body: CompletionResponse =
+            serde_json::from_slice(&bytes).map_err(|e| ApiError::Upstream {
+                stage: Stage::Decode,
+                address: route.decode.clone(),
+                detail: "its response is not a completion".into(),
+                source: Some(Box::new(e)),
+            })?;
+        Ok(full_response(ctx, body))
+    }
+}

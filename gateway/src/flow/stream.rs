@@ -1,0 +1,272 @@
+//! A streamed answer: the decode worker's SSE chunks, read as typed
+//! [`WorkerChunk`]s, rewritten for the client (ids, model, timings; chat
+//! chunks for the chat API), with idle and early-end detection.
+
+use std::collections::VecDeque;
+use std::pin::Pin;
+use std::time::{Duration, Instant};
+
+use axum::body::Body;
+use axum::http::{HeaderValue, StatusCode, header};
+use axum::response::Response;
+use bytes::Bytes;
+use futures::{Stream, StreamExt};
+use rngd_api::openai::{
+    ChatChunkChoice, ChatCompletionChunk, ChatDelta, CompletionResponse, ErrorBody, Timings, Usage,
+};
+use rngd_api::rules::ms;
+use rngd_pool::ApiKind;
+use serde::Deserialize;
+
+use super::respond::Ctx;
+use crate::sse::{self, SseParser};
+
+/// One chunk of a worker's completion stream: an error, or a completion chunk
+/// (a token, the finish, or the usage-only chunk with no choices).
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+enum WorkerChunk {
+    /// The worker's own mid-stream error.
+    Error(ErrorBody),
+    /// A completion chunk.
+    Chunk(CompletionResponse),
+}
+
+type Upstream = Pin<Box<dyn Stream<Item = reqwest::Result<Bytes>> + Send>>;
+
+/// State of one streamed response.
+struct StreamState {
+    ctx: Ctx,
+    upstream: Upstream,
+    parser: SseParser,
+    out: VecDeque<Bytes>,
+    finished: bool,
+    include_usage: bool,
+    role_sent: bool,
+    first_token: Option<Instant>,
+    tokens: u64,
+    usage: Option<Usage>,
+    worker_timings: Option<Timings>,
+    idle: Duration,
+}
+
+pub(super) fn stream_response(ctx: Ctx, resp: reqwest::Response, include_usage: bool) -> Response {
+    let idle = ctx.gw.config.stream_idle_timeout;
+    let state = StreamState {
+        ctx,
+        upstream: Box::pin(resp.bytes_stream()),
+        parser: SseParser::new(),
+        out: VecDeque::new(),
+        finished: false,
+        include_usage,
+        role_sent: false,
+        first_token: None,
+        tokens: 0,
+        usage: None,
+        worker_timings: None,
+        idle,
+    };
+    let stream = futures::stream::unfold(state, |mut st| async move {
+        loop {
+            if let Some(b) = st.out.pop_front() {
+                return Some((Ok::<Bytes, std::io::Error>(b), st));
+            }
+            if st.finished {
+                return None;
+            }
+            match tokio::time::timeout(st.idle, st.upstream.next()).await {
+                Err(_) => st.fail(format!(
+                    "decode worker {} sent nothing for {} ms",
+                    st.ctx.address,
+                    st.idle.as_millis()
+                )),
+                Ok(None) => {
+                    if let Some(data) = st.parser.finish() {
+                        st.on_event(&data);
+                    }
+                    if !st.finished {
+                        st.fail(format!(
+                            "decode worker {} ended the stream early",
+                            st.ctx.address
+                        ));
+                    }
+                }
+                Ok(Some(Err(e))) => {
+                    tracing::warn!(error = %e, "decode stream broke");
+                    st.fail(format!("decode worker {} broke the stream", st.ctx.address));
+                }
+                Ok(Some(Ok(chunk))) => match st.parser.push(&chunk) {
+                    Ok(events) => {
+                        for data in events {
+                            st.on_event(&data);
+                        }
+                    }
+                    Err(e) => st.fail(format!("decode worker {}: {e}", st.ctx.address)),
+                },
+            }
+        }
+    });
+    let mut resp = Response::new(Body::from_stream(stream));
+    *resp.status_mut() = StatusCode::OK;
+    let h = resp.headers_mut();
+    h.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("text/event-stream"),
+    );
+    h.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+    resp
+}
+
+impl StreamState {
+    fn push_json<T: serde::Serialize>(&mut self, v: &T) {
+        if let Ok(s) = serde_json::to_string(v) {
+            self.out.push_back(sse::encode(&s));
+        }
+    }
+
+    fn fail(&mut self, message: String) {
+        tracing::warn!(%message, "stream failed");
+        let body = ErrorBody::new("server_error", message).with_code("decode_failed");
+        self.push_json(&body);
+        self.out.push_back(sse::encode("[DONE]"));
+        self.finished = true;
+    }
+
+    fn complete(&mut self) {
+        self.finished = true;
+        let ttft = self.first_token.map(|t| t.duration_since(self.ctx.started));
+        let tokens = self
+            .usage
+            .map(|u| u64::from(u.completion_tokens))
+            .unwrap_or(self.tokens);
+        let kv = self
+            .worker_timings
+            .as_ref()
+            .and_then(|t| self.ctx.kv_transfer_ms(t))
+            .or_else(|| self.ctx.prefill.as_ref().and_then(|(p, _)| p.kv_save_ms));
+        self.ctx.record(ttft, tokens, kv);
+        tracing::info!(tokens, ttft_ms = ?ttft.map(ms), "stream done");
+    }
+
+    fn on_event(&mut self, data: &str) {
+        if self.finished {
+            return;
+        }
+        if data.trim() == "[DONE]" {
+            self.complete();
+            self.out.push_back(sse::encode("[DONE]"));
+            return;
+        }
+        let mut chunk = match serde_json::from_str::<WorkerChunk>(data) {
+            Ok(WorkerChunk::Chunk(c)) => c,
+            Ok(WorkerChunk::Error(e)) => {
+                // The worker's own mid-stream error: pass it on and end.
+                tracing::warn!(worker = %self.ctx.address, message = %e.error.message, "decode worker failed mid-stream");
+                self.out.push_back(sse::encode(data));
+                self.out.push_back(sse::encode("[DONE]"));
+                self.finished = true;
+                return;
+            }
+            Err(_) => {
+                self.fail(format!(
+                    "decode worker {} sent an unreadable chunk",
+                    self.ctx.address
+                ));
+                return;
+            }
+        };
+        let choice = chunk.choices.first();
+        let text = choice.map(|c| c.text.clone()).unwrap_or_default();
+        let ids = choice
+            .and_then(|c| c.token_ids.as_ref())
+            .map_or(0, |t| t.len() as u64);
+        let finish = choice.and_then(|c| c.finish_reason.clone());
+        let has_choice = choice.is_some();
+        if let Some(u) = chunk.usage {
+            self.usage = Some(u);
+        }
+        if let Some(t) = chunk.timings {
+            self.worker_timings = Some(t);
+        }
+        self.tokens += ids;
+        if self.first_token.is_none() && (ids > 0 || !text.is_empty()) {
+            self.first_token = Some(Instant::now());
+        }
+        match self.ctx.kind {
+            ApiKind::Completion => {
+                chunk.id = self.ctx.id.clone();
+                chunk.model = self.ctx.model.clone();
+                chunk.created = self.ctx.created;
+                chunk.object = "text_completion".into();
+                chunk.kv_transfer_params = None;
+                if chunk.timings.is_some() {
+                    let ttft = self.first_token.map(|t| t.duration_since(self.ctx.started));
+                    let (t, _) = self
+                        .ctx
+                        .merged_timings(self.worker_timings, ttft, self.tokens);
+                    chunk.timings = Some(t);
+                }
+                if chunk.usage.is_some() && !self.include_usage {
+                    if chunk.choices.is_empty() {
+                        return;
+                    }
+                    chunk.usage = None;
+                }
+                self.push_json(&chunk);
+            }
+            ApiKind::Chat => {
+                let (id, model, created) = (
+                    self.ctx.id.clone(),
+                    self.ctx.model.clone(),
+                    self.ctx.created,
+                );
+                let chat =
+                    |choices: Vec<ChatChunkChoice>, usage: Option<Usage>| ChatCompletionChunk {
+                        id: id.clone(),
+                        object: "chat.completion.chunk".into(),
+                        created,
+                        model: model.clone(),
+                        choices,
+                        usage,
+                    };
+                if has_choice {
+                    if !self.role_sent {
+                        self.role_sent = true;
+                        let c = chat(
+                            vec![ChatChunkChoice {
+                                index: 0,
+                                delta: ChatDelta {
+                                    role: Some("assistant".into()),
+                                    content: Some(String::new()),
+                                },
+                                finish_reason: None,
+                            }],
+                            None,
+                        );
+                        self.push_json(&c);
+                    }
+                    if !text.is_empty() || finish.is_some() {
+                        let c = chat(
+                            vec![ChatChunkChoice {
+                                index: 0,
+                                delta: ChatDelta {
+                                    role: None,
+                                    content: (!text.is_empty()).then_some(text),
+                                },
+                                finish_reason: finish,
+                            }],
+                            None,
+                        );
+                        self.push_json(&c);
+                    }
+                }
+                if self.include_usage
+                    && let Some(u) = chunk.usage
+                {
+                    let c = chat(Vec::new(), Some(u));
+                    self.push_json(&c);
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,175 @@
+//! Calls to the workers: one POST with its deadline, the body read within
+//! what is left of it, an error status turned into [`ApiError`], and the
+//! [`KvGuard`] that releases an abandoned request's KV.
+
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use rngd_api::openai::{CompletionRequest, ErrorBody};
+
+use crate::error::{ApiError, Stage};
+use crate::state::Gateway;
+
+/// POSTs `req` to a worker; returns the response once its status is a success.
+pub(super) async fn send(
+    gw: &Gateway,
+    stage: Stage,
+    address: &str,
+    req: &CompletionRequest,
+    rid: &str,
+    timeout: Duration,
+) -> Result<reqwest::Response, ApiError> {
+    let url = format!("http://{address}/v1/completions");
+    let fut = gw
+        .client
+        .post(url)
+        .header(rngd_api::headers::REQUEST_ID, rid)
+        .json(req)
+        .send();
+    let timeout_err = || ApiError::Timeout {
+        stage,
+        address: address.to_string(),
+        after_ms: timeout.as_millis() as u64,
+    };
+    let resp = match tokio::time::timeout(timeout, fut).await {
+        Err(_) => return Err(timeout_err()),
+        Ok(Err(e)) if e.is_timeout() => return Err(timeout_err()),
+        Ok(Err(e)) => {
+            let detail = if e.is_connect() {
+                "connection failed"
+            } else {
+                "request failed"
+            };
+            return Err(ApiError::Upstream {
+                stage,
+                address: address.to_string(),
+                detail: detail.into(),
+                source: Some(Box::new(e)),
+            });
+        }
+        Ok(Ok(r)) => r,
+    };
+    if resp.status().is_success() {
+        return Ok(resp);
+    }
+    let status = resp.status().as_u16();
+    let bytes = tokio::time::timeout(Duration::from_secs(5), resp.bytes())
+        .await
+        .ok()
+        .and_then(|r| r.ok())
+        .unwrap_or_default();
+    let (message, code) = match serde_json::from_slice::<ErrorBody>(&bytes) {
+        Ok(b) => (b.error.message, b.error.code),
+        Err(_) => (
+            String::from_utf8_lossy(&bytes)
+                .chars()
+                .take(500)
+                .collect::<String>(),
+            None,
+        ),
+    };
+    Err(ApiError::UpstreamStatus {
+        stage,
+        address: address.to_string(),
+        status,
+        message,
+        code,
+    })
+}
+
+pub(super) async fn read_with_timeout(
+    stage: Stage,
+    address: &str,
+    resp: reqwest::Response,
+    timeout: Duration,
+) -> Result<Bytes, ApiError> {
+    match tokio::time::timeout(timeout, resp.bytes()).await {
+        Err(_) => Err(ApiError::Timeout {
+            stage,
+            address: address.to_string(),
+            after_ms: timeout.as_millis() as u64,
+        }),
+        Ok(Err(e)) => Err(ApiError::Upstream {
+            stage,
+            address: address.to_string(),
+            detail: "its response broke off".into(),
+            source: Some(Box::new(e)),
+        }),
+        Ok(Ok(b)) => Ok(b),
+    }
+}
+
+pub(super) async fn call_json<T: serde::de::DeserializeOwned>(
+    gw: &Gateway,
+    stage: Stage,
+    address: &str,
+    req: &CompletionRequest,
+    rid: &str,
+    timeout: Duration,
+) -> Result<T, ApiError> {
+    let started = Instant::now();
+    let resp = send(gw, stage, address, req, rid, timeout).await?;
+    let left = timeout.saturating_sub(started.elapsed());
+    let bytes = read_with_timeout(stage, address, resp, left).await?;
+    serde_json::from_slice(&bytes).map_err(|e| ApiError::Upstream {
+        stage,
+        address: address.to_string(),
+        detail: "its response is not a completion".into(),
+        source: Some(Box::new(e)),
+    })
+}
+
+/// Releases an abandoned request's KV (see the module docs).
+pub(super) struct KvGuard {
+    armed: Option<(reqwest::Client, String, CompletionRequest, String)>,
+}
+
+impl KvGuard {
+    pub(super) fn disarmed() -> Self {
+        KvGuard { armed: None }
+    }
+
+    pub(super) fn arm(gw: &Gateway, decode: &str, req: &CompletionRequest, rid: &str) -> Self {
+        KvGuard {
+            armed: Some((
+                gw.client.clone(),
+                decode.to_string(),
+                req.clone(),
+                rid.to_string(),
+            )),
+        }
+    }
+
+    pub(super) fn disarm(&mut self) {
+        self.armed = None;
+    }
+}
+
+impl Drop for KvGuard {
+    fn drop(&mut self) {
+        let Some((client, address, mut req, rid)) = self.armed.take() else {
+            return;
+        };
+        let Ok(rt) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        req.sampling.max_tokens = Some(1);
+        req.sampling.stream = false;
+        req.sampling.stream_options = None;
+        tracing::info!(request = %rid, decode = %address, "request abandoned after prefill: asking the decode worker to release its KV");
+        rt.spawn(async move {
+            let fut = client
+                .post(format!("http://{address}/v1/completions"))
+                .header(rngd_api::headers::REQUEST_ID, &rid)
+                .json(&req)
+                .send();
+            match tokio::time::timeout(Duration::from_secs(30), fut).await {
+                Ok(Ok(r)) => {
+                    let _ = r.bytes().await;
+                }
+                Ok(Err(e)) => tracing::warn!(request = %rid, error = %e, "KV release call failed; the transport TTL will reclaim it"),
+                Err(_) => tracing::warn!(request = %rid, "KV release call timed out; the transport TTL will reclaim it"),
+            }
+        });
+    }
+}

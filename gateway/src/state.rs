@@ -1,0 +1,135 @@
+//! The gateway's state ([`Gateway`]) and settings ([`GatewayConfig`]): what
+//! both the handlers ([`crate::server`]) and the request flow
+//! ([`crate::flow`]) read, so neither depends on the other for it.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use axum::http::HeaderMap;
+use rngd_pool::{EndpointSource, Picker, PromptCounter};
+
+use crate::error::{ApiError, GatewayError};
+use crate::metrics::GatewayMetrics;
+
+/// Gateway settings.
+#[derive(Debug, Clone)]
+pub struct GatewayConfig {
+    /// Extra model names accepted besides the tokenizer's (aliases, e.g. the file stem).
+    pub model_aliases: Vec<String>,
+    /// Compiled context length the workers run with (for `/v1/models` and the
+    /// default `max_tokens` of a chat).
+    pub seq_len: u32,
+    /// Largest request body accepted, bytes.
+    pub body_limit: usize,
+    /// Time allowed for the prefill call (whole response).
+    pub prefill_timeout: Duration,
+    /// Time allowed for the decode call: to its response headers when
+    /// streaming, to the whole response otherwise.
+    pub decode_timeout: Duration,
+    /// Longest gap between two chunks of a streamed decode.
+    pub stream_idle_timeout: Duration,
+    /// TCP connect timeout towards workers.
+    pub connect_timeout: Duration,
+}
+
+impl Default for GatewayConfig {
+    fn default() -> Self {
+        GatewayConfig {
+            model_aliases: Vec::new(),
+            seq_len: 512,
+            body_limit: 1 << 20,
+            prefill_timeout: Duration::from_secs(120),
+            decode_timeout: Duration::from_secs(600),
+            stream_idle_timeout: Duration::from_secs(60),
+            connect_timeout: Duration::from_secs(2),
+        }
+    }
+}
+
+/// Everything a request handler needs.
+pub struct Gateway {
+    pub(crate) config: GatewayConfig,
+    pub(crate) picker: Picker,
+    pub(crate) tokenizer: Arc<dyn PromptCounter>,
+    pub(crate) client: reqwest::Client,
+    pub(crate) metrics: Arc<GatewayMetrics>,
+    next_id: AtomicU64,
+    id_prefix: String,
+}
+
+impl std::fmt::Debug for Gateway {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Gateway")
+            .field("config", &self.config)
+            .field("model", &self.tokenizer.model_name())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Gateway {
+    /// Builds the gateway state over a picker (the pool's endpoint source and
+    /// policy) and the prompt counter.
+    pub fn new(
+        config: GatewayConfig,
+        picker: Picker,
+        tokenizer: Arc<dyn PromptCounter>,
+    ) -> Result<Arc<Self>, GatewayError> {
+        let client = reqwest::Client::builder()
+            .connect_timeout(config.connect_timeout)
+            .tcp_nodelay(true)
+            .pool_idle_timeout(Duration::from_secs(60))
+            .build()
+            .map_err(GatewayError::Client)?;
+        let nanos = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map(|d| d.as_nanos())
+            .unwrap_or(0);
+        Ok(Arc::new(Gateway {
+            config,
+            picker,
+            tokenizer,
+            client,
+            metrics: Arc::new(GatewayMetrics::new()?),
+            next_id: AtomicU64::new(0),
+            id_prefix: format!("{:x}", (nanos as u64) ^ u64::from(std::process::id())),
+        }))
+    }
+
+    /// The metrics (for the KPI listener and extra registrations).
+    pub fn metrics(&self) -> &Arc<GatewayMetrics> {
+        &self.metrics
+    }
+
+    /// The endpoint source the picker routes over.
+    pub fn endpoints(&self) -> &Arc<dyn EndpointSource> {
+        self.picker.endpoints()
+    }
+
+    /// The served model name.
+    pub fn model_name(&self) -> &str {
+        self.tokenizer.model_name()
+    }
+
+    pub(crate) fn request_id(&self, headers: &HeaderMap) -> String {
+        if let Some(v) = headers
+            .get(rngd_api::headers::REQUEST_ID)
+            .and_then(|v| v.to_str().ok())
+            .and_then(rngd_api::rules::sanitize_request_id)
+        {
+            return v;
+        }
+        let n = self.next_id.fetch_add(1, Ordering::Relaxed);
+        format!("{}-{n}", self.id_prefix)
+    }
+
+    pub(crate) fn check_model(&self, model: &str) -> Result<(), ApiError> {
+        if model == self.tokenizer.model_name()
+            || self.config.model_aliases.iter().any(|a| a == model)
+        {
+            Ok(())
+        } else {
+            Err(ApiError::ModelNotFound(model.chars().take(200).collect()))
+        }
+    }
+}
