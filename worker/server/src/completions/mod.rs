@@ -1,0 +1,184 @@
+//! `POST /v1/completions`: whole requests, the two halves of the PD protocol,
+//! and `x-prefiller-host-port` orchestration. See `docs/pd-protocol.md`.
+//!
+//! - this module: the handler, dispatch to the mode, the prompt and the
+//!   sampling parameters;
+//! - [`pd`]: the three PD modes (prefill for a remote decode, decode from a
+//!   pulled KV, orchestration of a prefill peer);
+//! - [`respond`]: a generation stream as a JSON body or as SSE.
+
+mod pd;
+mod respond;
+
+use std::time::Instant;
+
+use axum::body::Bytes;
+use axum::extract::State;
+use axum::http::{HeaderMap, HeaderValue};
+use axum::response::{IntoResponse, Response};
+use rngd_api::Role;
+use rngd_api::headers;
+use rngd_api::openai::{CompletionRequest, Prompt, SamplingFields, Timings};
+use rngd_api::rules;
+use rngd_engine::{Engine, SamplingParams};
+use tracing::Instrument;
+
+use crate::error::ApiError;
+use crate::state::WorkerState;
+use pd::{decode_remote, orchestrate, prefill_for_remote};
+use respond::{Meta, respond};
+
+/// The handler: request id, span, status counter, `x-request-id` echo.
+pub(crate) async fn completions(
+    State(state): State<WorkerState>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    let request_id = crate::request_id(&headers);
+    let span = tracing::info_span!("completion", request_id = %request_id, role = state.config().role.as_str());
+    let result = handle(&state, &headers, &request_id, &body)
+        .instrument(span)
+        .await;
+    let mut resp = result.unwrap_or_else(IntoResponse::into_response);
+    state
+        .metrics()
+        .requests
+        .with_label_values(&[resp.status().as_str()])
+        .inc();
+    if let Ok(v) = HeaderValue::from_str(&request_id) {
+        resp.headers_mut().insert(headers::REQUEST_ID, v);
+    }
+    resp
+}
+
+async fn handle(
+    state: &WorkerState,
+    headers: &HeaderMap,
+    request_id: &str,
+    body: &[u8],
+) -> Result<Response, ApiError> {
+    let started = Instant::now();
+    let engine = state.engine().ok_or(ApiError::NotReady)?.clone();
+    let req: CompletionRequest = rules::parse_body(body)?;
+    rules::check_completion(&req)?;
+    let header = |name: &str| {
+        headers
+            .get(name)
+            .and_then(|v| v.to_str().ok())
+            .map(str::trim)
+            .filter(|v| !v.is_empty())
+    };
+    let role = state.config().role;
+    let params = req.kv_transfer_params.clone().unwrap_or_default();
+    if params.do_remote_decode {
+        if role == Role::Decode {
+            return Err(ApiError::WrongRole(
+                "this worker has role decode: it does not serve prefill-only requests (kv_transfer_params.do_remote_decode)".into(),
+            ));
+        }
+        let transport = params
+            .kv_transport
+            .clone()
+            .or_else(|| header(headers::KV_TRANSPORT).map(String::from));
+        tracing::info!(
+            mode = "prefill",
+            transport = transport
+                .as_deref()
+                .unwrap_or(state.transports().default_name())
+        );
+        return prefill_for_remote(
+            state,
+            &engine,
+            &req,
+            request_id,
+            transport.as_deref(),
+            started,
+        )
+        .await;
+    }
+    if role == Role::Prefill {
+        return Err(ApiError::WrongRole(
+            "this worker has role prefill: it only prefills; send kv_transfer_params {\"do_remote_decode\": true}".into(),
+        ));
+    }
+    if params.do_remote_prefill {
+        tracing::info!(mode = "decode");
+        return decode_remote(state, &engine, &req, request_id, params, started).await;
+    }
+    if let Some(peer) = header(headers::PREFILLER_HOST_PORT) {
+        tracing::info!(mode = "orchestrate", prefiller = peer);
+        let transport = header(headers::KV_TRANSPORT).map(String::from);
+        return orchestrate(state, &engine, &req, request_id, peer, transport, started).await;
+    }
+    tracing::info!(mode = "local");
+    let prompt = prompt_ids(&*engine, &req.prompt)?;
+    let sp = sampling(&req.sampling, &prompt, engine.info().seq_len)?;
+    let rx = engine.generate(&prompt, &sp).await?;
+    state.metrics().prefills.inc();
+    let meta = Meta::new(
+        &*engine,
+        &req,
+        request_id,
+        prompt.len(),
+        started,
+        Timings::default(),
+    );
+    respond(state.clone(), meta, rx, req.sampling.stream).await
+}
+
+/// The prompt as token ids (one prompt per request).
+pub(super) fn prompt_ids(engine: &dyn Engine, prompt: &Prompt) -> Result<Vec<u32>, ApiError> {
+    let ids = match prompt {
+        Prompt::Text(t) => engine.tokenize(t)?,
+        Prompt::TextBatch(v) if v.len() == 1 => engine.tokenize(&v[0])?,
+        Prompt::Tokens(t) => t.clone(),
+        Prompt::TokensBatch(v) if v.len() == 1 => v[0].clone(),
+        _ => {
+            return Err(ApiError::BadRequest(
+                "only one prompt per request is served".into(),
+            ));
+        }
+    };
+    if ids.is_empty() {
+        return Err(ApiError::BadRequest("the prompt is empty".into()));
+    }
+    check_vocab(&ids, engine.info().vocab_size)?;
+    Ok(ids)
+}
+
+pub(super) fn check_vocab(ids: &[u32], vocab: usize) -> Result<(), ApiError> {
+    match ids.iter().find(|&&t| t as usize >= vocab) {
+        Some(t) => Err(ApiError::BadRequest(format!(
+            "token id {t} is outside the vocabulary (size {vocab})"
+        ))),
+        None => Ok(()),
+    }
+}
+
+/// Sampling parameters of a request; the context-length check happens here,
+/// before any work. Without `seed`, the seed is a hash of the prompt tokens, so
+/// that a prefill worker, a decode worker and a solo worker agree on it.
+pub(super) fn sampling(
+    f: &SamplingFields,
+    prompt: &[u32],
+    seq_len: usize,
+) -> Result<SamplingParams, ApiError> {
+    rules::check_sampling(f)?;
+    let max_tokens = rules::max_tokens_or_default(f.max_tokens) as usize;
+    rngd_engine::check_context(prompt.len(), max_tokens, seq_len)?;
+    let temperature = f.temperature.unwrap_or(1.0);
+    let top_p = f.top_p.unwrap_or(1.0);
+    let seed = f.seed.unwrap_or_else(|| {
+        prompt.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, t| {
+            (h ^ u64::from(*t)).wrapping_mul(0x0100_0000_01b3)
+        })
+    });
+    Ok(SamplingParams {
+        max_tokens,
+        temperature,
+        top_k: f.top_k.unwrap_or(0) as usize,
+        top_p,
+        seed,
+        stop: f.stop.as_ref().map(|s| s.to_vec()).unwrap_or_default(),
+    })
+}

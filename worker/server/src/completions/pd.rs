@@ -1,0 +1,238 @@
+//! The three PD modes of a completion: prefill for a remote decode (push the
+//! KV, answer with the handle), decode from a pulled KV (nothing
+//! re-prefilled), and the llm-d sidecar's orchestration of a prefill peer.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use axum::response::{IntoResponse, Response};
+use rngd_api::openai::{CompletionChoice, CompletionRequest, CompletionResponse, Timings, Usage};
+use rngd_api::pd::KvTransferParams;
+use rngd_api::rules::{ms, unix_now};
+use rngd_engine::{Engine, KvCache, Prefilled};
+use rngd_kv_transport::KvPayload;
+
+use super::respond::{Meta, respond};
+use super::{check_vocab, prompt_ids, sampling};
+use crate::error::ApiError;
+use crate::state::WorkerState;
+
+/// Extra time the worker gives a transport's own pull timeout before giving up itself.
+const PULL_GRACE: Duration = Duration::from_secs(2);
+
+/// Prefill half of the PD protocol: prefill, push, answer with the first token and the handle.
+pub(super) async fn prefill_for_remote(
+    state: &WorkerState,
+    engine: &Arc<dyn Engine>,
+    req: &CompletionRequest,
+    request_id: &str,
+    transport_name: Option<&str>,
+    started: Instant,
+) -> Result<Response, ApiError> {
+    let prompt = prompt_ids(&**engine, &req.prompt)?;
+    let sp = sampling(&req.sampling, &prompt, engine.info().seq_len)?;
+    let transport =
+        state
+            .transports()
+            .get(transport_name)
+            .map_err(|source| ApiError::UnknownTransport {
+                name: transport_name
+                    .unwrap_or(state.transports().default_name())
+                    .to_string(),
+                source: Box::new(source),
+            })?;
+    let pre = engine.prefill(&prompt, &sp).await?;
+    let prefill_ms = ms(pre.elapsed);
+    let m = state.metrics();
+    m.prefills.inc();
+    m.prefill_ms.observe(prefill_ms);
+    let first = pre.first_token;
+    let t0 = Instant::now();
+    let handle = transport
+        .push(KvPayload {
+            request_id: request_id.to_string(),
+            layout: pre.kv.layout,
+            tokens: pre.kv.tokens,
+            blobs: pre.kv.blobs,
+        })
+        .await
+        .map_err(|source| ApiError::KvPush {
+            transport: transport.name().to_string(),
+            request_id: request_id.to_string(),
+            source: Box::new(source),
+        })?;
+    let kv_save_ms = ms(t0.elapsed());
+    m.kv_save_ms.observe(kv_save_ms);
+    tracing::info!(
+        transport = transport.name(),
+        prompt_tokens = prompt.len(),
+        prefill_ms,
+        kv_save_ms,
+        "KV pushed"
+    );
+    let text = engine.detokenize(&[first])?;
+    let total = ms(started.elapsed());
+    let prompt_tokens = prompt.len();
+    let resp = CompletionResponse {
+        id: format!("cmpl-{request_id}"),
+        object: "text_completion".into(),
+        created: unix_now(),
+        model: engine.info().name.clone(),
+        choices: vec![CompletionChoice {
+            index: 0,
+            text,
+            logprobs: None,
+            finish_reason: Some("length".into()),
+            token_ids: Some(vec![first]),
+        }],
+        usage: Some(Usage::new(prompt_tokens as u32, 1)),
+        kv_transfer_params: Some(KvTransferParams {
+            do_remote_prefill: true,
+            kv_handle: Some(handle),
+            first_token: Some(first),
+            prompt_token_ids: Some(prompt),
+            prefill_ms: Some(prefill_ms),
+            kv_save_ms: Some(kv_save_ms),
+            remote_engine_id: state.config().node.clone(),
+            ..KvTransferParams::default()
+        }),
+        timings: Some(Timings {
+            ttft_ms: Some(total),
+            prefill_ms: Some(prefill_ms),
+            kv_save_ms: Some(kv_save_ms),
+            total_ms: Some(total),
+            ..Timings::default()
+        }),
+    };
+    Ok(axum::Json(resp).into_response())
+}
+
+/// Decode half of the PD protocol: pull (nothing is re-prefilled), release, continue.
+pub(super) async fn decode_remote(
+    state: &WorkerState,
+    engine: &Arc<dyn Engine>,
+    req: &CompletionRequest,
+    request_id: &str,
+    params: KvTransferParams,
+    started: Instant,
+) -> Result<Response, ApiError> {
+    let missing = |what: &str| {
+        ApiError::BadRequest(format!("kv_transfer_params.do_remote_prefill needs {what}"))
+    };
+    let handle = params.kv_handle.ok_or_else(|| missing("kv_handle"))?;
+    let first = params.first_token.ok_or_else(|| missing("first_token"))?;
+    let prompt = match params.prompt_token_ids {
+        Some(p) => p,
+        None => prompt_ids(&**engine, &req.prompt)?,
+    };
+    check_vocab(&prompt, engine.info().vocab_size)?;
+    if handle.tokens != prompt.len() {
+        return Err(ApiError::BadRequest(format!(
+            "kv_handle covers {} tokens but the prompt has {}",
+            handle.tokens,
+            prompt.len()
+        )));
+    }
+    let expected = engine.info().kv_layout;
+    if handle.layout != expected {
+        return Err(ApiError::BadRequest(format!(
+            "KV layout mismatch: the prefill produced {:?}, this decode worker's model needs {expected:?}",
+            handle.layout
+        )));
+    }
+    let sp = sampling(&req.sampling, &prompt, engine.info().seq_len)?;
+    let transport = state
+        .transports()
+        .get(Some(&handle.transport))
+        .map_err(|source| ApiError::UnknownTransport {
+            name: handle.transport.clone(),
+            source: Box::new(source),
+        })?;
+    let timeout = state.config().kv_pull_timeout;
+    let t0 = Instant::now();
+    let pulled = tokio::time::timeout(timeout + PULL_GRACE, transport.pull(&handle, timeout)).await;
+    if let Err(e) = transport.release(&handle).await {
+        tracing::warn!(transport = transport.name(), error = %e, "KV release failed; the transport's TTL will free it");
+    }
+    let blobs = match pulled {
+        Err(_) => {
+            return Err(ApiError::KvPullTimeout {
+                transport: handle.transport.clone(),
+                request_id: handle.request_id.clone(),
+                waited: t0.elapsed(),
+            });
+        }
+        Ok(Err(source)) => {
+            return Err(ApiError::KvPull {
+                transport: handle.transport.clone(),
+                request_id: handle.request_id.clone(),
+                source: Box::new(source),
+            });
+        }
+        Ok(Ok(b)) => b,
+    };
+    let kv_load_ms = ms(t0.elapsed());
+    let m = state.metrics();
+    m.kv_loads.inc();
+    m.kv_load_ms.observe(kv_load_ms);
+    tracing::info!(
+        transport = transport.name(),
+        bytes = handle.total_bytes(),
+        kv_load_ms,
+        "KV loaded and released"
+    );
+    let prefilled = Prefilled {
+        first_token: first,
+        kv: KvCache {
+            layout: handle.layout,
+            tokens: handle.tokens,
+            blobs,
+        },
+        elapsed: Duration::ZERO,
+    };
+    let rx = engine.decode(&prompt, prefilled, &sp).await?;
+    let timings = Timings {
+        prefill_ms: params.prefill_ms,
+        kv_save_ms: params.kv_save_ms,
+        kv_load_ms: Some(kv_load_ms),
+        kv_transfer_ms: Some(params.kv_save_ms.unwrap_or(0.0) + kv_load_ms),
+        ..Timings::default()
+    };
+    let meta = Meta::new(&**engine, req, request_id, prompt.len(), started, timings);
+    respond(state.clone(), meta, rx, req.sampling.stream).await
+}
+
+/// llm-d routing-sidecar behaviour: prefill on `peer`, then decode here.
+pub(super) async fn orchestrate(
+    state: &WorkerState,
+    engine: &Arc<dyn Engine>,
+    req: &CompletionRequest,
+    request_id: &str,
+    peer: &str,
+    transport: Option<String>,
+    started: Instant,
+) -> Result<Response, ApiError> {
+    let mut pre = req.clone();
+    pre.sampling.stream = false;
+    pre.sampling.stream_options = None;
+    pre.kv_transfer_params = Some(KvTransferParams {
+        do_remote_decode: true,
+        kv_transport: transport,
+        ..KvTransferParams::default()
+    });
+    let answer = state
+        .peer()
+        .prefill(peer, request_id, &pre, state.config().prefill_timeout)
+        .await?;
+    let params = answer
+        .kv_transfer_params
+        .filter(|p| p.do_remote_prefill && p.kv_handle.is_some())
+        .ok_or_else(|| ApiError::PrefillPeer {
+            peer: peer.to_string(),
+            request_id: request_id.to_string(),
+            detail: "the answer carries no kv_transfer_params with do_remote_prefill and kv_handle"
+                .into(),
+            source: None,
+        })?;
+    decode_remote(state, engine, req, request_id, params, started).await
+}

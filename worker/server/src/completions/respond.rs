@@ -1,0 +1,231 @@
+//! A generation stream as the answer: one JSON body, or server-sent events
+//! (a chunk per token, the finish with timings, the optional usage chunk,
+//! `[DONE]`), cancelled when the client goes away.
+
+use std::convert::Infallible;
+use std::time::Instant;
+
+use axum::response::sse::{Event, Sse};
+use axum::response::{IntoResponse, Response};
+use futures::StreamExt;
+use rngd_api::openai::{
+    CompletionChoice, CompletionRequest, CompletionResponse, ErrorBody, Timings, Usage,
+};
+use rngd_api::rules::{ms, unix_now};
+use rngd_engine::{Engine, FinishReason, GenEvent};
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+use tracing::Instrument;
+
+use crate::error::ApiError;
+use crate::state::WorkerState;
+
+/// What every chunk or body of one response shares.
+pub(super) struct Meta {
+    id: String,
+    model: String,
+    created: u64,
+    prompt_tokens: usize,
+    started: Instant,
+    timings: Timings,
+    include_usage: bool,
+}
+
+impl Meta {
+    pub(super) fn new(
+        engine: &dyn Engine,
+        req: &CompletionRequest,
+        request_id: &str,
+        prompt_tokens: usize,
+        started: Instant,
+        timings: Timings,
+    ) -> Self {
+        Meta {
+            id: format!("cmpl-{request_id}"),
+            model: engine.info().name.clone(),
+            created: unix_now(),
+            prompt_tokens,
+            started,
+            timings,
+            include_usage: req
+                .sampling
+                .stream_options
+                .as_ref()
+                .is_some_and(|o| o.include_usage),
+        }
+    }
+
+    fn chunk(&self, choices: Vec<CompletionChoice>) -> CompletionResponse {
+        CompletionResponse {
+            id: self.id.clone(),
+            object: "text_completion".into(),
+            created: self.created,
+            model: self.model.clone(),
+            choices,
+            usage: None,
+            kv_transfer_params: None,
+            timings: None,
+        }
+    }
+
+    /// Final timings from the token times.
+    fn finish_timings(
+        &self,
+        first: Option<Instant>,
+        last: Option<Instant>,
+        n: usize,
+        state: &WorkerState,
+    ) -> Timings {
+        let mut t = self.timings;
+        t.ttft_ms = first.map(|f| ms(f - self.started));
+        if let (Some(f), Some(l)) = (first, last)
+            && n > 1
+        {
+            let span = (l - f).as_secs_f64();
+            t.tpot_ms = Some(span * 1000.0 / (n - 1) as f64);
+            if span > 0.0 {
+                state
+                    .metrics()
+                    .decode_tokens_per_s
+                    .observe((n - 1) as f64 / span);
+            }
+        }
+        t.total_ms = Some(ms(self.started.elapsed()));
+        t
+    }
+}
+
+fn finish_str(f: FinishReason) -> String {
+    match f {
+        FinishReason::Stop => "stop".into(),
+        FinishReason::Length => "length".into(),
+    }
+}
+
+/// Turns a generation stream into a JSON body or an SSE stream.
+pub(super) async fn respond(
+    state: WorkerState,
+    meta: Meta,
+    mut rx: mpsc::Receiver<GenEvent>,
+    stream: bool,
+) -> Result<Response, ApiError> {
+    if !stream {
+        let (mut text, mut ids) = (String::new(), Vec::new());
+        let (mut first, mut last) = (None, None);
+        let mut finish = None;
+        while let Some(ev) = rx.recv().await {
+            match ev {
+                GenEvent::Token { id, text: t } => {
+                    let now = Instant::now();
+                    first.get_or_insert(now);
+                    last = Some(now);
+                    ids.push(id);
+                    text.push_str(&t);
+                }
+                GenEvent::Done { finish_reason, .. } => {
+                    finish = Some(finish_reason);
+                    break;
+                }
+                GenEvent::Error(m) => {
+                    return Err(ApiError::Internal(format!("generation failed: {m}")));
+                }
+            }
+        }
+        let finish = finish.ok_or_else(|| {
+            ApiError::Internal("the engine stream ended without finishing".into())
+        })?;
+        let timings = meta.finish_timings(first, last, ids.len(), &state);
+        let n = ids.len() as u32;
+        let mut body = meta.chunk(vec![CompletionChoice {
+            index: 0,
+            text,
+            logprobs: None,
+            finish_reason: Some(finish_str(finish)),
+            token_ids: Some(ids),
+        }]);
+        body.usage = Some(Usage::new(meta.prompt_tokens as u32, n));
+        body.timings = Some(timings);
+        return Ok(axum::Json(body).into_response());
+    }
+    let (tx, out) = mpsc::channel::<Event>(32);
+    let span = tracing::Span::current();
+    tokio::spawn(
+        async move {
+            let send = |v: &dyn erased::Json| Event::default().data(v.to_json());
+            let (mut first, mut last, mut n) = (None, None, 0usize);
+            while let Some(ev) = rx.recv().await {
+                let event = match ev {
+                    GenEvent::Token { id, text } => {
+                        let now = Instant::now();
+                        first.get_or_insert(now);
+                        last = Some(now);
+                        n += 1;
+                        send(&meta.chunk(vec![CompletionChoice {
+                            index: 0,
+                            text,
+                            logprobs: None,
+                            finish_reason: None,
+                            token_ids: Some(vec![id]),
+                        }]))
+                    }
+                    GenEvent::Done { finish_reason, .. } => {
+                        let mut c = meta.chunk(vec![CompletionChoice {
+                            index: 0,
+                            text: String::new(),
+                            logprobs: None,
+                            finish_reason: Some(finish_str(finish_reason)),
+                            token_ids: None,
+                        }]);
+                        c.timings = Some(meta.finish_timings(first, last, n, &state));
+                        if tx.send(send(&c)).await.is_err() {
+                            return;
+                        }
+                        if meta.include_usage {
+                            let mut u = meta.chunk(Vec::new());
+                            u.usage = Some(Usage::new(meta.prompt_tokens as u32, n as u32));
+                            if tx.send(send(&u)).await.is_err() {
+                                return;
+                            }
+                        }
+                        break;
+                    }
+                    GenEvent::Error(m) => {
+                        tracing::warn!(error = %m, "generation failed mid-stream");
+                        let _ = tx
+                            .send(send(&ErrorBody::new(
+                                "server_error",
+                                format!("generation failed: {m}"),
+                            )))
+                            .await;
+                        break;
+                    }
+                };
+                if tx.send(event).await.is_err() {
+                    tracing::info!("client went away; generation cancelled");
+                    return;
+                }
+            }
+            let _ = tx.send(Event::default().data("[DONE]")).await;
+        }
+        .instrument(span),
+    );
+    Ok(Sse::new(ReceiverStream::new(out).map(Ok::<_, Infallible>)).into_response())
+}
+
+mod erased {
+    //! Serializing the two chunk types through one closure.
+
+    /// Something that renders as one JSON line.
+    pub trait Json {
+        /// The JSON text.
+        fn to_json(&self) -> String;
+    }
+
+    impl<T: serde::Serialize> Json for T {
+        fn to_json(&self) -> String {
+            serde_json::to_string(self).unwrap_or_else(|e| {
+                format!("{{\"error\":{{\"message\":\"serialization failed: {e}\"}}}}")
+            })
+        }
+    }
+}
