@@ -29,7 +29,7 @@ enum WorkerChunk {
     /// The worker's own mid-stream error.
     Error(ErrorBody),
     /// A completion chunk.
-    Chunk(CompletionResponse),
+    Chunk(Box<CompletionResponse>),
 }
 
 type Upstream = Pin<Box<dyn Stream<Item = reqwest::Result<Bytes>> + Send>>;
