@@ -15,28 +15,30 @@
 //! Response path: headers pass through; body chunks are echoed (full duplex)
 //! or continued (other modes); trailers pass through. A rejection is an
 //! `ImmediateResponse`, after which the stream is closed.
+//!
+//! - this module: the per-stream state machine ([`StreamState`]);
+//! - [`wire`]: the Envoy messages it reads and writes (header mutations,
+//!   `envoy.lb` metadata, immediate responses, streamed body chunks);
+//! - [`service`]: the gRPC service that drives one state machine per stream.
 
-use std::collections::{HashMap, VecDeque};
-use std::pin::Pin;
-use std::sync::Arc;
+mod service;
+mod wire;
 
-use envoy_types::pb::envoy::config::core::v3::header_value_option::HeaderAppendAction;
-use envoy_types::pb::envoy::config::core::v3::{HeaderValue, HeaderValueOption, Metadata};
 use envoy_types::pb::envoy::extensions::filters::http::ext_proc::v3::processing_mode::BodySendMode;
-use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::ExternalProcessor;
 use envoy_types::pb::envoy::service::ext_proc::v3::{
-    BodyMutation, BodyResponse, CommonResponse, HeaderMutation, HeadersResponse, HttpBody,
-    HttpHeaders, ImmediateResponse, ProcessingRequest, ProcessingResponse, StreamedBodyResponse,
-    TrailersResponse, body_mutation, processing_request, processing_response,
+    BodyResponse, CommonResponse, HeadersResponse, HttpBody, HttpHeaders, ProcessingRequest,
+    ProcessingResponse, TrailersResponse, processing_request, processing_response,
 };
-use envoy_types::pb::envoy::r#type::v3::HttpStatus;
-use envoy_types::pb::google::protobuf::{Struct, Value, value::Kind};
-use futures::{Stream, StreamExt};
 use rngd_api::headers;
-use rngd_policy_core::{Decision, LocalResponse, Route};
-use tracing::Instrument;
+use rngd_policy_core::Decision;
 
-use crate::picker::{PickInput, Picker, error_response, route_headers};
+use crate::picker::{PickInput, Picker, error_response};
+pub use service::{ExtProcService, ResponseStream, respond};
+pub use wire::immediate;
+use wire::{
+    header_pairs, lb_metadata, mode_of, request_headers_response, routed_common, split_list,
+    streamed_body, subset_from_metadata,
+};
 
 /// Largest body chunk re-sent to Envoy (GIE's limit, below Envoy's 64 KiB buffers).
 pub const MAX_CHUNK: usize = 62_000;
@@ -94,169 +96,6 @@ pub struct StreamState {
     body: Vec<u8>,
     /// Destination picked (for logs).
     pub destination: Option<String>,
-}
-
-fn header_pairs(h: &HttpHeaders) -> Vec<(String, String)> {
-    h.headers
-        .as_ref()
-        .map(|m| {
-            m.headers
-                .iter()
-                .map(|hv| {
-                    let v = if hv.raw_value.is_empty() {
-                        hv.value.clone()
-                    } else {
-                        String::from_utf8_lossy(&hv.raw_value).into_owned()
-                    };
-                    (hv.key.to_ascii_lowercase(), v)
-                })
-                .collect()
-        })
-        .unwrap_or_default()
-}
-
-fn subset_from_metadata(md: &Metadata) -> Option<Vec<String>> {
-    let ns = md.filter_metadata.get(SUBSET_HINT_NAMESPACE)?;
-    let v = ns.fields.get(headers::ENVOY_LB_SUBSET_HINT)?;
-    Some(match &v.kind {
-        Some(Kind::ListValue(list)) => list
-            .values
-            .iter()
-            .filter_map(|v| match &v.kind {
-                Some(Kind::StringValue(s)) => Some(s.trim().to_string()),
-                _ => None,
-            })
-            .filter(|s| !s.is_empty())
-            .collect(),
-        Some(Kind::StringValue(s)) => split_list(s),
-        _ => Vec::new(),
-    })
-}
-
-fn split_list(s: &str) -> Vec<String> {
-    s.split(',')
-        .map(str::trim)
-        .filter(|s| !s.is_empty())
-        .map(str::to_string)
-        .collect()
-}
-
-fn set_header(key: &str, value: &str) -> HeaderValueOption {
-    HeaderValueOption {
-        header: Some(HeaderValue {
-            key: key.to_string(),
-            value: String::new(),
-            raw_value: value.as_bytes().to_vec(),
-        }),
-        append_action: HeaderAppendAction::OverwriteIfExistsOrAdd as i32,
-        ..Default::default()
-    }
-}
-
-fn lb_metadata(destination: &str) -> Struct {
-    let mut inner = HashMap::new();
-    inner.insert(
-        headers::DESTINATION_ENDPOINT.to_string(),
-        Value {
-            kind: Some(Kind::StringValue(destination.to_string())),
-        },
-    );
-    let mut outer = HashMap::new();
-    outer.insert(
-        headers::ENVOY_LB_NAMESPACE.to_string(),
-        Value {
-            kind: Some(Kind::StructValue(Struct { fields: inner })),
-        },
-    );
-    Struct { fields: outer }
-}
-
-/// The immediate response for a local answer.
-pub fn immediate(local: &LocalResponse) -> ProcessingResponse {
-    let set_headers = local
-        .headers
-        .iter()
-        .map(|(k, v)| set_header(k, v))
-        .collect();
-    ProcessingResponse {
-        response: Some(processing_response::Response::ImmediateResponse(
-            ImmediateResponse {
-                status: Some(HttpStatus {
-                    code: i32::from(local.status),
-                }),
-                headers: Some(HeaderMutation {
-                    set_headers,
-                    remove_headers: vec![],
-                }),
-                body: local.body.clone(),
-                grpc_status: None,
-                details: format!("rngd_pd_epp_{}", local.status),
-            },
-        )),
-        ..Default::default()
-    }
-}
-
-fn route_mutation(route: &Route, content_length: Option<usize>) -> HeaderMutation {
-    let hdrs = route_headers(route);
-    let mut set_headers: Vec<HeaderValueOption> =
-        hdrs.iter().map(|(k, v)| set_header(k, v)).collect();
-    if let Some(n) = content_length {
-        set_headers.push(set_header("content-length", &n.to_string()));
-    }
-    let mut remove_headers = Vec::new();
-    for name in [headers::PREFILLER_HOST_PORT, headers::KV_TRANSPORT] {
-        if !hdrs.iter().any(|(k, _)| k == name) {
-            remove_headers.push(name.to_string());
-        }
-    }
-    HeaderMutation {
-        set_headers,
-        remove_headers,
-    }
-}
-
-fn routed_common(route: &Route, content_length: Option<usize>) -> CommonResponse {
-    CommonResponse {
-        header_mutation: Some(route_mutation(route, content_length)),
-        clear_route_cache: true,
-        ..Default::default()
-    }
-}
-
-fn request_headers_response(common: CommonResponse) -> processing_response::Response {
-    processing_response::Response::RequestHeaders(HeadersResponse {
-        response: Some(common),
-    })
-}
-
-fn streamed_body(body: Vec<u8>, end_of_stream: bool, request: bool) -> ProcessingResponse {
-    let br = BodyResponse {
-        response: Some(CommonResponse {
-            body_mutation: Some(BodyMutation {
-                mutation: Some(body_mutation::Mutation::StreamedResponse(
-                    StreamedBodyResponse {
-                        body,
-                        end_of_stream,
-                        ..Default::default()
-                    },
-                )),
-            }),
-            ..Default::default()
-        }),
-    };
-    ProcessingResponse {
-        response: Some(if request {
-            processing_response::Response::RequestBody(br)
-        } else {
-            processing_response::Response::ResponseBody(br)
-        }),
-        ..Default::default()
-    }
-}
-
-fn mode_of(v: i32) -> BodySendMode {
-    BodySendMode::try_from(v).unwrap_or(BodySendMode::FullDuplexStreamed)
 }
 
 impl StreamState {
@@ -531,123 +370,5 @@ impl StreamState {
             Decision::Reject(l) => tracing::info!(status = l.status, "rejected"),
         }
         pick
-    }
-}
-
-/// The `envoy.service.ext_proc.v3.ExternalProcessor` gRPC service.
-#[derive(Debug, Clone)]
-pub struct ExtProcService {
-    picker: Arc<Picker>,
-    config: ProcessorConfig,
-}
-
-impl ExtProcService {
-    /// A service picking with `picker`.
-    pub fn new(picker: Arc<Picker>, config: ProcessorConfig) -> Self {
-        ExtProcService { picker, config }
-    }
-}
-
-/// Name and end-of-stream flag of a message, for logs.
-fn message_kind(msg: &ProcessingRequest) -> &'static str {
-    use processing_request::Request as R;
-    match &msg.request {
-        Some(R::RequestHeaders(h)) if h.end_of_stream => "request_headers(eos)",
-        Some(R::RequestHeaders(_)) => "request_headers",
-        Some(R::RequestBody(b)) if b.end_of_stream => "request_body(eos)",
-        Some(R::RequestBody(_)) => "request_body",
-        Some(R::RequestTrailers(_)) => "request_trailers",
-        Some(R::ResponseHeaders(h)) if h.end_of_stream => "response_headers(eos)",
-        Some(R::ResponseHeaders(_)) => "response_headers",
-        Some(R::ResponseBody(b)) if b.end_of_stream => "response_body(eos)",
-        Some(R::ResponseBody(_)) => "response_body",
-        Some(R::ResponseTrailers(_)) => "response_trailers",
-        None => "empty",
-    }
-}
-
-/// The response stream of one `ext_proc` call: the state machine driven by the
-/// inbound messages, polled by the gRPC stream's own task (no extra task or
-/// channel between Envoy's message and our answer).
-pub type ResponseStream =
-    Pin<Box<dyn Stream<Item = Result<ProcessingResponse, tonic::Status>> + Send + 'static>>;
-
-/// What the response stream carries between polls.
-struct Driver<S> {
-    inbound: S,
-    state: StreamState,
-    picker: Arc<Picker>,
-    /// Answers produced but not yet handed to the transport.
-    pending: VecDeque<ProcessingResponse>,
-    /// An immediate response went out: end after `pending`.
-    closing: bool,
-    span: tracing::Span,
-}
-
-/// Runs the state machine over `inbound`: every answer a message allows is
-/// yielded before the next message is read (full duplex never waits for more
-/// input to answer what it can), and the stream ends after an immediate
-/// response or when Envoy half-closes.
-pub fn respond<S>(inbound: S, picker: Arc<Picker>, config: ProcessorConfig) -> ResponseStream
-where
-    S: Stream<Item = Result<ProcessingRequest, tonic::Status>> + Send + Unpin + 'static,
-{
-    let driver = Driver {
-        inbound,
-        state: StreamState::new(config),
-        picker,
-        pending: VecDeque::new(),
-        closing: false,
-        span: tracing::info_span!("ext_proc", request_id = tracing::field::Empty),
-    };
-    Box::pin(futures::stream::unfold(driver, |mut d| async move {
-        loop {
-            if let Some(r) = d.pending.pop_front() {
-                return Some((Ok(r), d));
-            }
-            if d.closing {
-                return None;
-            }
-            let msg = match d.inbound.next().await {
-                Some(Ok(m)) => m,
-                None => return None,
-                Some(Err(status)) => {
-                    let _g = d.span.enter();
-                    tracing::debug!(%status, "ext_proc stream ended by the client");
-                    return None;
-                }
-            };
-            let first = matches!(
-                msg.request,
-                Some(processing_request::Request::RequestHeaders(_))
-            );
-            tracing::trace!(parent: &d.span, message = message_kind(&msg), "ext_proc message");
-            let step = d
-                .state
-                .handle(msg, &d.picker)
-                .instrument(d.span.clone())
-                .await;
-            if first && let Some(id) = d.state.header(headers::REQUEST_ID) {
-                d.span.record("request_id", id);
-            }
-            d.pending.extend(step.responses);
-            d.closing = step.close;
-        }
-    }))
-}
-
-#[tonic::async_trait]
-impl ExternalProcessor for ExtProcService {
-    type ProcessStream = ResponseStream;
-
-    async fn process(
-        &self,
-        request: tonic::Request<tonic::Streaming<ProcessingRequest>>,
-    ) -> Result<tonic::Response<Self::ProcessStream>, tonic::Status> {
-        Ok(tonic::Response::new(respond(
-            request.into_inner(),
-            Arc::clone(&self.picker),
-            self.config,
-        )))
     }
 }
