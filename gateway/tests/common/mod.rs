@@ -1,322 +1,203 @@
-//! Test fakes for the gateway: a worker that speaks the PD protocol with an
-//! in-memory KV store, a native policy and a whitespace tokenizer.
+//! The gateway's test cluster: two real worker servers (`rngd_worker::serve`
+//! on the `EchoEngine` test double, sharing one in-memory KV transport), each
+//! behind a [`Tap`] that records what the gateway sent and can fail or hang on
+//! demand, and the default policy's own logic run natively
+//! ([`rngd_pool::pick::NativePolicy`]) with switchable faults ([`TestPolicy`]).
 #![allow(dead_code)]
 
-use std::collections::HashSet;
-use std::convert::Infallible;
-use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use axum::Router;
 use axum::body::Body;
-use axum::extract::State;
+use axum::extract::{Request, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
-use axum::routing::{get, post};
 use bytes::Bytes;
-use rngd_api::openai::{
-    CompletionChoice, CompletionRequest, CompletionResponse, ErrorBody, Prompt, Timings, Usage,
-};
-use rngd_api::pd::KvTransferParams;
+use futures::{Stream, StreamExt};
+use http_body_util::BodyExt;
+use rngd_api::openai::{CompletionRequest, ErrorBody};
+use rngd_engine::fake::EchoEngine;
 use rngd_gateway::{BoxError, Gateway, GatewayConfig};
-use rngd_kv_wire::{Dtype, KvHandle, KvLayout};
-use rngd_policy_core::{Decision, LocalResponse, Role, Route};
+use rngd_kv_transport::fake::MemoryTransport;
+use rngd_kv_transport::{KvError, KvTransport};
+use rngd_policy_core::{Decision, LocalResponse, PolicyConfig, Role};
 use rngd_policy_host::PolicyRequest;
+use rngd_pool::pick::NativePolicy;
 use rngd_pool::source::{self as endpoints, EndpointSource};
 use rngd_pool::{HttpFetcher, Policy, PolicyFailure, ScrapedEndpoints, StaticEndpoints};
+use rngd_worker::{RunningWorker, TransportFactory, Transports, WorkerConfig};
 
-/// How a fake worker misbehaves.
+/// How a tapped worker misbehaves.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Mode {
-    /// Works.
+    /// Passes every request to the worker.
     #[default]
     Ok,
-    /// Answers 500.
+    /// Answers 500 itself.
     Fail,
     /// Never answers.
     Hang,
 }
 
-/// Shared state of the fake cluster's KV store (what a transport would hold).
+/// What the gateway sends one worker, recorded on the way through.
 #[derive(Debug, Default)]
-pub struct KvStore {
-    pub handles: Mutex<HashSet<String>>,
-    pub next: AtomicU64,
-}
-
-/// A fake worker.
-pub struct FakeWorker {
-    pub role: Role,
-    pub kv: Arc<KvStore>,
+pub struct Tap {
     pub mode: Mutex<Mode>,
-    /// Delay between streamed tokens.
-    pub token_delay: Duration,
-    pub prefills: AtomicUsize,
-    pub decodes: AtomicUsize,
-    pub local_prefills: AtomicUsize,
-    pub active_streams: AtomicUsize,
-    pub cancelled_streams: AtomicUsize,
+    /// The last completion request body.
     pub last_request: Mutex<Option<CompletionRequest>>,
+    /// Whether any request carried `x-prefiller-host-port`.
     pub saw_prefiller_header: AtomicBool,
+    /// Streamed answers the gateway is reading now.
+    pub active_streams: AtomicUsize,
+    /// Streamed answers the gateway dropped before their end.
+    pub cancelled_streams: AtomicUsize,
+    upstream: String,
+    client: reqwest::Client,
 }
 
-impl FakeWorker {
-    pub fn new(role: Role, kv: Arc<KvStore>, token_delay: Duration) -> Arc<Self> {
-        Arc::new(FakeWorker {
-            role,
-            kv,
-            mode: Mutex::new(Mode::Ok),
-            token_delay,
-            prefills: AtomicUsize::new(0),
-            decodes: AtomicUsize::new(0),
-            local_prefills: AtomicUsize::new(0),
-            active_streams: AtomicUsize::new(0),
-            cancelled_streams: AtomicUsize::new(0),
-            last_request: Mutex::new(None),
-            saw_prefiller_header: AtomicBool::new(false),
-        })
-    }
-
+impl Tap {
     pub fn set_mode(&self, m: Mode) {
         *self.mode.lock().unwrap() = m;
     }
 }
 
-/// Deterministic "model": token i of a prompt is `(len(prompt words) * 7 + i) % 50 + 100`,
-/// its text `t{id} `.
-pub fn fake_tokens(prompt: &Prompt, n: usize) -> Vec<u32> {
-    let words = match prompt {
-        Prompt::Text(t) => t.split_whitespace().count(),
-        Prompt::Tokens(t) => t.len(),
-        _ => 1,
-    } as u32;
-    (0..n as u32).map(|i| (words * 7 + i) % 50 + 100).collect()
+/// Counts a streamed answer while the gateway reads it.
+struct Counted<S> {
+    inner: S,
+    tap: Arc<Tap>,
+    ended: bool,
 }
 
-pub fn token_text(id: u32) -> String {
-    format!("t{id} ")
+impl<S: Stream<Item = reqwest::Result<Bytes>> + Unpin> Stream for Counted<S> {
+    type Item = reqwest::Result<Bytes>;
+    fn poll_next(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Self::Item>> {
+        let r = self.inner.poll_next_unpin(cx);
+        if let std::task::Poll::Ready(None) = r {
+            self.ended = true;
+        }
+        r
+    }
+}
+
+impl<S> Drop for Counted<S> {
+    fn drop(&mut self) {
+        self.tap.active_streams.fetch_sub(1, Ordering::SeqCst);
+        if !self.ended {
+            self.tap.cancelled_streams.fetch_add(1, Ordering::SeqCst);
+        }
+    }
 }
 
 fn error(status: StatusCode, msg: &str) -> Response {
     (
         status,
-        axum::Json(ErrorBody::new(
-            ErrorBody::kind_for_status(status.as_u16()),
-            msg,
-        )),
+        axum::Json(ErrorBody::new("server_error", msg).with_code("tap")),
     )
         .into_response()
 }
 
-fn metrics_text(w: &FakeWorker) -> String {
-    format!(
-        "# TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting 0\n# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running {}\n# TYPE vllm:kv_cache_usage_perc gauge\nvllm:kv_cache_usage_perc 0.0\n",
-        w.active_streams.load(Ordering::SeqCst)
-    )
-}
-
-struct StreamGuard(Arc<FakeWorker>, bool);
-impl Drop for StreamGuard {
-    fn drop(&mut self) {
-        self.0.active_streams.fetch_sub(1, Ordering::SeqCst);
-        if !self.1 {
-            self.0.cancelled_streams.fetch_add(1, Ordering::SeqCst);
-        }
-    }
-}
-
-async fn completions(
-    State(w): State<Arc<FakeWorker>>,
-    headers: axum::http::HeaderMap,
-    axum::Json(req): axum::Json<CompletionRequest>,
-) -> Response {
-    if headers.contains_key(rngd_api::headers::PREFILLER_HOST_PORT) {
-        w.saw_prefiller_header.store(true, Ordering::SeqCst);
-    }
-    *w.last_request.lock().unwrap() = Some(req.clone());
-    let mode = *w.mode.lock().unwrap();
-    match mode {
-        Mode::Fail => return error(StatusCode::INTERNAL_SERVER_ERROR, "engine exploded"),
-        Mode::Hang => {
-            tokio::time::sleep(Duration::from_secs(3600)).await;
-        }
-        Mode::Ok => {}
-    }
-    let max = req.sampling.max_tokens.unwrap_or(16) as usize;
-    let tokens = fake_tokens(&req.prompt, max);
-    let prompt_len = match &req.prompt {
-        Prompt::Text(t) => t.split_whitespace().count(),
-        Prompt::Tokens(t) => t.len(),
-        _ => 0,
-    } as u32;
-    let params = req.kv_transfer_params.clone().unwrap_or_default();
-    if params.do_remote_decode {
-        if w.role != Role::Prefill {
-            return error(StatusCode::BAD_REQUEST, "not a prefill worker");
-        }
-        w.prefills.fetch_add(1, Ordering::SeqCst);
-        let id = format!("kv{}", w.kv.next.fetch_add(1, Ordering::SeqCst));
-        w.kv.handles.lock().unwrap().insert(id.clone());
-        let handle = KvHandle {
-            request_id: id,
-            transport: params.kv_transport.clone().unwrap_or_else(|| "shm".into()),
-            location: "/fake".into(),
-            layout: KvLayout {
-                layers: 1,
-                kv_heads: 1,
-                head_dim: 2,
-                seq_len: 8,
-                dtype: Dtype::Bf16,
-            },
-            tokens: prompt_len as usize,
-            blobs: vec![],
-        };
-        let resp = CompletionResponse {
-            id: "prefill-x".into(),
-            object: "text_completion".into(),
-            created: 0,
-            model: req.model.clone(),
-            choices: vec![CompletionChoice {
-                index: 0,
-                text: token_text(tokens[0]),
-                logprobs: None,
-                finish_reason: Some("length".into()),
-                token_ids: Some(vec![tokens[0]]),
-            }],
-            usage: Some(Usage::new(prompt_len, 1)),
-            kv_transfer_params: Some(KvTransferParams {
-                do_remote_prefill: true,
-                kv_handle: Some(handle),
-                first_token: Some(tokens[0]),
-                prompt_token_ids: Some((0..prompt_len).collect()),
-                prefill_ms: Some(3.0),
-                kv_save_ms: Some(1.5),
-                ..Default::default()
-            }),
-            timings: None,
-        };
-        return axum::Json(resp).into_response();
-    }
-    if w.role == Role::Prefill {
-        return error(StatusCode::BAD_REQUEST, "a prefill worker only prefills");
-    }
-    let mut kv_load = None;
-    if params.do_remote_prefill {
-        let Some(h) = params.kv_handle.as_ref() else {
-            return error(StatusCode::BAD_REQUEST, "no kv_handle");
-        };
-        if !w.kv.handles.lock().unwrap().remove(&h.request_id) {
-            return error(StatusCode::BAD_GATEWAY, "KV pull failed: no such handle");
-        }
-        if params.first_token != Some(tokens[0]) {
-            return error(StatusCode::BAD_REQUEST, "first token mismatch");
-        }
-        w.decodes.fetch_add(1, Ordering::SeqCst);
-        kv_load = Some(0.5);
-    } else {
-        w.local_prefills.fetch_add(1, Ordering::SeqCst);
-    }
-    let usage = Usage::new(prompt_len, tokens.len() as u32);
-    let timings = Timings {
-        ttft_ms: Some(2.0),
-        kv_load_ms: kv_load,
-        ..Default::default()
-    };
-    if !req.sampling.stream {
-        let text: String = tokens.iter().map(|t| token_text(*t)).collect();
-        let resp = CompletionResponse {
-            id: "worker-id".into(),
-            object: "text_completion".into(),
-            created: 0,
-            model: "worker-model".into(),
-            choices: vec![CompletionChoice {
-                index: 0,
-                text,
-                logprobs: None,
-                finish_reason: Some("length".into()),
-                token_ids: Some(tokens),
-            }],
-            usage: Some(usage),
-            kv_transfer_params: None,
-            timings: Some(timings),
-        };
-        return axum::Json(resp).into_response();
-    }
-    let include_usage = req
-        .sampling
-        .stream_options
-        .as_ref()
-        .is_some_and(|o| o.include_usage);
-    let (tx, rx) = tokio::sync::mpsc::channel::<Result<Bytes, Infallible>>(1);
-    w.active_streams.fetch_add(1, Ordering::SeqCst);
-    let w2 = w.clone();
-    let delay = w.token_delay;
-    tokio::spawn(async move {
-        let mut guard = StreamGuard(w2, false);
-        let n = tokens.len();
-        for (i, t) in tokens.iter().enumerate() {
-            let last = i + 1 == n;
-            let chunk = serde_json::json!({
-                "id": "worker-id", "object": "text_completion", "created": 0, "model": "worker-model",
-                "choices": [{"index": 0, "text": token_text(*t), "logprobs": null,
-                    "finish_reason": if last { Some("length") } else { None }, "token_ids": [t]}],
-                "timings": if last { Some(timings) } else { None },
-            });
-            if tx
-                .send(Ok(Bytes::from(format!("data: {chunk}\n\n"))))
-                .await
-                .is_err()
-            {
-                return;
-            }
-            if !last {
-                tokio::time::sleep(delay).await;
-            }
-        }
-        if include_usage {
-            let chunk = serde_json::json!({"id": "worker-id", "object": "text_completion", "created": 0,
-                "model": "worker-model", "choices": [], "usage": usage});
-            if tx
-                .send(Ok(Bytes::from(format!("data: {chunk}\n\n"))))
-                .await
-                .is_err()
-            {
-                return;
-            }
-        }
-        if tx
-            .send(Ok(Bytes::from_static(b"data: [DONE]\n\n")))
-            .await
-            .is_ok()
+async fn tap(State(t): State<Arc<Tap>>, req: Request) -> Response {
+    let (parts, body) = req.into_parts();
+    let bytes = body
+        .collect()
+        .await
+        .map(|c| c.to_bytes())
+        .unwrap_or_default();
+    let path = parts.uri.path().to_string();
+    if path == "/v1/completions" {
+        if parts
+            .headers
+            .contains_key(rngd_api::headers::PREFILLER_HOST_PORT)
         {
-            guard.1 = true;
+            t.saw_prefiller_header.store(true, Ordering::SeqCst);
         }
-        // The receiver (the HTTP body) may still be flushing: wait until it is gone.
-        tx.closed().await;
-        guard.1 = true;
-    });
-    let body = Body::from_stream(tokio_stream::wrappers::ReceiverStream::new(rx));
-    let mut resp = Response::new(body);
-    resp.headers_mut()
-        .insert("content-type", "text/event-stream".parse().unwrap());
-    resp
+        *t.last_request.lock().unwrap() = serde_json::from_slice(&bytes).ok();
+        let mode = *t.mode.lock().unwrap();
+        match mode {
+            Mode::Ok => {}
+            Mode::Fail => return error(StatusCode::INTERNAL_SERVER_ERROR, "injected failure"),
+            Mode::Hang => futures::future::pending::<()>().await,
+        }
+    }
+    let mut up = t
+        .client
+        .request(parts.method, format!("{}{}", t.upstream, path))
+        .body(bytes);
+    for (k, v) in &parts.headers {
+        if k != axum::http::header::HOST && k != axum::http::header::CONTENT_LENGTH {
+            up = up.header(k, v);
+        }
+    }
+    let resp = match up.send().await {
+        Ok(r) => r,
+        Err(e) => return error(StatusCode::BAD_GATEWAY, &e.to_string()),
+    };
+    let mut out = Response::builder().status(resp.status().as_u16());
+    for (k, v) in resp.headers() {
+        out = out.header(k, v);
+    }
+    let streamed = resp
+        .headers()
+        .get(axum::http::header::CONTENT_TYPE)
+        .is_some_and(|v| v.as_bytes().starts_with(b"text/event-stream"));
+    let body = if streamed {
+        t.active_streams.fetch_add(1, Ordering::SeqCst);
+        Body::from_stream(Counted {
+            inner: Box::pin(resp.bytes_stream()),
+            tap: t.clone(),
+            ended: false,
+        })
+    } else {
+        Body::from(resp.bytes().await.unwrap_or_default())
+    };
+    out.body(body).unwrap()
 }
 
-/// Starts a fake worker on 127.0.0.1:0.
-pub async fn spawn_worker(w: Arc<FakeWorker>) -> SocketAddr {
-    let app = Router::new()
-        .route("/v1/completions", post(completions))
-        .route(
-            "/metrics",
-            get(|State(w): State<Arc<FakeWorker>>| async move { metrics_text(&w) }),
-        )
-        .with_state(w);
+/// Every transport name resolves to the one shared in-memory transport.
+struct Shared(Arc<MemoryTransport>);
+
+impl TransportFactory for Shared {
+    fn create(&self, _name: &str) -> Result<Arc<dyn KvTransport>, KvError> {
+        Ok(self.0.clone())
+    }
+}
+
+/// A real worker on the echo engine, and its tap in front.
+pub async fn spawn_worker(
+    role: Role,
+    kv: Arc<MemoryTransport>,
+    token_delay: Duration,
+) -> (RunningWorker, Arc<Tap>, String) {
+    let engine = Arc::new(EchoEngine::new(512).with_token_delay(token_delay));
     let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = l.local_addr().unwrap();
+    let worker = rngd_worker::serve(
+        l,
+        engine,
+        Transports::new("memory", Shared(kv)),
+        WorkerConfig::new(role),
+    )
+    .await
+    .unwrap();
+    let t = Arc::new(Tap {
+        upstream: worker.url(),
+        client: reqwest::Client::new(),
+        ..Tap::default()
+    });
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap().to_string();
+    let app = Router::new().fallback(tap).with_state(t.clone());
     tokio::spawn(async move { axum::serve(l, app).await.unwrap() });
-    addr
+    (worker, t, addr)
+}
+
+/// The echo engine's text for `n` tokens of `prompt`: its bytes, cyclically.
+pub fn expected_text(prompt: &str, n: usize) -> String {
+    prompt.bytes().cycle().take(n).map(char::from).collect()
 }
 
 /// Whitespace "tokenizer" with a ChatML-like template, serving `fake-model`.
@@ -324,10 +205,10 @@ pub const FAKE_TOKENIZER: rngd_pool::prompt::WordCounter = rngd_pool::prompt::Wo
     model: "fake-model",
 };
 
-/// What the fake policy does.
+/// What the test policy does besides routing.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum PolicyMode {
-    /// Routes like the default policy (simplified).
+    /// The default policy's decision.
     Normal,
     /// Fails as a trapped guest would.
     Trap,
@@ -335,120 +216,93 @@ pub enum PolicyMode {
     Busy,
 }
 
-/// A native stand-in for the wasm default policy.
-pub struct FakePolicy {
+/// The default policy's logic (`rngd_policy_core::decide`, natively), with
+/// faults injected on demand and every request it saw recorded.
+pub struct TestPolicy {
     pub mode: Mutex<PolicyMode>,
-    /// Prompts shorter than this prefill on the decode worker.
-    pub threshold: usize,
     pub seen: Mutex<Vec<PolicyRequest>>,
+    inner: NativePolicy,
 }
 
-impl FakePolicy {
-    pub fn new(threshold: usize) -> Arc<Self> {
-        Arc::new(FakePolicy {
+impl TestPolicy {
+    /// Prompts of fewer than `threshold` tokens prefill on the decode worker.
+    pub fn new(threshold: u64) -> Arc<Self> {
+        Arc::new(TestPolicy {
             mode: Mutex::new(PolicyMode::Normal),
-            threshold,
             seen: Mutex::new(Vec::new()),
+            inner: NativePolicy {
+                config: PolicyConfig {
+                    disaggregation_threshold_tokens: threshold,
+                    same_node_transport: "memory".into(),
+                    cross_node_transport: "memory".into(),
+                    ..PolicyConfig::default()
+                },
+            },
         })
     }
-}
-
-fn reject(status: u16, body: ErrorBody) -> Decision {
-    Decision::Reject(LocalResponse {
-        status,
-        body: serde_json::to_vec(&body).unwrap(),
-        headers: vec![],
-    })
 }
 
 #[async_trait::async_trait]
-impl Policy for FakePolicy {
+impl Policy for TestPolicy {
     async fn decide(&self, req: PolicyRequest) -> Result<Decision, PolicyFailure> {
-        self.decide_inner(req).map_err(|source| PolicyFailure {
-            status: 500,
-            source,
-        })
-    }
-}
-
-impl FakePolicy {
-    fn decide_inner(&self, req: PolicyRequest) -> Result<Decision, BoxError> {
         self.seen.lock().unwrap().push(req.clone());
         let mode = *self.mode.lock().unwrap();
         match mode {
-            PolicyMode::Trap => return Err("wasm trap: unreachable".into()),
-            PolicyMode::Busy => {
-                return Ok(reject(
-                    429,
-                    ErrorBody::new(
-                        "rate_limit_error",
-                        "all endpoints are over their queue limit",
-                    ),
-                ));
-            }
-            PolicyMode::Normal => {}
+            PolicyMode::Trap => Err(PolicyFailure {
+                status: 500,
+                source: BoxError::from("wasm trap: unreachable"),
+            }),
+            PolicyMode::Busy => Ok(Decision::Reject(LocalResponse {
+                status: 429,
+                body: serde_json::to_vec(&ErrorBody::new(
+                    "rate_limit_error",
+                    "all endpoints are over their queue limit",
+                ))
+                .unwrap(),
+                headers: vec![],
+            })),
+            PolicyMode::Normal => self.inner.decide(req).await,
         }
-        let body: serde_json::Value = serde_json::from_slice(&req.body)?;
-        let max_tokens = body["max_tokens"].as_u64().unwrap_or(16) as usize;
-        let prompt = req.prompt_tokens.ok_or("no prompt_tokens")?;
-        let eps = req.endpoints.unwrap_or_default();
-        let decode = eps
-            .iter()
-            .find(|e| e.healthy && matches!(e.role, Role::Decode | Role::Solo));
-        let Some(decode) = decode else {
-            return Ok(reject(
-                503,
-                ErrorBody::new("server_error", "no healthy decode endpoint"),
-            ));
-        };
-        if prompt + max_tokens > decode.seq_len as usize {
-            let msg = rngd_api::openai::context_length_message(
-                prompt,
-                max_tokens,
-                decode.seq_len as usize,
-            );
-            return Ok(reject(
-                400,
-                ErrorBody::new("invalid_request_error", msg)
-                    .with_code(rngd_api::openai::CONTEXT_LENGTH_CODE),
-            ));
-        }
-        let prefill = if prompt >= self.threshold {
-            eps.iter()
-                .find(|e| e.healthy && e.role == Role::Prefill)
-                .map(|e| e.address.clone())
-        } else {
-            None
-        };
-        let kv_transport = prefill.as_ref().map(|_| "shm".to_string());
-        Ok(Decision::Route(Route {
-            decode: decode.address.clone(),
-            prefill,
-            kv_transport,
-            headers: vec![],
-        }))
     }
 }
 
-/// A gateway over fake workers.
+/// A gateway over two tapped workers.
 pub struct Cluster {
     pub url: String,
     pub gw: Arc<Gateway>,
-    pub prefill: Arc<FakeWorker>,
-    pub decode: Arc<FakeWorker>,
-    pub kv: Arc<KvStore>,
-    pub policy: Arc<FakePolicy>,
+    pub prefill: Arc<Tap>,
+    pub decode: Arc<Tap>,
+    pub prefill_worker: RunningWorker,
+    pub decode_worker: RunningWorker,
+    pub kv: Arc<MemoryTransport>,
+    pub policy: Arc<TestPolicy>,
+}
+
+impl Cluster {
+    /// Prefills the prefill worker ran.
+    pub fn prefills(&self) -> u64 {
+        self.prefill_worker.state.metrics().prefills.get()
+    }
+
+    /// Decodes from a pulled KV the decode worker ran.
+    pub fn decodes(&self) -> u64 {
+        self.decode_worker.state.metrics().kv_loads.get()
+    }
+
+    /// Whole requests the decode worker prefilled itself.
+    pub fn local_prefills(&self) -> u64 {
+        self.decode_worker.state.metrics().prefills.get()
+    }
 }
 
 pub async fn cluster(config: GatewayConfig, token_delay: Duration) -> Cluster {
-    let kv = Arc::new(KvStore::default());
-    let prefill = FakeWorker::new(Role::Prefill, kv.clone(), token_delay);
-    let decode = FakeWorker::new(Role::Decode, kv.clone(), token_delay);
-    let pa = spawn_worker(prefill.clone()).await;
-    let da = spawn_worker(decode.clone()).await;
+    let kv = Arc::new(MemoryTransport::new());
+    let (prefill_worker, prefill, pa) = spawn_worker(Role::Prefill, kv.clone(), token_delay).await;
+    let (decode_worker, decode, da) = spawn_worker(Role::Decode, kv.clone(), token_delay).await;
+    let transports = ["memory".to_string()];
     let eps = vec![
-        endpoints::local_endpoint(pa.to_string(), Role::Prefill, 64, &["shm".to_string()]),
-        endpoints::local_endpoint(da.to_string(), Role::Decode, 64, &["shm".to_string()]),
+        endpoints::local_endpoint(pa, Role::Prefill, 64, &transports),
+        endpoints::local_endpoint(da, Role::Decode, 64, &transports),
     ];
     let table = ScrapedEndpoints::new(
         StaticEndpoints::new(eps),
@@ -459,9 +313,9 @@ pub async fn cluster(config: GatewayConfig, token_delay: Duration) -> Cluster {
     table.scrape_all().await;
     assert!(
         rngd_pool::can_serve(&table.snapshot()),
-        "fake decode worker not scraped healthy"
+        "decode worker not scraped healthy"
     );
-    let policy = FakePolicy::new(4);
+    let policy = TestPolicy::new(4);
     let gw = Gateway::new(
         config,
         rngd_pool::Picker::new(policy.clone(), table),
@@ -477,6 +331,8 @@ pub async fn cluster(config: GatewayConfig, token_delay: Duration) -> Cluster {
         gw,
         prefill,
         decode,
+        prefill_worker,
+        decode_worker,
         kv,
         policy,
     }
