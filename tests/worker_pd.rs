@@ -341,7 +341,10 @@ async fn pd_matches_solo(transport: &str) {
         "the decode worker must not prefill"
     );
     assert_eq!(metric(&prefill, "rngd_pd_worker_prefills_total").await, n);
-    assert_eq!(metric(&prefill, "rngd_pd_worker_kv_save_ms_count").await, n);
+    assert_eq!(
+        metric(&prefill, "rngd_pd_worker_kv_save_seconds_count").await,
+        n
+    );
     if transport == "shm" {
         assert_eq!(env.shm_files(), 0, "decode released every cache");
     }

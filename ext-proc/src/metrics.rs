@@ -12,8 +12,8 @@ pub struct EppMetrics {
     pub registry: Registry,
     /// Picks by result (`route`, `reject_<status>`).
     pub picks: IntCounterVec,
-    /// Pick latency (body complete → decision), µs.
-    pub pick_us: Histogram,
+    /// Pick latency (body complete → decision), seconds.
+    pub pick_seconds: Histogram,
     /// Failed `/metrics` scrapes.
     pub scrape_failures: IntCounter,
 }
@@ -36,11 +36,11 @@ impl EppMetrics {
             &["result"],
         )
         .map_err(err)?;
-        let pick_us = rngd_telemetry::histogram(
+        let pick_seconds = rngd_telemetry::histogram(
             &registry,
-            names::EPP_PICK_US,
-            "Endpoint pick latency (body complete to decision), microseconds",
-            rngd_telemetry::US_BUCKETS,
+            names::EPP_PICK_SECONDS,
+            "Endpoint pick latency (body complete to decision), seconds",
+            &rngd_telemetry::seconds_buckets(rngd_telemetry::US_BUCKETS, 1e6),
         )
         .map_err(err)?;
         let scrape_failures = rngd_telemetry::counter(
@@ -52,7 +52,7 @@ impl EppMetrics {
         Ok(EppMetrics {
             registry,
             picks,
-            pick_us,
+            pick_seconds,
             scrape_failures,
         })
     }

@@ -158,8 +158,8 @@ impl Picker {
             Err(e) => Decision::Reject(reject(e)),
         };
         self.metrics
-            .pick_us
-            .observe(start.elapsed().as_secs_f64() * 1e6);
+            .pick_seconds
+            .observe(start.elapsed().as_secs_f64());
         let result = match &decision {
             Decision::Route(_) => "route".to_string(),
             Decision::Reject(r) => format!("reject_{}", r.status),

@@ -779,7 +779,7 @@ async fn health_and_metrics_listeners_answer() {
         text.contains("rngd_pd_epp_picks_total{result=\"route\"} 1"),
         "{text}"
     );
-    assert!(text.contains("rngd_pd_epp_pick_us_count 1"));
+    assert!(text.contains("rngd_pd_epp_pick_seconds_count 1"));
 }
 
 /// Full duplex: every message that can be answered is answered while the

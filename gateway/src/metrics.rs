@@ -54,16 +54,12 @@ impl std::fmt::Debug for GatewayMetrics {
     }
 }
 
-fn seconds(buckets: &[f64], scale: f64) -> Vec<f64> {
-    buckets.iter().map(|b| b / scale).collect()
-}
-
 impl GatewayMetrics {
     /// Creates and registers every metric in a fresh registry.
     pub fn new() -> Result<Self, GatewayError> {
         let registry = Registry::new();
-        let ms = seconds(MS_BUCKETS, 1e3);
-        let us = seconds(US_BUCKETS, 1e6);
+        let ms = rngd_telemetry::seconds_buckets(MS_BUCKETS, 1e3);
+        let us = rngd_telemetry::seconds_buckets(US_BUCKETS, 1e6);
         let ttft = rngd_telemetry::histogram(
             &registry,
             names::GATEWAY_TTFT_SECONDS,

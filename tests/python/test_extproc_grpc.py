@@ -151,4 +151,4 @@ def test_over_length_prompt_gets_policy_400(epp):
 def test_picker_metrics(epp):
     text = epp.metrics_text()
     assert 'rngd_pd_epp_picks_total{result="route"}' in text
-    assert "rngd_pd_epp_pick_us_bucket" in text
+    assert "rngd_pd_epp_pick_seconds_bucket" in text

@@ -16,12 +16,12 @@ pub struct WorkerMetrics {
     waiting: Gauge,
     running: Gauge,
     kv_usage: Gauge,
-    /// KV push time, ms.
-    pub kv_save_ms: Histogram,
-    /// KV pull time, ms.
-    pub kv_load_ms: Histogram,
-    /// Prefill compute time, ms.
-    pub prefill_ms: Histogram,
+    /// KV push time, seconds.
+    pub kv_save_seconds: Histogram,
+    /// KV pull time, seconds.
+    pub kv_load_seconds: Histogram,
+    /// Prefill compute time, seconds.
+    pub prefill_seconds: Histogram,
     /// Decode speed per request, tokens/s.
     pub decode_tokens_per_s: Histogram,
     /// Prefills run here (PD prefills and local prefills of whole requests).
@@ -52,23 +52,23 @@ impl WorkerMetrics {
                 names::VLLM_KV_CACHE_USAGE_PERC,
                 "KV cache usage, 0..1",
             )?,
-            kv_save_ms: rngd_telemetry::histogram(
+            kv_save_seconds: rngd_telemetry::histogram(
                 &r,
-                names::WORKER_KV_SAVE_MS,
-                "KV push on the prefill side, ms",
-                MS_BUCKETS,
+                names::WORKER_KV_SAVE_SECONDS,
+                "KV push on the prefill side, seconds",
+                &rngd_telemetry::seconds_buckets(MS_BUCKETS, 1e3),
             )?,
-            kv_load_ms: rngd_telemetry::histogram(
+            kv_load_seconds: rngd_telemetry::histogram(
                 &r,
-                names::WORKER_KV_LOAD_MS,
-                "KV pull on the decode side, ms",
-                MS_BUCKETS,
+                names::WORKER_KV_LOAD_SECONDS,
+                "KV pull on the decode side, seconds",
+                &rngd_telemetry::seconds_buckets(MS_BUCKETS, 1e3),
             )?,
-            prefill_ms: rngd_telemetry::histogram(
+            prefill_seconds: rngd_telemetry::histogram(
                 &r,
-                names::WORKER_PREFILL_MS,
-                "Prefill compute, ms",
-                MS_BUCKETS,
+                names::WORKER_PREFILL_SECONDS,
+                "Prefill compute, seconds",
+                &rngd_telemetry::seconds_buckets(MS_BUCKETS, 1e3),
             )?,
             decode_tokens_per_s: rngd_telemetry::histogram(
                 &r,

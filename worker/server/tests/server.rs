@@ -150,10 +150,10 @@ async fn pd_round_trip_matches_solo_and_releases_the_kv() {
     let m = metrics(&decode).await;
     assert_eq!(sample(&m, "rngd_pd_worker_kv_loads_total"), 1.0);
     assert_eq!(sample(&m, "rngd_pd_worker_prefills_total"), 0.0);
-    assert_eq!(sample(&m, "rngd_pd_worker_kv_load_ms_count"), 1.0);
+    assert_eq!(sample(&m, "rngd_pd_worker_kv_load_seconds_count"), 1.0);
     let m = metrics(&prefill).await;
     assert_eq!(sample(&m, "rngd_pd_worker_prefills_total"), 1.0);
-    assert_eq!(sample(&m, "rngd_pd_worker_kv_save_ms_count"), 1.0);
+    assert_eq!(sample(&m, "rngd_pd_worker_kv_save_seconds_count"), 1.0);
     assert_eq!(sample(&m, "rngd_pd_worker_kv_loads_total"), 0.0);
 
     // A second decode with the same (released) handle cannot find the cache.
@@ -501,7 +501,7 @@ async fn metrics_expose_the_model_server_protocol() {
         m.contains("rngd_pd_worker_requests_total{status=\"200\"} 1"),
         "{m}"
     );
-    assert!(m.contains("# TYPE rngd_pd_worker_prefill_ms histogram"));
+    assert!(m.contains("# TYPE rngd_pd_worker_prefill_seconds histogram"));
 }
 
 #[test]

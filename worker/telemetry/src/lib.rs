@@ -42,6 +42,13 @@ pub const US_BUCKETS: &[f64] = &[
     1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0, 1000.0, 5000.0, 20000.0, 100000.0,
 ];
 
+/// `buckets` given in a smaller unit (`per_second` of them make a second),
+/// in seconds: every time histogram is exported in seconds, as Prometheus
+/// recommends (`MS_BUCKETS` → `seconds_buckets(MS_BUCKETS, 1e3)`).
+pub fn seconds_buckets(buckets: &[f64], per_second: f64) -> Vec<f64> {
+    buckets.iter().map(|b| b / per_second).collect()
+}
+
 /// Creates and registers a histogram.
 pub fn histogram(
     registry: &Registry,

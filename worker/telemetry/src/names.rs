@@ -9,12 +9,12 @@ pub const VLLM_NUM_REQUESTS_RUNNING: &str = "vllm:num_requests_running";
 pub const VLLM_KV_CACHE_USAGE_PERC: &str = "vllm:kv_cache_usage_perc";
 
 // Worker timings.
-/// KV push on the prefill side, ms (histogram).
-pub const WORKER_KV_SAVE_MS: &str = "rngd_pd_worker_kv_save_ms";
-/// KV pull on the decode side, ms (histogram).
-pub const WORKER_KV_LOAD_MS: &str = "rngd_pd_worker_kv_load_ms";
-/// Prefill compute, ms (histogram).
-pub const WORKER_PREFILL_MS: &str = "rngd_pd_worker_prefill_ms";
+/// KV push on the prefill side, seconds (histogram).
+pub const WORKER_KV_SAVE_SECONDS: &str = "rngd_pd_worker_kv_save_seconds";
+/// KV pull on the decode side, seconds (histogram).
+pub const WORKER_KV_LOAD_SECONDS: &str = "rngd_pd_worker_kv_load_seconds";
+/// Prefill compute, seconds (histogram).
+pub const WORKER_PREFILL_SECONDS: &str = "rngd_pd_worker_prefill_seconds";
 /// Decode speed per request, tokens/s (histogram).
 pub const WORKER_DECODE_TOKENS_PER_S: &str = "rngd_pd_worker_decode_tokens_per_s";
 /// Prefills run (counter).
@@ -34,15 +34,6 @@ pub const AIRM_TOK_S: &str = "airm_tok_s";
 /// Mean KV transfer time, ms, label `kv_transport`.
 pub const AIRM_KV_TRANSFER_MS: &str = "airm_kv_transfer_ms";
 
-// Gateway histograms.
-/// Time to first token, ms.
-pub const GATEWAY_TTFT_MS: &str = "rngd_pd_gateway_ttft_ms";
-/// Time per output token, ms.
-pub const GATEWAY_TPOT_MS: &str = "rngd_pd_gateway_tpot_ms";
-/// KV transfer, ms, label `kv_transport`.
-pub const GATEWAY_KV_TRANSFER_MS: &str = "rngd_pd_gateway_kv_transfer_ms";
-/// Policy decision time, µs.
-pub const GATEWAY_POLICY_DECISION_US: &str = "rngd_pd_gateway_policy_decision_us";
 /// Requests by status code (counter, label `code`).
 pub const GATEWAY_REQUESTS_TOTAL: &str = "rngd_pd_gateway_requests_total";
 
@@ -57,8 +48,8 @@ pub const POLICY_TRAPS_TOTAL: &str = "policy_traps_total";
 // Endpoint picker.
 /// Picks by result (counter, label `result`).
 pub const EPP_PICKS_TOTAL: &str = "rngd_pd_epp_picks_total";
-/// Pick latency, µs.
-pub const EPP_PICK_US: &str = "rngd_pd_epp_pick_us";
+/// Pick latency (body complete → decision), seconds (histogram).
+pub const EPP_PICK_SECONDS: &str = "rngd_pd_epp_pick_seconds";
 /// Endpoint scrape failures (counter).
 pub const EPP_SCRAPE_FAILURES_TOTAL: &str = "rngd_pd_epp_scrape_failures_total";
 

@@ -45,7 +45,7 @@ pub(super) async fn prefill_for_remote(
     let prefill_ms = ms(pre.elapsed);
     let m = state.metrics();
     m.prefills.inc();
-    m.prefill_ms.observe(prefill_ms);
+    m.prefill_seconds.observe(pre.elapsed.as_secs_f64());
     let first = pre.first_token;
     let t0 = Instant::now();
     let handle = transport
@@ -62,7 +62,7 @@ pub(super) async fn prefill_for_remote(
             source: Box::new(source),
         })?;
     let kv_save_ms = ms(t0.elapsed());
-    m.kv_save_ms.observe(kv_save_ms);
+    m.kv_save_seconds.observe(kv_save_ms / 1e3);
     tracing::info!(
         transport = transport.name(),
         prompt_tokens = prompt.len(),
@@ -174,7 +174,7 @@ pub(super) async fn decode_remote(
     let kv_load_ms = ms(t0.elapsed());
     let m = state.metrics();
     m.kv_loads.inc();
-    m.kv_load_ms.observe(kv_load_ms);
+    m.kv_load_seconds.observe(kv_load_ms / 1e3);
     tracing::info!(
         transport = transport.name(),
         bytes = handle.total_bytes(),
