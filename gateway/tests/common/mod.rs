@@ -28,6 +28,7 @@ use rngd_pool::pick::NativePolicy;
 use rngd_pool::source::{self as endpoints, EndpointSource};
 use rngd_pool::{HttpFetcher, Policy, PolicyFailure, ScrapedEndpoints, StaticEndpoints};
 use rngd_worker::{RunningWorker, TransportFactory, Transports, WorkerConfig};
+use serde_json::Value;
 
 /// How a tapped worker misbehaves.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -336,4 +337,38 @@ pub async fn cluster(config: GatewayConfig, token_delay: Duration) -> Cluster {
         kv,
         policy,
     }
+}
+
+pub fn client() -> reqwest::Client {
+    reqwest::Client::new()
+}
+
+pub const LONG: &str = "one two three four five six";
+
+/// Asserts an OpenAI-style error body and returns its message.
+pub async fn error_of(resp: reqwest::Response, status: u16) -> String {
+    assert_eq!(resp.status().as_u16(), status, "unexpected status");
+    let v: Value = resp.json().await.expect("error body is JSON");
+    let e = &v["error"];
+    assert!(
+        e["message"].as_str().is_some_and(|m| !m.is_empty()),
+        "no message: {v}"
+    );
+    assert!(e["type"].as_str().is_some(), "no type: {v}");
+    e["message"].as_str().unwrap().to_string()
+}
+
+pub async fn sse_events(resp: reqwest::Response) -> Vec<String> {
+    assert_eq!(resp.status(), 200);
+    assert!(
+        resp.headers()["content-type"]
+            .to_str()
+            .unwrap()
+            .starts_with("text/event-stream")
+    );
+    let text = resp.text().await.unwrap();
+    text.split("\n\n")
+        .filter_map(|e| e.strip_prefix("data: "))
+        .map(str::to_string)
+        .collect()
 }

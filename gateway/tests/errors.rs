@@ -1,0 +1,261 @@
+//! The gateway's refusals and failures, against the same test cluster as
+//! `api.rs`: the bad-input matrix, policy rejects and traps, failing,
+//! hanging and unreachable workers — each a clear OpenAI error naming what
+//! failed.
+
+mod common;
+
+use std::time::Duration;
+
+use common::{LONG, Mode, PolicyMode, client, cluster, error_of};
+use rngd_gateway::GatewayConfig;
+use serde_json::json;
+
+#[tokio::test]
+async fn bad_input_matrix() {
+    let config = GatewayConfig {
+        body_limit: 4096,
+        ..GatewayConfig::default()
+    };
+    let c = cluster(config, Duration::ZERO).await;
+    let url = format!("{}/v1/completions", c.url);
+    let post = |body: String| {
+        client()
+            .post(url.clone())
+            .header("content-type", "application/json")
+            .body(body)
+    };
+
+    // Malformed JSON / wrong types / bad values → 400.
+    let m = error_of(post("{not json".into()).send().await.unwrap(), 400).await;
+    assert!(m.contains("malformed JSON"), "{m}");
+    let m = error_of(
+        post(r#"{"model":"fake-model","prompt":5}"#.into())
+            .send()
+            .await
+            .unwrap(),
+        400,
+    )
+    .await;
+    assert!(m.contains("invalid request"), "{m}");
+    error_of(
+        post(r#"{"model":"fake-model","prompt":"a","max_tokens":"x"}"#.into())
+            .send()
+            .await
+            .unwrap(),
+        400,
+    )
+    .await;
+    error_of(
+        post(r#"{"model":"fake-model","prompt":"a","n":2}"#.into())
+            .send()
+            .await
+            .unwrap(),
+        400,
+    )
+    .await;
+    error_of(
+        post(r#"{"model":"fake-model","prompt":"a","temperature":-1}"#.into())
+            .send()
+            .await
+            .unwrap(),
+        400,
+    )
+    .await;
+    error_of(
+        post(r#"{"model":"fake-model","prompt":["a","b"]}"#.into())
+            .send()
+            .await
+            .unwrap(),
+        400,
+    )
+    .await;
+    error_of(post(String::new()).send().await.unwrap(), 400).await;
+    let m = error_of(
+        client()
+            .post(format!("{}/v1/chat/completions", c.url))
+            .json(&json!({"model": "fake-model", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}))
+            .send()
+            .await
+            .unwrap(),
+        400,
+    )
+    .await;
+    assert!(m.contains("image_url"), "{m}");
+
+    // Unknown model → 404.
+    let m = error_of(
+        post(r#"{"model":"gpt-9","prompt":"a"}"#.into())
+            .send()
+            .await
+            .unwrap(),
+        404,
+    )
+    .await;
+    assert!(m.contains("gpt-9"));
+
+    // Over the body limit → 413, with and without Content-Length.
+    let big = format!(
+        r#"{{"model":"fake-model","prompt":"{}"}}"#,
+        "a ".repeat(4000)
+    );
+    error_of(post(big.clone()).send().await.unwrap(), 413).await;
+    let chunks: Vec<Result<String, std::io::Error>> =
+        vec![Ok(big[..3000].to_string()), Ok(big[3000..].to_string())];
+    let streamed = reqwest::Body::wrap_stream(futures::stream::iter(chunks));
+    error_of(
+        client()
+            .post(url.clone())
+            .body(streamed)
+            .send()
+            .await
+            .unwrap(),
+        413,
+    )
+    .await;
+
+    // Over the compiled length → the policy's 400 naming the numbers.
+    let m = error_of(
+        post(json!({"model": "fake-model", "prompt": LONG, "max_tokens": 60}).to_string())
+            .send()
+            .await
+            .unwrap(),
+        400,
+    )
+    .await;
+    assert!(
+        m.contains("6 tokens") && m.contains("60") && m.contains("66") && m.contains("64"),
+        "{m}"
+    );
+
+    // No capacity → the policy's status (429 here).
+    *c.policy.mode.lock().unwrap() = PolicyMode::Busy;
+    error_of(
+        post(json!({"model": "fake-model", "prompt": LONG}).to_string())
+            .send()
+            .await
+            .unwrap(),
+        429,
+    )
+    .await;
+
+    // Policy trap → 500.
+    *c.policy.mode.lock().unwrap() = PolicyMode::Trap;
+    let m = error_of(
+        post(json!({"model": "fake-model", "prompt": LONG}).to_string())
+            .send()
+            .await
+            .unwrap(),
+        500,
+    )
+    .await;
+    assert!(m.contains("policy"), "{m}");
+    assert!(!m.contains("unreachable"), "internal cause leaked: {m}");
+    *c.policy.mode.lock().unwrap() = PolicyMode::Normal;
+
+    // A failing worker → 502 naming the stage.
+    c.prefill.set_mode(Mode::Fail);
+    let m = error_of(
+        post(json!({"model": "fake-model", "prompt": LONG}).to_string())
+            .send()
+            .await
+            .unwrap(),
+        502,
+    )
+    .await;
+    assert!(m.contains("prefill"), "{m}");
+    c.prefill.set_mode(Mode::Ok);
+    c.decode.set_mode(Mode::Fail);
+    let m = error_of(
+        post(json!({"model": "fake-model", "prompt": LONG}).to_string())
+            .send()
+            .await
+            .unwrap(),
+        502,
+    )
+    .await;
+    assert!(m.contains("decode"), "{m}");
+    c.decode.set_mode(Mode::Ok);
+
+    // Unknown route → 404 JSON.
+    error_of(
+        client()
+            .get(format!("{}/v2/nothing", c.url))
+            .send()
+            .await
+            .unwrap(),
+        404,
+    )
+    .await;
+}
+
+#[tokio::test]
+async fn timeouts_are_504_naming_the_stage() {
+    let config = GatewayConfig {
+        prefill_timeout: Duration::from_millis(200),
+        decode_timeout: Duration::from_millis(200),
+        ..GatewayConfig::default()
+    };
+    let c = cluster(config, Duration::ZERO).await;
+    let url = format!("{}/v1/completions", c.url);
+    c.prefill.set_mode(Mode::Hang);
+    let m = error_of(
+        client()
+            .post(&url)
+            .json(&json!({"model": "fake-model", "prompt": LONG}))
+            .send()
+            .await
+            .unwrap(),
+        504,
+    )
+    .await;
+    assert!(m.contains("prefill"), "{m}");
+    c.prefill.set_mode(Mode::Ok);
+    c.decode.set_mode(Mode::Hang);
+    let m = error_of(
+        client()
+            .post(&url)
+            .json(&json!({"model": "fake-model", "prompt": LONG}))
+            .send()
+            .await
+            .unwrap(),
+        504,
+    )
+    .await;
+    assert!(m.contains("decode"), "{m}");
+}
+
+#[tokio::test]
+async fn unreachable_prefill_worker_is_502() {
+    let c = cluster(GatewayConfig::default(), Duration::ZERO).await;
+    // A port nobody listens on: bind, read the port, close.
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let dead = l.local_addr().unwrap().to_string();
+    drop(l);
+    let policy_eps = c.gw.endpoints().snapshot();
+    // A fixed list: both count as healthy (no scraping), the dead one too.
+    let table = rngd_pool::StaticEndpoints::new(vec![
+        rngd_pool::source::local_endpoint(dead.clone(), rngd_policy_core::Role::Prefill, 64, &[]),
+        policy_eps[1].clone(),
+    ]);
+    let gw = rngd_gateway::Gateway::new(
+        GatewayConfig::default(),
+        rngd_pool::Picker::new(c.policy.clone(), table),
+        std::sync::Arc::new(common::FAKE_TOKENIZER),
+    )
+    .unwrap();
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}/v1/completions", l.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(l, rngd_gateway::router(gw)).await.unwrap() });
+    let m = error_of(
+        client()
+            .post(url)
+            .json(&json!({"model": "fake-model", "prompt": LONG}))
+            .send()
+            .await
+            .unwrap(),
+        502,
+    )
+    .await;
+    assert!(m.contains("prefill") && m.contains(&dead), "{m}");
+}
