@@ -1,5 +1,7 @@
 //! Names and wire types every rngd-pd component shares.
 //!
+//! - [`chat`]: chat as a completion (the request rendered, the answer and the
+//!   stream turned back into the chat format), for the gateway and the workers.
 //! - [`env`]: every environment variable rngd-pd reads, as constants.
 //! - [`headers`]: HTTP header names of the routing conventions (GIE, llm-d).
 //! - [`openai`]: the OpenAI-compatible request/response/error bodies.
@@ -7,6 +9,7 @@
 //! - [`rules`]: the request rules every door applies (sampling ranges, defaults,
 //!   request ids, worker roles).
 
+pub mod chat;
 pub mod env;
 pub mod headers;
 pub mod openai;

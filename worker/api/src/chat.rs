@@ -1,0 +1,254 @@
+//! Chat as a completion, both ways: a chat request rendered into the
+//! completion request the workers serve ([`to_completion`], with the chat
+//! `max_tokens` default), and a completion answer turned back into the
+//! OpenAI chat format ([`ChatCompletionResponse::from_completion`] for a whole
+//! body, [`ChatChunker`] for a stream). The gateway and the workers both build
+//! their chat answers with these, so the two give the same bodies and chunks.
+
+use crate::openai::CompletionRequest;
+use crate::openai::{
+    ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
+    ChatCompletionResponse, ChatDelta, ChatResponseMessage, CompletionResponse, Prompt, Usage,
+};
+use crate::rules;
+
+/// `object` of a chat answer.
+pub const CHAT_OBJECT: &str = "chat.completion";
+
+/// `object` of a streamed chat chunk.
+pub const CHUNK_OBJECT: &str = "chat.completion.chunk";
+
+/// The role of every answer.
+pub const ASSISTANT: &str = "assistant";
+
+/// Tokens a chat may generate: `max_completion_tokens`, else `max_tokens`,
+/// else until the context is full (`seq_len - prompt_tokens`, at least 1;
+/// OpenAI's chat default), or the completion default when `seq_len` is unknown.
+pub fn max_tokens(req: &ChatCompletionRequest, prompt_tokens: usize, seq_len: Option<u32>) -> u32 {
+    match (
+        req.max_completion_tokens.or(req.sampling.max_tokens),
+        seq_len,
+    ) {
+        (Some(m), _) => m,
+        (None, Some(s)) => (s as usize).saturating_sub(prompt_tokens).max(1) as u32,
+        (None, None) => rules::DEFAULT_MAX_TOKENS,
+    }
+}
+
+/// The completion request a chat becomes: `prompt` is the chat rendered with
+/// the model's template (`prompt_tokens` long), `max_tokens` is set by
+/// [`max_tokens`], every other sampling and streaming field is the chat's.
+pub fn to_completion(
+    req: &ChatCompletionRequest,
+    prompt: String,
+    prompt_tokens: usize,
+    seq_len: Option<u32>,
+) -> CompletionRequest {
+    let mut sampling = req.sampling.clone();
+    sampling.max_tokens = Some(max_tokens(req, prompt_tokens, seq_len));
+    CompletionRequest {
+        model: req.model.clone(),
+        prompt: Prompt::Text(prompt),
+        sampling,
+        kv_transfer_params: None,
+    }
+}
+
+impl ChatCompletionResponse {
+    /// The chat answer of a completion answer: its first choice's text as the
+    /// assistant message with its `finish_reason`; `id`, `model`, `created`,
+    /// `usage` (zero when absent) and `timings` carried over.
+    pub fn from_completion(c: CompletionResponse) -> Self {
+        let choice = c.choices.into_iter().next();
+        let (content, finish_reason) = match choice {
+            Some(ch) => (ch.text, ch.finish_reason),
+            None => (String::new(), None),
+        };
+        ChatCompletionResponse {
+            id: c.id,
+            object: CHAT_OBJECT.into(),
+            created: c.created,
+            model: c.model,
+            choices: vec![ChatChoice {
+                index: 0,
+                message: ChatResponseMessage {
+                    role: ASSISTANT.into(),
+                    content,
+                },
+                finish_reason,
+            }],
+            usage: c.usage.unwrap_or_default(),
+            timings: c.timings,
+        }
+    }
+}
+
+/// Turns a completion stream's chunks into chat chunks: before the first
+/// choice a chunk with `delta.role = "assistant"`, then a content delta per
+/// chunk with text, the `finish_reason` on the chunk that carries it, and the
+/// usage chunk (no choices) when the client asked for it.
+#[derive(Debug, Clone)]
+pub struct ChatChunker {
+    id: String,
+    model: String,
+    created: u64,
+    include_usage: bool,
+    role_sent: bool,
+}
+
+impl ChatChunker {
+    /// A chunker whose chunks carry `id`, `model` and `created`;
+    /// `include_usage`: pass usage chunks on (`stream_options.include_usage`).
+    pub fn new(id: String, model: String, created: u64, include_usage: bool) -> Self {
+        ChatChunker {
+            id,
+            model,
+            created,
+            include_usage,
+            role_sent: false,
+        }
+    }
+
+    fn chunk(&self, choices: Vec<ChatChunkChoice>, usage: Option<Usage>) -> ChatCompletionChunk {
+        ChatCompletionChunk {
+            id: self.id.clone(),
+            object: CHUNK_OBJECT.into(),
+            created: self.created,
+            model: self.model.clone(),
+            choices,
+            usage,
+        }
+    }
+
+    /// The chat chunks (none, one or several) for one completion chunk.
+    pub fn push(&mut self, chunk: &CompletionResponse) -> Vec<ChatCompletionChunk> {
+        let mut out = Vec::new();
+        if let Some(choice) = chunk.choices.first() {
+            if !self.role_sent {
+                self.role_sent = true;
+                out.push(self.chunk(
+                    vec![ChatChunkChoice {
+                        index: 0,
+                        delta: ChatDelta {
+                            role: Some(ASSISTANT.into()),
+                            content: Some(String::new()),
+                        },
+                        finish_reason: None,
+                    }],
+                    None,
+                ));
+            }
+            if !choice.text.is_empty() || choice.finish_reason.is_some() {
+                out.push(self.chunk(
+                    vec![ChatChunkChoice {
+                        index: 0,
+                        delta: ChatDelta {
+                            role: None,
+                            content: (!choice.text.is_empty()).then(|| choice.text.clone()),
+                        },
+                        finish_reason: choice.finish_reason.clone(),
+                    }],
+                    None,
+                ));
+            }
+        }
+        if self.include_usage
+            && let Some(u) = chunk.usage
+        {
+            out.push(self.chunk(Vec::new(), Some(u)));
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::openai::{CompletionChoice, SamplingFields, Timings};
+
+    fn completion(text: &str, finish: Option<&str>, usage: Option<Usage>) -> CompletionResponse {
+        CompletionResponse {
+            id: "chatcmpl-1".into(),
+            object: "text_completion".into(),
+            created: 7,
+            model: "m".into(),
+            choices: vec![CompletionChoice {
+                index: 0,
+                text: text.into(),
+                logprobs: None,
+                finish_reason: finish.map(String::from),
+                token_ids: Some(vec![1]),
+            }],
+            usage,
+            kv_transfer_params: None,
+            timings: Some(Timings::default()),
+        }
+    }
+
+    #[test]
+    fn a_whole_answer_becomes_an_assistant_message() {
+        let c = ChatCompletionResponse::from_completion(completion(
+            "hi",
+            Some("stop"),
+            Some(Usage::new(3, 2)),
+        ));
+        assert_eq!(
+            (c.id.as_str(), c.object.as_str()),
+            ("chatcmpl-1", CHAT_OBJECT)
+        );
+        assert_eq!(c.choices[0].message.role, ASSISTANT);
+        assert_eq!(c.choices[0].message.content, "hi");
+        assert_eq!(c.choices[0].finish_reason.as_deref(), Some("stop"));
+        assert_eq!(c.usage, Usage::new(3, 2));
+        assert!(c.timings.is_some());
+    }
+
+    #[test]
+    fn a_stream_gets_the_role_first_then_deltas_finish_and_usage() {
+        let mut k = ChatChunker::new("chatcmpl-1".into(), "m".into(), 7, true);
+        let a = k.push(&completion("a", None, None));
+        assert_eq!(a.len(), 2);
+        assert_eq!(a[0].choices[0].delta.role.as_deref(), Some(ASSISTANT));
+        assert_eq!(a[1].choices[0].delta.content.as_deref(), Some("a"));
+        let b = k.push(&completion("b", None, None));
+        assert_eq!(b.len(), 1);
+        assert_eq!(b[0].choices[0].delta.role, None);
+        let fin = k.push(&completion("", Some("length"), None));
+        assert_eq!(fin[0].choices[0].delta.content, None);
+        assert_eq!(fin[0].choices[0].finish_reason.as_deref(), Some("length"));
+        let mut usage = completion("", None, Some(Usage::new(1, 2)));
+        usage.choices.clear();
+        let u = k.push(&usage);
+        assert!(u[0].choices.is_empty());
+        assert_eq!(u[0].usage, Some(Usage::new(1, 2)));
+        assert!(
+            a.iter()
+                .chain(&b)
+                .chain(&fin)
+                .chain(&u)
+                .all(|c| c.object == CHUNK_OBJECT && c.id == "chatcmpl-1")
+        );
+        let mut quiet = ChatChunker::new("x".into(), "m".into(), 7, false);
+        assert!(quiet.push(&usage).is_empty());
+    }
+
+    #[test]
+    fn max_tokens_defaults_to_the_rest_of_the_context() {
+        let mut req = ChatCompletionRequest {
+            model: "m".into(),
+            messages: Vec::new(),
+            max_completion_tokens: None,
+            sampling: SamplingFields::default(),
+        };
+        assert_eq!(max_tokens(&req, 9, Some(100)), 91);
+        assert_eq!(max_tokens(&req, 200, Some(100)), 1);
+        assert_eq!(max_tokens(&req, 9, None), rules::DEFAULT_MAX_TOKENS);
+        req.sampling.max_tokens = Some(5);
+        assert_eq!(max_tokens(&req, 9, Some(100)), 5);
+        req.max_completion_tokens = Some(4);
+        let c = to_completion(&req, "user: hi\n".into(), 9, Some(100));
+        assert_eq!(c.sampling.max_tokens, Some(4));
+        assert_eq!(c.prompt, Prompt::Text("user: hi\n".into()));
+        assert_eq!(c.kv_transfer_params, None);
+    }
+}
