@@ -6,9 +6,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use axum::response::{IntoResponse, Response};
-use rngd_api::openai::{
-    ChatChoice, ChatCompletionResponse, ChatResponseMessage, CompletionResponse, Timings,
-};
+use rngd_api::openai::{ChatCompletionResponse, CompletionResponse, Timings};
 use rngd_api::pd::KvTransferParams;
 use rngd_api::rules::ms;
 use rngd_pool::ApiKind;
@@ -129,25 +127,6 @@ pub(super) fn full_response(ctx: Ctx, mut body: CompletionResponse) -> Response 
             body.object = "text_completion".into();
             axum::Json(body).into_response()
         }
-        ApiKind::Chat => {
-            let choice = body.choices.into_iter().next();
-            let chat = ChatCompletionResponse {
-                id: ctx.id,
-                object: "chat.completion".into(),
-                created: ctx.created,
-                model: ctx.model,
-                choices: vec![ChatChoice {
-                    index: 0,
-                    message: ChatResponseMessage {
-                        role: "assistant".into(),
-                        content: choice.as_ref().map(|c| c.text.clone()).unwrap_or_default(),
-                    },
-                    finish_reason: choice.and_then(|c| c.finish_reason),
-                }],
-                usage: body.usage.unwrap_or_default(),
-                timings: body.timings,
-            };
-            axum::Json(chat).into_response()
-        }
+        ApiKind::Chat => axum::Json(ChatCompletionResponse::from_completion(body)).into_response(),
     }
 }

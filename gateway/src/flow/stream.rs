@@ -11,9 +11,8 @@ use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::Response;
 use bytes::Bytes;
 use futures::{Stream, StreamExt};
-use rngd_api::openai::{
-    ChatChunkChoice, ChatCompletionChunk, ChatDelta, CompletionResponse, ErrorBody, Timings, Usage,
-};
+use rngd_api::chat::ChatChunker;
+use rngd_api::openai::{CompletionResponse, ErrorBody, Timings, Usage};
 use rngd_api::rules::ms;
 use rngd_pool::ApiKind;
 use serde::Deserialize;
@@ -42,7 +41,8 @@ struct StreamState {
     out: VecDeque<Bytes>,
     finished: bool,
     include_usage: bool,
-    role_sent: bool,
+    /// The chat form of the chunks (used for the chat API).
+    chat: ChatChunker,
     first_token: Option<Instant>,
     tokens: u64,
     usage: Option<Usage>,
@@ -52,6 +52,12 @@ struct StreamState {
 
 pub(super) fn stream_response(ctx: Ctx, resp: reqwest::Response, include_usage: bool) -> Response {
     let idle = ctx.gw.config.stream_idle_timeout;
+    let chat = ChatChunker::new(
+        ctx.id.clone(),
+        ctx.model.clone(),
+        ctx.created,
+        include_usage,
+    );
     let state = StreamState {
         ctx,
         upstream: Box::pin(resp.bytes_stream()),
@@ -59,7 +65,7 @@ pub(super) fn stream_response(ctx: Ctx, resp: reqwest::Response, include_usage: 
         out: VecDeque::new(),
         finished: false,
         include_usage,
-        role_sent: false,
+        chat,
         first_token: None,
         tokens: 0,
         usage: None,
@@ -176,12 +182,10 @@ impl StreamState {
             }
         };
         let choice = chunk.choices.first();
-        let text = choice.map(|c| c.text.clone()).unwrap_or_default();
+        let has_text = choice.is_some_and(|c| !c.text.is_empty());
         let ids = choice
             .and_then(|c| c.token_ids.as_ref())
             .map_or(0, |t| t.len() as u64);
-        let finish = choice.and_then(|c| c.finish_reason.clone());
-        let has_choice = choice.is_some();
         if let Some(u) = chunk.usage {
             self.usage = Some(u);
         }
@@ -189,7 +193,7 @@ impl StreamState {
             self.worker_timings = Some(t);
         }
         self.tokens += ids;
-        if self.first_token.is_none() && (ids > 0 || !text.is_empty()) {
+        if self.first_token.is_none() && (ids > 0 || has_text) {
             self.first_token = Some(Instant::now());
         }
         match self.ctx.kind {
@@ -215,55 +219,7 @@ impl StreamState {
                 self.push_json(&chunk);
             }
             ApiKind::Chat => {
-                let (id, model, created) = (
-                    self.ctx.id.clone(),
-                    self.ctx.model.clone(),
-                    self.ctx.created,
-                );
-                let chat =
-                    |choices: Vec<ChatChunkChoice>, usage: Option<Usage>| ChatCompletionChunk {
-                        id: id.clone(),
-                        object: "chat.completion.chunk".into(),
-                        created,
-                        model: model.clone(),
-                        choices,
-                        usage,
-                    };
-                if has_choice {
-                    if !self.role_sent {
-                        self.role_sent = true;
-                        let c = chat(
-                            vec![ChatChunkChoice {
-                                index: 0,
-                                delta: ChatDelta {
-                                    role: Some("assistant".into()),
-                                    content: Some(String::new()),
-                                },
-                                finish_reason: None,
-                            }],
-                            None,
-                        );
-                        self.push_json(&c);
-                    }
-                    if !text.is_empty() || finish.is_some() {
-                        let c = chat(
-                            vec![ChatChunkChoice {
-                                index: 0,
-                                delta: ChatDelta {
-                                    role: None,
-                                    content: (!text.is_empty()).then_some(text),
-                                },
-                                finish_reason: finish,
-                            }],
-                            None,
-                        );
-                        self.push_json(&c);
-                    }
-                }
-                if self.include_usage
-                    && let Some(u) = chunk.usage
-                {
-                    let c = chat(Vec::new(), Some(u));
+                for c in self.chat.push(&chunk) {
                     self.push_json(&c);
                 }
             }
