@@ -15,6 +15,7 @@ use crate::metrics::EppMetrics;
 use crate::picker::Picker;
 use crate::processor::ProcessorConfig;
 use crate::server::{self, RunningServer, ServerConfig};
+use crate::tls::TlsChoice;
 
 /// Everything a picker is started from.
 #[derive(Debug, Clone)]
@@ -38,6 +39,10 @@ pub struct Options {
     pub processor: ProcessorConfig,
     /// Bearer token of the policy admin API on the metrics listener; `None` = off.
     pub admin_token: Option<String>,
+    /// TLS of the ext_proc gRPC listener (the reference picker's default is
+    /// TLS with a self-signed certificate); the health and metrics listeners
+    /// stay plaintext.
+    pub tls: TlsChoice,
 }
 
 /// A running picker.
@@ -72,6 +77,7 @@ impl Drop for AbortOnDrop {
 
 /// Starts a picker.
 pub async fn launch(opts: Options) -> Result<Launched, ExtProcError> {
+    let tls = opts.tls.start()?;
     let metrics = EppMetrics::new()?;
     let loaded = opts
         .policy
@@ -123,6 +129,7 @@ pub async fn launch(opts: Options) -> Result<Launched, ExtProcError> {
             metrics: opts.metrics,
             processor: opts.processor,
             extra_routes,
+            tls,
         },
     )
     .await?;

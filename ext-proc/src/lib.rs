@@ -16,12 +16,14 @@
 //! - [`processor`]: the `ext_proc` stream state machine (FULL_DUPLEX_STREAMED and BUFFERED).
 //! - [`server`]: the gRPC, health and metrics listeners.
 //! - [`metrics`]: the picker's Prometheus metrics.
+//! - [`tls`]: TLS of the ext_proc listener (self-signed or a reloaded certificate directory).
 
 pub mod launch;
 pub mod metrics;
 pub mod picker;
 pub mod processor;
 pub mod server;
+pub mod tls;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -95,6 +97,14 @@ pub enum ExtProcError {
         /// Cause.
         #[source]
         source: std::io::Error,
+    },
+    /// A TLS certificate or configuration could not be set up.
+    #[error("TLS {what}: {reason}")]
+    Tls {
+        /// What was being loaded (the certificate directory, `self-signed certificate`, ...).
+        what: String,
+        /// Why it failed.
+        reason: String,
     },
     /// A server task panicked or was cancelled.
     #[error("server task: {source}")]

@@ -3,14 +3,20 @@
 //! Prometheus metrics over HTTP (9090, `GET /metrics`). Port 0 binds a free
 //! port; [`RunningServer`] reports the bound addresses. The ext_proc listener
 //! is served per connection on single-threaded runtimes of its own
-//! ([`GrpcServing`]), off the runtime the rest of the process uses.
+//! ([`GrpcServing`]), off the runtime the rest of the process uses; with
+//! [`ServerConfig::tls`] its connections are TLS (ALPN `h2`), the handshake
+//! done on the thread that then serves the connection. The health port stays
+//! plaintext (kubelet gRPC probes do not speak TLS; the ext_proc port serves
+//! the same health services over TLS). Metrics are plain HTTP.
 
+use std::io;
 use std::net::SocketAddr;
 use std::sync::Arc;
 
 use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::ExternalProcessorServer;
+use futures::Stream;
 use futures::StreamExt;
-use tokio::net::TcpListener;
+use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, oneshot, watch};
 use tokio::task::JoinHandle;
 use tokio_stream::wrappers::UnboundedReceiverStream;
@@ -23,6 +29,7 @@ use tonic_health::server::HealthReporter;
 use crate::ExtProcError;
 use crate::picker::Picker;
 use crate::processor::{ExtProcService, ProcessorConfig};
+use crate::tls::{Conn, ServerTls};
 
 /// GIE's default ext_proc port.
 pub const DEFAULT_GRPC_PORT: u16 = 9002;
@@ -50,6 +57,8 @@ pub struct ServerConfig {
     pub processor: ProcessorConfig,
     /// More HTTP routes served next to `/metrics` (e.g. the policy admin API).
     pub extra_routes: Option<axum::Router>,
+    /// TLS of the ext_proc listener (`crate::tls::TlsChoice::start`); `None` = plaintext.
+    pub tls: Option<Arc<ServerTls>>,
 }
 
 impl ServerConfig {
@@ -64,6 +73,7 @@ impl ServerConfig {
             metrics: None,
             processor: ProcessorConfig::default(),
             extra_routes: None,
+            tls: None,
         }
     }
 }
@@ -123,6 +133,51 @@ pub async fn start(
     start_with(picker, config, GrpcServing::default()).await
 }
 
+/// The connections of `incoming` as served: plaintext at once, TLS after a
+/// handshake each (concurrent, on the calling runtime). Accept and handshake
+/// failures are logged and skipped, so the server never sees an error item.
+fn connections<S>(
+    incoming: S,
+    tls: Option<Arc<ServerTls>>,
+) -> UnboundedReceiverStream<io::Result<Conn>>
+where
+    S: Stream<Item = io::Result<TcpStream>> + Send + 'static,
+{
+    let (tx, rx) = mpsc::unbounded_channel();
+    tokio::spawn(async move {
+        let mut incoming = std::pin::pin!(incoming);
+        while let Some(s) = incoming.next().await {
+            let s = match s {
+                Ok(s) => s,
+                Err(e) => {
+                    tracing::warn!(error = %e, "ext_proc connection dropped");
+                    continue;
+                }
+            };
+            match &tls {
+                None => {
+                    let _ = tx.send(Ok(Conn::Plain(s)));
+                }
+                Some(t) => {
+                    let (t, tx) = (Arc::clone(t), tx.clone());
+                    tokio::spawn(async move {
+                        let peer = s.peer_addr().ok();
+                        match Conn::accept(s, Some(&t)).await {
+                            Ok(c) => {
+                                let _ = tx.send(Ok(c));
+                            }
+                            Err(e) => {
+                                tracing::info!(?peer, error = %e, "ext_proc TLS handshake failed")
+                            }
+                        }
+                    });
+                }
+            }
+        }
+    });
+    UnboundedReceiverStream::new(rx)
+}
+
 /// Serves accepted connections on `threads` single-threaded runtimes, round robin.
 /// Returns the accept loop's task; the threads stop when `stop` turns true.
 fn serve_per_connection<H: Health>(
@@ -130,6 +185,7 @@ fn serve_per_connection<H: Health>(
     threads: usize,
     svc: ExtProcService,
     health: HealthServer<H>,
+    tls: Option<Arc<ServerTls>>,
     stop: watch::Receiver<bool>,
 ) -> Result<JoinHandle<Result<(), ExtProcError>>, ExtProcError> {
     let threads = if threads == 0 {
@@ -146,15 +202,17 @@ fn serve_per_connection<H: Health>(
             .enable_all()
             .build()
             .map_err(|source| ExtProcError::Runtime { source })?;
-        let (svc, health, mut stop) = (svc.clone(), health.clone(), stop.clone());
+        let (svc, health, mut stop, tls) = (svc.clone(), health.clone(), stop.clone(), tls.clone());
         std::thread::Builder::new()
             .name(format!("ext-proc-grpc-{i}"))
             .spawn(move || {
-                let incoming = UnboundedReceiverStream::new(rx).map(|s| {
-                    s.set_nonblocking(true)?;
-                    tokio::net::TcpStream::from_std(s)
-                });
                 let r = rt.block_on(async move {
+                    // Registered with this thread's reactor: converted here.
+                    let incoming = UnboundedReceiverStream::new(rx).map(|s| {
+                        s.set_nonblocking(true)?;
+                        TcpStream::from_std(s)
+                    });
+                    let incoming = connections(incoming, tls);
                     tonic::transport::Server::builder()
                         .add_service(
                             ExternalProcessorServer::new(svc)
@@ -244,21 +302,35 @@ pub async fn start_with(
     let (stop, stop_rx) = watch::channel(false);
     match grpc_serving {
         GrpcServing::PerConnection(n) => {
-            tasks.push(serve_per_connection(grpc_l, n, svc, grpc_health, stop_rx)?);
+            tasks.push(serve_per_connection(
+                grpc_l,
+                n,
+                svc,
+                grpc_health,
+                config.tls.clone(),
+                stop_rx,
+            )?);
         }
-        GrpcServing::Shared => tasks.push(tokio::spawn(async move {
-            tonic::transport::Server::builder()
-                .add_service(
-                    ExternalProcessorServer::new(svc).max_decoding_message_size(16 * 1024 * 1024),
-                )
-                .add_service(grpc_health)
-                .serve_with_incoming(TcpIncoming::from(grpc_l).with_nodelay(Some(true)))
-                .await
-                .map_err(|source| ExtProcError::Serve {
-                    what: "grpc",
-                    source,
-                })
-        })),
+        GrpcServing::Shared => {
+            let incoming = connections(
+                TcpIncoming::from(grpc_l).with_nodelay(Some(true)),
+                config.tls.clone(),
+            );
+            tasks.push(tokio::spawn(async move {
+                tonic::transport::Server::builder()
+                    .add_service(
+                        ExternalProcessorServer::new(svc)
+                            .max_decoding_message_size(16 * 1024 * 1024),
+                    )
+                    .add_service(grpc_health)
+                    .serve_with_incoming(incoming)
+                    .await
+                    .map_err(|source| ExtProcError::Serve {
+                        what: "grpc",
+                        source,
+                    })
+            }));
+        }
     }
     tasks.push(tokio::spawn(async move {
         tonic::transport::Server::builder()
@@ -296,7 +368,8 @@ pub async fn start_with(
                 .map_err(|source| ExtProcError::ServeMetrics { source })
         }));
     }
-    tracing::info!(%grpc_addr, %health_addr, ?metrics_addr, "endpoint picker serving");
+    let secure = config.tls.is_some();
+    tracing::info!(%grpc_addr, %health_addr, ?metrics_addr, tls = secure, "endpoint picker serving");
     Ok(RunningServer {
         grpc_addr,
         health_addr,
