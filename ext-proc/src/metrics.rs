@@ -6,7 +6,7 @@ use rngd_telemetry::names;
 use crate::ExtProcError;
 
 /// The picker's metrics, registered in their own registry (served on the metrics port).
-#[derive(Clone)]
+#[derive(Clone, Debug)]
 pub struct EppMetrics {
     /// The registry the metrics live in.
     pub registry: Registry,
@@ -16,12 +16,6 @@ pub struct EppMetrics {
     pub pick_seconds: Histogram,
     /// Failed `/metrics` scrapes.
     pub scrape_failures: IntCounter,
-}
-
-impl std::fmt::Debug for EppMetrics {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("EppMetrics").finish_non_exhaustive()
-    }
 }
 
 impl EppMetrics {
