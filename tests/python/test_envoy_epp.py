@@ -4,6 +4,13 @@
 Everything binds loopback port 0 (Envoy's ports are picked free and rendered
 into the config); readiness is polled: worker `/ready`, gRPC health, Envoy
 admin `/ready`.
+
+Envoy connects to the picker over TLS, as the deploy config ships it (the
+picker's default `--secure-serving`, a self-signed certificate, accepted by
+the epp cluster's UpstreamTlsContext with an empty validation context). Every
+test runs twice, once per ext_proc body mode (`BODY_MODE`: GIE's picker
+default FULL_DUPLEX_STREAMED, and BUFFERED as GIE's own e2e Envoy config),
+each with its own picker and Envoy in front of the same workers.
 """
 
 from __future__ import annotations
@@ -56,16 +63,30 @@ class Stack:
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory, solo):
-    s = Stack()
-    d = tmp_path_factory.mktemp("envoy-epp")
+def workers(tmp_path_factory, solo):
+    """Prefill and decode workers (and the session's solo worker), shared by both body modes."""
+    w = Stack()
     procs = []
     try:
-        s.prefill_proc, s.prefill = start_worker("prefill")
-        procs.append(s.prefill_proc)
-        s.decode_proc, s.decode = start_worker("decode")
-        procs.append(s.decode_proc)
-        s.solo = solo.removeprefix("http://")
+        w.prefill_proc, w.prefill = start_worker("prefill")
+        procs.append(w.prefill_proc)
+        w.decode_proc, w.decode = start_worker("decode")
+        procs.append(w.decode_proc)
+        w.solo = solo.removeprefix("http://")
+        yield w
+    finally:
+        for p in reversed(procs):
+            p.stop(signal.SIGTERM)
+
+
+@pytest.fixture(scope="module", params=["FULL_DUPLEX_STREAMED", "BUFFERED"])
+def stack(request, tmp_path_factory, workers):
+    s = Stack()
+    s.body_mode = request.param
+    s.prefill, s.decode, s.solo = workers.prefill, workers.decode, workers.solo
+    d = tmp_path_factory.mktemp(f"envoy-epp-{request.param.lower()}")
+    procs = []
+    try:
         eps = [
             {"address": s.decode, "role": "decode", "vendor": "cpu", "node": "n1", "seq_len": 512, "transports": ["shm"]},
             {"address": s.prefill, "role": "prefill", "vendor": "cpu", "node": "n1", "seq_len": 512, "transports": ["shm"]},
@@ -75,14 +96,17 @@ def stack(tmp_path_factory, solo):
         (d / "policy.json").write_text(json.dumps({"disaggregation_threshold_tokens": 32}))
         s.policy = d / "policy.wasm"
         shutil.copyfile(policy_module(), s.policy)
-        s.epp = ExtProc(d / "endpoints.json", s.policy, d / "policy.json", model=model_path())
+        # TLS (the picker's default, self-signed), as deploy/envoy/envoy.yaml expects.
+        s.epp = ExtProc(d / "endpoints.json", s.policy, d / "policy.json", model=model_path(), tls=True)
         procs.append(s.epp.proc)
 
         s.listen, s.admin = free_port(), free_port()
         cfg = render.render({
             "LISTEN_HOST": "127.0.0.1", "LISTEN_PORT": s.listen, "ADMIN_PORT": s.admin,
             "EPP_HOST": s.epp.grpc.rsplit(":", 1)[0], "EPP_PORT": s.epp.grpc.rsplit(":", 1)[1],
+            "BODY_MODE": s.body_mode,
         })
+        assert "envoy.transport_sockets.tls" in cfg and f"request_body_mode: {s.body_mode}" in cfg
         (d / "envoy.yaml").write_text(cfg)
         s.envoy = Proc("envoy", [str(envoy_binary()), "-c", str(d / "envoy.yaml"), "--disable-hot-restart", "-l", "warning"])
         procs.append(s.envoy)
@@ -92,6 +116,27 @@ def stack(tmp_path_factory, solo):
     finally:
         for p in reversed(procs):
             p.stop(signal.SIGTERM)
+
+
+def envoy_stat(stack, name: str) -> float:
+    text = requests.get(f"http://127.0.0.1:{stack.admin}/stats?filter={name}", timeout=10).text
+    return sum(float(line.rsplit(":", 1)[1]) for line in text.splitlines() if line.split(":", 1)[0] == name)
+
+
+def sse_completion(r: requests.Response) -> tuple[str, list[int]]:
+    """Text and token ids of a streamed completion (the `data:` events up to `[DONE]`)."""
+    text, ids = [], []
+    for line in r.iter_lines():
+        if not line.startswith(b"data: "):
+            continue
+        data = line[len(b"data: "):]
+        if data == b"[DONE]":
+            break
+        ev = json.loads(data)
+        for c in ev.get("choices") or []:
+            text.append(c.get("text") or "")
+            ids.extend(c.get("token_ids") or [])
+    return "".join(text), ids
 
 
 def post(stack, body: dict, headers=None, timeout=600) -> requests.Response:
@@ -107,6 +152,43 @@ def test_requests_reach_the_endpoint_the_policy_chose(stack):
         after = {a: counter(a, "rngd_pd_worker_requests_total") for a in before}
         grew = [a for a in before if after[a] > before[a]]
         assert grew == [target], f"expected only {target} to serve, counters grew on {grew}"
+
+
+def test_envoy_talks_tls_to_the_picker(stack):
+    """The ext_proc traffic went over the TLS transport socket (Envoy's ssl stats of the epp cluster)."""
+    assert post(stack, {"model": MODEL, "prompt": "Hi", "max_tokens": 1, "temperature": 0}).status_code == 200
+    assert envoy_stat(stack, "cluster.epp.ssl.handshake") >= 1
+    assert envoy_stat(stack, "cluster.epp.ssl.connection_error") == 0
+
+
+def test_completion_on_the_chosen_worker_matches_solo(stack):
+    body = {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 6, "temperature": 0}
+    ref = requests.post(f"http://{stack.solo}/v1/completions", json=body, timeout=600)
+    assert ref.status_code == 200, ref.text
+    before = counter(stack.decode, "rngd_pd_worker_requests_total")
+    r = post(stack, body, headers={"x-gateway-destination-endpoint-subset": stack.decode})
+    assert r.status_code == 200, r.text
+    assert counter(stack.decode, "rngd_pd_worker_requests_total") == before + 1
+    got, want = r.json()["choices"][0], ref.json()["choices"][0]
+    assert got["text"] == want["text"]
+    assert got.get("token_ids") == want.get("token_ids")
+
+
+def test_streaming_pd_through_envoy_matches_solo(stack):
+    body = {"model": MODEL, "prompt": LONG_PROMPT, "max_tokens": 8, "temperature": 0}
+    ref = requests.post(f"http://{stack.solo}/v1/completions", json=body, timeout=600)
+    assert ref.status_code == 200, ref.text
+    prefills = counter(stack.prefill, "rngd_pd_worker_prefills_total")
+    with requests.post(stack.url + "/v1/completions", json=dict(body, stream=True), timeout=600, stream=True,
+                       headers={"x-gateway-destination-endpoint-subset": f"{stack.decode},{stack.prefill}"}) as r:
+        assert r.status_code == 200, r.text
+        assert r.headers["content-type"].startswith("text/event-stream"), r.headers
+        text, ids = sse_completion(r)
+    assert counter(stack.prefill, "rngd_pd_worker_prefills_total") == prefills + 1, "the prefill worker prefilled"
+    want = ref.json()["choices"][0]
+    assert text == want["text"]
+    if ids:
+        assert ids == want["token_ids"]
 
 
 def test_pd_through_envoy_matches_solo(stack):

@@ -1,6 +1,13 @@
 """Helpers of the endpoint-picker suites: start `rngd-pd ext-proc`, fake model
 servers, Envoy, and speak ext_proc / gRPC health with grpcio + xds-protos.
 
+The picker serves its ext_proc port over TLS by default (`--secure-serving`,
+a self-signed certificate unless `--cert-path`); `ExtProc(tls=False)` starts it
+with `--secure-serving=false`. Over TLS, `exchange(picker, ...)` trusts the
+certificate the picker presents (fetched with `ssl.get_server_certificate`,
+as a client pinning a self-signed EPP would) and checks the name `localhost`.
+The gRPC health port is always plaintext.
+
 Readiness is always polled (printed lines, gRPC health, HTTP), never slept for.
 """
 
@@ -11,6 +18,7 @@ import json
 import os
 import pathlib
 import shutil
+import ssl
 import subprocess
 import sys
 import threading
@@ -173,12 +181,16 @@ def wait_serving(addr: str, proc: Proc, timeout: float = 60):
 class ExtProc:
     """A running `rngd-pd ext-proc` with all ports picked by the OS."""
 
-    def __init__(self, endpoints_file, policy, policy_config=None, model=None, extra=()):
+    def __init__(self, endpoints_file, policy, policy_config=None, model=None, extra=(), tls=True, cert_path=None):
+        self.tls = tls
         args = [
             rngd_bin(), "ext-proc", "--host", "127.0.0.1",
-            "--grpc-port", "0", "--health-port", "0", "--metrics-port", "0",
+            "--grpc-port", "0", "--grpc-health-port", "0", "--metrics-port", "0",
             "--endpoints", str(endpoints_file), "--policy", str(policy), "--watch-ms", "50",
+            f"--secure-serving={'true' if tls else 'false'}",
         ]
+        if cert_path is not None:
+            args += ["--cert-path", str(cert_path)]
         if policy_config:
             args += ["--policy-config", str(policy_config)]
         args += ["--model", str(model)] if model else ["--no-tokenizer"]
@@ -187,11 +199,18 @@ class ExtProc:
         try:
             self.grpc = self.proc.wait_line("rngd-pd ext-proc grpc listening on", 120)
             self.health = self.proc.wait_line("rngd-pd ext-proc health listening on", 5)
+            self.security = self.proc.wait_line("rngd-pd ext-proc grpc security", 5)
             self.metrics = self.proc.wait_line("rngd-pd ext-proc metrics listening on", 5)
+            assert self.security.startswith("tls") == tls, self.security
             wait_serving(self.health, self.proc)
         except BaseException:
             self.proc.stop()
             raise
+
+    def server_certificate(self) -> str:
+        """The PEM certificate the ext_proc port presents now (not verified)."""
+        host, port = self.grpc.rsplit(":", 1)
+        return ssl.get_server_certificate((host, int(port)), timeout=10)
 
     def metrics_text(self) -> str:
         return requests.get(f"http://{self.metrics}/metrics", timeout=5).text
@@ -224,11 +243,47 @@ def body_req(chunk: bytes, end_of_stream: bool):
     return ep.ProcessingRequest(request_body=ep.HttpBody(body=chunk, end_of_stream=end_of_stream))
 
 
-def exchange(addr: str, msgs, timeout=30):
-    """One ext_proc stream: sends all messages, half-closes, returns every response."""
-    with grpc.insecure_channel(addr, options=[("grpc.max_receive_message_length", 16 << 20)]) as ch:
+def channel(target, root_pem: str | None = None) -> grpc.Channel:
+    """A grpcio channel to an `ExtProc` (TLS trusting its current certificate,
+    or plaintext, as it serves) or to an address (plaintext, or TLS trusting
+    `root_pem`). TLS checks the name `localhost` (in the self-signed SANs)."""
+    opts = [("grpc.max_receive_message_length", 16 << 20)]
+    if isinstance(target, ExtProc):
+        addr = target.grpc
+        if target.tls and root_pem is None:
+            root_pem = target.server_certificate()
+    else:
+        addr = target
+    if root_pem is None:
+        return grpc.insecure_channel(addr, options=opts)
+    creds = grpc.ssl_channel_credentials(root_certificates=root_pem.encode())
+    return grpc.secure_channel(addr, creds, options=opts + [("grpc.ssl_target_name_override", "localhost")])
+
+
+def exchange(target, msgs, timeout=30, root_pem: str | None = None):
+    """One ext_proc stream to `target` (see `channel`): sends all messages,
+    half-closes, returns every response."""
+    with channel(target, root_pem) as ch:
         stub = epg.ExternalProcessorStub(ch)
         return list(stub.Process(iter(msgs), timeout=timeout))
+
+
+def self_signed_pair(directory: pathlib.Path, cn: str = "localhost"):
+    """Writes `tls.crt` / `tls.key` (a fresh self-signed EC pair for
+    localhost and 127.0.0.1, made with the openssl CLI) into `directory`,
+    replacing them by rename as a Secret volume does; returns the PEM certificate."""
+    directory.mkdir(parents=True, exist_ok=True)
+    tmp = directory / ".new"
+    tmp.mkdir(exist_ok=True)
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes",
+         "-keyout", str(tmp / "tls.key"), "-out", str(tmp / "tls.crt"), "-days", "2", "-subj", f"/CN={cn}",
+         "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1"],
+        check=True, capture_output=True,
+    )
+    for name in ("tls.key", "tls.crt"):
+        os.replace(tmp / name, directory / name)
+    return (directory / "tls.crt").read_text()
 
 
 def set_headers(resp) -> dict:
