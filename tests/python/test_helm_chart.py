@@ -104,3 +104,45 @@ def test_container_flags_exist_in_the_binary(deployment):
         flag = re.match(r"(--[a-z0-9-]+)", arg)
         assert flag, f"unexpected argument {arg!r}"
         assert flag.group(1) in help_text, f"`rngd-pd {sub}` has no flag {flag.group(1)}"
+
+
+def policy_module():
+    target = os.environ.get("CARGO_TARGET_DIR", str(ROOT / "target"))
+    path = os.path.join(target, "wasm32-unknown-unknown", "release", "pd_default.wasm")
+    assert os.path.exists(path), f"pd_default.wasm not found at {path}: run policies/build.sh"
+    return path
+
+
+@pytest.mark.parametrize(
+    "values",
+    [
+        {},
+        {
+            "prefill": {"backend": "rngd", "deviceResource": "furiosa.ai/rngd"},
+            "decode": {"backend": "atom", "deviceResource": "rebellions.ai/ATOM"},
+        },
+    ],
+    ids=["default", "npu"],
+)
+def test_shipped_policy_configuration_is_accepted_by_the_binary(values, tmp_path):
+    """The policy configuration the chart renders is loaded by the real binary
+    (`rngd-pd policy check`, which refuses unknown fields), so the gateway and
+    the picker the chart starts do not fail at start on their configuration."""
+    objs = render(values)
+    cfg = objs[("ConfigMap", "demo-policy")]["data"]["policy-config.json"]
+    path = tmp_path / "policy-config.json"
+    path.write_text(cfg)
+    r = subprocess.run(
+        [binary(), "policy", "check", policy_module(), "--config", str(path)],
+        capture_output=True,
+        text=True,
+    )
+    assert r.returncode == 0, f"the chart's policy configuration is refused:\n{r.stdout}\n{r.stderr}"
+    # The check really reads the configuration: an unknown field is refused.
+    path.write_text(cfg[:-1] + ', "max_queue": 64}')
+    r = subprocess.run(
+        [binary(), "policy", "check", policy_module(), "--config", str(path)],
+        capture_output=True,
+        text=True,
+    )
+    assert r.returncode != 0, "an unknown policy field was accepted"
