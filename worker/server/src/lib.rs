@@ -7,7 +7,9 @@
 //!   tests and benchmarks.
 //! - Endpoints: `POST /v1/completions` (whole requests, PD halves,
 //!   `x-prefiller-host-port` orchestration; see `docs/pd-protocol.md`),
-//!   `GET /health`, `GET /ready`, `GET /metrics`, `GET /v1/models`.
+//!   `POST /v1/chat/completions` (rendered with the engine's chat template and
+//!   served as a completion: whole or orchestrated; answered in the chat
+//!   format), `GET /health`, `GET /ready`, `GET /metrics`, `GET /v1/models`.
 //! - [`error::ApiError`]: every request failure, mapped to a status in one place.
 
 pub mod args;
@@ -48,6 +50,7 @@ pub const LISTENING_PREFIX: &str = "rngd-pd worker listening on http://";
 pub fn router(state: WorkerState) -> Router {
     Router::new()
         .route("/v1/completions", post(completions::completions))
+        .route("/v1/chat/completions", post(completions::chat_completions))
         .route("/health", get(|| async { "ok" }))
         .route("/ready", get(ready))
         .route("/metrics", get(metrics_text))

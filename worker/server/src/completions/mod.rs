@@ -1,12 +1,17 @@
-//! `POST /v1/completions`: whole requests, the two halves of the PD protocol,
-//! and `x-prefiller-host-port` orchestration. See `docs/pd-protocol.md`.
+//! `POST /v1/completions` and `POST /v1/chat/completions`: whole requests,
+//! the two halves of the PD protocol, and `x-prefiller-host-port`
+//! orchestration. See `docs/pd-protocol.md`.
 //!
-//! - this module: the handler, dispatch to the mode, the prompt and the
+//! - this module: the handlers, dispatch to the mode, the prompt and the
 //!   sampling parameters;
+//! - [`chat`]: a chat rendered with the engine's template into the completion
+//!   request every mode serves;
 //! - [`pd`]: the three PD modes (prefill for a remote decode, decode from a
 //!   pulled KV, orchestration of a prefill peer);
-//! - [`respond`]: a generation stream as a JSON body or as SSE.
+//! - [`respond`]: a generation stream as a JSON body or as SSE, in the
+//!   completion or the chat format.
 
+mod chat;
 mod pd;
 mod respond;
 
@@ -25,18 +30,37 @@ use tracing::Instrument;
 
 use crate::error::ApiError;
 use crate::state::WorkerState;
-use pd::{decode_remote, orchestrate, prefill_for_remote};
-use respond::{Meta, respond};
+use pd::{Call, decode_remote, orchestrate, prefill_for_remote};
+use respond::{Api, Meta, respond};
 
-/// The handler: request id, span, status counter, `x-request-id` echo.
+/// The `/v1/completions` handler.
 pub(crate) async fn completions(
     State(state): State<WorkerState>,
     headers: HeaderMap,
     body: Bytes,
 ) -> Response {
+    serve(state, headers, body, Api::Completion).await
+}
+
+/// The `/v1/chat/completions` handler: the chat is rendered into a completion
+/// request and served as one, the answer given in the chat format.
+pub(crate) async fn chat_completions(
+    State(state): State<WorkerState>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    serve(state, headers, body, Api::Chat).await
+}
+
+/// Both handlers: request id, span, status counter, `x-request-id` echo.
+async fn serve(state: WorkerState, headers: HeaderMap, body: Bytes, api: Api) -> Response {
     let request_id = crate::request_id(&headers);
-    let span = tracing::info_span!("completion", request_id = %request_id, role = state.config().role.as_str());
-    let result = handle(&state, &headers, &request_id, &body)
+    let name = match api {
+        Api::Completion => "completion",
+        Api::Chat => "chat",
+    };
+    let span = tracing::info_span!("request", api = name, request_id = %request_id, role = state.config().role.as_str());
+    let result = handle(&state, &headers, &request_id, &body, api)
         .instrument(span)
         .await;
     let mut resp = result.unwrap_or_else(IntoResponse::into_response);
@@ -56,11 +80,19 @@ async fn handle(
     headers: &HeaderMap,
     request_id: &str,
     body: &[u8],
+    api: Api,
 ) -> Result<Response, ApiError> {
     let started = Instant::now();
     let engine = state.engine().ok_or(ApiError::NotReady)?.clone();
-    let req: CompletionRequest = rules::parse_body(body)?;
-    rules::check_completion(&req)?;
+    let req = match api {
+        Api::Completion => {
+            let req: CompletionRequest = rules::parse_body(body)?;
+            rules::check_completion(&req)?;
+            req
+        }
+        // A chat has no kv_transfer_params: it is served whole or orchestrated.
+        Api::Chat => chat::render(&*engine, body)?,
+    };
     let header = |name: &str| {
         headers
             .get(name)
@@ -96,19 +128,27 @@ async fn handle(
         )
         .await;
     }
+    let call = Call {
+        state,
+        engine: &engine,
+        request_id,
+        api,
+        started,
+    };
     if role == Role::Prefill {
-        return Err(ApiError::WrongRole(
-            "this worker has role prefill: it only prefills; send kv_transfer_params {\"do_remote_decode\": true}".into(),
-        ));
+        return Err(ApiError::WrongRole(match api {
+            Api::Completion => "this worker has role prefill: it only prefills; send kv_transfer_params {\"do_remote_decode\": true}".into(),
+            Api::Chat => "this worker has role prefill: it only prefills, and a chat is served whole by a decode or solo worker (which may send its prefill here)".into(),
+        }));
     }
     if params.do_remote_prefill {
         tracing::info!(mode = "decode");
-        return decode_remote(state, &engine, &req, request_id, params, started).await;
+        return decode_remote(call, &req, params).await;
     }
     if let Some(peer) = header(headers::PREFILLER_HOST_PORT) {
         tracing::info!(mode = "orchestrate", prefiller = peer);
         let transport = header(headers::KV_TRANSPORT).map(String::from);
-        return orchestrate(state, &engine, &req, request_id, peer, transport, started).await;
+        return orchestrate(call, &req, peer, transport).await;
     }
     tracing::info!(mode = "local");
     let prompt = prompt_ids(&*engine, &req.prompt)?;
@@ -116,6 +156,7 @@ async fn handle(
     let rx = engine.generate(&prompt, &sp).await?;
     state.metrics().prefills.inc();
     let meta = Meta::new(
+        api,
         &*engine,
         &req,
         request_id,

@@ -12,7 +12,7 @@ use rngd_api::rules::{ms, unix_now};
 use rngd_engine::{Engine, KvCache, Prefilled};
 use rngd_kv_transport::KvPayload;
 
-use super::respond::{Meta, respond};
+use super::respond::{Api, Meta, respond};
 use super::{check_vocab, prompt_ids, sampling};
 use crate::error::ApiError;
 use crate::state::WorkerState;
@@ -107,15 +107,34 @@ pub(super) async fn prefill_for_remote(
     Ok(axum::Json(resp).into_response())
 }
 
+/// One request's context for the modes that answer with a generation.
+#[derive(Clone, Copy)]
+pub(super) struct Call<'a> {
+    /// The worker.
+    pub(super) state: &'a WorkerState,
+    /// Its engine.
+    pub(super) engine: &'a Arc<dyn Engine>,
+    /// The request id.
+    pub(super) request_id: &'a str,
+    /// The API it came in by (the answer's format).
+    pub(super) api: Api,
+    /// Arrival time.
+    pub(super) started: Instant,
+}
+
 /// Decode half of the PD protocol: pull (nothing is re-prefilled), release, continue.
 pub(super) async fn decode_remote(
-    state: &WorkerState,
-    engine: &Arc<dyn Engine>,
+    call: Call<'_>,
     req: &CompletionRequest,
-    request_id: &str,
     params: KvTransferParams,
-    started: Instant,
 ) -> Result<Response, ApiError> {
+    let Call {
+        state,
+        engine,
+        request_id,
+        api,
+        started,
+    } = call;
     let missing = |what: &str| {
         ApiError::BadRequest(format!("kv_transfer_params.do_remote_prefill needs {what}"))
     };
@@ -198,20 +217,29 @@ pub(super) async fn decode_remote(
         kv_transfer_ms: Some(params.kv_save_ms.unwrap_or(0.0) + kv_load_ms),
         ..Timings::default()
     };
-    let meta = Meta::new(&**engine, req, request_id, prompt.len(), started, timings);
+    let meta = Meta::new(
+        api,
+        &**engine,
+        req,
+        request_id,
+        prompt.len(),
+        started,
+        timings,
+    );
     respond(state.clone(), meta, rx, req.sampling.stream).await
 }
 
 /// llm-d routing-sidecar behaviour: prefill on `peer`, then decode here.
 pub(super) async fn orchestrate(
-    state: &WorkerState,
-    engine: &Arc<dyn Engine>,
+    call: Call<'_>,
     req: &CompletionRequest,
-    request_id: &str,
     peer: &str,
     transport: Option<String>,
-    started: Instant,
 ) -> Result<Response, ApiError> {
+    let Call {
+        state, request_id, ..
+    } = call;
+    // The peer prefills a completion (a chat arrives here already rendered).
     let mut pre = req.clone();
     pre.sampling.stream = false;
     pre.sampling.stream_options = None;
@@ -234,5 +262,5 @@ pub(super) async fn orchestrate(
                 .into(),
             source: None,
         })?;
-    decode_remote(state, engine, req, request_id, params, started).await
+    decode_remote(call, req, params).await
 }

@@ -1,6 +1,7 @@
 //! A generation stream as the answer: one JSON body, or server-sent events
 //! (a chunk per token, the finish with timings, the optional usage chunk,
-//! `[DONE]`), cancelled when the client goes away.
+//! `[DONE]`), cancelled when the client goes away; in the completion format,
+//! or in the chat format for a chat ([`Api::Chat`], through `rngd_api::chat`).
 
 use std::convert::Infallible;
 use std::time::Instant;
@@ -8,8 +9,10 @@ use std::time::Instant;
 use axum::response::sse::{Event, Sse};
 use axum::response::{IntoResponse, Response};
 use futures::StreamExt;
+use rngd_api::chat::ChatChunker;
 use rngd_api::openai::{
-    CompletionChoice, CompletionRequest, CompletionResponse, ErrorBody, Timings, Usage,
+    ChatCompletionResponse, CompletionChoice, CompletionRequest, CompletionResponse, ErrorBody,
+    Timings, Usage,
 };
 use rngd_api::rules::{ms, unix_now};
 use rngd_engine::{Engine, FinishReason, GenEvent};
@@ -20,8 +23,19 @@ use tracing::Instrument;
 use crate::error::ApiError;
 use crate::state::WorkerState;
 
+/// The API a request came in by, and so the format of its answer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Api {
+    /// `/v1/completions`: `text_completion` bodies and chunks, ids `cmpl-…`.
+    Completion,
+    /// `/v1/chat/completions`: `chat.completion` bodies and
+    /// `chat.completion.chunk` chunks, ids `chatcmpl-…`.
+    Chat,
+}
+
 /// What every chunk or body of one response shares.
 pub(super) struct Meta {
+    api: Api,
     id: String,
     model: String,
     created: u64,
@@ -33,6 +47,7 @@ pub(super) struct Meta {
 
 impl Meta {
     pub(super) fn new(
+        api: Api,
         engine: &dyn Engine,
         req: &CompletionRequest,
         request_id: &str,
@@ -41,7 +56,11 @@ impl Meta {
         timings: Timings,
     ) -> Self {
         Meta {
-            id: format!("cmpl-{request_id}"),
+            api,
+            id: match api {
+                Api::Completion => format!("cmpl-{request_id}"),
+                Api::Chat => format!("chatcmpl-{request_id}"),
+            },
             model: engine.info().name.clone(),
             created: unix_now(),
             prompt_tokens,
@@ -145,28 +164,47 @@ pub(super) async fn respond(
         }]);
         body.usage = Some(Usage::new(meta.prompt_tokens as u32, n));
         body.timings = Some(timings);
-        return Ok(axum::Json(body).into_response());
+        return Ok(match meta.api {
+            Api::Completion => axum::Json(body).into_response(),
+            Api::Chat => axum::Json(ChatCompletionResponse::from_completion(body)).into_response(),
+        });
     }
     let (tx, out) = mpsc::channel::<Event>(32);
     let span = tracing::Span::current();
     tokio::spawn(
         async move {
             let send = |v: &dyn erased::Json| Event::default().data(v.to_json());
+            let mut chat = (meta.api == Api::Chat).then(|| {
+                ChatChunker::new(
+                    meta.id.clone(),
+                    meta.model.clone(),
+                    meta.created,
+                    meta.include_usage,
+                )
+            });
+            // A completion chunk as the events the client gets (chat: none or several).
+            let mut render = |c: &CompletionResponse| -> Vec<Event> {
+                match chat.as_mut() {
+                    Some(k) => k.push(c).iter().map(|c| send(c)).collect(),
+                    None => vec![send(c)],
+                }
+            };
             let (mut first, mut last, mut n) = (None, None, 0usize);
             while let Some(ev) = rx.recv().await {
-                let event = match ev {
+                let (events, end) = match ev {
                     GenEvent::Token { id, text } => {
                         let now = Instant::now();
                         first.get_or_insert(now);
                         last = Some(now);
                         n += 1;
-                        send(&meta.chunk(vec![CompletionChoice {
+                        let c = meta.chunk(vec![CompletionChoice {
                             index: 0,
                             text,
                             logprobs: None,
                             finish_reason: None,
                             token_ids: Some(vec![id]),
-                        }]))
+                        }]);
+                        (render(&c), false)
                     }
                     GenEvent::Done { finish_reason, .. } => {
                         let mut c = meta.chunk(vec![CompletionChoice {
@@ -177,32 +215,28 @@ pub(super) async fn respond(
                             token_ids: None,
                         }]);
                         c.timings = Some(meta.finish_timings(first, last, n, &state));
-                        if tx.send(send(&c)).await.is_err() {
-                            return;
-                        }
+                        let mut events = render(&c);
                         if meta.include_usage {
                             let mut u = meta.chunk(Vec::new());
                             u.usage = Some(Usage::new(meta.prompt_tokens as u32, n as u32));
-                            if tx.send(send(&u)).await.is_err() {
-                                return;
-                            }
+                            events.extend(render(&u));
                         }
-                        break;
+                        (events, true)
                     }
                     GenEvent::Error(m) => {
                         tracing::warn!(error = %m, "generation failed mid-stream");
-                        let _ = tx
-                            .send(send(&ErrorBody::new(
-                                "server_error",
-                                format!("generation failed: {m}"),
-                            )))
-                            .await;
-                        break;
+                        let e = ErrorBody::new("server_error", format!("generation failed: {m}"));
+                        (vec![send(&e)], true)
                     }
                 };
-                if tx.send(event).await.is_err() {
-                    tracing::info!("client went away; generation cancelled");
-                    return;
+                for event in events {
+                    if tx.send(event).await.is_err() {
+                        tracing::info!("client went away; generation cancelled");
+                        return;
+                    }
+                }
+                if end {
+                    break;
                 }
             }
             let _ = tx.send(Event::default().data("[DONE]")).await;

@@ -1,0 +1,26 @@
+//! A chat request as the completion request the worker serves: parsed and
+//! checked with the shared rules (`rngd_api::rules`, as the gateway and the
+//! picker do), rendered with the engine's own chat template (the one the front
+//! doors count tokens with), `max_tokens` defaulting to the rest of the
+//! context (`rngd_api::chat::to_completion`).
+
+use rngd_api::chat::to_completion;
+use rngd_api::openai::{ChatCompletionRequest, CompletionRequest};
+use rngd_api::rules;
+use rngd_engine::Engine;
+
+use crate::error::ApiError;
+
+/// Parses, checks and renders a chat body for `engine`.
+pub(super) fn render(engine: &dyn Engine, body: &[u8]) -> Result<CompletionRequest, ApiError> {
+    let chat: ChatCompletionRequest = rules::parse_body(body)?;
+    rules::check_chat(&chat)?;
+    let messages = rules::chat_messages(&chat)?;
+    // As the front doors: a prompt the template or tokenizer refuses is a 400.
+    let tokenize =
+        |e: rngd_engine::EngineError| ApiError::BadRequest(format!("tokenizing the prompt: {e}"));
+    let prompt = engine.chat_prompt(&messages).map_err(tokenize)?;
+    let prompt_tokens = engine.tokenize(&prompt).map_err(tokenize)?.len();
+    let seq_len = u32::try_from(engine.info().seq_len).unwrap_or(u32::MAX);
+    Ok(to_completion(&chat, prompt, prompt_tokens, Some(seq_len)))
+}
