@@ -12,6 +12,7 @@ use rngd_api::env;
 use rngd_ext_proc::launch::{Options, launch};
 use rngd_ext_proc::processor::{DEFAULT_MAX_BODY, MAX_CHUNK, ProcessorConfig};
 use rngd_ext_proc::server;
+use rngd_ext_proc::tls::TlsChoice;
 use rngd_policy_host::SandboxLimits;
 use rngd_pool::source::DEFAULT_FILE_POLL;
 use rngd_pool::wiring::ScrapeOptions;
@@ -26,12 +27,21 @@ pub struct Args {
     /// ext_proc gRPC port (0 = pick one and print it).
     #[arg(long, default_value_t = server::DEFAULT_GRPC_PORT)]
     pub grpc_port: u16,
-    /// gRPC health port (services `liveness`, `readiness`, the ext_proc service).
-    #[arg(long, default_value_t = server::DEFAULT_HEALTH_PORT)]
-    pub health_port: u16,
+    /// gRPC health port (services `liveness`, `readiness`, the ext_proc
+    /// service); always plaintext (kubelet gRPC probes), `--health-port` is an alias.
+    #[arg(long, alias = "health-port", default_value_t = server::DEFAULT_HEALTH_PORT)]
+    pub grpc_health_port: u16,
     /// Prometheus metrics port (`GET /metrics`; also the policy admin API when an admin token is set).
     #[arg(long, default_value_t = server::DEFAULT_METRICS_PORT)]
     pub metrics_port: u16,
+    /// Serve the ext_proc gRPC port over TLS (default, as the reference
+    /// endpoint picker); `--secure-serving=false` = plaintext HTTP/2.
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set, num_args = 0..=1, default_missing_value = "true")]
+    pub secure_serving: bool,
+    /// Directory with `tls.crt` and `tls.key` (PEM), re-read every `--watch-ms`
+    /// when they change; unset = a self-signed certificate generated at start.
+    #[arg(long)]
+    pub cert_path: Option<PathBuf>,
     /// Endpoints file: JSON list of endpoints (hot-reloaded).
     #[arg(long, env = env::RNGD_PD_ENDPOINTS)]
     pub endpoints: PathBuf,
@@ -85,7 +95,7 @@ fn options(args: &Args) -> anyhow::Result<Options> {
     };
     Ok(Options {
         grpc: SocketAddr::new(args.host, args.grpc_port),
-        health: SocketAddr::new(args.host, args.health_port),
+        health: SocketAddr::new(args.host, args.grpc_health_port),
         metrics: Some(SocketAddr::new(args.host, args.metrics_port)),
         endpoints: SourceChoice::File {
             path: args.endpoints.clone(),
@@ -108,6 +118,7 @@ fn options(args: &Args) -> anyhow::Result<Options> {
             chunk_size: MAX_CHUNK,
         },
         admin_token: args.admin_token.clone(),
+        tls: TlsChoice::from_flags(args.secure_serving, args.cert_path.clone(), watch),
     })
 }
 
@@ -126,6 +137,12 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         "rngd-pd ext-proc grpc listening on {}",
         running.grpc_addr
     )?;
+    let security = match &args.cert_path {
+        _ if !args.secure_serving => "plaintext".to_string(),
+        None => "tls self-signed".to_string(),
+        Some(d) => format!("tls {}", d.display()),
+    };
+    writeln!(out, "rngd-pd ext-proc grpc security {security}")?;
     writeln!(
         out,
         "rngd-pd ext-proc health listening on {}",

@@ -482,8 +482,11 @@ async fn bring_up(
             host.clone(),
             "--grpc-port".into(),
             args.ext_proc_port.to_string(),
-            "--health-port".into(),
+            "--grpc-health-port".into(),
             "0".into(),
+            // TLS with a self-signed certificate, as the reference picker and
+            // deploy/envoy/envoy.yaml (whose epp cluster accepts it).
+            "--secure-serving=true".into(),
             "--metrics-port".into(),
             "0".into(),
             "--endpoints".into(),
@@ -525,7 +528,7 @@ async fn bring_up(
         println!("rngd-pd up: kpis      {k}");
     }
     if let Some(g) = &epp {
-        println!("rngd-pd up: ext-proc  grpc {g}");
+        println!("rngd-pd up: ext-proc  grpc {g} (TLS, self-signed certificate)");
     }
     println!("rngd-pd up: model     {model_name}");
     println!("rngd-pd up: gateway   {gw}");

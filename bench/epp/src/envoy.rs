@@ -41,10 +41,28 @@ pub(crate) fn find_envoy(explicit: Option<&Path>) -> Result<PathBuf, BenchError>
         })
 }
 
-/// Replaces the values of lines tagged `# @NAME` (as `deploy/envoy/render.py` does).
+/// Replaces the values of lines tagged `# @NAME` (as `deploy/envoy/render.py`
+/// does); `("EPP_TLS", "false")` leaves out the `# @EPP_TLS begin` … `end`
+/// block (the TLS transport socket to the picker).
 pub fn render(template: &str, values: &[(&str, String)]) -> String {
+    let plaintext = values
+        .iter()
+        .any(|(n, v)| *n == "EPP_TLS" && matches!(v.as_str(), "false" | "0" | "no"));
     let mut out = String::with_capacity(template.len() + 256);
+    let mut skipping = false;
     for line in template.lines() {
+        match line.trim() {
+            "# @EPP_TLS begin" if plaintext => {
+                skipping = true;
+                continue;
+            }
+            "# @EPP_TLS end" if plaintext => {
+                skipping = false;
+                continue;
+            }
+            _ if skipping => continue,
+            _ => {}
+        }
         let mut l = line.to_string();
         if let Some(tag_at) = line.rfind("# @") {
             let name = line[tag_at + 3..].trim();
@@ -76,6 +94,8 @@ pub fn bench_config(
             ("ADMIN_PORT", admin.to_string()),
             ("EPP_HOST", epp.ip().to_string()),
             ("EPP_PORT", epp.port().to_string()),
+            // The bench serves the picker in-process without TLS.
+            ("EPP_TLS", "false".into()),
         ],
     );
     let listener = format!(
@@ -279,6 +299,11 @@ mod tests {
         assert!(cfg.contains("port_value: 2222\n"));
         assert!(cfg.contains("port_value: 5555\n"));
         assert!(cfg.contains("request_body_mode: FULL_DUPLEX_STREAMED"));
+        assert!(
+            !cfg.contains("transport_socket"),
+            "plaintext to the in-process picker"
+        );
+        assert!(ENVOY_TEMPLATE.contains("envoy.transport_sockets.tls"));
         assert_eq!(cfg.matches("- name: direct_backend").count(), 1);
         let clusters = cfg.find("\n  clusters:\n").unwrap();
         assert!(
