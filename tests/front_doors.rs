@@ -238,12 +238,13 @@ async fn same_verdicts_at_every_door() {
         assert_eq!(w, want, "worker, body {body}");
         assert_eq!(p, want, "picker, body {body}");
     }
-    // The workers speak completions only; chat has two doors.
     for &(body, status, param) in CHATS {
         let want = (status, param.map(String::from));
         let g = http_verdict(format!("{gw}/v1/chat/completions"), body).await;
+        let w = http_verdict(format!("{}/v1/chat/completions", d.worker.url()), body).await;
         let p = picker_verdict(&d.picker, "/v1/chat/completions", body).await;
         assert_eq!(g, want, "gateway, body {body}");
+        assert_eq!(w, want, "worker, body {body}");
         assert_eq!(p, want, "picker, body {body}");
     }
 }
