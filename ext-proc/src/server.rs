@@ -136,6 +136,8 @@ pub async fn start(
 /// The connections of `incoming` as served: plaintext at once, TLS after a
 /// handshake each (concurrent, on the calling runtime). Accept and handshake
 /// failures are logged and skipped, so the server never sees an error item.
+/// The task stops (and drops `incoming`, its listener with it) when the
+/// returned stream is dropped.
 fn connections<S>(
     incoming: S,
     tls: Option<Arc<ServerTls>>,
@@ -146,7 +148,15 @@ where
     let (tx, rx) = mpsc::unbounded_channel();
     tokio::spawn(async move {
         let mut incoming = std::pin::pin!(incoming);
-        while let Some(s) = incoming.next().await {
+        loop {
+            // Ends (dropping the listener) as soon as the server is gone.
+            let s = tokio::select! {
+                () = tx.closed() => return,
+                s = incoming.next() => match s {
+                    Some(s) => s,
+                    None => return,
+                },
+            };
             let s = match s {
                 Ok(s) => s,
                 Err(e) => {
