@@ -21,7 +21,7 @@ use rngd_api::rules::RuleError;
 use rngd_policy_core::{Decision, LocalResponse, Route};
 use rngd_pool::{ApiKind, PickError, PickRequest, PrepareError, PromptCounter};
 
-use crate::metrics::EppMetrics;
+use crate::metrics::{DEFAULT_POOL_NAME, EppMetrics};
 
 /// Everything known about a request when the pick runs.
 #[derive(Debug, Clone, Default)]
@@ -138,11 +138,18 @@ impl Picker {
         counter: Option<Arc<dyn PromptCounter>>,
         metrics: EppMetrics,
     ) -> Self {
+        metrics.watch_pool(DEFAULT_POOL_NAME, Arc::clone(pool.endpoints()));
         Picker {
             pool,
             counter,
             metrics,
         }
+    }
+
+    /// Names the pool in the `inference_pool_*` gauges (the InferencePool's name).
+    pub fn set_pool_name(&self, name: &str) {
+        self.metrics
+            .watch_pool(name, Arc::clone(self.pool.endpoints()));
     }
 
     /// The metrics this picker records into.
@@ -152,11 +159,26 @@ impl Picker {
 
     /// Picks for one request; never fails (failures become local responses).
     pub async fn pick(&self, input: PickInput) -> Decision {
+        self.pick_for(input).await.0
+    }
+
+    /// [`Picker::pick`], also returning the request's model name (`None`
+    /// when the body names none) for the per-model metrics of the answer.
+    pub async fn pick_for(&self, input: PickInput) -> (Decision, Option<String>) {
         let start = Instant::now();
-        let decision = match self.pick_inner(input).await {
+        let request_bytes = input.body.as_ref().map_or(0, Vec::len);
+        let mut seen = Seen::default();
+        let decision = match self.pick_inner(input, &mut seen).await {
             Ok(route) => Decision::Route(route),
             Err(e) => Decision::Reject(reject(e)),
         };
+        let model = seen.model.clone().unwrap_or_default();
+        match &decision {
+            Decision::Route(_) => self
+                .metrics
+                .routed(&model, request_bytes, seen.prompt_tokens),
+            Decision::Reject(r) => self.metrics.refused(&model, r.status),
+        }
         self.metrics
             .pick_seconds
             .observe(start.elapsed().as_secs_f64());
@@ -165,10 +187,10 @@ impl Picker {
             Decision::Reject(r) => format!("reject_{}", r.status),
         };
         self.metrics.picks.with_label_values(&[&result]).inc();
-        decision
+        (decision, seen.model)
     }
 
-    async fn pick_inner(&self, input: PickInput) -> Result<Route, PrepareOrPick> {
+    async fn pick_inner(&self, input: PickInput, seen: &mut Seen) -> Result<Route, PrepareOrPick> {
         let mut prompt_tokens = None;
         if let Some(body) = &input.body {
             // The OpenAI APIs get the gateway's rules; any other path with a
@@ -177,24 +199,35 @@ impl Picker {
             match (kind, &self.counter) {
                 (Some(kind), Some(counter)) => {
                     let counter = Arc::clone(counter);
-                    let body = body.clone();
+                    let owned = body.clone();
                     // Tokenizing a long prompt is CPU work: off the async threads.
                     let prepared = tokio::task::spawn_blocking(move || {
-                        rngd_pool::prepare(kind, &body, counter.as_ref(), None)
+                        rngd_pool::prepare(kind, &owned, counter.as_ref(), None)
                     })
                     .await
-                    .map_err(|e| PrepareOrPick::Tokenize(Box::new(e)))??;
+                    .map_err(|e| PrepareOrPick::Tokenize(Box::new(e)))?;
+                    let prepared = match prepared {
+                        Ok(p) => p,
+                        Err(e) => {
+                            seen.model = model_of(body);
+                            return Err(e.into());
+                        }
+                    };
+                    seen.model = Some(prepared.client_model);
                     prompt_tokens = Some(prepared.prompt_tokens);
                 }
                 (Some(kind), None) => {
+                    seen.model = model_of(body);
                     rngd_pool::prompt::check(kind, body).map_err(PrepareOrPick::Rule)?
                 }
                 (None, _) => {
+                    seen.model = model_of(body);
                     rngd_api::rules::parse_body::<serde_json::Value>(body)
                         .map_err(PrepareOrPick::Rule)?;
                 }
             }
         }
+        seen.prompt_tokens = prompt_tokens;
         self.pool
             .pick(PickRequest {
                 headers: input.headers,
@@ -205,6 +238,22 @@ impl Picker {
             .await
             .map_err(PrepareOrPick::Pick)
     }
+}
+
+/// What a pick learned about the request, for the per-model metrics.
+#[derive(Debug, Default)]
+struct Seen {
+    model: Option<String>,
+    prompt_tokens: Option<usize>,
+}
+
+/// The `model` of a JSON body, if it names one.
+fn model_of(body: &[u8]) -> Option<String> {
+    #[derive(serde::Deserialize)]
+    struct M {
+        model: String,
+    }
+    serde_json::from_slice::<M>(body).ok().map(|m| m.model)
 }
 
 /// The headers a route sets on the request, `x-gateway-destination-endpoint` first,

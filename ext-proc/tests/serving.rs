@@ -313,3 +313,87 @@ async fn per_connection_and_shared_serving_both_pick_and_stop_on_abort() {
         assert!(refused.is_ok(), "{serving:?}: still accepting after abort");
     }
 }
+
+/// The reference endpoint picker's metric families are exported with its
+/// labels: per model (`inference_objective_*`, the answer's size and `usage`
+/// read on the response path) and per pool (`inference_pool_*`, from the
+/// snapshot), and the exposition passes `promtool check metrics`.
+#[tokio::test]
+async fn reference_epp_metric_families_pass_promtool() {
+    let h = harness(default_endpoints(), false).await;
+    let answer = br#"{"id":"x","choices":[],"usage":{"prompt_tokens":2,"completion_tokens":9,"total_tokens":11}}"#;
+    let resp_body = ProcessingRequest {
+        request: Some(processing_request::Request::ResponseBody(HttpBody {
+            body: answer.to_vec(),
+            end_of_stream: true,
+            ..Default::default()
+        })),
+        ..Default::default()
+    };
+    let _ = exchange(
+        h.server.grpc_addr,
+        vec![
+            post_headers(BodySendMode::FullDuplexStreamed),
+            body_msg(br#"{"model":"m","prompt":"two words"}"#, true),
+            resp_body,
+        ],
+    )
+    .await;
+    // A refused request counts as an error of its model.
+    let _ = exchange(
+        h.server.grpc_addr,
+        vec![
+            post_headers(BodySendMode::FullDuplexStreamed),
+            body_msg(br#"{"model":"m","prompt":"x","temperature":9}"#, true),
+        ],
+    )
+    .await;
+    let addr = h.server.metrics_addr.expect("metrics addr");
+    let text = reqwest::get(format!("http://{addr}/metrics"))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let labels = "model_name=\"m\",target_model_name=\"m\"";
+    for want in [
+        format!("inference_objective_request_total{{{labels}}} 2"),
+        format!("inference_objective_request_error_total{{error_code=\"400\",{labels}}} 1"),
+        format!("inference_objective_input_tokens_sum{{{labels}}} 2"),
+        format!("inference_objective_output_tokens_sum{{{labels}}} 9"),
+        format!(
+            "inference_objective_response_sizes_sum{{{labels}}} {}",
+            answer.len()
+        ),
+        format!("inference_objective_request_duration_seconds_count{{{labels}}} 1"),
+        "inference_objective_running_requests{model_name=\"m\"} 0".to_string(),
+        "inference_pool_ready_pods{name=\"rngd-pd\"} 3".to_string(),
+        "inference_pool_average_queue_size{name=\"rngd-pd\"}".to_string(),
+        "inference_pool_average_kv_cache_utilization{name=\"rngd-pd\"}".to_string(),
+        "inference_pool_per_pod_queue_size{model_server_pod=\"10.0.0.2:8000\",name=\"rngd-pd\"}"
+            .to_string(),
+    ] {
+        assert!(text.contains(&want), "missing {want}\n{text}");
+    }
+    let mut child = std::process::Command::new("promtool")
+        .args(["check", "metrics"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("promtool not found: install Debian's `prometheus` package (tests/setup.sh does)");
+    use std::io::Write;
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(text.as_bytes())
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(
+        out.status.success(),
+        "promtool rejects the picker's /metrics: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}

@@ -24,6 +24,8 @@
 mod service;
 mod wire;
 
+use std::time::Instant;
+
 use envoy_types::pb::envoy::extensions::filters::http::ext_proc::v3::processing_mode::BodySendMode;
 use envoy_types::pb::envoy::service::ext_proc::v3::{
     BodyResponse, CommonResponse, HeadersResponse, HttpBody, HttpHeaders, ProcessingRequest,
@@ -32,6 +34,7 @@ use envoy_types::pb::envoy::service::ext_proc::v3::{
 use rngd_api::headers;
 use rngd_policy_core::Decision;
 
+use crate::metrics::{Answered, EppMetrics, completion_tokens};
 use crate::picker::{PickInput, Picker, error_response};
 pub use service::{ExtProcService, ResponseStream, respond};
 pub use wire::immediate;
@@ -96,6 +99,41 @@ pub struct StreamState {
     body: Vec<u8>,
     /// Destination picked (for logs).
     pub destination: Option<String>,
+    /// A routed request not answered yet (for the per-model metrics).
+    open: Option<OpenRequest>,
+}
+
+/// Longest response tail kept to read its `usage`.
+const USAGE_TAIL: usize = 4096;
+
+/// A routed request whose response is still passing through; dropped (with
+/// the stream, or at the response's end) it records the answer's metrics.
+#[derive(Debug)]
+struct OpenRequest {
+    metrics: EppMetrics,
+    model: String,
+    since: Instant,
+    answered: Answered,
+    tail: Vec<u8>,
+}
+
+impl OpenRequest {
+    fn body(&mut self, chunk: &[u8]) {
+        self.answered.response_bytes += chunk.len() as u64;
+        self.tail.extend_from_slice(chunk);
+        if self.tail.len() > USAGE_TAIL {
+            let cut = self.tail.len() - USAGE_TAIL;
+            self.tail.drain(..cut);
+        }
+    }
+}
+
+impl Drop for OpenRequest {
+    fn drop(&mut self) {
+        self.answered.output_tokens = completion_tokens(&self.tail);
+        self.metrics
+            .answered(&self.model, self.since.elapsed(), &self.answered);
+    }
 }
 
 impl StreamState {
@@ -110,6 +148,7 @@ impl StreamState {
             subset: None,
             body: Vec::new(),
             destination: None,
+            open: None,
         }
     }
 
@@ -159,28 +198,41 @@ impl StreamState {
                 });
                 step
             }
-            processing_request::Request::ResponseHeaders(_) => Step {
-                responses: vec![ProcessingResponse {
-                    response: Some(processing_response::Response::ResponseHeaders(
-                        HeadersResponse::default(),
-                    )),
-                    ..Default::default()
-                }],
-                close: false,
-            },
-            processing_request::Request::ResponseBody(b) => Step {
-                responses: vec![if self.response_mode == BodySendMode::FullDuplexStreamed {
-                    streamed_body(b.body, b.end_of_stream, false)
-                } else {
-                    ProcessingResponse {
-                        response: Some(processing_response::Response::ResponseBody(
-                            BodyResponse::default(),
+            processing_request::Request::ResponseHeaders(h) => {
+                if h.end_of_stream {
+                    self.open = None;
+                }
+                Step {
+                    responses: vec![ProcessingResponse {
+                        response: Some(processing_response::Response::ResponseHeaders(
+                            HeadersResponse::default(),
                         )),
                         ..Default::default()
-                    }
-                }],
-                close: false,
-            },
+                    }],
+                    close: false,
+                }
+            }
+            processing_request::Request::ResponseBody(b) => {
+                if let Some(o) = &mut self.open {
+                    o.body(&b.body);
+                }
+                if b.end_of_stream {
+                    self.open = None;
+                }
+                Step {
+                    responses: vec![if self.response_mode == BodySendMode::FullDuplexStreamed {
+                        streamed_body(b.body, b.end_of_stream, false)
+                    } else {
+                        ProcessingResponse {
+                            response: Some(processing_response::Response::ResponseBody(
+                                BodyResponse::default(),
+                            )),
+                            ..Default::default()
+                        }
+                    }],
+                    close: false,
+                }
+            }
             processing_request::Request::ResponseTrailers(_) => Step {
                 responses: vec![ProcessingResponse {
                     response: Some(processing_response::Response::ResponseTrailers(
@@ -361,10 +413,17 @@ impl StreamState {
             body,
             subset: self.subset.clone(),
         };
-        let pick = picker.pick(input).await;
+        let (pick, model) = picker.pick_for(input).await;
         match &pick {
             Decision::Route(r) => {
                 self.destination = Some(r.decode.clone());
+                self.open = Some(OpenRequest {
+                    metrics: picker.metrics().clone(),
+                    model: model.unwrap_or_default(),
+                    since: Instant::now(),
+                    answered: Answered::default(),
+                    tail: Vec::new(),
+                });
                 tracing::info!(decode = %r.decode, prefill = ?r.prefill, kv_transport = ?r.kv_transport, "picked");
             }
             Decision::Reject(l) => tracing::info!(status = l.status, "rejected"),

@@ -53,6 +53,36 @@ pub const EPP_PICK_SECONDS: &str = "rngd_pd_epp_pick_seconds";
 /// Endpoint scrape failures (counter).
 pub const EPP_SCRAPE_FAILURES_TOTAL: &str = "rngd_pd_epp_scrape_failures_total";
 
+// The reference endpoint picker's families (Gateway API Inference Extension),
+// with its names and labels, so its dashboards and alerts work unchanged.
+/// Requests per model (counter; `model_name`, `target_model_name`).
+pub const GIE_OBJECTIVE_REQUEST_TOTAL: &str = "inference_objective_request_total";
+/// Refused or failed requests per model (counter; `model_name`,
+/// `target_model_name`, `error_code`).
+pub const GIE_OBJECTIVE_REQUEST_ERROR_TOTAL: &str = "inference_objective_request_error_total";
+/// Request to end of response, seconds (histogram; `model_name`, `target_model_name`).
+pub const GIE_OBJECTIVE_REQUEST_DURATION_SECONDS: &str =
+    "inference_objective_request_duration_seconds";
+/// Request body size, bytes (histogram; `model_name`, `target_model_name`).
+pub const GIE_OBJECTIVE_REQUEST_SIZES: &str = "inference_objective_request_sizes";
+/// Response body size, bytes (histogram; `model_name`, `target_model_name`).
+pub const GIE_OBJECTIVE_RESPONSE_SIZES: &str = "inference_objective_response_sizes";
+/// Prompt tokens (histogram; `model_name`, `target_model_name`).
+pub const GIE_OBJECTIVE_INPUT_TOKENS: &str = "inference_objective_input_tokens";
+/// Generated tokens, from the response's `usage` (histogram; `model_name`, `target_model_name`).
+pub const GIE_OBJECTIVE_OUTPUT_TOKENS: &str = "inference_objective_output_tokens";
+/// Requests routed and not yet answered (gauge; `model_name`).
+pub const GIE_OBJECTIVE_RUNNING_REQUESTS: &str = "inference_objective_running_requests";
+/// Mean `kv_cache_usage_perc` over the pool's healthy endpoints (gauge; `name`).
+pub const GIE_POOL_AVERAGE_KV_CACHE_UTILIZATION: &str =
+    "inference_pool_average_kv_cache_utilization";
+/// Mean queue depth over the pool's healthy endpoints (gauge; `name`).
+pub const GIE_POOL_AVERAGE_QUEUE_SIZE: &str = "inference_pool_average_queue_size";
+/// Queue depth of each endpoint (gauge; `name`, `model_server_pod`).
+pub const GIE_POOL_PER_POD_QUEUE_SIZE: &str = "inference_pool_per_pod_queue_size";
+/// Healthy endpoints in the pool (gauge; `name`).
+pub const GIE_POOL_READY_PODS: &str = "inference_pool_ready_pods";
+
 // Gateway histograms in base units (what the gateway's `/metrics` exports;
 // `promtool check metrics` rejects abbreviated units such as `_ms`).
 /// Time to first token, seconds (histogram).
