@@ -187,8 +187,7 @@ def test_streaming_pd_through_envoy_matches_solo(stack):
     assert counter(stack.prefill, "rngd_pd_worker_prefills_total") == prefills + 1, "the prefill worker prefilled"
     want = ref.json()["choices"][0]
     assert text == want["text"]
-    if ids:
-        assert ids == want["token_ids"]
+    assert ids == want["token_ids"], "each chunk carries its token ids"
 
 
 def test_pd_through_envoy_matches_solo(stack):
