@@ -146,3 +146,78 @@ def test_shipped_policy_configuration_is_accepted_by_the_binary(values, tmp_path
         text=True,
     )
     assert r.returncode != 0, "an unknown policy field was accepted"
+
+
+def local_command(objs, deployment, tmp_path):
+    """The container's command line and environment as this machine can run
+    them: the chart's ConfigMap files written under `tmp_path` at their mount
+    paths, the model volume mapped to the model cache (`rngd-pd model fetch`),
+    the image's policy module path to the wasm build. Nothing else changes."""
+    spec = objs[("Deployment", deployment)]["spec"]["template"]["spec"]
+    c = spec["containers"][0]
+    volumes = {v["name"]: v for v in spec.get("volumes", [])}
+    cache = os.environ.get("RNGD_PD_CACHE", os.path.expanduser("~/.cache/rngd-pd"))
+    mapping = {"/opt/rngd-pd/policies/pd_default.wasm": policy_module()}
+    for m in c.get("volumeMounts", []):
+        v = volumes[m["name"]]
+        if "configMap" in v:
+            cm = objs[("ConfigMap", v["configMap"]["name"])]
+            local = tmp_path / deployment / m["name"]
+            local.mkdir(parents=True)
+            items = v["configMap"].get("items") or [{"key": k, "path": k} for k in cm.get("data", {})]
+            for it in items:
+                data = cm.get("data", {}).get(it["key"])
+                if data is None:
+                    data = base64.b64decode(cm["binaryData"][it["key"]])
+                    (local / it["path"]).write_bytes(data)
+                else:
+                    (local / it["path"]).write_text(data)
+            mapping[m["mountPath"]] = str(local)
+        elif m["name"] == "model":
+            mapping[m["mountPath"]] = os.path.join(cache, "models")
+    args = []
+    for a in c["args"]:
+        for image_path, local in sorted(mapping.items(), key=lambda kv: -len(kv[0])):
+            a = a.replace("=" + image_path, "=" + local)
+        args.append(a)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("AIRM_", "RNGD_PD_", "PD_"))}
+    env.update({e["name"]: e["value"] for e in c.get("env", []) if "value" in e})
+    env["RUST_BACKTRACE"] = "0"
+    return args, env
+
+
+@pytest.mark.parametrize("deployment", ["demo-prefill", "demo-decode", "demo-relay", "demo-epp", "demo-gateway"])
+def test_every_container_command_passes_check(deployment, tmp_path):
+    """Each container's command line, as the default chart renders it, is
+    loaded by the real binary with `--check` (flags, files, policy module and
+    configuration, model): exit 0 and `ok`."""
+    args, env = local_command(render(), deployment, tmp_path)
+    r = subprocess.run([binary(), *args, "--check"], capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), f"{args}\n{r.stdout}\n{r.stderr}"
+
+
+def test_npu_workers_refuse_clearly_on_this_build(tmp_path):
+    """With NPU values the worker commands are valid but name a backend this
+    build does not have: `--check` refuses, naming the vendor runtime."""
+    objs = render(
+        {
+            "prefill": {"backend": "rngd", "deviceResource": "furiosa.ai/rngd"},
+            "decode": {"backend": "atom", "deviceResource": "rebellions.ai/ATOM"},
+        }
+    )
+    for deployment, vendor in [("demo-prefill", "FuriosaAI"), ("demo-decode", "Rebellions")]:
+        args, env = local_command(objs, deployment, tmp_path)
+        r = subprocess.run([binary(), *args, "--check"], capture_output=True, text=True, env=env, timeout=120)
+        assert r.returncode != 0, f"{deployment}: --check accepted an NPU backend this build lacks"
+        assert vendor in r.stderr, r.stderr
+    for deployment in ["demo-relay", "demo-epp", "demo-gateway"]:
+        args, env = local_command(objs, deployment, tmp_path)
+        r = subprocess.run([binary(), *args, "--check"], capture_output=True, text=True, env=env, timeout=120)
+        assert r.returncode == 0, f"{args}\n{r.stderr}"
+
+
+def test_relay_memory_cap_and_picker_tls_come_from_values():
+    objs = render({"relay": {"maxBytes": 1 << 28}, "epp": {"secureServing": False}})
+    assert f"--max-bytes={1 << 28}" in container(objs, "demo-relay")["args"]
+    assert "--secure-serving=false" in container(objs, "demo-epp")["args"]
+    assert "--secure-serving=true" in container(render(), "demo-epp")["args"]

@@ -72,6 +72,11 @@ pub struct Args {
     /// Bearer token for `PUT /admin/policy` on the metrics port; unset = admin API off.
     #[arg(long, env = env::RNGD_PD_ADMIN_TOKEN, hide_env_values = true)]
     pub admin_token: Option<String>,
+    /// Validate the flags and files (endpoints file, policy module and its
+    /// configuration through the module's self-test, the tokenizer, the TLS
+    /// certificate) and exit: 0 and `ok`, or a clear error.
+    #[arg(long)]
+    pub check: bool,
 }
 
 fn read_config(path: Option<&Path>) -> anyhow::Result<Vec<u8>> {
@@ -124,6 +129,20 @@ fn options(args: &Args) -> anyhow::Result<Options> {
 
 /// Runs the subcommand.
 pub async fn run(args: Args) -> anyhow::Result<()> {
+    if args.check {
+        let opts = options(&args)?;
+        rngd_pool::source::load_endpoints_file(&args.endpoints)?;
+        if let PolicyChoice::Wasm { module, config, .. } = &opts.policy {
+            rngd_policy_host::check(module, config)
+                .with_context(|| format!("policy module {}", module.display()))?;
+        }
+        if let Some(TokenizerChoice::Gguf(model)) = &opts.tokenizer {
+            rngd_pool::gguf_counter(model)?;
+        }
+        opts.tls.start().context("TLS certificate")?;
+        println!("ok");
+        return Ok(());
+    }
     let launched = launch(options(&args)?).await.with_context(|| {
         format!(
             "starting the endpoint picker (policy {})",

@@ -82,6 +82,11 @@ pub struct Args {
     /// Policy file change check period, ms (0 = no hot reload).
     #[arg(long, default_value_t = 1_000)]
     pub policy_watch_ms: u64,
+    /// Validate the flags and files (endpoints, policy module and its
+    /// configuration through the module's self-test, the model's tokenizer)
+    /// and exit: 0 and `ok`, or a clear error.
+    #[arg(long)]
+    pub check: bool,
 }
 
 /// The default policy module, as every component finds it
@@ -134,6 +139,16 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         None => Vec::new(),
     };
     let model = rngd_engine::model_fetch::resolve(args.model.as_deref())?;
+    if args.check {
+        args.listen
+            .parse::<std::net::SocketAddr>()
+            .with_context(|| format!("--listen {}: expected HOST:PORT", args.listen))?;
+        rngd_policy_host::check(&module, &policy_config)
+            .with_context(|| format!("policy module {}", module.display()))?;
+        rngd_pool::gguf_counter(&model)?;
+        println!("ok");
+        return Ok(());
+    }
     let opts = LaunchOptions {
         listen: args.listen.clone(),
         kpi_listen: args

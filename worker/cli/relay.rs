@@ -20,6 +20,9 @@ pub struct Args {
     /// Largest blob (frame body) accepted, bytes.
     #[arg(long = "max-frame", env = env::AIRM_KV_RELAY_MAX_FRAME, default_value_t = 64 << 20)]
     pub max_frame: u64,
+    /// Validate the flags and exit: 0 and `ok`, or a clear error.
+    #[arg(long)]
+    pub check: bool,
 }
 
 impl From<Args> for RelayOptions {
@@ -36,6 +39,15 @@ impl From<Args> for RelayOptions {
 /// Runs the relay until Ctrl-C / SIGTERM: binds `--listen`, prints
 /// `relay listening on ADDR` to stdout, serves.
 pub async fn run(args: Args) -> anyhow::Result<()> {
+    if args.check {
+        let opts = RelayOptions::from(args);
+        opts.config()?;
+        opts.listen
+            .parse::<std::net::SocketAddr>()
+            .map_err(|e| anyhow::anyhow!("--listen {}: {e}", opts.listen))?;
+        println!("ok");
+        return Ok(());
+    }
     let launched = relay::launch(args.into()).await?;
     println!("relay listening on {}", launched.addr);
     crate::gateway::shutdown_signal().await;

@@ -75,6 +75,10 @@ pub struct Args {
     /// How long a decode worker waits for its prefill peer, ms.
     #[arg(long, env = env::RNGD_PD_PREFILL_TIMEOUT_MS, default_value_t = 120_000)]
     pub prefill_timeout_ms: u64,
+    /// Validate the flags and files (backend, model, KV transport
+    /// configuration) and exit: 0 and `ok`, or a clear error.
+    #[arg(long)]
+    pub check: bool,
 }
 
 impl Args {
@@ -107,8 +111,39 @@ impl Args {
     }
 }
 
-/// Runs the subcommand.
+/// Runs the subcommand (`--check`: validates and exits).
 pub async fn run(args: Args) -> anyhow::Result<()> {
-    rngd_worker::launch(args.into_options(), crate::gateway::shutdown_signal()).await?;
+    let check = args.check;
+    let opts = args.into_options();
+    if check {
+        check_options(&opts)?;
+        println!("ok");
+        return Ok(());
+    }
+    rngd_worker::launch(opts, crate::gateway::shutdown_signal()).await?;
+    Ok(())
+}
+
+/// What `--check` validates, without binding, loading weights or creating a
+/// transport: the backend is in this build, the sizes are usable, the default
+/// KV transport is one this build has and its environment configuration
+/// parses, and the model file is a GGUF whose tokenizer loads.
+fn check_options(opts: &WorkerOptions) -> anyhow::Result<()> {
+    use anyhow::Context;
+    rngd_worker::check_backend(opts.backend)?;
+    anyhow::ensure!(
+        opts.seq_len > 0 && opts.batch > 0,
+        "--seq-len and --batch must be at least 1"
+    );
+    anyhow::ensure!(
+        rngd_kv_transport::registry::KNOWN.contains(&opts.kv_transport.as_str()),
+        "--kv-transport {}: this build has {}",
+        opts.kv_transport,
+        rngd_kv_transport::registry::KNOWN.join(", ")
+    );
+    rngd_kv_transport::TransportConfig::from_env().context("KV transport configuration")?;
+    let model = rngd_engine::model_fetch::resolve(opts.model.as_deref())?;
+    rngd_engine::tokenizer::Tokenizer::from_gguf(&model)
+        .with_context(|| format!("model {}", model.display()))?;
     Ok(())
 }
