@@ -1,6 +1,11 @@
-//! The worker's Prometheus metrics (names from [`rngd_telemetry::names`]).
+//! The worker's Prometheus metrics (names from [`rngd_telemetry::names`]):
+//! its own `rngd_pd_worker_*` families and vLLM's `vllm:*` model-server
+//! families with vLLM's `model_name` label (the gauges the endpoint pickers
+//! scrape, the latency histograms and token counters dashboards read).
 
-use prometheus::{Gauge, Histogram, IntCounter, IntCounterVec, Registry};
+use std::time::Duration;
+
+use prometheus::{GaugeVec, Histogram, HistogramVec, IntCounter, IntCounterVec, Registry};
 use rngd_engine::Engine;
 use rngd_telemetry::{MS_BUCKETS, TelemetryError, names};
 
@@ -9,13 +14,21 @@ const TPS_BUCKETS: &[f64] = &[
     1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 50.0, 75.0, 100.0, 200.0, 500.0, 1000.0, 5000.0,
 ];
 
+/// vLLM's label of the model-server families.
+const MODEL: &[&str] = &["model_name"];
+
 /// Every metric a worker exports, in its own registry.
 #[derive(Debug, Clone)]
 pub struct WorkerMetrics {
     registry: Registry,
-    waiting: Gauge,
-    running: Gauge,
-    kv_usage: Gauge,
+    waiting: GaugeVec,
+    running: GaugeVec,
+    kv_usage: GaugeVec,
+    ttft: HistogramVec,
+    e2e: HistogramVec,
+    prompt_tokens: IntCounterVec,
+    generation_tokens: IntCounterVec,
+    success: IntCounterVec,
     /// KV push time, seconds.
     pub kv_save_seconds: Histogram,
     /// KV pull time, seconds.
@@ -37,20 +50,55 @@ impl WorkerMetrics {
     pub fn new() -> Result<Self, TelemetryError> {
         let r = Registry::new();
         Ok(WorkerMetrics {
-            waiting: rngd_telemetry::gauge(
+            waiting: rngd_telemetry::gauge_vec(
                 &r,
                 names::VLLM_NUM_REQUESTS_WAITING,
                 "Requests waiting for a decode slot",
+                MODEL,
             )?,
-            running: rngd_telemetry::gauge(
+            running: rngd_telemetry::gauge_vec(
                 &r,
                 names::VLLM_NUM_REQUESTS_RUNNING,
                 "Requests running",
+                MODEL,
             )?,
-            kv_usage: rngd_telemetry::gauge(
+            kv_usage: rngd_telemetry::gauge_vec(
                 &r,
                 names::VLLM_KV_CACHE_USAGE_PERC,
                 "KV cache usage, 0..1",
+                MODEL,
+            )?,
+            ttft: rngd_telemetry::histogram_vec(
+                &r,
+                names::VLLM_TIME_TO_FIRST_TOKEN_SECONDS,
+                "Time to first token, seconds",
+                MODEL,
+                &rngd_telemetry::seconds_buckets(MS_BUCKETS, 1e3),
+            )?,
+            e2e: rngd_telemetry::histogram_vec(
+                &r,
+                names::VLLM_E2E_REQUEST_LATENCY_SECONDS,
+                "Arrival to last token, seconds",
+                MODEL,
+                &rngd_telemetry::seconds_buckets(MS_BUCKETS, 1e3),
+            )?,
+            prompt_tokens: rngd_telemetry::counter_vec(
+                &r,
+                names::VLLM_PROMPT_TOKENS_TOTAL,
+                "Prompt tokens of finished requests",
+                MODEL,
+            )?,
+            generation_tokens: rngd_telemetry::counter_vec(
+                &r,
+                names::VLLM_GENERATION_TOKENS_TOTAL,
+                "Generated tokens of finished requests",
+                MODEL,
+            )?,
+            success: rngd_telemetry::counter_vec(
+                &r,
+                names::VLLM_REQUEST_SUCCESS_TOTAL,
+                "Finished requests by finish reason",
+                &["model_name", "finished_reason"],
             )?,
             kv_save_seconds: rngd_telemetry::histogram(
                 &r,
@@ -72,7 +120,7 @@ impl WorkerMetrics {
             )?,
             decode_tokens_per_s: rngd_telemetry::histogram(
                 &r,
-                names::WORKER_DECODE_TOKENS_PER_S,
+                names::WORKER_DECODE_TOKENS_PER_SECOND,
                 "Decode speed per request, tokens/s",
                 TPS_BUCKETS,
             )?,
@@ -92,12 +140,42 @@ impl WorkerMetrics {
         })
     }
 
-    /// Refreshes the engine gauges (if an engine is loaded) and renders the text format.
+    /// Records a finished generation of `model`: TTFT, end-to-end latency,
+    /// prompt and generated tokens, and the finish reason.
+    pub fn finished(
+        &self,
+        model: &str,
+        ttft: Option<Duration>,
+        e2e: Duration,
+        prompt_tokens: usize,
+        generated: usize,
+        finished_reason: &str,
+    ) {
+        let m = [model];
+        if let Some(t) = ttft {
+            self.ttft.with_label_values(&m).observe(t.as_secs_f64());
+        }
+        self.e2e.with_label_values(&m).observe(e2e.as_secs_f64());
+        self.prompt_tokens
+            .with_label_values(&m)
+            .inc_by(prompt_tokens as u64);
+        self.generation_tokens
+            .with_label_values(&m)
+            .inc_by(generated as u64);
+        self.success
+            .with_label_values(&[model, finished_reason])
+            .inc();
+    }
+
+    /// Refreshes the engine gauges (if an engine is loaded; before that the
+    /// `vllm:*` gauges have no sample, so a scraper does not take the worker
+    /// for a model server yet) and renders the text format.
     pub fn render(&self, engine: Option<&dyn Engine>) -> String {
         if let Some(e) = engine {
-            self.waiting.set(e.waiting() as f64);
-            self.running.set(e.running() as f64);
-            self.kv_usage.set(e.kv_usage());
+            let m = [e.info().name.as_str()];
+            self.waiting.with_label_values(&m).set(e.waiting() as f64);
+            self.running.with_label_values(&m).set(e.running() as f64);
+            self.kv_usage.with_label_values(&m).set(e.kv_usage());
         }
         rngd_telemetry::render(&self.registry)
     }

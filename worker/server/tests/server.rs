@@ -492,11 +492,80 @@ async fn metrics_expose_the_model_server_protocol() {
             .starts_with("text/plain")
     );
     let m = resp.text().await.unwrap();
-    assert_eq!(sample(&m, "vllm:num_requests_waiting"), 0.0);
-    assert_eq!(sample(&m, "vllm:num_requests_running"), 0.0);
-    assert_eq!(sample(&m, "vllm:kv_cache_usage_perc"), 0.0);
+    // vLLM's families, with vLLM's `model_name` label.
+    let model = "{model_name=\"echo\"}";
+    assert_eq!(
+        sample(&m, &format!("vllm:num_requests_waiting{model}")),
+        0.0
+    );
+    assert_eq!(
+        sample(&m, &format!("vllm:num_requests_running{model}")),
+        0.0
+    );
+    assert_eq!(sample(&m, &format!("vllm:kv_cache_usage_perc{model}")), 0.0);
+    // "count me" is 8 bytes = 8 echo tokens; 4 generated, finished by length.
+    assert_eq!(sample(&m, &format!("vllm:prompt_tokens_total{model}")), 8.0);
+    assert_eq!(
+        sample(&m, &format!("vllm:generation_tokens_total{model}")),
+        4.0
+    );
+    assert_eq!(
+        sample(
+            &m,
+            "vllm:request_success_total{finished_reason=\"length\",model_name=\"echo\"}"
+        ),
+        1.0
+    );
+    assert_eq!(
+        sample(
+            &m,
+            &format!("vllm:time_to_first_token_seconds_count{model}")
+        ),
+        1.0
+    );
+    assert_eq!(
+        sample(
+            &m,
+            &format!("vllm:e2e_request_latency_seconds_count{model}")
+        ),
+        1.0
+    );
+    let mut child = std::process::Command::new("promtool")
+        .args(["check", "metrics"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("promtool not found: install Debian's `prometheus` package (tests/setup.sh does)");
+    {
+        use std::io::Write;
+        child.stdin.take().unwrap().write_all(m.as_bytes()).unwrap();
+    }
+    let out = child.wait_with_output().unwrap();
+    let report = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // promtool parses the page (exit 3 = lint findings only); its only
+    // complaint may be the `:` in vLLM's own names, which vLLM's dashboards
+    // and the endpoint pickers expect as they are.
+    assert!(
+        matches!(out.status.code(), Some(0) | Some(3)),
+        "promtool: {report}"
+    );
+    assert!(
+        report
+            .lines()
+            .filter(|l| !l.trim().is_empty())
+            .all(|l| l.starts_with("vllm:") && l.contains("should not contain ':'")),
+        "promtool: {report}"
+    );
     assert_eq!(sample(&m, "rngd_pd_worker_prefills_total"), 1.0);
-    assert_eq!(sample(&m, "rngd_pd_worker_decode_tokens_per_s_count"), 1.0);
+    assert_eq!(
+        sample(&m, "rngd_pd_worker_decode_tokens_per_second_count"),
+        1.0
+    );
     assert!(
         m.contains("rngd_pd_worker_requests_total{status=\"200\"} 1"),
         "{m}"

@@ -7,6 +7,16 @@ pub const VLLM_NUM_REQUESTS_WAITING: &str = "vllm:num_requests_waiting";
 pub const VLLM_NUM_REQUESTS_RUNNING: &str = "vllm:num_requests_running";
 /// KV cache usage, 0..1.
 pub const VLLM_KV_CACHE_USAGE_PERC: &str = "vllm:kv_cache_usage_perc";
+/// Time to first token, seconds (histogram, label `model_name`).
+pub const VLLM_TIME_TO_FIRST_TOKEN_SECONDS: &str = "vllm:time_to_first_token_seconds";
+/// Arrival to last token, seconds (histogram, label `model_name`).
+pub const VLLM_E2E_REQUEST_LATENCY_SECONDS: &str = "vllm:e2e_request_latency_seconds";
+/// Prompt tokens of finished requests (counter, label `model_name`).
+pub const VLLM_PROMPT_TOKENS_TOTAL: &str = "vllm:prompt_tokens_total";
+/// Generated tokens of finished requests (counter, label `model_name`).
+pub const VLLM_GENERATION_TOKENS_TOTAL: &str = "vllm:generation_tokens_total";
+/// Finished requests (counter, labels `model_name`, `finished_reason`: `stop`, `length`).
+pub const VLLM_REQUEST_SUCCESS_TOTAL: &str = "vllm:request_success_total";
 
 // Worker timings.
 /// KV push on the prefill side, seconds (histogram).
@@ -16,7 +26,7 @@ pub const WORKER_KV_LOAD_SECONDS: &str = "rngd_pd_worker_kv_load_seconds";
 /// Prefill compute, seconds (histogram).
 pub const WORKER_PREFILL_SECONDS: &str = "rngd_pd_worker_prefill_seconds";
 /// Decode speed per request, tokens/s (histogram).
-pub const WORKER_DECODE_TOKENS_PER_S: &str = "rngd_pd_worker_decode_tokens_per_s";
+pub const WORKER_DECODE_TOKENS_PER_SECOND: &str = "rngd_pd_worker_decode_tokens_per_second";
 /// Prefills run (counter).
 pub const WORKER_PREFILLS_TOTAL: &str = "rngd_pd_worker_prefills_total";
 /// KV caches loaded from a transport (counter).

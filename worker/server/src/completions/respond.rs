@@ -114,6 +114,20 @@ impl Meta {
     }
 }
 
+impl Meta {
+    /// The `vllm:*` request families of a finished generation.
+    fn record(&self, state: &WorkerState, first: Option<Instant>, n: usize, f: FinishReason) {
+        state.metrics().finished(
+            &self.model,
+            first.map(|t| t - self.started),
+            self.started.elapsed(),
+            self.prompt_tokens,
+            n,
+            &finish_str(f),
+        );
+    }
+}
+
 fn finish_str(f: FinishReason) -> String {
     match f {
         FinishReason::Stop => "stop".into(),
@@ -154,6 +168,7 @@ pub(super) async fn respond(
             ApiError::Internal("the engine stream ended without finishing".into())
         })?;
         let timings = meta.finish_timings(first, last, ids.len(), &state);
+        meta.record(&state, first, ids.len(), finish);
         let n = ids.len() as u32;
         let mut body = meta.chunk(vec![CompletionChoice {
             index: 0,
@@ -215,6 +230,7 @@ pub(super) async fn respond(
                             token_ids: None,
                         }]);
                         c.timings = Some(meta.finish_timings(first, last, n, &state));
+                        meta.record(&state, first, n, finish_reason);
                         let mut events = render(&c);
                         if meta.include_usage {
                             let mut u = meta.chunk(Vec::new());
