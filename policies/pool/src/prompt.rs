@@ -209,20 +209,7 @@ pub fn prepare(
                 .chat_prompt(&messages)
                 .map_err(PrepareError::Tokenize)?;
             let n = counter.count(&prompt).map_err(PrepareError::Tokenize)?;
-            let mut sampling = chat.sampling.clone();
-            sampling.max_tokens = Some(
-                match (chat.max_completion_tokens.or(sampling.max_tokens), seq_len) {
-                    (Some(m), _) => m,
-                    (None, Some(s)) => (s as usize).saturating_sub(n).max(1) as u32,
-                    (None, None) => rules::DEFAULT_MAX_TOKENS,
-                },
-            );
-            let upstream = CompletionRequest {
-                model: chat.model.clone(),
-                prompt: Prompt::Text(prompt),
-                sampling,
-                kv_transfer_params: None,
-            };
+            let upstream = rngd_api::chat::to_completion(&chat, prompt, n, seq_len);
             (chat.model, upstream, n)
         }
     };
