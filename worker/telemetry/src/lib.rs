@@ -2,6 +2,8 @@
 //! `prometheus` crate that every rngd-pd server uses to expose `/metrics`.
 
 pub mod names;
+#[cfg(feature = "test-util")]
+pub mod promtool;
 
 use prometheus::{Encoder, Registry, TextEncoder};
 
