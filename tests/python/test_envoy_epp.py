@@ -241,3 +241,54 @@ def test_epp_down_fails_closed(stack):
     assert r.status_code in (500, 503), (r.status_code, r.text)
     after = {a: counter(a, "rngd_pd_worker_requests_total") for a in before}
     assert after == before
+
+
+CHAT = [{"role": "user", "content": "Name the largest planet of the solar system in one word, then say why in one sentence."}]
+
+
+def sse_chat(r: requests.Response) -> tuple[str, list[str]]:
+    """Content and finish reasons of a streamed chat (`chat.completion.chunk` events up to `[DONE]`)."""
+    text, finishes = [], []
+    for line in r.iter_lines():
+        if not line.startswith(b"data: "):
+            continue
+        data = line[len(b"data: "):]
+        if data == b"[DONE]":
+            break
+        ev = json.loads(data)
+        assert ev["object"] == "chat.completion.chunk", ev
+        for c in ev.get("choices") or []:
+            text.append((c.get("delta") or {}).get("content") or "")
+            if c.get("finish_reason"):
+                finishes.append(c["finish_reason"])
+    return "".join(text), finishes
+
+
+def test_chat_through_envoy_with_pd_matches_solo(stack):
+    """A chat through Envoy → picker → decode worker (which orchestrates the
+    prefill on the worker the picker named, `x-prefiller-host-port`) answers in
+    the chat format with the solo worker's chat text, streaming and not; the
+    picker counted the chat with the model's template (the template's default
+    system prompt makes it long enough to be disaggregated)."""
+    body = {"model": MODEL, "messages": CHAT, "max_tokens": 8, "temperature": 0}
+    ref = requests.post(f"http://{stack.solo}/v1/chat/completions", json=body, timeout=600)
+    assert ref.status_code == 200, ref.text
+    want = ref.json()["choices"][0]["message"]["content"]
+    assert want
+    pd = {"x-gateway-destination-endpoint-subset": f"{stack.decode},{stack.prefill}"}
+    prefills = counter(stack.prefill, "rngd_pd_worker_prefills_total")
+    loads = counter(stack.decode, "rngd_pd_worker_kv_loads_total")
+    r = requests.post(stack.url + "/v1/chat/completions", json=body, headers=pd, timeout=600)
+    assert r.status_code == 200, r.text
+    got = r.json()
+    assert got["object"] == "chat.completion" and got["id"].startswith("chatcmpl-"), got
+    assert got["choices"][0]["message"]["content"] == want
+    assert counter(stack.prefill, "rngd_pd_worker_prefills_total") == prefills + 1, "the prefill worker prefilled"
+    assert counter(stack.decode, "rngd_pd_worker_kv_loads_total") == loads + 1, "the decode worker loaded the KV"
+    with requests.post(stack.url + "/v1/chat/completions", json=dict(body, stream=True), headers=pd, timeout=600,
+                       stream=True) as r:
+        assert r.status_code == 200, r.text
+        assert r.headers["content-type"].startswith("text/event-stream"), r.headers
+        text, finishes = sse_chat(r)
+    assert text == want
+    assert finishes == ["length"]
