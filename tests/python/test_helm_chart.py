@@ -221,3 +221,68 @@ def test_relay_memory_cap_and_picker_tls_come_from_values():
     assert f"--max-bytes={1 << 28}" in container(objs, "demo-relay")["args"]
     assert "--secure-serving=false" in container(objs, "demo-epp")["args"]
     assert "--secure-serving=true" in container(render(), "demo-epp")["args"]
+
+
+def pod_specs(objs):
+    return {name: o["spec"]["template"]["spec"] for (kind, name), o in objs.items() if kind == "Deployment"}
+
+
+def test_pods_run_non_root_with_read_only_root_filesystems():
+    for name, spec in pod_specs(render()).items():
+        assert spec["securityContext"]["runAsNonRoot"] is True, name
+        for c in spec["containers"]:
+            sc = c["securityContext"]
+            assert sc["readOnlyRootFilesystem"] is True and sc["allowPrivilegeEscalation"] is False, (name, sc)
+            assert sc["capabilities"]["drop"] == ["ALL"], (name, sc)
+    # The one exception, and what it does: the shm root, made writable once.
+    for role in ("prefill", "decode"):
+        init = pod_specs(render())[f"demo-{role}"]["initContainers"]
+        assert [i["name"] for i in init] == ["shm-root"]
+        assert init[0]["args"][:2] == ["kv", "shm-root"]
+
+
+def test_shm_root_subcommand_makes_the_node_directory_writable_and_refuses_symlinks(tmp_path):
+    d = tmp_path / "shm"
+    r = subprocess.run([binary(), "kv", "shm-root", str(d)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert d.is_dir() and (d.stat().st_mode & 0o7777) == 0o1777
+    link = tmp_path / "link"
+    link.symlink_to(tmp_path)
+    r = subprocess.run([binary(), "kv", "shm-root", str(link)], capture_output=True, text=True, env={**os.environ, "RUST_BACKTRACE": "0"})
+    assert r.returncode != 0 and "symlink" in r.stderr, r.stderr
+
+
+def test_admin_token_lives_in_a_secret():
+    objs = render({"policy": {"adminToken": "s3cret"}})
+    secret = objs[("Secret", "demo-admin")]
+    assert secret["stringData"]["token"] == "s3cret"
+    for name in ("demo-gateway", "demo-epp"):
+        c = container(objs, name)
+        env = {e["name"]: e for e in c["env"]}
+        assert env["RNGD_PD_ADMIN_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "demo-admin", "key": "token"}
+        assert "s3cret" not in yaml.safe_dump(objs[("Deployment", name)])
+    objs = render({"policy": {"adminTokenSecret": "mine"}})
+    assert ("Secret", "demo-admin") not in objs
+    env = {e["name"]: e for e in container(objs, "demo-gateway")["env"]}
+    assert env["RNGD_PD_ADMIN_TOKEN"]["valueFrom"]["secretKeyRef"]["name"] == "mine"
+    assert "RNGD_PD_ADMIN_TOKEN" not in {e["name"] for e in container(render(), "demo-gateway").get("env", [])}
+
+
+def test_network_policies_admit_only_who_must_talk():
+    objs = render()
+    workers = objs[("NetworkPolicy", "demo-workers")]["spec"]
+    assert workers["podSelector"]["matchLabels"] == {"rngd-pd.io/pool": "demo"}
+    peers = workers["ingress"][0]["from"]
+    assert {"podSelector": {"matchLabels": {"app.kubernetes.io/instance": "demo"}}} in peers
+    assert [p["port"] for p in workers["ingress"][0]["ports"]] == [8000]
+    relay = objs[("NetworkPolicy", "demo-relay")]["spec"]
+    assert relay["ingress"] == [{"from": [{"podSelector": {"matchLabels": {"rngd-pd.io/pool": "demo"}}}], "ports": [{"port": 7070}]}]
+    epp = objs[("NetworkPolicy", "demo-epp")]["spec"]
+    assert [p["port"] for p in epp["ingress"][0]["ports"]] == [9002, 9003]
+    assert [p["port"] for p in epp["ingress"][1]["ports"]] == [9090]
+    assert not any(k == "NetworkPolicy" for k, _ in render({"networkPolicy": {"enabled": False}}))
+
+
+def test_kpi_listener_is_reachable_in_the_pod():
+    args = container(render({"gateway": {"airmMetricsPort": 9100}}), "demo-gateway")["args"]
+    assert "--metrics-host=0.0.0.0" in args

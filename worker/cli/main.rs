@@ -6,6 +6,7 @@
 
 mod ext_proc;
 mod gateway;
+mod kv;
 mod model;
 mod policy;
 mod relay;
@@ -34,6 +35,9 @@ enum Command {
     ExtProc(ext_proc::Args),
     /// Bring up the whole local stack on the CPU backend.
     Up(up::Args),
+    /// KV-transport chores on a node (the shm root).
+    #[command(subcommand)]
+    Kv(kv::Command),
     /// Manage models.
     #[command(subcommand)]
     Model(model::Command),
@@ -93,6 +97,7 @@ fn main() -> anyhow::Result<()> {
             Command::Gateway(a) => gateway::run(a).await,
             Command::ExtProc(a) => ext_proc::run(a).await,
             Command::Up(a) => up::run(a).await,
+            Command::Kv(c) => kv::run(c).await,
             Command::Model(c) => model::run(c).await,
             Command::Policy(c) => policy::run(c).await,
         }

@@ -28,3 +28,30 @@ app.kubernetes.io/component: {{ .component }}
 {{- define "rngd-pd.policyModule" -}}
 {{- if .Values.policy.moduleBase64 -}}/etc/rngd-pd/policy-module/policy.wasm{{- else -}}{{ .Values.policy.module }}{{- end -}}
 {{- end -}}
+
+{{/* The pods' security context (values `podSecurityContext`). */}}
+{{- define "rngd-pd.podSecurity" -}}
+{{- with .Values.podSecurityContext }}
+securityContext:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end -}}
+
+{{/* A container's security context (values `containerSecurityContext`). */}}
+{{- define "rngd-pd.containerSecurity" -}}
+{{- with .Values.containerSecurityContext }}
+securityContext:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end -}}
+
+{{/* The admin token as an env var from its Secret (nothing when the admin API is off). */}}
+{{- define "rngd-pd.adminTokenEnv" -}}
+{{- if or .Values.policy.adminToken .Values.policy.adminTokenSecret }}
+- name: RNGD_PD_ADMIN_TOKEN
+  valueFrom:
+    secretKeyRef:
+      name: {{ default (printf "%s-admin" .Release.Name) .Values.policy.adminTokenSecret }}
+      key: token
+{{- end }}
+{{- end -}}
