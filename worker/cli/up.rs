@@ -340,7 +340,7 @@ async fn bring_up(
         (env::PD_SHM_ROOT, stack.shm_root.display().to_string()),
         (env::AIRM_KV_TCP_ADDR, relay.clone()),
     ];
-    let mut urls = Vec::new();
+    let mut urls: Vec<String> = Vec::new();
     for (name, role, port) in [
         ("prefill", "prefill", args.prefill_port),
         ("decode", "decode", args.decode_port),
@@ -364,6 +364,14 @@ async fn bring_up(
         ];
         if let Some(t) = args.threads {
             a.extend(["--threads".into(), t.to_string()]);
+        }
+        if let Some(prefill) = urls.first() {
+            // The decode worker may orchestrate (`x-prefiller-host-port`, the
+            // picker's PD route) on this stack's prefill worker only.
+            a.extend([
+                "--prefill-allow".into(),
+                prefill.trim_start_matches("http://").to_string(),
+            ]);
         }
         let name: &'static str = if name == "prefill" {
             "prefill"

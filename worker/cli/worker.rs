@@ -5,7 +5,7 @@
 use std::path::PathBuf;
 
 use rngd_api::env;
-use rngd_worker::{Backend, Role, WorkerOptions};
+use rngd_worker::{AllowEntry, Backend, PrefillAllow, Role, WorkerOptions};
 
 /// `--role`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -28,6 +28,18 @@ pub enum BackendArg {
     Rngd,
     /// Rebellions ATOM (needs the vendor runtime; not in this build).
     Atom,
+}
+
+/// One `--prefill-allow` value: an entry, or nothing for an empty value.
+#[derive(Debug, Clone)]
+pub struct AllowArg(Option<AllowEntry>);
+
+/// Parses one `--prefill-allow` value (the error names the entry).
+fn parse_allow(s: &str) -> Result<AllowArg, rngd_worker::AllowError> {
+    if s.trim().is_empty() {
+        return Ok(AllowArg(None));
+    }
+    s.parse().map(|e| AllowArg(Some(e)))
 }
 
 /// Flags of `rngd-pd worker`.
@@ -75,6 +87,14 @@ pub struct Args {
     /// How long a decode worker waits for its prefill peer, ms.
     #[arg(long, env = env::RNGD_PD_PREFILL_TIMEOUT_MS, default_value_t = 120_000)]
     pub prefill_timeout_ms: u64,
+    /// Prefill peers an `x-prefiller-host-port` header may name:
+    /// `HOST:PORT` (exact name or IP), `IP/PREFIX:PORT` or
+    /// `[IPV6]/PREFIX:PORT` (CIDR), `[IPV6]:PORT`; the port is always
+    /// required and checked (no `*`). Comma-separated, repeatable. Default
+    /// none: requests with the header are refused (403).
+    /// Empty entries (an empty variable, a trailing comma) are skipped.
+    #[arg(long, env = env::RNGD_PD_PREFILL_ALLOW, value_delimiter = ',', value_name = "ENTRY", value_parser = parse_allow)]
+    pub prefill_allow: Vec<AllowArg>,
     /// Validate the flags and files (backend, model, KV transport
     /// configuration) and exit: 0 and `ok`, or a clear error.
     #[arg(long)]
@@ -107,6 +127,9 @@ impl Args {
             kubelet_checkpoint: self.kubelet_checkpoint,
             kv_pull_timeout_ms: self.kv_pull_timeout_ms,
             prefill_timeout_ms: self.prefill_timeout_ms,
+            prefill_allow: PrefillAllow::new(
+                self.prefill_allow.into_iter().filter_map(|a| a.0).collect(),
+            ),
         }
     }
 }

@@ -68,6 +68,10 @@ pub fn var(name: &str) -> Option<String> {
 pub const RNGD_PD_KV_PULL_TIMEOUT_MS: &str = "RNGD_PD_KV_PULL_TIMEOUT_MS";
 /// Worker: how long a decode worker waits for its prefill peer (`x-prefiller-host-port`), ms; default 120000.
 pub const RNGD_PD_PREFILL_TIMEOUT_MS: &str = "RNGD_PD_PREFILL_TIMEOUT_MS";
+/// Worker: the prefill peers `x-prefiller-host-port` may name, comma-separated
+/// (`HOST:PORT`, `IP/PREFIX:PORT`, `[IPV6]/PREFIX:PORT`; ports required);
+/// default empty: the header is refused.
+pub const RNGD_PD_PREFILL_ALLOW: &str = "RNGD_PD_PREFILL_ALLOW";
 /// Worker: CPU threads of the `cpu` backend; default: all cores.
 pub const RNGD_PD_THREADS: &str = "RNGD_PD_THREADS";
 

@@ -4,6 +4,8 @@
 
 use std::path::PathBuf;
 
+use crate::allow::PrefillAllow;
+
 /// What a worker does with requests (the one role type, owned by `rngd-api`).
 pub use rngd_api::Role;
 
@@ -60,6 +62,12 @@ pub struct WorkerOptions {
     pub kv_pull_timeout_ms: u64,
     /// How long a decode worker waits for its prefill peer, ms.
     pub prefill_timeout_ms: u64,
+    /// The prefill peers an `x-prefiller-host-port` header may name
+    /// (`--prefill-allow`: `HOST:PORT`, `IP/PREFIX:PORT`, `[IPV6]/PREFIX:PORT`;
+    /// see [`crate::allow`]). Default empty: this worker orchestrates no
+    /// prefill, and a request with the header is refused (403, code
+    /// `prefiller_not_allowed`).
+    pub prefill_allow: PrefillAllow,
 }
 
 impl Default for WorkerOptions {
@@ -79,6 +87,7 @@ impl Default for WorkerOptions {
             kubelet_checkpoint: rngd_devices::DEFAULT_CHECKPOINT.into(),
             kv_pull_timeout_ms: 30_000,
             prefill_timeout_ms: 120_000,
+            prefill_allow: PrefillAllow::default(),
         }
     }
 }

@@ -114,21 +114,29 @@ pub enum ApiError {
         /// How long the decode waited.
         waited: Duration,
     },
-    /// The prefill peer could not be reached or answered garbage.
-    #[error("prefill worker {peer} failed for request {request_id}: {detail}")]
+    /// `x-prefiller-host-port` names no peer this worker may call (its
+    /// `--prefill-allow` list): 403, or 400 for a malformed entry. Nothing
+    /// is connected to.
+    #[error("{}", prefill_refusal(.0))]
+    PrefillRefused(crate::allow::PickError),
+    /// The prefill peer could not be reached or answered garbage. The
+    /// message names the peer and the stage, never the peer's body.
+    #[error("prefill on {peer} failed for request {request_id} ({stage}): {detail}")]
     PrefillPeer {
         /// `host:port`.
         peer: String,
         /// Request id.
         request_id: String,
-        /// What happened.
+        /// Which step of the call: `connect`, `send`, `status`, `read`, `parse`.
+        stage: &'static str,
+        /// What happened (never the peer's body).
         detail: String,
         /// Cause, if any.
         #[source]
         source: Option<reqwest::Error>,
     },
     /// The prefill peer did not answer in time.
-    #[error("prefill worker {peer} did not answer within {after:?} for request {request_id}")]
+    #[error("prefill on {peer} did not answer within {after:?} for request {request_id}")]
     PrefillPeerTimeout {
         /// `host:port`.
         peer: String,
@@ -137,8 +145,9 @@ pub enum ApiError {
         /// The timeout.
         after: Duration,
     },
-    /// The prefill peer refused the request with a 4xx (passed through).
-    #[error("prefill worker {peer} refused request {request_id}: {}", body.error.message)]
+    /// The prefill peer refused the request with a 4xx and an OpenAI error
+    /// body: its status and its `code` are passed through, its message is not.
+    #[error("prefill on {peer} refused request {request_id}: prefill peer answered {status}{}", code.as_deref().map(|c| format!(" (code {c})")).unwrap_or_default())]
     PrefillPeerRejected {
         /// `host:port`.
         peer: String,
@@ -146,8 +155,8 @@ pub enum ApiError {
         request_id: String,
         /// Its status.
         status: u16,
-        /// Its error body.
-        body: Box<ErrorBody>,
+        /// Its OpenAI error `code`, if it had a plausible one.
+        code: Option<String>,
     },
     /// The engine failed.
     #[error("engine error")]
@@ -155,6 +164,32 @@ pub enum ApiError {
     /// Anything else.
     #[error("{0}")]
     Internal(String),
+}
+
+/// Error code of a 403 for an `x-prefiller-host-port` outside `--prefill-allow`.
+pub const PREFILLER_NOT_ALLOWED_CODE: &str = "prefiller_not_allowed";
+/// Error code of a 400 for a malformed `x-prefiller-host-port` entry.
+pub const PREFILLER_MALFORMED_CODE: &str = "invalid_prefiller_host_port";
+
+fn prefill_refusal(e: &crate::allow::PickError) -> String {
+    use crate::allow::PickError;
+    let h = rngd_api::headers::PREFILLER_HOST_PORT;
+    match e {
+        PickError::NoneAllowed => format!(
+            "{h} is refused: this worker calls no prefill peer (its --prefill-allow list is empty)"
+        ),
+        PickError::Malformed { entry, reason } => {
+            format!(
+                "{h} entry `{entry}` is malformed ({reason}); expected HOST:PORT or [IPV6]:PORT"
+            )
+        }
+        PickError::NotAllowed { first, count: 1 } => {
+            format!("{h}: {first} is not in this worker's --prefill-allow list")
+        }
+        PickError::NotAllowed { first, count } => format!(
+            "{h}: none of the {count} entries ({first}, ...) is in this worker's --prefill-allow list"
+        ),
+    }
 }
 
 impl From<EngineError> for ApiError {
@@ -187,6 +222,10 @@ impl ApiError {
             ApiError::KvPullTimeout { .. } | ApiError::PrefillPeerTimeout { .. } => {
                 StatusCode::GATEWAY_TIMEOUT
             }
+            ApiError::PrefillRefused(crate::allow::PickError::Malformed { .. }) => {
+                StatusCode::BAD_REQUEST
+            }
+            ApiError::PrefillRefused(_) => StatusCode::FORBIDDEN,
             ApiError::PrefillPeer { .. } => StatusCode::BAD_GATEWAY,
             ApiError::PrefillPeerRejected { status, .. } => {
                 StatusCode::from_u16(*status).unwrap_or(StatusCode::BAD_GATEWAY)
@@ -225,10 +264,13 @@ impl ApiError {
                 }
                 b
             }
-            ApiError::PrefillPeerRejected { body: peer, .. } => match &peer.error.code {
-                Some(code) => body.with_code(code),
-                None => body,
-            },
+            ApiError::PrefillPeerRejected {
+                code: Some(code), ..
+            } => body.with_code(code),
+            ApiError::PrefillRefused(crate::allow::PickError::Malformed { .. }) => {
+                body.with_code(PREFILLER_MALFORMED_CODE)
+            }
+            ApiError::PrefillRefused(_) => body.with_code(PREFILLER_NOT_ALLOWED_CODE),
             _ => body,
         }
     }

@@ -11,7 +11,9 @@
 //!   served as a completion: whole or orchestrated; answered in the chat
 //!   format), `GET /health`, `GET /ready`, `GET /metrics`, `GET /v1/models`.
 //! - [`error::ApiError`]: every request failure, mapped to a status in one place.
+//! - [`allow`]: the `--prefill-allow` list; [`peer`]: the bounded prefill-peer client.
 
+pub mod allow;
 pub mod args;
 mod completions;
 pub mod error;
@@ -36,6 +38,7 @@ use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
+pub use allow::{AllowEntry, AllowError, PeerAddr, PrefillAllow};
 pub use args::{Backend, Role, WorkerOptions};
 pub use error::{ApiError, WorkerError};
 pub use metrics::WorkerMetrics;
@@ -272,6 +275,11 @@ pub async fn launch(
             context: format!("binding {}:{}", args.host, args.port),
             source,
         })?;
+    if args.prefill_allow.is_empty() {
+        tracing::info!("no --prefill-allow: requests with x-prefiller-host-port are refused");
+    } else {
+        tracing::info!(prefill_allow = %args.prefill_allow, "prefill peers admitted");
+    }
     let state = WorkerState::new(WorkerConfig::from_args(&args), transports)?;
     let running = serve_state(listener, state.clone())?;
     tracing::info!(addr = %running.addr, "serving; loading the model");

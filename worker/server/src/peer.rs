@@ -1,95 +1,190 @@
 //! The prefill peer a decode worker calls for `x-prefiller-host-port` requests
 //! (llm-d routing-sidecar behaviour): [`PrefillPeer`], real over HTTP.
+//!
+//! The HTTP client only ever connects to a [`PeerAddr`] the allowlist
+//! admitted (the URL is built from the parsed address, never from the header
+//! text), follows no redirects, uses no proxy, gives up connecting after
+//! [`PEER_CONNECT_TIMEOUT`] and on the whole call after the prefill timeout,
+//! reads at most [`MAX_PEER_ANSWER`] bytes of the answer, and never repeats
+//! the peer's body in an error.
 
 use std::time::Duration;
 
 use rngd_api::headers;
 use rngd_api::openai::{CompletionRequest, CompletionResponse, ErrorBody};
 
+use crate::allow::PeerAddr;
 use crate::error::ApiError;
+
+/// Largest prefill answer a decode worker reads from its peer, bytes (a
+/// prefill answer is a first token, the prompt's token ids and a handle:
+/// well under this for any compiled context). Beyond it the call fails (502).
+pub const MAX_PEER_ANSWER: usize = 1 << 20;
+
+/// How long connecting to a prefill peer may take (the whole call is bounded
+/// by the prefill timeout as well, whichever is shorter).
+pub const PEER_CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Sends a prefill request to another worker (environment edge: the network).
 #[async_trait::async_trait]
 pub trait PrefillPeer: Send + Sync + 'static {
-    /// POSTs `body` to `http://{host_port}/v1/completions` and returns the parsed answer.
+    /// POSTs `body` to `http://{peer}/v1/completions` and returns the parsed answer.
     async fn prefill(
         &self,
-        host_port: &str,
+        peer: &PeerAddr,
         request_id: &str,
         body: &CompletionRequest,
         timeout: Duration,
     ) -> Result<CompletionResponse, ApiError>;
 }
 
-/// [`PrefillPeer`] over HTTP with reqwest.
-#[derive(Debug, Clone, Default)]
+/// [`PrefillPeer`] over HTTP with reqwest (no redirects, no proxy, bounded).
+#[derive(Debug, Clone)]
 pub struct HttpPrefillPeer {
     client: reqwest::Client,
+}
+
+impl Default for HttpPrefillPeer {
+    fn default() -> Self {
+        Self::new()
+    }
 }
 
 impl HttpPrefillPeer {
     /// A peer client with a fresh connection pool.
     pub fn new() -> Self {
-        Self::default()
+        let client = reqwest::Client::builder()
+            .redirect(reqwest::redirect::Policy::none())
+            .no_proxy()
+            .connect_timeout(PEER_CONNECT_TIMEOUT)
+            .build()
+            .unwrap_or_else(|_| reqwest::Client::new());
+        HttpPrefillPeer { client }
     }
+}
+
+/// A plausible OpenAI error `code` (lower-case word characters, short), or none.
+fn plausible_code(body: &[u8]) -> Option<String> {
+    let parsed: ErrorBody = serde_json::from_slice(body).ok()?;
+    parsed.error.code.filter(|c| {
+        !c.is_empty()
+            && c.len() <= 64
+            && c.bytes()
+                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_')
+    })
 }
 
 #[async_trait::async_trait]
 impl PrefillPeer for HttpPrefillPeer {
     async fn prefill(
         &self,
-        host_port: &str,
+        peer: &PeerAddr,
         request_id: &str,
         body: &CompletionRequest,
         timeout: Duration,
     ) -> Result<CompletionResponse, ApiError> {
-        let peer_err = |detail: String, source: Option<reqwest::Error>| ApiError::PrefillPeer {
-            peer: host_port.to_string(),
-            request_id: request_id.to_string(),
-            detail,
-            source,
+        let name = peer.to_string();
+        let peer_err = |stage: &'static str, detail: String, source: Option<reqwest::Error>| {
+            ApiError::PrefillPeer {
+                peer: name.clone(),
+                request_id: request_id.to_string(),
+                stage,
+                detail,
+                source,
+            }
         };
-        let url = format!("http://{host_port}/v1/completions");
+        let url = format!("http://{peer}/v1/completions");
         let call = async {
-            let resp = self
+            let mut resp = self
                 .client
                 .post(&url)
+                .timeout(timeout)
                 .header(headers::REQUEST_ID, request_id)
                 .json(body)
                 .send()
                 .await
-                .map_err(|e| peer_err("request failed".into(), Some(e)))?;
+                .map_err(|e| {
+                    let stage = if e.is_connect() { "connect" } else { "send" };
+                    peer_err(stage, "request failed".into(), Some(e))
+                })?;
             let status = resp.status();
-            let bytes = resp
-                .bytes()
-                .await
-                .map_err(|e| peer_err("reading the answer failed".into(), Some(e)))?;
+            if resp
+                .content_length()
+                .is_some_and(|n| n > MAX_PEER_ANSWER as u64)
+            {
+                return Err(peer_err(
+                    "read",
+                    format!(
+                        "prefill peer answered {status} with more than {MAX_PEER_ANSWER} bytes"
+                    ),
+                    None,
+                ));
+            }
+            let mut bytes = Vec::new();
+            loop {
+                match resp.chunk().await {
+                    Ok(Some(c)) => {
+                        if bytes.len() + c.len() > MAX_PEER_ANSWER {
+                            return Err(peer_err(
+                                "read",
+                                format!(
+                                    "prefill peer answered {status} with more than {MAX_PEER_ANSWER} bytes"
+                                ),
+                                None,
+                            ));
+                        }
+                        bytes.extend_from_slice(&c);
+                    }
+                    Ok(None) => break,
+                    Err(e) => {
+                        return Err(peer_err(
+                            "read",
+                            "reading the answer failed".into(),
+                            Some(e),
+                        ));
+                    }
+                }
+            }
             if !status.is_success() {
-                let parsed: Option<ErrorBody> = serde_json::from_slice(&bytes).ok();
-                return match parsed {
-                    Some(body) if status.is_client_error() => Err(ApiError::PrefillPeerRejected {
-                        peer: host_port.to_string(),
+                let code = plausible_code(&bytes);
+                if status.is_client_error() && serde_json::from_slice::<ErrorBody>(&bytes).is_ok() {
+                    return Err(ApiError::PrefillPeerRejected {
+                        peer: name.clone(),
                         request_id: request_id.to_string(),
                         status: status.as_u16(),
-                        body: Box::new(body),
-                    }),
-                    Some(body) => Err(peer_err(
-                        format!("status {status}: {}", body.error.message),
-                        None,
-                    )),
-                    None => Err(peer_err(
-                        format!("status {status}: {}", String::from_utf8_lossy(&bytes)),
-                        None,
-                    )),
+                        code,
+                    });
+                }
+                let detail = match code {
+                    Some(c) => format!("prefill peer answered {status} (code {c})"),
+                    None => format!("prefill peer answered {status}"),
                 };
+                return Err(peer_err("status", detail, None));
             }
-            serde_json::from_slice::<CompletionResponse>(&bytes)
-                .map_err(|e| peer_err(format!("answer is not a completion response: {e}"), None))
+            serde_json::from_slice::<CompletionResponse>(&bytes).map_err(|e| {
+                // serde's message may quote the body: only the position is kept.
+                peer_err(
+                    "parse",
+                    format!(
+                        "the answer is not a completion response (line {}, column {})",
+                        e.line(),
+                        e.column()
+                    ),
+                    None,
+                )
+            })
         };
         match tokio::time::timeout(timeout, call).await {
+            Ok(Err(ApiError::PrefillPeer {
+                source: Some(e), ..
+            })) if e.is_timeout() => Err(ApiError::PrefillPeerTimeout {
+                peer: name.clone(),
+                request_id: request_id.to_string(),
+                after: timeout,
+            }),
             Ok(r) => r,
             Err(_) => Err(ApiError::PrefillPeerTimeout {
-                peer: host_port.to_string(),
+                peer: name.clone(),
                 request_id: request_id.to_string(),
                 after: timeout,
             }),

@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use rngd_engine::Engine;
 
+use crate::allow::PrefillAllow;
 use crate::args::{Role, WorkerOptions};
 use crate::error::WorkerError;
 use crate::metrics::WorkerMetrics;
@@ -23,16 +24,21 @@ pub struct WorkerConfig {
     pub prefill_timeout: Duration,
     /// Node name (reported as `remote_engine_id` in PD responses).
     pub node: Option<String>,
+    /// Prefill peers `x-prefiller-host-port` may name; empty: none (the
+    /// header is refused with 403).
+    pub prefill_allow: PrefillAllow,
 }
 
 impl WorkerConfig {
-    /// Defaults for `role`: 30 s KV pull timeout, 120 s prefill-peer timeout.
+    /// Defaults for `role`: 30 s KV pull timeout, 120 s prefill-peer timeout,
+    /// no prefill peer allowed.
     pub fn new(role: Role) -> Self {
         WorkerConfig {
             role,
             kv_pull_timeout: Duration::from_secs(30),
             prefill_timeout: Duration::from_secs(120),
             node: None,
+            prefill_allow: PrefillAllow::default(),
         }
     }
 
@@ -43,6 +49,7 @@ impl WorkerConfig {
             kv_pull_timeout: Duration::from_millis(args.kv_pull_timeout_ms),
             prefill_timeout: Duration::from_millis(args.prefill_timeout_ms),
             node: args.node.clone(),
+            prefill_allow: args.prefill_allow.clone(),
         }
     }
 }

@@ -23,17 +23,30 @@ use serde_json::{Value, json};
 const SEQ_LEN: usize = 64;
 
 async fn start_seq(role: Role, transport: &Arc<MemoryTransport>, seq_len: usize) -> RunningWorker {
+    start_config(WorkerConfig::new(role), transport, seq_len).await
+}
+
+async fn start_config(
+    config: WorkerConfig,
+    transport: &Arc<MemoryTransport>,
+    seq_len: usize,
+) -> RunningWorker {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let engine: Arc<dyn Engine> = Arc::new(EchoEngine::new(seq_len));
     let t: Arc<dyn KvTransport> = transport.clone();
-    rngd_worker::serve(
-        listener,
-        engine,
-        Transports::fixed(vec![t]),
-        WorkerConfig::new(role),
-    )
-    .await
-    .unwrap()
+    rngd_worker::serve(listener, engine, Transports::fixed(vec![t]), config)
+        .await
+        .unwrap()
+}
+
+/// A decode worker that may orchestrate on `prefill` (`--prefill-allow`).
+async fn start_decode_for(
+    prefill: &RunningWorker,
+    transport: &Arc<MemoryTransport>,
+) -> RunningWorker {
+    let mut config = WorkerConfig::new(Role::Decode);
+    config.prefill_allow = prefill.addr.to_string().parse().unwrap();
+    start_config(config, transport, SEQ_LEN).await
 }
 
 async fn start(role: Role, transport: &Arc<MemoryTransport>) -> RunningWorker {
@@ -239,9 +252,9 @@ async fn a_solo_worker_answers_chat_in_the_chat_format() {
 #[tokio::test]
 async fn pd_chat_through_the_prefiller_header_equals_solo() {
     let mem = Arc::new(MemoryTransport::new());
-    let (prefill, decode, solo) = (
-        start(Role::Prefill, &mem).await,
-        start(Role::Decode, &mem).await,
+    let prefill = start(Role::Prefill, &mem).await;
+    let (decode, solo) = (
+        start_decode_for(&prefill, &mem).await,
         start(Role::Solo, &mem).await,
     );
     let peer = prefill.addr.to_string();

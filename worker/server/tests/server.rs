@@ -30,6 +30,12 @@ async fn start_with(
         .unwrap()
 }
 
+/// A config tweak admitting these prefill peers (`--prefill-allow`).
+fn allow(peers: &[&str]) -> impl FnOnce(&mut WorkerConfig) + use<> {
+    let list = peers.join(",");
+    move |c: &mut WorkerConfig| c.prefill_allow = list.parse().unwrap()
+}
+
 async fn start(role: Role, transport: &Arc<MemoryTransport>) -> RunningWorker {
     start_with(role, transport, |_| {}).await
 }
@@ -164,9 +170,9 @@ async fn pd_round_trip_matches_solo_and_releases_the_kv() {
 #[tokio::test]
 async fn prefiller_header_orchestrates_prefill_then_decodes_here() {
     let mem = Arc::new(MemoryTransport::new());
-    let (prefill, decode, solo) = (
-        start(Role::Prefill, &mem).await,
-        start(Role::Decode, &mem).await,
+    let prefill = start(Role::Prefill, &mem).await;
+    let (decode, solo) = (
+        start_with(Role::Decode, &mem, allow(&[&prefill.addr.to_string()])).await,
         start(Role::Solo, &mem).await,
     );
     let req = request("orchestrated by the decode worker", 12);
@@ -223,10 +229,8 @@ fn sse_events(body: &str) -> Vec<String> {
 #[tokio::test]
 async fn streaming_format_and_tokens() {
     let mem = Arc::new(MemoryTransport::new());
-    let (prefill, decode) = (
-        start(Role::Prefill, &mem).await,
-        start(Role::Decode, &mem).await,
-    );
+    let prefill = start(Role::Prefill, &mem).await;
+    let decode = start_with(Role::Decode, &mem, allow(&[&prefill.addr.to_string()])).await;
     let req = request("stream me", 6);
     let want = completion(&decode, &req, &[]).await;
 
@@ -290,9 +294,17 @@ async fn streaming_format_and_tokens() {
 async fn errors_map_to_statuses_with_openai_bodies() {
     let mem = Arc::new(MemoryTransport::new());
     let prefill = start(Role::Prefill, &mem).await;
+    // A port nothing listens on, and a peer that accepts but never answers.
+    let closed = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().to_string()
+    };
+    let silent = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let silent_addr = silent.local_addr().unwrap().to_string();
     let decode = start_with(Role::Decode, &mem, |c| {
         c.kv_pull_timeout = Duration::from_millis(200);
         c.prefill_timeout = Duration::from_millis(300);
+        allow(&[&prefill.addr.to_string(), &closed, &silent_addr])(c);
     })
     .await;
 
@@ -404,10 +416,6 @@ async fn errors_map_to_statuses_with_openai_bodies() {
     assert_eq!(mem.held(), 0);
 
     // Prefill peer down: 502 naming it and the request id.
-    let closed = {
-        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        l.local_addr().unwrap().to_string()
-    };
     let (status, body) = error(
         &decode,
         &request("hi", 3),
@@ -421,8 +429,6 @@ async fn errors_map_to_statuses_with_openai_bodies() {
     assert!(body.error.message.contains(&closed) && body.error.message.contains("peer-down"));
 
     // Prefill peer that accepts but never answers: 504.
-    let silent = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let silent_addr = silent.local_addr().unwrap().to_string();
     let (status, body) = error(
         &decode,
         &request("hi", 3),
@@ -582,21 +588,21 @@ async fn pd_through_an_in_process_tcp_relay() {
         tcp_addr: Some(relay_addr),
         ..TransportConfig::default()
     };
-    let start_tcp = |role| {
+    let start_tcp = |role, prefill_allow: &str| {
         let config = config.clone();
+        let mut worker = WorkerConfig::new(role);
+        worker.prefill_allow = prefill_allow.parse().unwrap();
         async move {
             let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
             let engine: Arc<dyn Engine> = Arc::new(EchoEngine::new(SEQ_LEN));
             let transports = Transports::new("tcp", RegistryFactory { config });
-            rngd_worker::serve(listener, engine, transports, WorkerConfig::new(role))
+            rngd_worker::serve(listener, engine, transports, worker)
                 .await
                 .unwrap()
         }
     };
-    let (prefill, decode) = (
-        start_tcp(Role::Prefill).await,
-        start_tcp(Role::Decode).await,
-    );
+    let prefill = start_tcp(Role::Prefill, "").await;
+    let decode = start_tcp(Role::Decode, &prefill.addr.to_string()).await;
     let req = request("over the relay", 8);
     let want = completion(&decode, &req, &[]).await;
     let got = completion(

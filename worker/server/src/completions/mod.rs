@@ -145,10 +145,16 @@ async fn handle(
         tracing::info!(mode = "decode");
         return decode_remote(call, &req, params).await;
     }
-    if let Some(peer) = header(headers::PREFILLER_HOST_PORT) {
-        tracing::info!(mode = "orchestrate", prefiller = peer);
+    if let Some(raw) = header(headers::PREFILLER_HOST_PORT) {
+        // Only an entry the allowlist admits is ever connected to.
+        let peer = state
+            .config()
+            .prefill_allow
+            .pick(raw)
+            .map_err(ApiError::PrefillRefused)?;
+        tracing::info!(mode = "orchestrate", prefiller = %peer);
         let transport = header(headers::KV_TRANSPORT).map(String::from);
-        return orchestrate(call, &req, peer, transport).await;
+        return orchestrate(call, &req, &peer, transport).await;
     }
     tracing::info!(mode = "local");
     let prompt = prompt_ids(&*engine, &req.prompt)?;

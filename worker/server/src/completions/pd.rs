@@ -14,6 +14,7 @@ use rngd_kv_transport::KvPayload;
 
 use super::respond::{Api, Meta, respond};
 use super::{check_vocab, prompt_ids, sampling};
+use crate::allow::PeerAddr;
 use crate::error::ApiError;
 use crate::state::WorkerState;
 
@@ -229,11 +230,12 @@ pub(super) async fn decode_remote(
     respond(state.clone(), meta, rx, req.sampling.stream).await
 }
 
-/// llm-d routing-sidecar behaviour: prefill on `peer`, then decode here.
+/// llm-d routing-sidecar behaviour: prefill on `peer` (admitted by the
+/// allowlist), then decode here.
 pub(super) async fn orchestrate(
     call: Call<'_>,
     req: &CompletionRequest,
-    peer: &str,
+    peer: &PeerAddr,
     transport: Option<String>,
 ) -> Result<Response, ApiError> {
     let Call {
@@ -258,6 +260,7 @@ pub(super) async fn orchestrate(
         .ok_or_else(|| ApiError::PrefillPeer {
             peer: peer.to_string(),
             request_id: request_id.to_string(),
+            stage: "parse",
             detail: "the answer carries no kv_transfer_params with do_remote_prefill and kv_handle"
                 .into(),
             source: None,
