@@ -41,11 +41,11 @@ LONG_PROMPT = (
 )
 
 
-def start_worker(role: str) -> tuple[Proc, str]:
+def start_worker(role: str, *extra: str) -> tuple[Proc, str]:
     m = model_path()
     if not os.path.isfile(m):
         pytest.fail(f"model {m} not found: run `rngd-pd model fetch` or set RNGD_PD_MODEL")
-    p = Proc(f"{role} worker", [rngd_bin(), "worker", "--role", role, "--port", "0", "--model", m])
+    p = Proc(f"{role} worker", [rngd_bin(), "worker", "--role", role, "--port", "0", "--model", m, *extra])
     url = p.wait_line("rngd-pd worker listening on", 300)
     if not url.startswith("http"):
         url = "http://" + url
@@ -70,7 +70,8 @@ def workers(tmp_path_factory, solo):
     try:
         w.prefill_proc, w.prefill = start_worker("prefill")
         procs.append(w.prefill_proc)
-        w.decode_proc, w.decode = start_worker("decode")
+        # The decode worker orchestrates (x-prefiller-host-port) on this prefill worker only.
+        w.decode_proc, w.decode = start_worker("decode", "--prefill-allow", w.prefill)
         procs.append(w.decode_proc)
         w.solo = solo.removeprefix("http://")
         yield w
