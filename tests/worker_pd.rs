@@ -264,7 +264,10 @@ async fn pd_matches_solo(transport: &str) {
     let want = solo_tokens(&env).await;
     let _relay = (transport == "tcp").then(|| env.start_relay());
     let prefill = env.worker("prefill", "prefill");
-    let decode = env.worker("decode", "decode");
+    // The decode worker may orchestrate (`x-prefiller-host-port`) on this prefill worker only.
+    let mut envs = env.envs.clone();
+    envs.push(("RNGD_PD_PREFILL_ALLOW", prefill.addr.clone()));
+    let decode = Proc::worker("decode", env.dir.path(), "decode", &envs);
 
     for (i, p) in PROMPTS.iter().enumerate() {
         let got = two_step(
