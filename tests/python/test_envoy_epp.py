@@ -234,16 +234,6 @@ def test_policy_swap_takes_effect_for_the_next_request(stack):
             assert r.json()["error"]["code"] == "teapot"
 
 
-def test_epp_down_fails_closed(stack):
-    """failure_mode_allow: false (deploy/envoy/envoy.yaml): no picker → Envoy answers 5xx, no worker is called."""
-    before = {a: counter(a, "rngd_pd_worker_requests_total") for a in (stack.solo, stack.decode, stack.prefill)}
-    assert stack.epp.stop() == 0
-    r = post(stack, {"model": MODEL, "prompt": "Hi", "max_tokens": 1}, timeout=60)
-    assert r.status_code in (500, 503), (r.status_code, r.text)
-    after = {a: counter(a, "rngd_pd_worker_requests_total") for a in before}
-    assert after == before
-
-
 CHAT = [{"role": "user", "content": "Name the largest planet of the solar system in one word, then say why in one sentence."}]
 
 
@@ -293,3 +283,14 @@ def test_chat_through_envoy_with_pd_matches_solo(stack):
         text, finishes = sse_chat(r)
     assert text == want
     assert finishes == ["length"]
+
+
+# Last: it stops the picker, which every other test of the module needs.
+def test_epp_down_fails_closed(stack):
+    """failure_mode_allow: false (deploy/envoy/envoy.yaml): no picker → Envoy answers 5xx, no worker is called."""
+    before = {a: counter(a, "rngd_pd_worker_requests_total") for a in (stack.solo, stack.decode, stack.prefill)}
+    assert stack.epp.stop() == 0
+    r = post(stack, {"model": MODEL, "prompt": "Hi", "max_tokens": 1}, timeout=60)
+    assert r.status_code in (500, 503), (r.status_code, r.text)
+    after = {a: counter(a, "rngd_pd_worker_requests_total") for a in before}
+    assert after == before
