@@ -176,11 +176,17 @@ impl PrefillPeer for HttpPrefillPeer {
         };
         match tokio::time::timeout(timeout, call).await {
             Ok(Err(ApiError::PrefillPeer {
-                source: Some(e), ..
+                source: Some(e),
+                stage,
+                ..
             })) if e.is_timeout() => Err(ApiError::PrefillPeerTimeout {
                 peer: name.clone(),
                 request_id: request_id.to_string(),
-                after: timeout,
+                after: if stage == "connect" {
+                    PEER_CONNECT_TIMEOUT.min(timeout)
+                } else {
+                    timeout
+                },
             }),
             Ok(r) => r,
             Err(_) => Err(ApiError::PrefillPeerTimeout {

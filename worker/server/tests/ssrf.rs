@@ -252,6 +252,26 @@ async fn injected_paths_queries_userinfo_and_schemes_are_malformed() {
             body.error.message
         );
     }
+    // Bytes that are not visible ASCII: malformed, not ignored.
+    let resp = reqwest::Client::new()
+        .post(format!("{}/v1/completions", decode.url()))
+        .header(
+            "x-prefiller-host-port",
+            reqwest::header::HeaderValue::from_bytes(
+                &[format!("127.0.0.1:{port}").as_bytes(), &[0xff]].concat(),
+            )
+            .unwrap(),
+        )
+        .json(&request())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status().as_u16(), 400);
+    let body: ErrorBody = resp.json().await.unwrap();
+    assert_eq!(
+        body.error.code.as_deref(),
+        Some("invalid_prefiller_host_port")
+    );
     tokio::time::sleep(Duration::from_millis(100)).await;
     assert_eq!(accepts.load(Ordering::SeqCst), 0);
 }

@@ -145,6 +145,17 @@ async fn handle(
         tracing::info!(mode = "decode");
         return decode_remote(call, &req, params).await;
     }
+    if headers
+        .get(headers::PREFILLER_HOST_PORT)
+        .is_some_and(|v| v.to_str().is_err())
+    {
+        return Err(ApiError::PrefillRefused(
+            crate::allow::PickError::Malformed {
+                entry: String::new(),
+                reason: "not visible ASCII",
+            },
+        ));
+    }
     if let Some(raw) = header(headers::PREFILLER_HOST_PORT) {
         // Only an entry the allowlist admits is ever connected to.
         let peer = state
