@@ -286,3 +286,11 @@ def test_network_policies_admit_only_who_must_talk():
 def test_kpi_listener_is_reachable_in_the_pod():
     args = container(render({"gateway": {"airmMetricsPort": 9100}}), "demo-gateway")["args"]
     assert "--metrics-host=0.0.0.0" in args
+
+
+def test_decode_workers_only_call_allowed_prefill_workers():
+    args = container(render(), "demo-decode")["args"]
+    assert "--prefill-allow=10.0.0.0/8:8000,172.16.0.0/12:8000,192.168.0.0/16:8000" in args
+    assert not any(a.startswith("--prefill-allow") for a in container(render(), "demo-prefill")["args"])
+    args = container(render({"decode": {"prefillAllow": ["10.244.0.0/16:8000"]}}), "demo-decode")["args"]
+    assert "--prefill-allow=10.244.0.0/16:8000" in args
