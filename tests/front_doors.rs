@@ -194,9 +194,56 @@ const COMPLETIONS: &[(&str, u16, Option<&str>)] = &[
     (r#"{"model":"echo","prompt":"#, 400, None),
     (r#"[1,2]"#, 400, None),
     (r#"{"model":"echo","prompt":5}"#, 400, None),
+    // Defined by the API, not implemented: refused by name, not ignored.
+    (
+        r#"{"model":"echo","prompt":"hi","presence_penalty":0.5}"#,
+        400,
+        Some("presence_penalty"),
+    ),
+    (
+        r#"{"model":"echo","prompt":"hi","logprobs":2}"#,
+        400,
+        Some("logprobs"),
+    ),
+    (
+        r#"{"model":"echo","prompt":"hi","echo":true}"#,
+        400,
+        Some("echo"),
+    ),
+    (
+        r#"{"model":"echo","prompt":"hi","best_of":3}"#,
+        400,
+        Some("best_of"),
+    ),
+    (
+        r#"{"model":"echo","prompt":"hi","logit_bias":{"1":5}}"#,
+        400,
+        Some("logit_bias"),
+    ),
+    // ... and accepted at their "off" value.
+    (
+        r#"{"model":"echo","prompt":"hi","max_tokens":2,"presence_penalty":0,"logprobs":null,"echo":false,"user":"u"}"#,
+        200,
+        None,
+    ),
 ];
 
 const CHATS: &[(&str, u16, Option<&str>)] = &[
+    (
+        r#"{"model":"echo","messages":[{"role":"user","content":"hi"}],"tools":[{"type":"function","function":{"name":"f"}}]}"#,
+        400,
+        Some("tools"),
+    ),
+    (
+        r#"{"model":"echo","messages":[{"role":"user","content":"hi"}],"response_format":{"type":"json_object"}}"#,
+        400,
+        Some("response_format"),
+    ),
+    (
+        r#"{"model":"echo","messages":[{"role":"user","content":"hi"}],"logprobs":true}"#,
+        400,
+        Some("logprobs"),
+    ),
     (
         r#"{"model":"echo","messages":[{"role":"user","content":"hi"}],"max_tokens":2}"#,
         200,

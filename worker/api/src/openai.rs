@@ -1,8 +1,11 @@
 //! OpenAI-compatible request, response and error bodies (`/v1/completions`,
 //! `/v1/chat/completions`, `/v1/models`), shared by the gateway and the workers.
 //!
-//! Unknown request fields are accepted and ignored, as OpenAI clients send
-//! fields (`user`, `logit_bias`, …) that a server may not support.
+//! Fields of the OpenAI and vLLM schemas that this server does not implement
+//! are refused by name unless they carry their "off" value
+//! (`rules::UNSUPPORTED`, checked by `rules::parse_body` at every door);
+//! other fields without a meaning for serving (`user`, `metadata`, …) are
+//! accepted and ignored.
 
 use serde::{Deserialize, Serialize};
 

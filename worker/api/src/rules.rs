@@ -89,8 +89,122 @@ pub fn parse_body<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, RuleError> {
             });
         }
     }
+    check_unsupported(obj)?;
     serde_json::from_value(value)
         .map_err(|e| RuleError::body("invalid_request", format!("invalid request: {e}")))
+}
+
+/// Is this value the parameter's "off" setting?
+type Off = fn(&serde_json::Value) -> bool;
+
+fn null(v: &serde_json::Value) -> bool {
+    v.is_null()
+}
+fn falsy(v: &serde_json::Value) -> bool {
+    v.is_null() || v == &serde_json::Value::Bool(false)
+}
+fn zero(v: &serde_json::Value) -> bool {
+    v.is_null() || v.as_f64() == Some(0.0)
+}
+fn one(v: &serde_json::Value) -> bool {
+    v.is_null() || v.as_f64() == Some(1.0)
+}
+fn empty(v: &serde_json::Value) -> bool {
+    match v {
+        serde_json::Value::Null => true,
+        serde_json::Value::String(s) => s.is_empty(),
+        serde_json::Value::Array(a) => a.is_empty(),
+        serde_json::Value::Object(o) => o.is_empty(),
+        _ => false,
+    }
+}
+fn no_tool(v: &serde_json::Value) -> bool {
+    v.is_null() || v.as_str() == Some("none")
+}
+fn text_format(v: &serde_json::Value) -> bool {
+    v.is_null() || v.get("type").and_then(|t| t.as_str()) == Some("text")
+}
+
+/// Parameters of the OpenAI and vLLM request schemas this server does not
+/// implement, with the value that means "off": accepted only at that value
+/// (clients send some of them explicitly), anything else is a 400 naming the
+/// parameter, never silently ignored.
+pub const UNSUPPORTED: &[(&str, &str)] = &[
+    ("best_of", "1"),
+    ("echo", "false"),
+    ("suffix", "empty"),
+    ("logprobs", "null or false"),
+    ("top_logprobs", "0"),
+    ("prompt_logprobs", "null"),
+    ("presence_penalty", "0"),
+    ("frequency_penalty", "0"),
+    ("repetition_penalty", "1"),
+    ("logit_bias", "empty"),
+    ("min_tokens", "0"),
+    ("min_p", "0"),
+    ("ignore_eos", "false"),
+    ("stop_token_ids", "empty"),
+    ("use_beam_search", "false"),
+    ("tools", "empty"),
+    ("functions", "empty"),
+    ("tool_choice", "\"none\""),
+    ("function_call", "\"none\""),
+    ("response_format", "{\"type\": \"text\"}"),
+    ("guided_json", "null"),
+    ("guided_regex", "null"),
+    ("guided_choice", "null"),
+    ("guided_grammar", "null"),
+    ("audio", "null"),
+    ("modalities", "null"),
+    ("prediction", "null"),
+];
+
+/// The "off" test of each [`UNSUPPORTED`] parameter, in the same order.
+const OFF: &[Off] = &[
+    one,
+    falsy,
+    empty,
+    falsy,
+    zero,
+    null,
+    zero,
+    zero,
+    one,
+    empty,
+    zero,
+    zero,
+    falsy,
+    empty,
+    falsy,
+    empty,
+    empty,
+    no_tool,
+    no_tool,
+    text_format,
+    null,
+    null,
+    null,
+    null,
+    null,
+    null,
+    null,
+];
+
+fn check_unsupported(obj: &serde_json::Map<String, serde_json::Value>) -> Result<(), RuleError> {
+    for ((name, off), is_off) in UNSUPPORTED.iter().zip(OFF) {
+        if let Some(v) = obj.get(*name)
+            && !is_off(v)
+        {
+            return Err(RuleError {
+                param: Some(name),
+                code: Some("unsupported_parameter"),
+                message: format!(
+                    "`{name}` is not supported by this server; only its default ({off}) is accepted"
+                ),
+            });
+        }
+    }
+    Ok(())
 }
 
 /// The sampling rules shared by completions and chat.
@@ -338,6 +452,77 @@ mod tests {
                 (Some("model"), Some("missing_model")),
                 "{body}"
             );
+        }
+    }
+
+    #[test]
+    fn unsupported_parameters_are_refused_by_name_and_accepted_when_off() {
+        assert_eq!(UNSUPPORTED.len(), OFF.len());
+        let on: &[(&str, &str)] = &[
+            ("best_of", "2"),
+            ("echo", "true"),
+            ("suffix", "\"x\""),
+            ("logprobs", "1"),
+            ("logprobs", "true"),
+            ("top_logprobs", "3"),
+            ("prompt_logprobs", "1"),
+            ("presence_penalty", "0.5"),
+            ("frequency_penalty", "-1"),
+            ("repetition_penalty", "1.2"),
+            ("logit_bias", "{\"50256\": -100}"),
+            ("min_tokens", "4"),
+            ("min_p", "0.1"),
+            ("ignore_eos", "true"),
+            ("stop_token_ids", "[2]"),
+            ("use_beam_search", "true"),
+            ("tools", "[{\"type\":\"function\"}]"),
+            ("functions", "[{}]"),
+            ("tool_choice", "\"auto\""),
+            ("function_call", "\"auto\""),
+            ("response_format", "{\"type\":\"json_object\"}"),
+            ("guided_json", "{}"),
+            ("guided_regex", "\"a+\""),
+            ("guided_choice", "[\"a\"]"),
+            ("guided_grammar", "\"g\""),
+            ("audio", "{}"),
+            ("modalities", "[\"audio\"]"),
+            ("prediction", "{}"),
+        ];
+        for (name, value) in on {
+            let body = format!(r#"{{"model":"m","prompt":"x","{name}":{value}}}"#);
+            let e = completion(&body).unwrap_err();
+            assert_eq!(
+                (e.param, e.code),
+                (Some(*name), Some("unsupported_parameter")),
+                "{body}"
+            );
+        }
+        // Every listed parameter has a refused value above.
+        for (name, _) in UNSUPPORTED {
+            assert!(on.iter().any(|(n, _)| n == name), "{name} untested");
+        }
+        let off: &[(&str, &str)] = &[
+            ("best_of", "1"),
+            ("echo", "false"),
+            ("suffix", "\"\""),
+            ("logprobs", "null"),
+            ("logprobs", "false"),
+            ("top_logprobs", "0"),
+            ("presence_penalty", "0"),
+            ("frequency_penalty", "0.0"),
+            ("repetition_penalty", "1.0"),
+            ("logit_bias", "{}"),
+            ("min_tokens", "0"),
+            ("ignore_eos", "false"),
+            ("stop_token_ids", "[]"),
+            ("tools", "[]"),
+            ("tool_choice", "\"none\""),
+            ("response_format", "{\"type\":\"text\"}"),
+            ("user", "\"someone\""),
+        ];
+        for (name, value) in off {
+            let body = format!(r#"{{"model":"m","prompt":"x","{name}":{value}}}"#);
+            assert!(completion(&body).is_ok(), "{body}");
         }
     }
 
