@@ -24,14 +24,6 @@ async fn responses_pass_through_and_stream_chunks_are_echoed() {
         })),
         ..Default::default()
     };
-    let resp_body = |b: &[u8], eos: bool| ProcessingRequest {
-        request: Some(processing_request::Request::ResponseBody(HttpBody {
-            body: b.to_vec(),
-            end_of_stream: eos,
-            ..Default::default()
-        })),
-        ..Default::default()
-    };
     let trailers = ProcessingRequest {
         request: Some(processing_request::Request::ResponseTrailers(
             HttpTrailers::default(),
@@ -44,8 +36,8 @@ async fn responses_pass_through_and_stream_chunks_are_echoed() {
             post_headers(BodySendMode::FullDuplexStreamed),
             body_msg(body, true),
             resp_headers,
-            resp_body(b"data: {\"a\":1}\n\n", false),
-            resp_body(b"data: [DONE]\n\n", true),
+            resp_body_msg(b"data: {\"a\":1}\n\n", false),
+            resp_body_msg(b"data: [DONE]\n\n", true),
             trailers,
         ],
     )
@@ -322,20 +314,12 @@ async fn per_connection_and_shared_serving_both_pick_and_stop_on_abort() {
 async fn reference_epp_metric_families_pass_promtool() {
     let h = harness(default_endpoints(), false).await;
     let answer = br#"{"id":"x","choices":[],"usage":{"prompt_tokens":2,"completion_tokens":9,"total_tokens":11}}"#;
-    let resp_body = ProcessingRequest {
-        request: Some(processing_request::Request::ResponseBody(HttpBody {
-            body: answer.to_vec(),
-            end_of_stream: true,
-            ..Default::default()
-        })),
-        ..Default::default()
-    };
     let _ = exchange(
         h.server.grpc_addr,
         vec![
             post_headers(BodySendMode::FullDuplexStreamed),
             body_msg(br#"{"model":"m","prompt":"two words"}"#, true),
-            resp_body,
+            resp_body_msg(answer, true),
         ],
     )
     .await;

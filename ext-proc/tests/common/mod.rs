@@ -190,6 +190,18 @@ pub fn post_headers(mode: BodySendMode) -> ProcessingRequest {
     )
 }
 
+/// A response-body message of the ext_proc stream.
+pub fn resp_body_msg(chunk: &[u8], end_of_stream: bool) -> ProcessingRequest {
+    ProcessingRequest {
+        request: Some(processing_request::Request::ResponseBody(HttpBody {
+            body: chunk.to_vec(),
+            end_of_stream,
+            ..Default::default()
+        })),
+        ..Default::default()
+    }
+}
+
 pub fn body_msg(chunk: &[u8], end_of_stream: bool) -> ProcessingRequest {
     ProcessingRequest {
         request: Some(processing_request::Request::RequestBody(HttpBody {

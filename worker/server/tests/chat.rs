@@ -7,6 +7,10 @@
 //! tokens (the gateway counting with `ByteCounter`, whose template is the
 //! echo engine's).
 
+mod common;
+
+use common::{metrics, sample};
+
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -151,25 +155,6 @@ async fn stream(base: &str, body: &Value, headers: &[(&str, &str)]) -> Streamed 
         finish,
         usage,
     }
-}
-
-async fn metrics(w: &RunningWorker) -> String {
-    reqwest::get(format!("{}/metrics", w.url()))
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap()
-}
-
-/// The value of an unlabelled sample in Prometheus text.
-fn sample(text: &str, name: &str) -> f64 {
-    text.lines()
-        .find_map(|l| l.strip_prefix(name).and_then(|r| r.strip_prefix(' ')))
-        .unwrap_or_else(|| panic!("{name} missing from metrics:\n{text}"))
-        .trim()
-        .parse()
-        .unwrap()
 }
 
 /// The echo engine's text for `n` tokens of `prompt`: its bytes, cyclically.

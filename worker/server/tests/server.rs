@@ -2,6 +2,10 @@
 //! transport: PD round trip, `x-prefiller-host-port` orchestration, streaming
 //! format, error mapping, metrics.
 
+mod common;
+
+use common::{metrics, sample};
+
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -72,25 +76,6 @@ async fn error(w: &RunningWorker, body: &Value, headers: &[(&str, &str)]) -> (u1
     let body: ErrorBody =
         serde_json::from_str(&text).unwrap_or_else(|e| panic!("not an error body ({e}): {text}"));
     (status, body)
-}
-
-async fn metrics(w: &RunningWorker) -> String {
-    reqwest::get(format!("{}/metrics", w.url()))
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap()
-}
-
-/// The value of an unlabelled sample in Prometheus text.
-fn sample(text: &str, name: &str) -> f64 {
-    text.lines()
-        .find_map(|l| l.strip_prefix(name).and_then(|r| r.strip_prefix(' ')))
-        .unwrap_or_else(|| panic!("{name} missing from metrics:\n{text}"))
-        .trim()
-        .parse()
-        .unwrap()
 }
 
 fn token_ids(r: &CompletionResponse) -> Vec<u32> {
