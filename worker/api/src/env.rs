@@ -92,3 +92,25 @@ pub const RNGD_PD_POLICY_PERFMAP: &str = "RNGD_PD_POLICY_PERFMAP";
 /// started with it stops (SIGTERM) when that parent dies, even by SIGKILL,
 /// and exits at once if the parent is already gone (Linux).
 pub const RNGD_PD_UP_PARENT: &str = "RNGD_PD_UP_PARENT";
+
+/// Shared secret of the `tcp` KV relay and its clients (at least 16 bytes;
+/// surrounding whitespace dropped). Never logged.
+pub const AIRM_KV_TCP_SECRET: &str = "AIRM_KV_TCP_SECRET";
+/// File holding the shared secret of the `tcp` KV relay (instead of
+/// `AIRM_KV_TCP_SECRET`; e.g. a mounted Kubernetes Secret).
+pub const AIRM_KV_TCP_SECRET_FILE: &str = "AIRM_KV_TCP_SECRET_FILE";
+/// `1`: the relay and the `tcp` transport run without the shared secret
+/// (not for production); default off: without a secret they refuse to start.
+pub const AIRM_KV_TCP_INSECURE_NO_AUTH: &str = "AIRM_KV_TCP_INSECURE_NO_AUTH";
+/// Deadline of a `tcp` push, release or STATS (and of connecting), ms; default 30000.
+pub const AIRM_KV_TCP_TIMEOUT_MS: &str = "AIRM_KV_TCP_TIMEOUT_MS";
+/// Relay: a frame must arrive within this of its first byte, ms; default 10000.
+pub const AIRM_KV_RELAY_READ_TIMEOUT_MS: &str = "AIRM_KV_RELAY_READ_TIMEOUT_MS";
+/// Relay: idle connections are closed after this, ms; default 60000.
+pub const AIRM_KV_RELAY_IDLE_TIMEOUT_MS: &str = "AIRM_KV_RELAY_IDLE_TIMEOUT_MS";
+/// Relay: open connections at most; default 1024.
+pub const AIRM_KV_RELAY_MAX_CONNECTIONS: &str = "AIRM_KV_RELAY_MAX_CONNECTIONS";
+/// Relay: GETs waiting at once at most; default 4096.
+pub const AIRM_KV_RELAY_MAX_WAITERS: &str = "AIRM_KV_RELAY_MAX_WAITERS";
+/// Relay: blobs held at most; default 65536.
+pub const AIRM_KV_RELAY_MAX_ENTRIES: &str = "AIRM_KV_RELAY_MAX_ENTRIES";
