@@ -101,7 +101,9 @@ pub async fn launch(opts: Options) -> Result<Launched, ExtProcError> {
     }
     let source = opts
         .endpoints
-        .start(opts.scrape, Some(metrics.scrape_failures.clone()))?;
+        .start(opts.scrape, Some(metrics.scrape_failures.clone()))
+        .await?;
+    source.register_metrics(&metrics.registry)?;
     let counter = match &opts.tokenizer {
         Some(t) => Some(t.load().await?),
         None => {
@@ -114,6 +116,9 @@ pub async fn launch(opts: Options) -> Result<Launched, ExtProcError> {
         counter,
         metrics,
     ));
+    if let Some(name) = opts.endpoints.pool_name() {
+        picker.set_pool_name(name);
+    }
     let extra_routes = match (&loaded.runtime, &opts.admin_token) {
         (Some(rt), Some(token)) => Some(rngd_policy_host::admin_router(
             Arc::clone(rt),

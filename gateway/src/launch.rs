@@ -120,9 +120,12 @@ pub async fn launch(opts: LaunchOptions) -> Result<Launched, GatewayError> {
         .await
         .map_err(|e| GatewayError::Policy(Box::new(e)))?;
     let background: Vec<tokio::task::JoinHandle<()>> = loaded.watch.into_iter().collect();
-    let source = opts.endpoints.start(opts.scrape, None)?;
+    let source = opts.endpoints.start(opts.scrape, None).await?;
     let picker = rngd_pool::Picker::new(loaded.policy.clone(), source.source.clone());
     let gateway = Gateway::new(config, picker, tokenizer)?;
+    source
+        .register_metrics(gateway.metrics().registry())
+        .map_err(GatewayError::Pool)?;
     let mut app = server::router(gateway.clone());
     if let Some(rt) = &loaded.runtime {
         rt.register_metrics(gateway.metrics().registry())

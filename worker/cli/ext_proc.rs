@@ -42,9 +42,13 @@ pub struct Args {
     /// when they change; unset = a self-signed certificate generated at start.
     #[arg(long)]
     pub cert_path: Option<PathBuf>,
-    /// Endpoints file: JSON list of endpoints (hot-reloaded).
-    #[arg(long, env = env::RNGD_PD_ENDPOINTS)]
-    pub endpoints: PathBuf,
+    /// Endpoints file: JSON list of endpoints (hot-reloaded); exactly one of
+    /// this and `--pool-name`.
+    #[arg(long, env = env::RNGD_PD_ENDPOINTS, required_unless_present = "pool_name", conflicts_with = "pool_name")]
+    pub endpoints: Option<PathBuf>,
+    /// InferencePool discovery.
+    #[command(flatten)]
+    pub pool: crate::pool::PoolArgs,
     /// Policy module (`.wasm`, hot-reloaded when the file changes).
     #[arg(long, env = env::RNGD_PD_POLICY)]
     pub policy: PathBuf,
@@ -72,9 +76,10 @@ pub struct Args {
     /// Bearer token for `PUT /admin/policy` on the metrics port; unset = admin API off.
     #[arg(long, env = env::RNGD_PD_ADMIN_TOKEN, hide_env_values = true)]
     pub admin_token: Option<String>,
-    /// Validate the flags and files (endpoints file, policy module and its
-    /// configuration through the module's self-test, the tokenizer, the TLS
-    /// certificate) and exit: 0 and `ok`, or a clear error.
+    /// Validate the flags and files (endpoints file or pool names and
+    /// kubeconfig — no API call —, policy module and its configuration
+    /// through the module's self-test, the tokenizer, the TLS certificate)
+    /// and exit: 0 and `ok`, or a clear error.
     #[arg(long)]
     pub check: bool,
 }
@@ -102,9 +107,13 @@ fn options(args: &Args) -> anyhow::Result<Options> {
         grpc: SocketAddr::new(args.host, args.grpc_port),
         health: SocketAddr::new(args.host, args.grpc_health_port),
         metrics: Some(SocketAddr::new(args.host, args.metrics_port)),
-        endpoints: SourceChoice::File {
-            path: args.endpoints.clone(),
-            poll: watch,
+        endpoints: match (args.pool.options(), &args.endpoints) {
+            (Some(kube), _) => SourceChoice::Kube(kube),
+            (None, Some(path)) => SourceChoice::File {
+                path: path.clone(),
+                poll: watch,
+            },
+            (None, None) => anyhow::bail!("give --endpoints FILE or --pool-name NAME"),
         },
         scrape: ScrapeOptions {
             every: (args.scrape_interval_ms > 0)
@@ -131,7 +140,13 @@ fn options(args: &Args) -> anyhow::Result<Options> {
 pub async fn run(args: Args) -> anyhow::Result<()> {
     if args.check {
         let opts = options(&args)?;
-        rngd_pool::source::load_endpoints_file(&args.endpoints)?;
+        match &opts.endpoints {
+            SourceChoice::Kube(kube) => kube.check()?,
+            SourceChoice::File { path, .. } => {
+                rngd_pool::source::load_endpoints_file(path)?;
+            }
+            _ => {}
+        }
         if let PolicyChoice::Wasm { module, config, .. } = &opts.policy {
             rngd_policy_host::check(module, config)
                 .with_context(|| format!("policy module {}", module.display()))?;

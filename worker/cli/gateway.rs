@@ -34,6 +34,9 @@ pub struct Args {
     /// Endpoints file: a JSON list of endpoints (address, role, vendor, node, seq_len, transports).
     #[arg(long, env = env::RNGD_PD_ENDPOINTS)]
     pub endpoints: Option<PathBuf>,
+    /// InferencePool discovery (instead of `--endpoints` and worker URLs).
+    #[command(flatten)]
+    pub pool: crate::pool::PoolArgs,
     /// Policy module (`.wasm`, proxy-wasm 0.2.1); default: the built `pd_default` guest.
     #[arg(long, env = env::RNGD_PD_POLICY)]
     pub policy: Option<PathBuf>,
@@ -47,7 +50,7 @@ pub struct Args {
     #[arg(long = "served-model-name")]
     pub served_model_name: Vec<String>,
     /// Bearer token of `PUT /admin/policy`; unset = admin API off.
-    #[arg(long, env = env::RNGD_PD_ADMIN_TOKEN)]
+    #[arg(long, env = env::RNGD_PD_ADMIN_TOKEN, hide_env_values = true)]
     pub admin_token: Option<String>,
     /// Compiled context length of the workers given by URL.
     #[arg(long, env = env::RNGD_PD_SEQ_LEN, default_value_t = 512)]
@@ -100,6 +103,18 @@ pub fn default_policy_module() -> anyhow::Result<PathBuf> {
 /// The endpoints file alone is watched and reloaded; URL flags (with or
 /// without a file) make a fixed list.
 fn endpoints_from(args: &Args) -> anyhow::Result<SourceChoice> {
+    if let Some(kube) = args.pool.options() {
+        if args.endpoints.is_some()
+            || !args.prefill.is_empty()
+            || !args.decode.is_empty()
+            || !args.solo.is_empty()
+        {
+            anyhow::bail!(
+                "--pool-name discovers the endpoints: give no --endpoints, --prefill, --decode or --solo with it"
+            );
+        }
+        return Ok(SourceChoice::Kube(kube));
+    }
     let mut eps = Vec::new();
     for (urls, role) in [
         (&args.prefill, Role::Prefill),
@@ -146,6 +161,13 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         rngd_policy_host::check(&module, &policy_config)
             .with_context(|| format!("policy module {}", module.display()))?;
         rngd_pool::gguf_counter(&model)?;
+        match &endpoints {
+            SourceChoice::Kube(kube) => kube.check()?,
+            SourceChoice::File { path, .. } => {
+                endpoints::load_endpoints_file(path)?;
+            }
+            _ => {}
+        }
         println!("ok");
         return Ok(());
     }

@@ -9,6 +9,7 @@ mod gateway;
 mod kv;
 mod model;
 mod policy;
+mod pool;
 mod relay;
 mod up;
 mod worker;

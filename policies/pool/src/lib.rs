@@ -9,10 +9,14 @@
 //!   and [`prepare`], which validates a client body and counts its prompt.
 //! - [`pick`]: the [`Policy`] seam and [`Picker::pick`], the one routing call.
 //! - [`wiring`]: the policy, tokenizer and source choices both doors start from.
+//! - `discovery` (feature `kube`): the endpoints of an `InferencePool`, watched
+//!   through the Kubernetes API.
 //!
 //! Test doubles ([`prompt::ByteCounter`], [`pick::NativePolicy`]) are behind
 //! the `test-util` feature.
 
+#[cfg(feature = "kube")]
+pub mod discovery;
 pub mod load;
 pub mod pick;
 pub mod prompt;
@@ -76,6 +80,15 @@ pub enum PoolError {
     /// The HTTP client could not be built.
     #[error("http client: {0}")]
     Client(#[source] reqwest::Error),
+    /// Pool discovery could not start (Kubernetes configuration, client, metrics).
+    #[error("pool discovery: {what}: {source}")]
+    Discovery {
+        /// What failed.
+        what: String,
+        /// Cause.
+        #[source]
+        source: BoxError,
+    },
     /// The model's tokenizer could not be loaded.
     #[error("tokenizer of {path}: {source}")]
     Tokenizer {

@@ -150,6 +150,9 @@ pub enum SourceChoice {
         /// Poll interval ([`DEFAULT_FILE_POLL`] is the usual one).
         poll: Duration,
     },
+    /// The ready pods of an `InferencePool`, watched through the Kubernetes API.
+    #[cfg(feature = "kube")]
+    Kube(crate::discovery::KubeOptions),
     /// Any other source (tests, benchmarks).
     Custom(Arc<dyn EndpointSource>),
 }
@@ -159,12 +162,27 @@ impl std::fmt::Debug for SourceChoice {
         match self {
             SourceChoice::Static(v) => f.debug_tuple("Static").field(&v.len()).finish(),
             SourceChoice::File { path, .. } => f.debug_tuple("File").field(path).finish(),
+            #[cfg(feature = "kube")]
+            SourceChoice::Kube(k) => f
+                .debug_tuple("Kube")
+                .field(&format_args!("{}/{}", k.namespace, k.pool_name))
+                .finish(),
             SourceChoice::Custom(_) => f.write_str("Custom"),
         }
     }
 }
 
 impl SourceChoice {
+    /// The InferencePool this source follows (the `name` label of the
+    /// `inference_pool_*` metrics), if it is discovery.
+    pub fn pool_name(&self) -> Option<&str> {
+        match self {
+            #[cfg(feature = "kube")]
+            SourceChoice::Kube(k) => Some(&k.pool_name),
+            _ => None,
+        }
+    }
+
     /// A file source polled at the default interval.
     pub fn file(path: impl Into<PathBuf>) -> Self {
         SourceChoice::File {
@@ -198,6 +216,29 @@ pub struct RunningSource {
     /// The snapshot source the picker reads.
     pub source: Arc<dyn EndpointSource>,
     tasks: Vec<JoinHandle<()>>,
+    /// The discovery under the scraper, if the source is one.
+    #[cfg(feature = "kube")]
+    discovery: Option<Arc<crate::discovery::KubeEndpoints>>,
+}
+
+impl RunningSource {
+    /// Registers the source's own metrics (discovery's) in `r`; nothing for
+    /// other sources.
+    pub fn register_metrics(&self, r: &prometheus::Registry) -> Result<(), PoolError> {
+        #[cfg(feature = "kube")]
+        if let Some(d) = &self.discovery {
+            d.register_metrics(r)?;
+        }
+        let _ = r;
+        Ok(())
+    }
+
+    /// The discovery under the scraper, if the source is one (its sync and
+    /// staleness state).
+    #[cfg(feature = "kube")]
+    pub fn discovery(&self) -> Option<&Arc<crate::discovery::KubeEndpoints>> {
+        self.discovery.as_ref()
+    }
 }
 
 impl Drop for RunningSource {
@@ -217,13 +258,15 @@ impl std::fmt::Debug for RunningSource {
 }
 
 impl SourceChoice {
-    /// Builds the source, starts the file watcher and the scraper.
-    /// `scrape_failures` counts failed scrapes.
-    pub fn start(
+    /// Builds the source, starts the file or Kubernetes watch and the
+    /// scraper. `scrape_failures` counts failed scrapes.
+    pub async fn start(
         &self,
         scrape: ScrapeOptions,
         scrape_failures: Option<prometheus::IntCounter>,
     ) -> Result<RunningSource, PoolError> {
+        #[cfg(feature = "kube")]
+        let mut discovery = None;
         let mut tasks = Vec::new();
         let base: Arc<dyn EndpointSource> = match self {
             SourceChoice::Static(list) => StaticEndpoints::new(list.clone()),
@@ -231,6 +274,13 @@ impl SourceChoice {
                 let f = FileEndpoints::load(path)?;
                 tasks.push(f.watch(*poll));
                 f
+            }
+            #[cfg(feature = "kube")]
+            SourceChoice::Kube(opts) => {
+                let d = crate::discovery::start(opts).await?;
+                tasks.push(d.task);
+                discovery = Some(Arc::clone(&d.source));
+                d.source
             }
             SourceChoice::Custom(s) => s.clone(),
         };
@@ -248,6 +298,11 @@ impl SourceChoice {
                 scraped
             }
         };
-        Ok(RunningSource { source, tasks })
+        Ok(RunningSource {
+            source,
+            tasks,
+            #[cfg(feature = "kube")]
+            discovery,
+        })
     }
 }

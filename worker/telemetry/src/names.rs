@@ -103,3 +103,13 @@ pub const GATEWAY_TPOT_SECONDS: &str = "rngd_pd_gateway_tpot_seconds";
 pub const GATEWAY_KV_TRANSFER_SECONDS: &str = "rngd_pd_gateway_kv_transfer_seconds";
 /// Policy decision time, seconds (histogram).
 pub const GATEWAY_POLICY_DECISION_SECONDS: &str = "rngd_pd_gateway_policy_decision_seconds";
+
+// Pool discovery (the picker's and the gateway's InferencePool watch).
+/// Endpoints discovered from the pool's ready pods (gauge).
+pub const DISCOVERY_ENDPOINTS: &str = "rngd_pd_discovery_endpoints";
+/// Pods of the pool that are not endpoints, by `reason` (`not_ready`, `invalid`) (gauge).
+pub const DISCOVERY_SKIPPED_PODS: &str = "rngd_pd_discovery_skipped_pods";
+/// Failed list/watch calls of the Kubernetes API, by `resource` (counter).
+pub const DISCOVERY_WATCH_ERRORS_TOTAL: &str = "rngd_pd_discovery_watch_errors_total";
+/// 1 while the watch has failed for longer than the stale bound (gauge).
+pub const DISCOVERY_STALE: &str = "rngd_pd_discovery_stale";

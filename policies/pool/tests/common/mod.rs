@@ -1,0 +1,3 @@
+//! Shared pieces of the pool crate's integration tests.
+
+pub mod kube_api;
