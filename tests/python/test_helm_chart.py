@@ -153,9 +153,10 @@ def test_shipped_policy_configuration_is_accepted_by_the_binary(values, tmp_path
 
 def local_command(objs, deployment, tmp_path):
     """The container's command line and environment as this machine can run
-    them: the chart's ConfigMap files written under `tmp_path` at their mount
-    paths, the model volume mapped to the model cache (`rngd-pd model fetch`),
-    the image's policy module path to the wasm build. Nothing else changes."""
+    them: the chart's ConfigMap and Secret files written under `tmp_path` at
+    their mount paths, the model volume mapped to the model cache (`rngd-pd
+    model fetch`), the image's policy module path to the wasm build, in the
+    args and the env values. Nothing else changes."""
     spec = objs[("Deployment", deployment)]["spec"]["template"]["spec"]
     c = spec["containers"][0]
     volumes = {v["name"]: v for v in spec.get("volumes", [])}
@@ -176,6 +177,13 @@ def local_command(objs, deployment, tmp_path):
                 else:
                     (local / it["path"]).write_text(data)
             mapping[m["mountPath"]] = str(local)
+        elif "secret" in v:
+            secret = objs[("Secret", v["secret"]["secretName"])]
+            local = tmp_path / deployment / m["name"]
+            local.mkdir(parents=True)
+            for it in v["secret"].get("items") or [{"key": k, "path": k} for k in secret["data"]]:
+                (local / it["path"]).write_bytes(base64.b64decode(secret["data"][it["key"]]))
+            mapping[m["mountPath"]] = str(local)
         elif m["name"] == "model":
             # The volume is the model cache (`model fetch --cache <mount>`).
             mapping[m["mountPath"]] = cache
@@ -185,7 +193,14 @@ def local_command(objs, deployment, tmp_path):
             a = a.replace("=" + image_path, "=" + local)
         args.append(a)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("AIRM_", "RNGD_PD_", "PD_"))}
-    env.update({e["name"]: e["value"] for e in c.get("env", []) if "value" in e})
+    for e in c.get("env", []):
+        if "value" in e:
+            value = e["value"]
+            for image_path, local in sorted(mapping.items(), key=lambda kv: -len(kv[0])):
+                if value == image_path or value.startswith(image_path + "/"):
+                    value = local + value[len(image_path):]
+                    break
+            env[e["name"]] = value
     env["RUST_BACKTRACE"] = "0"
     return args, env
 
@@ -459,7 +474,8 @@ def test_model_init_container_fills_the_volume_of_every_pod_that_loads_it():
         assert volumes["model-tmp"] == {"name": "model-tmp", "emptyDir": {}}
         assert volumes["model"] == {"name": "model", "emptyDir": {}}
     relay = pod_specs(objs)["demo-relay"]
-    assert "initContainers" not in relay and "volumes" not in relay
+    assert "initContainers" not in relay
+    assert "model" not in {v["name"] for v in relay["volumes"]}
 
 
 def test_model_init_command_writes_the_file_the_containers_load(tmp_path):
@@ -614,3 +630,34 @@ def test_image_repository_is_the_image_the_containerfile_builds():
     assert "-f deploy/Containerfile -t REGISTRY/rngd-pd:TAG ." in (CHART / "values.yaml").read_text()
     assert container(render(), "demo-epp")["image"] == "rngd-pd:0.1.0"
     assert container(render({"image": {"repository": "r.example/rngd-pd", "tag": "t1"}}), "demo-relay")["image"] == "r.example/rngd-pd:t1"
+
+
+# --- The tcp KV relay's shared secret -----------------------------------------
+
+
+def test_relay_and_workers_share_the_relay_secret_as_a_file():
+    objs = render()
+    secret = objs[("Secret", "demo-kv-relay")]
+    assert len(base64.b64decode(secret["data"]["secret"]).strip()) >= 16
+    specs = pod_specs(objs)
+    for name in ("demo-relay", "demo-prefill", "demo-decode"):
+        c = specs[name]["containers"][0]
+        env = {e["name"]: e for e in c["env"]}
+        assert env["AIRM_KV_TCP_SECRET_FILE"]["value"] == "/etc/rngd-pd/kv-relay/secret", name
+        assert "AIRM_KV_TCP_INSECURE_NO_AUTH" not in env and "AIRM_KV_TCP_SECRET" not in env, name
+        assert {"name": "kv-relay-secret", "mountPath": "/etc/rngd-pd/kv-relay", "readOnly": True} in c["volumeMounts"]
+        volumes = {v["name"]: v for v in specs[name]["volumes"]}
+        assert volumes["kv-relay-secret"]["secret"] == {"secretName": "demo-kv-relay", "items": [{"key": "secret", "path": "secret"}]}
+        assert secret["data"]["secret"] not in yaml.safe_dump(objs[("Deployment", name)])
+    for name in ("demo-epp", "demo-gateway"):
+        assert "kv-relay-secret" not in {v["name"] for v in specs[name]["volumes"]}, name
+    # An existing Secret instead: none created, that one mounted.
+    objs = render({"relay": {"secretName": "kv-mine"}})
+    assert ("Secret", "demo-kv-relay") not in objs
+    volumes = {v["name"]: v for v in pod_specs(objs)["demo-decode"]["volumes"]}
+    assert volumes["kv-relay-secret"]["secret"]["secretName"] == "kv-mine"
+    # No relay, no secret.
+    objs = render({"relay": {"enabled": False}})
+    assert ("Secret", "demo-kv-relay") not in objs
+    env = {e["name"] for e in container(objs, "demo-decode")["env"]}
+    assert "AIRM_KV_TCP_SECRET_FILE" not in env and "AIRM_KV_TCP_ADDR" not in env

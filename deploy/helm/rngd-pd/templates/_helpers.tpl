@@ -170,3 +170,34 @@ emptyDir. Same user and security context as every other container. */}}
   emptyDir: {}
 {{- end }}
 {{- end -}}
+
+{{/* Name of the Secret holding the tcp KV relay's shared secret (key `secret`). */}}
+{{- define "rngd-pd.kvSecretName" -}}
+{{- default (printf "%s-kv-relay" .Release.Name) .Values.relay.secretName -}}
+{{- end -}}
+
+{{/* The relay secret as a file for the relay and the workers' tcp transport
+(nothing without the relay): env, mount, volume. */}}
+{{- define "rngd-pd.kvSecretEnv" -}}
+{{- if .Values.relay.enabled }}
+- name: AIRM_KV_TCP_SECRET_FILE
+  value: /etc/rngd-pd/kv-relay/secret
+{{- end }}
+{{- end -}}
+{{- define "rngd-pd.kvSecretMount" -}}
+{{- if .Values.relay.enabled }}
+- name: kv-relay-secret
+  mountPath: /etc/rngd-pd/kv-relay
+  readOnly: true
+{{- end }}
+{{- end -}}
+{{- define "rngd-pd.kvSecretVolume" -}}
+{{- if .Values.relay.enabled }}
+- name: kv-relay-secret
+  secret:
+    secretName: {{ include "rngd-pd.kvSecretName" . }}
+    items:
+      - key: secret
+        path: secret
+{{- end }}
+{{- end -}}
