@@ -2,8 +2,10 @@
 //! live here; the relay is `rngd_kv_transport::relay` ([`RelayOptions`],
 //! [`rngd_kv_transport::relay::launch`]).
 
+use std::path::PathBuf;
+
 use rngd_api::env;
-use rngd_kv_transport::relay::{self, RelayOptions};
+use rngd_kv_transport::relay::{self, RelayOptions, Secret};
 
 /// Flags of `rngd-pd relay` (each also read from the environment).
 #[derive(Debug, Clone, clap::Args)]
@@ -20,6 +22,34 @@ pub struct Args {
     /// Largest blob (frame body) accepted, bytes.
     #[arg(long = "max-frame", env = env::AIRM_KV_RELAY_MAX_FRAME, default_value_t = 64 << 20)]
     pub max_frame: u64,
+    /// File holding the shared secret every client must prove (at least 16
+    /// bytes; surrounding whitespace dropped), e.g. a mounted Kubernetes Secret.
+    #[arg(long = "secret-file", env = env::AIRM_KV_TCP_SECRET_FILE, value_name = "PATH")]
+    pub secret_file: Option<PathBuf>,
+    /// The shared secret itself. Prefer the environment variable or
+    /// `--secret-file`: a flag's value shows in the process list. Never printed.
+    #[arg(long = "secret", env = env::AIRM_KV_TCP_SECRET, hide_env_values = true, value_name = "SECRET")]
+    pub secret: Option<Secret>,
+    /// Run without authentication (anyone who reaches the port can read and
+    /// write KV caches); logged as a warning. Not for production.
+    #[arg(long = "insecure-no-auth", env = env::AIRM_KV_TCP_INSECURE_NO_AUTH)]
+    pub insecure_no_auth: bool,
+    /// A frame (header, key, body) must arrive within this many ms of its
+    /// first byte (and the handshake answer within it); else the connection is closed.
+    #[arg(long = "read-timeout-ms", env = env::AIRM_KV_RELAY_READ_TIMEOUT_MS, default_value_t = 10_000)]
+    pub read_timeout_ms: u64,
+    /// A connection with no frame and no waiting GET for this many ms is closed.
+    #[arg(long = "idle-timeout-ms", env = env::AIRM_KV_RELAY_IDLE_TIMEOUT_MS, default_value_t = 60_000)]
+    pub idle_timeout_ms: u64,
+    /// Open connections at most; more are closed at once.
+    #[arg(long = "max-connections", env = env::AIRM_KV_RELAY_MAX_CONNECTIONS, default_value_t = 1024)]
+    pub max_connections: usize,
+    /// GETs waiting at once at most; more get a capacity error.
+    #[arg(long = "max-waiters", env = env::AIRM_KV_RELAY_MAX_WAITERS, default_value_t = 4096)]
+    pub max_waiters: usize,
+    /// Blobs held at most; more PUTs get a capacity error.
+    #[arg(long = "max-entries", env = env::AIRM_KV_RELAY_MAX_ENTRIES, default_value_t = 65536)]
+    pub max_entries: usize,
     /// Validate the flags and exit: 0 and `ok`, or a clear error.
     #[arg(long)]
     pub check: bool,
@@ -32,6 +62,14 @@ impl From<Args> for RelayOptions {
             ttl_s: a.ttl_s,
             max_bytes: a.max_bytes,
             max_frame: a.max_frame,
+            secret_file: a.secret_file,
+            secret: a.secret,
+            insecure_no_auth: a.insecure_no_auth,
+            read_timeout_ms: a.read_timeout_ms,
+            idle_timeout_ms: a.idle_timeout_ms,
+            max_connections: a.max_connections,
+            max_waiters: a.max_waiters,
+            max_entries: a.max_entries,
         }
     }
 }
@@ -83,13 +121,44 @@ mod tests {
             "1000",
             "--max-frame",
             "100",
+            "--insecure-no-auth",
+            "--read-timeout-ms",
+            "1500",
+            "--idle-timeout-ms",
+            "2500",
+            "--max-connections",
+            "7",
+            "--max-waiters",
+            "8",
+            "--max-entries",
+            "9",
         ])
         .unwrap();
         let cfg = RelayOptions::from(cli.args).config().unwrap();
         assert_eq!(cfg.listen, "127.0.0.1:9999");
         assert_eq!(cfg.ttl, Duration::from_millis(2500));
         assert_eq!((cfg.max_bytes, cfg.max_frame), (1000, 100));
-        let cli = Cli::try_parse_from(["relay", "--ttl-s", "0"]).unwrap();
+        assert_eq!(cfg.secret, None);
+        assert_eq!(
+            (cfg.read_timeout, cfg.idle_timeout),
+            (Duration::from_millis(1500), Duration::from_millis(2500))
+        );
+        assert_eq!(
+            (cfg.max_connections, cfg.max_waiters, cfg.max_entries),
+            (7, 8, 9)
+        );
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("secret");
+        std::fs::write(&path, "cli-relay-secret-0123456789\n").unwrap();
+        let cli = Cli::try_parse_from(["relay", "--secret-file", path.to_str().unwrap()]).unwrap();
+        let cfg = RelayOptions::from(cli.args).config().unwrap();
+        assert_eq!(
+            cfg.secret,
+            Some(Secret::parse("cli-relay-secret-0123456789").unwrap())
+        );
+        let cli = Cli::try_parse_from(["relay", "--secret", "short"]);
+        assert!(cli.is_err(), "a short secret is refused");
+        let cli = Cli::try_parse_from(["relay", "--ttl-s", "0", "--insecure-no-auth"]).unwrap();
         assert!(
             RelayOptions::from(cli.args).config().is_err(),
             "a zero TTL is rejected"
@@ -104,11 +173,29 @@ mod tests {
             env::AIRM_KV_TCP_TTL_S,
             env::AIRM_KV_RELAY_MAX_BYTES,
             env::AIRM_KV_RELAY_MAX_FRAME,
+            env::AIRM_KV_TCP_SECRET_FILE,
+            env::AIRM_KV_TCP_SECRET,
+            env::AIRM_KV_TCP_INSECURE_NO_AUTH,
+            env::AIRM_KV_RELAY_READ_TIMEOUT_MS,
+            env::AIRM_KV_RELAY_IDLE_TIMEOUT_MS,
+            env::AIRM_KV_RELAY_MAX_CONNECTIONS,
+            env::AIRM_KV_RELAY_MAX_WAITERS,
+            env::AIRM_KV_RELAY_MAX_ENTRIES,
         ];
         if vars.iter().any(|v| std::env::var_os(v).is_some()) {
             return;
         }
         let opts: RelayOptions = Cli::parse_from(["relay"]).args.into();
         assert_eq!(opts, RelayOptions::default());
+    }
+
+    #[test]
+    fn the_secret_is_hidden_from_help_and_debug() {
+        use clap::CommandFactory;
+        let help = Cli::command().render_long_help().to_string();
+        assert!(help.contains("--secret-file") && help.contains("--insecure-no-auth"));
+        let cli = Cli::try_parse_from(["relay", "--secret", "visible-only-in-ps-0123"]).unwrap();
+        let shown = format!("{:?} {:?}", cli.args, RelayOptions::from(cli.args.clone()));
+        assert!(!shown.contains("visible-only"), "{shown}");
     }
 }

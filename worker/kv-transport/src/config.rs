@@ -6,11 +6,14 @@ use std::time::Duration;
 use rngd_api::env;
 
 use crate::KvError;
+use crate::frame::Secret;
 
 /// Default root of the `shm` transport.
 pub const DEFAULT_SHM_ROOT: &str = "/dev/shm/rngd_kv_cluster";
 /// Default lifetime of an unread request (both transports).
 pub const DEFAULT_TTL: Duration = Duration::from_secs(60);
+/// Default deadline of a `tcp` push, release or STATS.
+pub const DEFAULT_TCP_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// Configuration of the transports (one struct for all of them).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -27,6 +30,13 @@ pub struct TransportConfig {
     pub tcp_crc: bool,
     /// `tcp`: log size and SHA-256 of every blob (`AIRM_KV_TCP_LOG=1`).
     pub tcp_log: bool,
+    /// `tcp`: the relay's shared secret (`AIRM_KV_TCP_SECRET_FILE` or
+    /// `AIRM_KV_TCP_SECRET`); `None`: no authentication (the relay must run
+    /// with `--insecure-no-auth`). Never shown by `Debug`.
+    pub tcp_secret: Option<Secret>,
+    /// `tcp`: deadline of a push, release or STATS (`AIRM_KV_TCP_TIMEOUT_MS`,
+    /// default 30 s); also bounds connecting and the handshake.
+    pub tcp_timeout: Duration,
 }
 
 impl Default for TransportConfig {
@@ -38,6 +48,8 @@ impl Default for TransportConfig {
             tcp_ttl: DEFAULT_TTL,
             tcp_crc: true,
             tcp_log: false,
+            tcp_secret: None,
+            tcp_timeout: DEFAULT_TCP_TIMEOUT,
         }
     }
 }
@@ -68,6 +80,49 @@ impl TransportConfig {
         if let Some(v) = lookup(env::AIRM_KV_TCP_LOG) {
             cfg.tcp_log = parse_flag(env::AIRM_KV_TCP_LOG, &v)?;
         }
+        if let Some(v) = lookup(env::AIRM_KV_TCP_TIMEOUT_MS) {
+            cfg.tcp_timeout = parse_ms(env::AIRM_KV_TCP_TIMEOUT_MS, &v)?;
+        }
+        cfg.tcp_secret = match (
+            lookup(env::AIRM_KV_TCP_SECRET_FILE),
+            lookup(env::AIRM_KV_TCP_SECRET),
+        ) {
+            (Some(_), Some(_)) => {
+                return Err(KvError::Config {
+                    detail: format!(
+                        "both {} and {} are set: give the relay secret once",
+                        env::AIRM_KV_TCP_SECRET_FILE,
+                        env::AIRM_KV_TCP_SECRET
+                    ),
+                });
+            }
+            (Some(path), None) => Some(Secret::from_file(std::path::Path::new(&path))?),
+            (None, Some(text)) => Some(Secret::parse(&text).map_err(|e| KvError::Config {
+                detail: format!("{}: {e}", env::AIRM_KV_TCP_SECRET),
+            })?),
+            (None, None) => None,
+        };
+        let insecure = match lookup(env::AIRM_KV_TCP_INSECURE_NO_AUTH) {
+            Some(v) => parse_flag(env::AIRM_KV_TCP_INSECURE_NO_AUTH, &v)?,
+            None => false,
+        };
+        match (&cfg.tcp_secret, insecure) {
+            (Some(_), true) => {
+                return Err(KvError::Config {
+                    detail: format!(
+                        "{}=1 together with a relay secret: pick one",
+                        env::AIRM_KV_TCP_INSECURE_NO_AUTH
+                    ),
+                });
+            }
+            (None, true) => {
+                tracing::warn!(
+                    "tcp transport: relay connections are NOT authenticated ({}=1)",
+                    env::AIRM_KV_TCP_INSECURE_NO_AUTH
+                );
+            }
+            _ => {}
+        }
         Ok(cfg)
     }
 }
@@ -78,6 +133,16 @@ pub(crate) fn parse_secs(name: &str, v: &str) -> Result<Duration, KvError> {
         Ok(s) if s.is_finite() && s > 0.0 => Ok(Duration::from_secs_f64(s)),
         _ => Err(KvError::Config {
             detail: format!("{name}={v:?}: expected a positive number of seconds"),
+        }),
+    }
+}
+
+/// Parses a positive number of milliseconds.
+pub(crate) fn parse_ms(name: &str, v: &str) -> Result<Duration, KvError> {
+    match v.trim().parse::<u64>() {
+        Ok(ms) if ms > 0 => Ok(Duration::from_millis(ms)),
+        _ => Err(KvError::Config {
+            detail: format!("{name}={v:?}: expected a positive number of milliseconds"),
         }),
     }
 }
@@ -110,6 +175,8 @@ mod tests {
             (env::AIRM_KV_TCP_TTL_S, "5"),
             (env::AIRM_KV_TCP_CRC, "0"),
             (env::AIRM_KV_TCP_LOG, "1"),
+            (env::AIRM_KV_TCP_SECRET, "worker-secret-0123456789\n"),
+            (env::AIRM_KV_TCP_TIMEOUT_MS, "1500"),
         ]
         .into();
         let cfg = TransportConfig::from_lookup(|k| vars.get(k).map(|v| v.to_string())).unwrap();
@@ -119,6 +186,49 @@ mod tests {
         assert_eq!(cfg.tcp_ttl, Duration::from_secs(5));
         assert!(!cfg.tcp_crc);
         assert!(cfg.tcp_log);
+        assert_eq!(
+            cfg.tcp_secret,
+            Some(Secret::new(*b"worker-secret-0123456789").unwrap())
+        );
+        assert_eq!(cfg.tcp_timeout, Duration::from_millis(1500));
+        assert!(!format!("{cfg:?}").contains("worker-secret"), "{cfg:?}");
+    }
+
+    #[test]
+    fn the_secret_comes_from_a_file_or_the_environment() {
+        let with = |vars: &[(&str, &str)]| {
+            let vars: HashMap<&str, &str> = vars.iter().copied().collect();
+            TransportConfig::from_lookup(|k| vars.get(k).map(|v| v.to_string()))
+        };
+        let addr = (env::AIRM_KV_TCP_ADDR, "10.0.0.1:7000");
+        let cfg = with(&[addr, (env::AIRM_KV_TCP_INSECURE_NO_AUTH, "1")]).unwrap();
+        assert_eq!(cfg.tcp_secret, None);
+        // No relay address (an shm-only worker): nothing to authenticate.
+        assert_eq!(with(&[]).unwrap().tcp_secret, None);
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("secret");
+        std::fs::write(&path, "file-secret-0123456789").unwrap();
+        let path = path.to_str().unwrap();
+        let cfg = with(&[addr, (env::AIRM_KV_TCP_SECRET_FILE, path)]).unwrap();
+        assert_eq!(
+            cfg.tcp_secret,
+            Some(Secret::new(*b"file-secret-0123456789").unwrap())
+        );
+        let both = with(&[
+            addr,
+            (env::AIRM_KV_TCP_SECRET_FILE, path),
+            (env::AIRM_KV_TCP_SECRET, "worker-secret-0123456789"),
+        ])
+        .unwrap_err()
+        .to_string();
+        assert!(both.contains("once"), "{both}");
+        let short = with(&[addr, (env::AIRM_KV_TCP_SECRET, "hunter2")])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            short.contains(env::AIRM_KV_TCP_SECRET) && !short.contains("hunter2"),
+            "{short}"
+        );
     }
 
     #[test]

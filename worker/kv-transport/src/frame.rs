@@ -1,4 +1,6 @@
-//! The relay protocol: length-prefixed binary frames over TCP.
+//! The relay protocol: length-prefixed binary frames over TCP, the
+//! authentication handshake that opens every connection, and the frame
+//! parser both ends use.
 //!
 //! Every frame is a fixed 48-byte header (little-endian), then `key_len` bytes
 //! of key (requests only), then `body_len` bytes of body:
@@ -15,7 +17,7 @@
 //! | 14     | 2    | reserved, 0                                         |
 //! | 16     | 4    | blob index                                          |
 //! | 20     | 4    | CRC-32 of the body (PUT, GET reply)                 |
-//! | 24     | 4    | arg: GET wait in ms; error code in an ERR reply     |
+//! | 24     | 4    | arg: GET wait in ms; error code in an ERR reply; HELLO flags |
 //! | 28     | 4    | reserved, 0                                         |
 //! | 32     | 8    | body_len                                            |
 //! | 40     | 8    | epoch: requests: expected relay epoch (0 = any); replies: the relay's |
@@ -23,14 +25,41 @@
 //! Requests are answered in any order (match them by `seq`); an ERR reply's
 //! body is a UTF-8 message; a STATS reply's body is JSON [`RelayStats`].
 //!
+//! **Handshake.** Before any request the relay and the client prove to each
+//! other that they hold the same [`Secret`]:
+//!
+//! 1. relay → client: HELLO, body = a random 32-byte relay nonce `Nr`; `arg`
+//!    bit 0 ([`HELLO_AUTH`]) says the relay checks the secret.
+//! 2. client → relay: AUTH, body = a random 32-byte client nonce `Nc`, then
+//!    `HMAC-SHA256(secret, Nr ‖ Nc ‖ "rngd-pd relay v1 client")` (zeros
+//!    without a secret).
+//! 3. relay → client: OK, body = `HMAC-SHA256(secret, Nr ‖ Nc ‖ "rngd-pd
+//!    relay v1 server")` (empty from a relay without a secret); or ERR
+//!    [`ErrCode::Unauthorized`] with a fixed message, and the relay closes
+//!    the connection.
+//!
+//! The relay compares in constant time; the client refuses a relay that does
+//! not prove the secret (or proves none) before it sends any request. The
+//! nonces make every exchange unique (no replay), the direction strings keep
+//! one side's proof from being reflected as the other's. The handshake
+//! authenticates the ends; it does not encrypt the frames that follow.
+//!
 //! Both ends of the protocol build on this module and on nothing of each
 //! other: the relay server ([`crate::relay`]) and its client
 //! ([`crate::tcp`]). Besides the header it holds what they share: the
-//! [`RelayStats`] body, the socket buffer size and the body readers.
+//! [`RelayStats`] body, the socket buffer size, the secret and its MACs,
+//! and the readers ([`read_request_head`], [`read_frame`], the body readers).
 
-use bytes::{Bytes, BytesMut};
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::sync::Arc;
+
+use bytes::Bytes;
+use ring::hmac;
 use serde::{Deserialize, Serialize};
-use tokio::io::AsyncReadExt;
+use tokio::io::{AsyncRead, AsyncReadExt};
+
+use crate::{KvError, MAX_KEY_LEN};
 
 /// The transport this protocol belongs to; errors of both ends name it.
 pub const TRANSPORT: &str = "tcp";
@@ -38,6 +67,10 @@ pub const TRANSPORT: &str = "tcp";
 /// at least this large bypasses the buffer and goes straight between the
 /// socket and the blob's own memory, so blobs are not copied twice.
 pub(crate) const IO_BUF: usize = 8 * 1024;
+/// A body buffer starts at most this large and doubles as bytes arrive, so
+/// a header that announces a large body costs memory only once the body's
+/// bytes are actually there.
+pub const FIRST_BODY_CHUNK: usize = 64 * 1024;
 
 /// Frame magic.
 pub const MAGIC: [u8; 4] = *b"RKVT";
@@ -47,6 +80,18 @@ pub const VERSION: u8 = 1;
 pub const HEADER_LEN: usize = 48;
 /// Flag: the frame carries a CRC-32 that the receiver checks.
 pub const FLAG_CRC: u8 = 1;
+/// HELLO `arg` bit: the relay checks the shared secret.
+pub const HELLO_AUTH: u32 = 1;
+/// Bytes of each handshake nonce.
+pub const NONCE_LEN: usize = 32;
+/// Bytes of each handshake MAC (HMAC-SHA256).
+pub const MAC_LEN: usize = 32;
+/// Body of an AUTH frame: the client nonce, then the client's MAC.
+pub const AUTH_BODY_LEN: usize = NONCE_LEN + MAC_LEN;
+/// What the client's MAC covers after the nonces.
+const CLIENT_CONTEXT: &[u8] = b"rngd-pd relay v1 client";
+/// What the relay's MAC covers after the nonces.
+const SERVER_CONTEXT: &[u8] = b"rngd-pd relay v1 server";
 
 /// Frame operations.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -60,7 +105,11 @@ pub enum Op {
     Del = 3,
     /// Relay counters (reply body = JSON [`RelayStats`]).
     Stats = 4,
-    /// Success reply (GET: body = blob).
+    /// Handshake, relay → client: body = the relay nonce, `arg` = [`HELLO_AUTH`] flags.
+    Hello = 5,
+    /// Handshake, client → relay: body = client nonce ‖ client MAC ([`AUTH_BODY_LEN`] bytes).
+    Auth = 6,
+    /// Success reply (GET: body = blob; AUTH: body = the relay's MAC).
     Ok = 0x81,
     /// Error reply (`arg` = [`ErrCode`], body = message).
     Err = 0x82,
@@ -73,6 +122,8 @@ impl Op {
             2 => Op::Get,
             3 => Op::Del,
             4 => Op::Stats,
+            5 => Op::Hello,
+            6 => Op::Auth,
             0x81 => Op::Ok,
             0x82 => Op::Err,
             _ => return None,
@@ -88,18 +139,24 @@ pub enum ErrCode {
     NotFound = 1,
     /// The body does not match the CRC-32 in the header (`crc32` = what the relay computed).
     Crc = 2,
-    /// The relay's memory cap is reached.
+    /// A relay cap is reached (memory, entries, waiting GETs, connections).
     Capacity = 3,
-    /// Bad key or other unusable request.
+    /// Unusable request that leaves the connection usable.
     BadRequest = 4,
     /// The request names an epoch of an earlier relay process: its blobs are gone.
     Restarted = 5,
     /// The body exceeds the relay's maximum frame; the connection is closed.
     TooLarge = 6,
-    /// Not a frame of this protocol; the connection is closed.
+    /// Not a frame of this protocol (or a key that fails validation); the
+    /// connection is closed.
     Malformed = 7,
     /// The relay is shutting down.
     ShuttingDown = 8,
+    /// The handshake failed (wrong, missing or late answer); the connection is closed.
+    Unauthorized = 9,
+    /// A frame did not arrive within the relay's read deadline, or the
+    /// connection was idle too long; the connection is closed.
+    Timeout = 10,
 }
 
 impl ErrCode {
@@ -113,8 +170,22 @@ impl ErrCode {
             5 => ErrCode::Restarted,
             6 => ErrCode::TooLarge,
             8 => ErrCode::ShuttingDown,
+            9 => ErrCode::Unauthorized,
+            10 => ErrCode::Timeout,
             _ => ErrCode::Malformed,
         }
+    }
+
+    /// Whether the relay closes the connection after an ERR with this code.
+    pub fn closes(self) -> bool {
+        matches!(
+            self,
+            ErrCode::TooLarge
+                | ErrCode::Malformed
+                | ErrCode::ShuttingDown
+                | ErrCode::Unauthorized
+                | ErrCode::Timeout
+        )
     }
 }
 
@@ -133,7 +204,7 @@ pub struct Header {
     pub index: u32,
     /// CRC-32 of the body.
     pub crc32: u32,
-    /// GET wait (ms) or ERR code.
+    /// GET wait (ms), ERR code or HELLO flags.
     pub arg: u32,
     /// Length of the body.
     pub body_len: u64,
@@ -141,8 +212,9 @@ pub struct Header {
     pub epoch: u64,
 }
 
-/// Why a header could not be decoded.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+/// Why a frame could not be read. Every one of these ends the connection:
+/// the reader never tries to resynchronise on a broken stream.
+#[derive(Debug, thiserror::Error)]
 pub enum FrameError {
     /// The first four bytes are not `RKVT`.
     #[error("bad magic {0:02x?}")]
@@ -153,6 +225,48 @@ pub enum FrameError {
     /// An unknown operation.
     #[error("unknown op {0:#x}")]
     BadOp(u8),
+    /// A reply op (OK, ERR, HELLO) where a request belongs.
+    #[error("{0:?} is not a request")]
+    NotARequest(Op),
+    /// A key longer than [`crate::MAX_KEY_LEN`].
+    #[error("key of {0} bytes exceeds {MAX_KEY_LEN}")]
+    KeyTooLong(u16),
+    /// A key that is not what [`crate::sanitize_key`] makes (empty for an op
+    /// that needs one, present for one that takes none, or bytes outside
+    /// `[A-Za-z0-9._~-]`, or a leading `.`).
+    #[error("invalid key for {op:?}: {reason}")]
+    BadKey {
+        /// The frame's op.
+        op: Op,
+        /// What is wrong with it.
+        reason: &'static str,
+    },
+    /// A body larger than the reader accepts for this op.
+    #[error("frame body of {len} bytes exceeds the maximum of {max} for {op:?}")]
+    TooLarge {
+        /// The frame's op.
+        op: Op,
+        /// `body_len` of the header.
+        len: u64,
+        /// The limit.
+        max: u64,
+    },
+    /// The stream ended inside a frame.
+    #[error("the connection closed inside a frame")]
+    Truncated,
+    /// Reading failed.
+    #[error("read failed")]
+    Io(#[source] std::io::Error),
+}
+
+impl FrameError {
+    /// The ERR code a relay answers this error with (before closing).
+    pub fn code(&self) -> ErrCode {
+        match self {
+            FrameError::TooLarge { max, .. } if *max > 0 => ErrCode::TooLarge,
+            _ => ErrCode::Malformed,
+        }
+    }
 }
 
 impl Header {
@@ -188,7 +302,7 @@ impl Header {
         b
     }
 
-    /// Decodes a header.
+    /// Decodes a header (magic, version and op checked; nothing else).
     pub fn decode(b: &[u8; HEADER_LEN]) -> Result<Header, FrameError> {
         let magic: [u8; 4] = b[0..4].try_into().expect("4 bytes");
         if magic != MAGIC {
@@ -214,6 +328,267 @@ impl Header {
     }
 }
 
+/// Whether `op` is a request that names a key (PUT, GET, DEL).
+fn needs_key(op: Op) -> bool {
+    matches!(op, Op::Put | Op::Get | Op::Del)
+}
+
+/// Checks a request key against what [`crate::sanitize_key`] produces.
+pub fn validate_key(op: Op, key: &[u8]) -> Result<(), FrameError> {
+    let bad = |reason| Err(FrameError::BadKey { op, reason });
+    if !needs_key(op) {
+        return if key.is_empty() {
+            Ok(())
+        } else {
+            bad("this op takes no key")
+        };
+    }
+    if key.is_empty() {
+        return bad("empty key");
+    }
+    if key.len() > MAX_KEY_LEN {
+        return bad("too long");
+    }
+    if key[0] == b'.' {
+        return bad("leading `.`");
+    }
+    if !key
+        .iter()
+        .all(|&c| c.is_ascii_alphanumeric() || matches!(c, b'.' | b'_' | b'-' | b'~'))
+    {
+        return bad("bytes outside [A-Za-z0-9._~-]");
+    }
+    Ok(())
+}
+
+/// The largest body a request with `op` may carry, given the relay's
+/// maximum frame: PUT up to `max_frame`, AUTH exactly its fixed size, the
+/// others none.
+pub fn max_request_body(op: Op, max_frame: u64) -> u64 {
+    match op {
+        Op::Put => max_frame,
+        Op::Auth => AUTH_BODY_LEN as u64,
+        _ => 0,
+    }
+}
+
+/// Reads one request's header and key and validates them: magic, version,
+/// op (a request's), key length and characters, and `body_len` against
+/// [`max_request_body`]. The body is left unread. `Ok(None)`: the stream
+/// ended cleanly before the frame's first byte.
+///
+/// Nothing is allocated beyond the key (at most [`crate::MAX_KEY_LEN`] bytes).
+pub async fn read_request_head<R: AsyncRead + Unpin>(
+    rd: &mut R,
+    max_frame: u64,
+) -> Result<Option<(Header, String)>, FrameError> {
+    let mut hb = [0u8; HEADER_LEN];
+    let mut got = 0;
+    while got < HEADER_LEN {
+        match rd.read(&mut hb[got..]).await {
+            Ok(0) if got == 0 => return Ok(None),
+            Ok(0) => return Err(FrameError::Truncated),
+            Ok(n) => got += n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(FrameError::Io(e)),
+        }
+    }
+    let h = Header::decode(&hb)?;
+    if matches!(h.op, Op::Ok | Op::Err | Op::Hello) {
+        return Err(FrameError::NotARequest(h.op));
+    }
+    if h.key_len as usize > MAX_KEY_LEN {
+        return Err(FrameError::KeyTooLong(h.key_len));
+    }
+    let max = max_request_body(h.op, max_frame);
+    if h.body_len > max || (h.op == Op::Auth && h.body_len != max) {
+        return Err(FrameError::TooLarge {
+            op: h.op,
+            len: h.body_len,
+            max,
+        });
+    }
+    let mut kb = [0u8; MAX_KEY_LEN];
+    let kb = &mut kb[..h.key_len as usize];
+    rd.read_exact(kb).await.map_err(eof_is_truncated)?;
+    validate_key(h.op, kb)?;
+    // Validated as ASCII above.
+    let key = String::from_utf8(kb.to_vec()).expect("validated ASCII");
+    Ok(Some((h, key)))
+}
+
+/// One complete request frame.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Frame {
+    /// The header.
+    pub header: Header,
+    /// The key (empty for STATS and AUTH).
+    pub key: String,
+    /// The body.
+    pub body: Bytes,
+}
+
+/// Reads one whole request frame ([`read_request_head`], then the body).
+/// `Ok(None)`: clean end of stream. The body buffer grows as its bytes
+/// arrive (from [`FIRST_BODY_CHUNK`], doubling, never beyond `body_len`), so
+/// a header announcing a large body allocates little until the bytes come.
+pub async fn read_frame<R: AsyncRead + Unpin>(
+    rd: &mut R,
+    max_frame: u64,
+) -> Result<Option<Frame>, FrameError> {
+    let Some((header, key)) = read_request_head(rd, max_frame).await? else {
+        return Ok(None);
+    };
+    let body = match read_body_admitted(rd, header.body_len as usize, false, |_| true).await {
+        Ok(Body::Complete(b, _)) => b,
+        Ok(Body::Refused { .. }) => unreachable!("every chunk is admitted"),
+        Err(e) => return Err(eof_is_truncated(e)),
+    };
+    Ok(Some(Frame { header, key, body }))
+}
+
+fn eof_is_truncated(e: std::io::Error) -> FrameError {
+    if e.kind() == std::io::ErrorKind::UnexpectedEof {
+        FrameError::Truncated
+    } else {
+        FrameError::Io(e)
+    }
+}
+
+/// The shared secret of the relay and its clients. Its bytes never show in
+/// `Debug` output, logs or error messages.
+#[derive(Clone)]
+pub struct Secret(Arc<[u8]>);
+
+impl std::fmt::Debug for Secret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Secret(<redacted>)")
+    }
+}
+
+impl PartialEq for Secret {
+    /// Constant-time in the contents (lengths are not secret).
+    fn eq(&self, other: &Secret) -> bool {
+        self.0.len() == other.0.len()
+            && self
+                .0
+                .iter()
+                .zip(other.0.iter())
+                .fold(0u8, |acc, (a, b)| acc | (a ^ b))
+                == 0
+    }
+}
+
+impl Eq for Secret {}
+
+impl std::str::FromStr for Secret {
+    type Err = KvError;
+
+    /// [`Secret::parse`].
+    fn from_str(s: &str) -> Result<Secret, KvError> {
+        Secret::parse(s)
+    }
+}
+
+// === impl Secret ===
+
+impl Secret {
+    /// Fewest bytes a secret may have.
+    pub const MIN_LEN: usize = 16;
+
+    /// A secret from its bytes, exactly as given; at least [`Secret::MIN_LEN`] of them.
+    pub fn new(bytes: impl Into<Vec<u8>>) -> Result<Secret, KvError> {
+        let bytes = bytes.into();
+        if bytes.len() < Self::MIN_LEN {
+            return Err(KvError::Config {
+                detail: format!(
+                    "the relay secret has {} bytes; it needs at least {} (e.g. 32 random bytes, hex)",
+                    bytes.len(),
+                    Self::MIN_LEN
+                ),
+            });
+        }
+        Ok(Secret(bytes.into()))
+    }
+
+    /// A secret from text (an environment variable): surrounding whitespace
+    /// (a trailing newline) is dropped.
+    pub fn parse(text: &str) -> Result<Secret, KvError> {
+        Secret::new(text.trim().as_bytes())
+    }
+
+    /// A secret from a file (a mounted Kubernetes Secret): its contents
+    /// without surrounding whitespace. Errors name the path, never the contents.
+    pub fn from_file(path: &Path) -> Result<Secret, KvError> {
+        let bytes = std::fs::read(path).map_err(|source| KvError::Io {
+            transport: TRANSPORT,
+            context: format!("reading the relay secret file {}", path.display()),
+            source,
+        })?;
+        let trimmed = bytes.trim_ascii();
+        Secret::new(trimmed).map_err(|e| KvError::Config {
+            detail: format!("secret file {}: {e}", path.display()),
+        })
+    }
+
+    fn key(&self) -> hmac::Key {
+        hmac::Key::new(hmac::HMAC_SHA256, &self.0)
+    }
+
+    /// The client's handshake MAC over the two nonces.
+    pub fn client_mac(&self, relay_nonce: &[u8], client_nonce: &[u8]) -> [u8; MAC_LEN] {
+        mac(&self.key(), relay_nonce, client_nonce, CLIENT_CONTEXT)
+    }
+
+    /// The relay's handshake MAC over the two nonces.
+    pub fn server_mac(&self, relay_nonce: &[u8], client_nonce: &[u8]) -> [u8; MAC_LEN] {
+        mac(&self.key(), relay_nonce, client_nonce, SERVER_CONTEXT)
+    }
+
+    /// Checks a client's MAC in constant time.
+    pub fn verify_client(&self, relay_nonce: &[u8], client_nonce: &[u8], tag: &[u8]) -> bool {
+        verify(&self.key(), relay_nonce, client_nonce, CLIENT_CONTEXT, tag)
+    }
+
+    /// Checks the relay's MAC in constant time.
+    pub fn verify_server(&self, relay_nonce: &[u8], client_nonce: &[u8], tag: &[u8]) -> bool {
+        verify(&self.key(), relay_nonce, client_nonce, SERVER_CONTEXT, tag)
+    }
+
+    /// A key for another use of the deployment secret (the workers' KV handle
+    /// signatures): HMAC-SHA256 of `label` under the secret, so no two uses
+    /// share a key and the secret itself never leaves this type.
+    pub fn derive(&self, label: &[u8]) -> [u8; MAC_LEN] {
+        let tag = hmac::sign(&self.key(), label);
+        let mut out = [0u8; MAC_LEN];
+        out.copy_from_slice(&tag.as_ref()[..MAC_LEN]);
+        out
+    }
+}
+
+fn mac_input(relay_nonce: &[u8], client_nonce: &[u8], context: &[u8]) -> Vec<u8> {
+    [relay_nonce, client_nonce, context].concat()
+}
+
+fn mac(key: &hmac::Key, nr: &[u8], nc: &[u8], context: &[u8]) -> [u8; MAC_LEN] {
+    let tag = hmac::sign(key, &mac_input(nr, nc, context));
+    tag.as_ref().try_into().expect("HMAC-SHA256 is 32 bytes")
+}
+
+fn verify(key: &hmac::Key, nr: &[u8], nc: &[u8], context: &[u8], tag: &[u8]) -> bool {
+    hmac::verify(key, &mac_input(nr, nc, context), tag).is_ok()
+}
+
+/// A fresh random handshake nonce (from the operating system's CSPRNG).
+pub fn nonce() -> [u8; NONCE_LEN] {
+    use ring::rand::SecureRandom;
+    let mut n = [0u8; NONCE_LEN];
+    ring::rand::SystemRandom::new()
+        .fill(&mut n)
+        .expect("the OS random number generator failed");
+    n
+}
+
 /// Relay counters (the STATS reply).
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct RelayStats {
@@ -223,20 +598,37 @@ pub struct RelayStats {
     pub keys: usize,
     /// Blobs held.
     pub blobs: usize,
-    /// Bytes held (and reserved by PUTs being received).
+    /// Bytes counted against the memory cap: blobs held, bytes of PUT
+    /// bodies received so far, and a fixed overhead per blob.
     pub bytes: u64,
     /// GETs waiting for a blob.
     pub waiters: usize,
-    /// Open client connections.
+    /// Open client connections (authenticated or still in the handshake).
     pub connections: usize,
     /// PUT bodies being received right now.
     pub puts_in_progress: usize,
     /// Requests expired by the TTL so far.
     pub expired: u64,
+    /// Refusals and forced closes so far, by reason (a labelled counter;
+    /// reasons in `docs/kv-wire.md`). Absent from older relays.
+    #[serde(default)]
+    pub rejections: BTreeMap<String, u64>,
+}
+
+/// What [`read_body_admitted`] ended with.
+pub(crate) enum Body {
+    /// Every byte arrived (and its CRC-32, when asked for).
+    Complete(Bytes, Option<u32>),
+    /// `admit` refused a chunk: the body was read (`read` bytes) and
+    /// discarded up to that point; the rest is still unread.
+    Refused {
+        /// Bytes consumed from the stream.
+        read: usize,
+    },
 }
 
 /// Reads exactly `n` bytes into a fresh buffer without zero-filling it first.
-pub(crate) async fn read_body<R: tokio::io::AsyncRead + Unpin>(
+pub(crate) async fn read_body<R: AsyncRead + Unpin>(
     rd: &mut R,
     n: usize,
 ) -> std::io::Result<Bytes> {
@@ -245,25 +637,52 @@ pub(crate) async fn read_body<R: tokio::io::AsyncRead + Unpin>(
 
 /// Like [`read_body`], and with `crc` computes the CRC-32 chunk by chunk as
 /// the bytes arrive (while they are still in cache).
-pub(crate) async fn read_body_crc<R: tokio::io::AsyncRead + Unpin>(
+pub(crate) async fn read_body_crc<R: AsyncRead + Unpin>(
     rd: &mut R,
     n: usize,
     crc: bool,
 ) -> std::io::Result<(Bytes, Option<u32>)> {
-    let mut buf = BytesMut::with_capacity(n);
+    match read_body_admitted(rd, n, crc, |_| true).await? {
+        Body::Complete(b, c) => Ok((b, c)),
+        Body::Refused { .. } => unreachable!("every chunk is admitted"),
+    }
+}
+
+/// Reads a body of `n` bytes, calling `admit(k)` for every `k` bytes that
+/// arrive before keeping them (the relay counts them against its memory
+/// cap there). The buffer grows with the bytes (from [`FIRST_BODY_CHUNK`],
+/// doubling, never beyond `n`).
+pub(crate) async fn read_body_admitted<R: AsyncRead + Unpin>(
+    rd: &mut R,
+    n: usize,
+    crc: bool,
+    mut admit: impl FnMut(usize) -> bool,
+) -> std::io::Result<Body> {
+    let mut buf: Vec<u8> = Vec::new();
+    buf.reserve_exact(n.min(FIRST_BODY_CHUNK));
     let mut hasher = crc.then(rngd_kv_wire::Crc32::new);
     while buf.len() < n {
+        if buf.len() == buf.capacity() {
+            let more = buf.len().max(1).min(n - buf.len());
+            buf.reserve_exact(more);
+        }
         let start = buf.len();
-        let want = n - start;
-        let got = (&mut *rd).take(want as u64).read_buf(&mut buf).await?;
+        let room = (buf.capacity() - start).min(n - start);
+        let got = (&mut *rd).take(room as u64).read_buf(&mut buf).await?;
         if got == 0 {
             return Err(std::io::ErrorKind::UnexpectedEof.into());
+        }
+        if !admit(got) {
+            return Ok(Body::Refused { read: buf.len() });
         }
         if let Some(h) = hasher.as_mut() {
             h.update(&buf[start..]);
         }
     }
-    Ok((buf.freeze(), hasher.map(rngd_kv_wire::Crc32::finish)))
+    Ok(Body::Complete(
+        Bytes::from(buf),
+        hasher.map(rngd_kv_wire::Crc32::finish),
+    ))
 }
 
 #[cfg(test)]
@@ -283,15 +702,66 @@ mod tests {
             body_len: 1 << 20,
             epoch: 0x0123_4567_89ab_cdef,
         };
-        assert_eq!(Header::decode(&h.encode()), Ok(h));
+        assert_eq!(Header::decode(&h.encode()).unwrap(), h);
         let mut bad = h.encode();
         bad[0] = b'X';
         assert!(matches!(Header::decode(&bad), Err(FrameError::BadMagic(_))));
         let mut bad = h.encode();
         bad[4] = 9;
-        assert_eq!(Header::decode(&bad), Err(FrameError::BadVersion(9)));
+        assert!(matches!(
+            Header::decode(&bad),
+            Err(FrameError::BadVersion(9))
+        ));
         let mut bad = h.encode();
         bad[5] = 0x42;
-        assert_eq!(Header::decode(&bad), Err(FrameError::BadOp(0x42)));
+        assert!(matches!(Header::decode(&bad), Err(FrameError::BadOp(0x42))));
+    }
+
+    #[test]
+    fn keys_are_validated_like_sanitize_key_makes_them() {
+        for id in ["req-1", "a/b", "../../x", &"y".repeat(500), "ü"] {
+            let key = crate::sanitize_key("tcp", id).unwrap();
+            validate_key(Op::Put, key.as_bytes()).unwrap();
+        }
+        for bad in [&b""[..], b".x", b"a/b", b"a b", b"\xff"] {
+            assert!(validate_key(Op::Get, bad).is_err(), "{bad:?}");
+        }
+        assert!(validate_key(Op::Stats, b"").is_ok());
+        assert!(validate_key(Op::Stats, b"k").is_err());
+    }
+
+    #[test]
+    fn macs_depend_on_secret_nonces_and_direction() {
+        let s = Secret::new(*b"0123456789abcdef").unwrap();
+        let other = Secret::new(*b"0123456789abcdeX").unwrap();
+        let (nr, nc) = (nonce(), nonce());
+        assert_ne!(nr, nc, "nonces are random");
+        let c = s.client_mac(&nr, &nc);
+        assert!(s.verify_client(&nr, &nc, &c));
+        assert!(!other.verify_client(&nr, &nc, &c), "another secret");
+        assert!(!s.verify_client(&nc, &nr, &c), "other nonces");
+        assert!(!s.verify_server(&nr, &nc, &c), "reflected");
+        assert!(s.verify_server(&nr, &nc, &s.server_mac(&nr, &nc)));
+        assert!(!s.verify_client(&nr, &nc, &[0u8; MAC_LEN]));
+    }
+
+    #[test]
+    fn secrets_are_redacted_and_checked() {
+        let s = Secret::parse("  supersecretvalue-1234\n").unwrap();
+        assert_eq!(s, Secret::new(*b"supersecretvalue-1234").unwrap());
+        assert!(!format!("{s:?}").contains("supersecret"));
+        let short = Secret::parse("short").unwrap_err().to_string();
+        assert!(short.contains("at least 16"), "{short}");
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("secret");
+        std::fs::write(&path, "file-secret-0123456789\n").unwrap();
+        assert_eq!(
+            Secret::from_file(&path).unwrap(),
+            Secret::new(*b"file-secret-0123456789").unwrap()
+        );
+        let missing = Secret::from_file(&dir.path().join("nope"))
+            .unwrap_err()
+            .to_string();
+        assert!(missing.contains("nope"), "{missing}");
     }
 }

@@ -114,6 +114,30 @@ pub enum KvError {
         /// What was wrong.
         detail: String,
     },
+    /// The relay and this client do not share the secret: the relay refused
+    /// the handshake, or did not prove the secret itself. Maps to 502.
+    #[error("transport `{transport}`: authentication with {peer} failed: {detail}")]
+    Unauthorized {
+        /// Transport name.
+        transport: &'static str,
+        /// Address of the peer.
+        peer: String,
+        /// What failed (never the secret).
+        detail: String,
+    },
+    /// The peer did not answer within the operation's deadline (a stalled
+    /// or black-holed relay). Maps to 504.
+    #[error("transport `{transport}`: {peer} did not answer the {op} within {after:?}")]
+    Timeout {
+        /// Transport name.
+        transport: &'static str,
+        /// Address of the peer.
+        peer: String,
+        /// What was waiting (`push`, `pull`, `release`, `handshake`, …).
+        op: &'static str,
+        /// The deadline that passed.
+        after: Duration,
+    },
     /// A transport name the registry does not know.
     #[error("unknown KV transport `{name}`; known transports: {known}")]
     UnknownTransport {
@@ -140,7 +164,9 @@ impl KvError {
             | KvError::ConnectionLost { transport, .. }
             | KvError::Capacity { transport, .. }
             | KvError::BadRequest { transport, .. }
-            | KvError::Protocol { transport, .. } => Some(transport),
+            | KvError::Protocol { transport, .. }
+            | KvError::Unauthorized { transport, .. }
+            | KvError::Timeout { transport, .. } => Some(transport),
             KvError::UnknownTransport { .. } | KvError::Config { .. } => None,
         }
     }

@@ -4,8 +4,12 @@
 //! The relay keeps blobs in memory keyed by `(request key, blob index)`:
 //! PUT stores (checking the CRC-32 and the memory cap), GET waits until the
 //! blob is there (bounded by the wait in the frame), DEL drops a request,
-//! STATS reports counters. Blobs nobody deletes expire after the TTL. A
-//! malformed or oversize frame closes that connection only. Each relay process
+//! STATS reports counters. Blobs nobody deletes expire after the TTL. Every
+//! connection starts with the handshake of [`crate::frame`] (the shared
+//! secret); every frame must arrive within the read deadline, an idle
+//! connection is closed, and connections, waiting GETs, blobs and bytes are
+//! capped (each refusal counted in STATS `rejections`). A malformed or
+//! oversize frame closes that connection only. Each relay process
 //! has a random epoch; requests that name another epoch (the cache was pushed
 //! to an earlier process) get a clear `Restarted` error instead of a wait.
 //!
@@ -18,7 +22,10 @@
 //! Both ends speak [`crate::frame`] and depend on nothing of each other.
 
 use std::net::SocketAddr;
+use std::path::PathBuf;
 use std::time::Duration;
+
+use rngd_api::env;
 
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
@@ -30,11 +37,15 @@ pub(crate) mod client;
 mod server;
 mod store;
 
-pub use crate::frame::RelayStats;
+pub use crate::frame::{RelayStats, Secret};
+pub use client::authenticate;
 pub use server::serve;
 
 /// Longest wait a GET may ask for.
 pub const MAX_WAIT: Duration = Duration::from_secs(600);
+/// Bytes the memory cap counts per stored blob on top of its body (the
+/// bookkeeping), so that a flood of empty PUTs is capped too.
+pub const ENTRY_OVERHEAD: u64 = 256;
 
 /// Relay settings.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -43,10 +54,27 @@ pub struct RelayConfig {
     pub listen: String,
     /// Lifetime of a request's blobs that nobody deletes.
     pub ttl: Duration,
-    /// Memory cap: bytes of blobs held at once.
+    /// Memory cap: bytes of blobs held at once, counting bodies as they
+    /// arrive and [`ENTRY_OVERHEAD`] per blob.
     pub max_bytes: u64,
     /// Largest blob accepted in one frame.
     pub max_frame: u64,
+    /// The shared secret every connection must prove in the handshake.
+    /// `None`: connections are not authenticated (what `--insecure-no-auth`
+    /// gives). The default is
+    /// `None` for in-process relays of tests and benchmarks.
+    pub secret: Option<Secret>,
+    /// A frame (header, key, body), and the handshake's answer, must arrive
+    /// within this of its first byte; a reply must be written within it too.
+    pub read_timeout: Duration,
+    /// A connection with no frame arriving and no GET waiting for this long is closed.
+    pub idle_timeout: Duration,
+    /// Open connections at most; one more is closed at once.
+    pub max_connections: usize,
+    /// GETs waiting at once at most; one more gets a Capacity error.
+    pub max_waiters: usize,
+    /// Blobs held (or being received) at most; one more PUT gets a Capacity error.
+    pub max_entries: usize,
 }
 
 impl Default for RelayConfig {
@@ -56,6 +84,12 @@ impl Default for RelayConfig {
             ttl: Duration::from_secs(60),
             max_bytes: 4 << 30,
             max_frame: 64 << 20,
+            secret: None,
+            read_timeout: Duration::from_secs(10),
+            idle_timeout: Duration::from_secs(60),
+            max_connections: 1024,
+            max_waiters: 4096,
+            max_entries: 65536,
         }
     }
 }
@@ -75,33 +109,112 @@ pub struct RelayOptions {
     /// Largest blob (frame body) accepted, bytes; must be positive. Default
     /// 64 MiB (`64 << 20`).
     pub max_frame: u64,
+    /// File holding the shared secret (`--secret-file`,
+    /// `AIRM_KV_TCP_SECRET_FILE`); surrounding whitespace is dropped.
+    pub secret_file: Option<PathBuf>,
+    /// The shared secret itself (`AIRM_KV_TCP_SECRET`). One of this and
+    /// `secret_file` is required unless `insecure_no_auth`.
+    pub secret: Option<Secret>,
+    /// Run without authentication (`--insecure-no-auth`); logged as a
+    /// warning. Default false.
+    pub insecure_no_auth: bool,
+    /// Per-frame read deadline, ms; must be positive. Default 10000.
+    pub read_timeout_ms: u64,
+    /// Idle timeout of a connection, ms; must be positive. Default 60000.
+    pub idle_timeout_ms: u64,
+    /// Open connections at most; must be positive. Default 1024.
+    pub max_connections: usize,
+    /// Waiting GETs at most; must be positive. Default 4096.
+    pub max_waiters: usize,
+    /// Blobs held at most; must be positive. Default 65536.
+    pub max_entries: usize,
 }
 
 impl Default for RelayOptions {
     fn default() -> Self {
+        let d = RelayConfig::default();
         RelayOptions {
-            listen: "0.0.0.0:7070".into(),
-            ttl_s: 60.0,
-            max_bytes: 4 << 30,
-            max_frame: 64 << 20,
+            listen: d.listen,
+            ttl_s: d.ttl.as_secs_f64(),
+            max_bytes: d.max_bytes,
+            max_frame: d.max_frame,
+            secret_file: None,
+            secret: None,
+            insecure_no_auth: false,
+            read_timeout_ms: d.read_timeout.as_millis() as u64,
+            idle_timeout_ms: d.idle_timeout.as_millis() as u64,
+            max_connections: d.max_connections,
+            max_waiters: d.max_waiters,
+            max_entries: d.max_entries,
         }
     }
 }
 
 impl RelayOptions {
-    /// The [`RelayConfig`] these options describe.
+    /// The [`RelayConfig`] these options describe. Reads `secret_file`.
     pub fn config(&self) -> Result<RelayConfig, KvError> {
         let ttl = crate::config::parse_secs("--ttl-s", &self.ttl_s.to_string())?;
-        if self.max_frame == 0 || self.max_bytes == 0 {
-            return Err(KvError::Config {
-                detail: "--max-bytes and --max-frame must be positive".into(),
-            });
+        let positive = |what: &str, ok: bool| {
+            if ok {
+                Ok(())
+            } else {
+                Err(KvError::Config {
+                    detail: format!("{what} must be positive"),
+                })
+            }
+        };
+        positive(
+            "--max-bytes and --max-frame",
+            self.max_frame != 0 && self.max_bytes != 0,
+        )?;
+        positive(
+            "--read-timeout-ms and --idle-timeout-ms",
+            self.read_timeout_ms != 0 && self.idle_timeout_ms != 0,
+        )?;
+        positive(
+            "--max-connections, --max-waiters and --max-entries",
+            self.max_connections != 0 && self.max_waiters != 0 && self.max_entries != 0,
+        )?;
+        let secret = match (&self.secret_file, &self.secret) {
+            (Some(_), Some(_)) => {
+                return Err(KvError::Config {
+                    detail: format!(
+                        "both --secret-file ({}) and {} are set: give the relay secret once",
+                        env::AIRM_KV_TCP_SECRET_FILE,
+                        env::AIRM_KV_TCP_SECRET
+                    ),
+                });
+            }
+            (Some(path), None) => Some(Secret::from_file(path)?),
+            (None, Some(s)) => Some(s.clone()),
+            (None, None) => None,
+        };
+        match (&secret, self.insecure_no_auth) {
+            (None, false) => {
+                // Not yet refused (the callers get their secret first).
+                tracing::warn!(
+                    "the relay has no shared secret (--secret-file, {}): it runs without authentication",
+                    env::AIRM_KV_TCP_SECRET
+                );
+            }
+            (Some(_), true) => {
+                return Err(KvError::Config {
+                    detail: "--insecure-no-auth together with a secret: pick one".into(),
+                });
+            }
+            _ => {}
         }
         Ok(RelayConfig {
             listen: self.listen.clone(),
             ttl,
             max_bytes: self.max_bytes,
             max_frame: self.max_frame,
+            secret,
+            read_timeout: Duration::from_millis(self.read_timeout_ms),
+            idle_timeout: Duration::from_millis(self.idle_timeout_ms),
+            max_connections: self.max_connections,
+            max_waiters: self.max_waiters,
+            max_entries: self.max_entries,
         })
     }
 }
@@ -156,7 +269,19 @@ pub async fn launch(opts: RelayOptions) -> Result<Launched, KvError> {
         context: "reading the relay's bound address".into(),
         source,
     })?;
-    tracing::info!(%addr, ttl = ?cfg.ttl, max_bytes = cfg.max_bytes, max_frame = cfg.max_frame, "KV relay listening");
+    tracing::info!(
+        %addr,
+        ttl = ?cfg.ttl,
+        max_bytes = cfg.max_bytes,
+        max_frame = cfg.max_frame,
+        authenticated = cfg.secret.is_some(),
+        read_timeout = ?cfg.read_timeout,
+        idle_timeout = ?cfg.idle_timeout,
+        max_connections = cfg.max_connections,
+        max_waiters = cfg.max_waiters,
+        max_entries = cfg.max_entries,
+        "KV relay listening"
+    );
     let stop = CancellationToken::new();
     let task = tokio::spawn(serve(listener, cfg, stop.clone().cancelled_owned()));
     Ok(Launched { addr, stop, task })
@@ -166,12 +291,16 @@ pub async fn launch(opts: RelayOptions) -> Result<Launched, KvError> {
 mod tests {
     use super::*;
 
+    fn insecure() -> RelayOptions {
+        RelayOptions {
+            insecure_no_auth: true,
+            ..RelayOptions::default()
+        }
+    }
+
     #[test]
     fn default_options_are_the_default_config() {
-        assert_eq!(
-            RelayOptions::default().config().unwrap(),
-            RelayConfig::default()
-        );
+        assert_eq!(insecure().config().unwrap(), RelayConfig::default());
     }
 
     #[test]
@@ -179,13 +308,64 @@ mod tests {
         let bad = |o: RelayOptions| o.config().unwrap_err().to_string();
         let ttl = bad(RelayOptions {
             ttl_s: 0.0,
-            ..RelayOptions::default()
+            ..insecure()
         });
         assert!(ttl.contains("--ttl-s"), "{ttl}");
         let cap = bad(RelayOptions {
             max_frame: 0,
-            ..RelayOptions::default()
+            ..insecure()
         });
         assert!(cap.contains("--max-bytes and --max-frame"), "{cap}");
+        let t = bad(RelayOptions {
+            read_timeout_ms: 0,
+            ..insecure()
+        });
+        assert!(t.contains("--read-timeout-ms"), "{t}");
+        let c = bad(RelayOptions {
+            max_waiters: 0,
+            ..insecure()
+        });
+        assert!(c.contains("--max-waiters"), "{c}");
+    }
+
+    #[test]
+    fn a_secret_is_required_unless_insecure() {
+        let secret = Secret::parse("relay-secret-0123456789").unwrap();
+        let cfg = RelayOptions {
+            secret: Some(secret.clone()),
+            ..RelayOptions::default()
+        }
+        .config()
+        .unwrap();
+        assert_eq!(cfg.secret, Some(secret.clone()));
+        let both = RelayOptions {
+            secret: Some(secret.clone()),
+            ..insecure()
+        }
+        .config()
+        .unwrap_err()
+        .to_string();
+        assert!(both.contains("pick one"), "{both}");
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("s");
+        std::fs::write(&path, "relay-secret-0123456789\n").unwrap();
+        let cfg = RelayOptions {
+            secret_file: Some(path.clone()),
+            ..RelayOptions::default()
+        }
+        .config()
+        .unwrap();
+        assert_eq!(cfg.secret, Some(secret.clone()));
+        let twice = RelayOptions {
+            secret_file: Some(path),
+            secret: Some(secret),
+            ..RelayOptions::default()
+        }
+        .config()
+        .unwrap_err()
+        .to_string();
+        assert!(twice.contains("once"), "{twice}");
+        let shown = format!("{cfg:?}");
+        assert!(!shown.contains("relay-secret"), "{shown}");
     }
 }

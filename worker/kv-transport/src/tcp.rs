@@ -13,6 +13,13 @@
 //! "cache lost" at once instead of a pull waiting for blobs that will never
 //! come. The puller connects to its own configured address, never to one taken
 //! from the handle.
+//!
+//! Every new connection is authenticated with the shared secret
+//! (`AIRM_KV_TCP_SECRET` / `AIRM_KV_TCP_SECRET_FILE`, see [`crate::frame`]).
+//! Every operation has a deadline: push, release and STATS
+//! `AIRM_KV_TCP_TIMEOUT_MS` (connecting and the handshake at most
+//! [`CONNECT_TIMEOUT`]), pull its timeout plus a grace; a relay that stops
+//! answering is a [`KvError::Timeout`] naming the transport, not a hang.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -42,7 +49,8 @@ impl std::fmt::Debug for TcpTransport {
         f.debug_struct("TcpTransport")
             .field("addr", &self.inner.addr)
             .field("crc", &self.inner.crc)
-            .finish()
+            .field("timeout", &self.inner.timeout)
+            .finish_non_exhaustive()
     }
 }
 
@@ -57,7 +65,9 @@ pub fn parse_location(location: &str) -> (&str, u64) {
 // === impl TcpTransport ===
 
 impl TcpTransport {
-    /// Creates the transport for `cfg.tcp_addr` (`AIRM_KV_TCP_ADDR`), which must be set.
+    /// Creates the transport for `cfg.tcp_addr` (`AIRM_KV_TCP_ADDR`), which
+    /// must be set, authenticating with `cfg.tcp_secret` (without one the
+    /// relay must run with `--insecure-no-auth`).
     pub fn new(cfg: &TransportConfig) -> Result<Self, KvError> {
         let addr = cfg.tcp_addr.clone().ok_or_else(|| KvError::Config {
             detail: format!(
@@ -68,11 +78,27 @@ impl TcpTransport {
         Ok(Self::connect_to(addr, cfg))
     }
 
-    /// Creates the transport for the relay at `addr` (other settings from `cfg`).
-    /// Nothing is connected until the first operation.
+    /// Creates the transport for the relay at `addr` (other settings, the
+    /// secret among them, from `cfg`). Nothing is connected until the first
+    /// operation.
     pub fn connect_to(addr: impl Into<String>, cfg: &TransportConfig) -> Self {
         TcpTransport {
-            inner: Arc::new(Client::new(addr.into(), cfg.tcp_crc, cfg.tcp_log)),
+            inner: Arc::new(Client::new(
+                addr.into(),
+                cfg.tcp_crc,
+                cfg.tcp_log,
+                cfg.tcp_secret.clone(),
+                cfg.tcp_timeout,
+            )),
+        }
+    }
+
+    fn timeout(&self, op: &'static str, after: Duration) -> KvError {
+        KvError::Timeout {
+            transport: NAME,
+            peer: self.inner.addr.clone(),
+            op,
+            after,
         }
     }
 
@@ -81,8 +107,16 @@ impl TcpTransport {
         &self.inner.addr
     }
 
-    /// The relay's counters (STATS frame): blobs and bytes held, waiting GETs, …
+    /// The relay's counters (STATS frame): blobs and bytes held, waiting GETs,
+    /// rejections, … Within the transport's deadline.
     pub async fn stats(&self) -> Result<RelayStats, KvError> {
+        let after = self.inner.timeout;
+        tokio::time::timeout(after, self.stats_now())
+            .await
+            .unwrap_or_else(|_| Err(self.timeout("STATS", after)))
+    }
+
+    async fn stats_now(&self) -> Result<RelayStats, KvError> {
         let c = &self.inner;
         let mut retried = false;
         loop {
@@ -116,6 +150,34 @@ impl KvTransport for TcpTransport {
 
     #[tracing::instrument(name = "kv.push", skip_all, fields(transport = NAME, request_id = %payload.request_id, blobs = payload.blobs.len()))]
     async fn push(&self, payload: KvPayload) -> Result<KvHandle, KvError> {
+        let after = self.inner.timeout;
+        tokio::time::timeout(after, self.push_now(payload))
+            .await
+            .unwrap_or_else(|_| Err(self.timeout("push", after)))
+    }
+
+    #[tracing::instrument(name = "kv.pull", skip_all, fields(transport = NAME, request_id = %handle.request_id, bytes = handle.total_bytes()))]
+    async fn pull(&self, handle: &KvHandle, timeout: Duration) -> Result<Vec<Bytes>, KvError> {
+        let after = timeout + GRACE;
+        tokio::time::timeout(after, self.pull_now(handle, timeout))
+            .await
+            .unwrap_or_else(|_| Err(self.timeout("pull", after)))
+    }
+
+    #[tracing::instrument(name = "kv.release", skip_all, fields(transport = NAME, request_id = %handle.request_id))]
+    async fn release(&self, handle: &KvHandle) -> Result<(), KvError> {
+        check_handle(NAME, handle)?;
+        let key = sanitize_key(NAME, &handle.request_id)?;
+        let after = self.inner.timeout;
+        tokio::time::timeout(after, self.inner.release_key(&key))
+            .await
+            .unwrap_or_else(|_| Err(self.timeout("release", after)))
+    }
+}
+
+// The operations without their overall deadlines.
+impl TcpTransport {
+    async fn push_now(&self, payload: KvPayload) -> Result<KvHandle, KvError> {
         let key = sanitize_key(NAME, &payload.request_id)?;
         let c = &self.inner;
         let started = Instant::now();
@@ -168,8 +230,7 @@ impl KvTransport for TcpTransport {
         })
     }
 
-    #[tracing::instrument(name = "kv.pull", skip_all, fields(transport = NAME, request_id = %handle.request_id, bytes = handle.total_bytes()))]
-    async fn pull(&self, handle: &KvHandle, timeout: Duration) -> Result<Vec<Bytes>, KvError> {
+    async fn pull_now(&self, handle: &KvHandle, timeout: Duration) -> Result<Vec<Bytes>, KvError> {
         check_handle(NAME, handle)?;
         let key = sanitize_key(NAME, &handle.request_id)?;
         if handle.blobs.is_empty() {
@@ -187,14 +248,7 @@ impl KvTransport for TcpTransport {
                 c.pull_on(&mut conn, handle, &key, epoch, remaining),
             )
             .await
-            .unwrap_or_else(|_| {
-                Err(KvError::ConnectionLost {
-                    transport: NAME,
-                    peer: c.addr.clone(),
-                    detail: format!("the relay did not answer within {:?}", remaining + GRACE),
-                    source: None,
-                })
-            });
+            .unwrap_or_else(|_| Err(self.timeout("pull", remaining + GRACE)));
             match res {
                 Ok(v) => {
                     c.checkin(conn);
@@ -214,13 +268,6 @@ impl KvTransport for TcpTransport {
         }
         tracing::debug!(request_id = %handle.request_id, bytes = handle.total_bytes(), ms = started.elapsed().as_secs_f64() * 1e3, "tcp: pulled");
         Ok(blobs)
-    }
-
-    #[tracing::instrument(name = "kv.release", skip_all, fields(transport = NAME, request_id = %handle.request_id))]
-    async fn release(&self, handle: &KvHandle) -> Result<(), KvError> {
-        check_handle(NAME, handle)?;
-        let key = sanitize_key(NAME, &handle.request_id)?;
-        self.inner.release_key(&key).await
     }
 }
 

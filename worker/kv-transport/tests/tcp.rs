@@ -1,109 +1,32 @@
-//! The `tcp` transport against an in-process relay on 127.0.0.1: the
-//! conformance suite, plus the relay's own guarantees (frame limits, memory
-//! cap, CRC on PUT, restart during a push, connection pooling).
+//! The `tcp` transport against an in-process relay on 127.0.0.1 (with a
+//! shared secret): the conformance suite, plus the relay's own guarantees
+//! (frame limits, memory cap, CRC on PUT, restart during a push, connection
+//! pooling). The hardening (authentication, deadlines, caps) is in
+//! `relay_hardening.rs`.
 
-use std::net::SocketAddr;
-use std::sync::{Arc, Mutex};
+mod common;
+
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
+use common::{TestRelay, busy, client_cfg, raw_frame, read_frame, ttl_cfg};
 use rngd_kv_transport::conformance::{self, Harness};
 use rngd_kv_transport::frame::{ErrCode, FLAG_CRC, HEADER_LEN, Header, Op};
 use rngd_kv_transport::relay::{self, RelayConfig, RelayStats};
 use rngd_kv_transport::tcp::TcpTransport;
 use rngd_kv_transport::{KvError, KvHandle, KvTransport, TransportConfig, sanitize_key};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::oneshot;
-use tokio::task::JoinHandle;
-
-/// The stop signal and task of a running relay.
-type Running = (oneshot::Sender<()>, JoinHandle<Result<(), KvError>>);
-
-/// A relay running in this process; restartable on the same port.
-struct TestRelay {
-    addr: SocketAddr,
-    cfg: RelayConfig,
-    running: Mutex<Option<Running>>,
-}
-
-impl TestRelay {
-    async fn start(cfg: RelayConfig) -> Arc<TestRelay> {
-        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        let r = Arc::new(TestRelay {
-            addr,
-            cfg,
-            running: Mutex::new(None),
-        });
-        r.spawn(listener);
-        r
-    }
-
-    fn spawn(&self, listener: TcpListener) {
-        let (tx, rx) = oneshot::channel();
-        let task = tokio::spawn(relay::serve(listener, self.cfg.clone(), async {
-            let _ = rx.await;
-        }));
-        *self.running.lock().unwrap() = Some((tx, task));
-    }
-
-    async fn stop(&self) {
-        let running = self.running.lock().unwrap().take();
-        if let Some((tx, task)) = running {
-            let _ = tx.send(());
-            task.await.unwrap().unwrap();
-        }
-    }
-
-    async fn restart(&self) {
-        self.stop().await;
-        let listener = TcpListener::bind(self.addr).await.unwrap();
-        self.spawn(listener);
-    }
-
-    fn client(&self, cfg: &TransportConfig) -> TcpTransport {
-        TcpTransport::connect_to(self.addr.to_string(), cfg)
-    }
-}
 
 struct TcpHarness {
     relay: Arc<TestRelay>,
     probe: TcpTransport,
 }
 
-fn ttl_cfg(ttl: Duration) -> RelayConfig {
-    RelayConfig {
-        listen: "127.0.0.1:0".into(),
-        ttl,
-        ..RelayConfig::default()
-    }
-}
-
-fn busy(s: &RelayStats) -> usize {
-    s.keys + s.waiters + s.puts_in_progress
-}
-
-/// Reads one reply frame (header and body) from a raw connection.
-async fn read_frame(s: &mut TcpStream) -> std::io::Result<(Header, Vec<u8>)> {
-    let mut hb = [0u8; HEADER_LEN];
-    s.read_exact(&mut hb).await?;
-    let h = Header::decode(&hb).expect("relay speaks the protocol");
-    let mut body = vec![0u8; h.body_len as usize];
-    s.read_exact(&mut body).await?;
-    Ok((h, body))
-}
-
-async fn raw_frame(s: &mut TcpStream, h: Header, key: &str, body: &[u8]) {
-    s.write_all(&h.encode()).await.unwrap();
-    s.write_all(key.as_bytes()).await.unwrap();
-    s.write_all(body).await.unwrap();
-}
-
 #[async_trait::async_trait]
 impl Harness for TcpHarness {
     fn make(&self) -> Arc<dyn KvTransport> {
-        Arc::new(self.relay.client(&TransportConfig::default()))
+        Arc::new(self.relay.authed())
     }
 
     async fn held(&self) -> Result<usize, KvError> {
@@ -115,7 +38,7 @@ impl Harness for TcpHarness {
     /// receiver's check against the handle can catch it.
     async fn corrupt(&self, handle: &KvHandle, index: usize) -> Result<(), KvError> {
         let key = sanitize_key("tcp", &handle.request_id)?;
-        let mut s = TcpStream::connect(self.relay.addr).await.unwrap();
+        let mut s = self.relay.raw().await;
         let mut get = Header::new(Op::Get, 1);
         get.key_len = key.len() as u16;
         get.index = index as u32;
@@ -151,7 +74,7 @@ impl Harness for TcpHarness {
 async fn tcp_passes_the_conformance_suite() {
     let relay = TestRelay::start(ttl_cfg(Duration::from_millis(400))).await;
     let h = TcpHarness {
-        probe: relay.client(&TransportConfig::default()),
+        probe: relay.authed(),
         relay,
     };
     let report = conformance::run_all(&h)
@@ -172,9 +95,9 @@ async fn oversize_and_malformed_frames_close_only_their_connection() {
         ..ttl_cfg(Duration::from_secs(30))
     })
     .await;
-    let t = relay.client(&TransportConfig::default());
+    let t = relay.authed();
     // Oversize: the relay answers TooLarge and closes.
-    let mut s = TcpStream::connect(relay.addr).await.unwrap();
+    let mut s = relay.raw().await;
     let mut h = Header::new(Op::Put, 9);
     h.key_len = 1;
     h.body_len = 2 << 20;
@@ -190,7 +113,7 @@ async fn oversize_and_malformed_frames_close_only_their_connection() {
         "connection closed"
     );
     // Malformed: garbage instead of a header.
-    let mut s = TcpStream::connect(relay.addr).await.unwrap();
+    let mut s = relay.raw().await;
     s.write_all(&[0xAB; HEADER_LEN]).await.unwrap();
     let (reply, _) = read_frame(&mut s).await.unwrap();
     assert_eq!(ErrCode::from_u32(reply.arg), ErrCode::Malformed);
@@ -220,7 +143,7 @@ async fn oversize_and_malformed_frames_close_only_their_connection() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn relay_rejects_a_bad_crc_and_keeps_the_connection() {
     let relay = TestRelay::start(ttl_cfg(Duration::from_secs(30))).await;
-    let mut s = TcpStream::connect(relay.addr).await.unwrap();
+    let mut s = relay.raw().await;
     let body = vec![5u8; 1000];
     let mut h = Header::new(Op::Put, 1);
     h.key_len = 3;
@@ -246,7 +169,7 @@ async fn memory_cap_is_a_capacity_error_and_leaves_nothing() {
         ..ttl_cfg(Duration::from_secs(30))
     })
     .await;
-    let t = relay.client(&TransportConfig::default());
+    let t = relay.authed();
     let err = t
         .push(conformance::payload("big", 1, 8, 1 << 20))
         .await
@@ -272,7 +195,7 @@ async fn crc_off_still_moves_bytes_exactly() {
     let cfg = TransportConfig {
         tcp_crc: false,
         tcp_log: true,
-        ..TransportConfig::default()
+        ..client_cfg()
     };
     let t = relay.client(&cfg);
     let p = conformance::payload("nocrc", 3, 4, 4096);
@@ -290,7 +213,7 @@ async fn crc_off_still_moves_bytes_exactly() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn connections_are_pooled() {
     let relay = TestRelay::start(ttl_cfg(Duration::from_secs(30))).await;
-    let t = relay.client(&TransportConfig::default());
+    let t = relay.authed();
     for i in 0..20 {
         let p = conformance::payload(&format!("pool-{i}"), i, 2, 1000);
         let handle = t.push(p).await.unwrap();
@@ -309,7 +232,7 @@ async fn connections_are_pooled() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn relay_stopping_mid_push_is_a_clear_error_for_the_pusher() {
     let relay = TestRelay::start(ttl_cfg(Duration::from_secs(30))).await;
-    let t = relay.client(&TransportConfig::default());
+    let t = relay.authed();
     let big = conformance::full_request("mid-push", 1);
     let blobs: Vec<Bytes> = big.blobs.clone();
     let mut caught = None;
@@ -320,7 +243,7 @@ async fn relay_stopping_mid_push_is_a_clear_error_for_the_pusher() {
         let t2 = t.clone();
         let push = tokio::spawn(async move { t2.push(p).await });
         // Wait until the relay is receiving a PUT body of this push.
-        let probe = relay.client(&TransportConfig::default());
+        let probe = relay.authed();
         let mut in_body = false;
         while !push.is_finished() {
             if probe
@@ -376,6 +299,8 @@ fn relay_options_give_the_config() {
         ttl_s: 2.5,
         max_bytes: 1000,
         max_frame: 100,
+        secret: Some(common::secret()),
+        ..relay::RelayOptions::default()
     };
     let cfg = opts.config().unwrap();
     assert_eq!(cfg.listen, "127.0.0.1:9999");
@@ -392,12 +317,13 @@ fn relay_options_give_the_config() {
 async fn launched_relay_serves_until_shut_down() {
     let launched = relay::launch(relay::RelayOptions {
         listen: "127.0.0.1:0".into(),
+        secret: Some(common::secret()),
         ..relay::RelayOptions::default()
     })
     .await
     .unwrap();
     assert_ne!(launched.addr.port(), 0, "the bound port is reported");
-    let t = TcpTransport::connect_to(launched.addr.to_string(), &TransportConfig::default());
+    let t = TcpTransport::connect_to(launched.addr.to_string(), &client_cfg());
     let p = conformance::payload("launched", 5, 3, 1000);
     let h = t.push(p.clone()).await.unwrap();
     assert_eq!(t.pull(&h, Duration::from_secs(5)).await.unwrap(), p.blobs);
@@ -405,17 +331,30 @@ async fn launched_relay_serves_until_shut_down() {
     assert_eq!(t.stats().await.unwrap().keys, 0);
     launched.shutdown();
     launched.join().await.unwrap();
-    let gone = TcpTransport::connect_to(
-        h.location.split('#').next().unwrap(),
-        &TransportConfig::default(),
-    );
+    let gone = TcpTransport::connect_to(h.location.split('#').next().unwrap(), &client_cfg());
     assert!(gone.stats().await.is_err(), "the relay stopped listening");
     let bad = relay::launch(relay::RelayOptions {
         listen: "127.0.0.1:0".into(),
         max_bytes: 0,
+        secret: Some(common::secret()),
         ..relay::RelayOptions::default()
     })
     .await
     .unwrap_err();
     assert!(matches!(bad, KvError::Config { .. }), "{bad}");
+    let insecure = relay::launch(relay::RelayOptions {
+        listen: "127.0.0.1:0".into(),
+        insecure_no_auth: true,
+        ..relay::RelayOptions::default()
+    })
+    .await
+    .unwrap();
+    let open = TcpTransport::connect_to(insecure.addr.to_string(), &TransportConfig::default());
+    assert_eq!(
+        open.stats().await.unwrap().keys,
+        0,
+        "serves without a secret"
+    );
+    insecure.shutdown();
+    insecure.join().await.unwrap();
 }

@@ -1,7 +1,9 @@
 //! The client side of the relay protocol: a pool of connections to one
-//! relay, and the request/reply exchanges (PUT, GET, DEL, STATS) on a
-//! connection. The [`crate::tcp`] transport drives it; it speaks
-//! [`crate::frame`] and knows nothing of the server.
+//! relay, the handshake that authenticates each new connection (the shared
+//! secret, [`crate::frame`]), and the request/reply exchanges (PUT, GET,
+//! DEL, STATS) on a connection. The [`crate::tcp`] transport drives it (and
+//! puts its deadlines on them); it speaks [`crate::frame`] and knows
+//! nothing of the server.
 
 use std::io;
 use std::sync::Mutex;
@@ -11,19 +13,20 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use rngd_kv_wire::{BlobMeta, KvHandle, WireError};
 use sha2::{Digest, Sha256};
-use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader, BufWriter};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader, BufWriter};
 use tokio::net::TcpStream;
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 
 use crate::KvError;
 use crate::frame::{
-    ErrCode, FLAG_CRC, HEADER_LEN, Header, IO_BUF, Op, RelayStats, TRANSPORT as NAME, read_body,
-    read_body_crc,
+    self, AUTH_BODY_LEN, ErrCode, FLAG_CRC, HEADER_LEN, HELLO_AUTH, Header, IO_BUF, MAC_LEN,
+    NONCE_LEN, Op, RelayStats, Secret, TRANSPORT as NAME, read_body, read_body_crc,
 };
 
 /// Idle connections kept per transport.
 pub const MAX_IDLE: usize = 16;
-/// How long connecting to the relay may take.
+/// How long connecting to the relay, handshake included, may take (at most;
+/// a shorter operation deadline shortens it).
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// A client of one relay: its address, settings and idle connections.
@@ -34,6 +37,10 @@ pub(crate) struct Client {
     pub(crate) crc: bool,
     /// Log size and SHA-256 of every blob.
     pub(crate) log: bool,
+    /// The shared secret (`None`: the relay must not check one).
+    secret: Option<Secret>,
+    /// Deadline of push, release and STATS (the transport applies it).
+    pub(crate) timeout: Duration,
     idle: Mutex<Vec<Conn>>,
     seq: AtomicU32,
 }
@@ -86,11 +93,19 @@ pub(crate) fn log_blob(dir: &str, request_id: &str, index: usize, blob: &[u8]) {
 
 impl Client {
     /// A client of the relay at `addr`; nothing is connected until the first operation.
-    pub(crate) fn new(addr: String, crc: bool, log: bool) -> Client {
+    pub(crate) fn new(
+        addr: String,
+        crc: bool,
+        log: bool,
+        secret: Option<Secret>,
+        timeout: Duration,
+    ) -> Client {
         Client {
             addr,
             crc,
             log,
+            secret,
+            timeout,
             idle: Mutex::new(Vec::new()),
             seq: AtomicU32::new(1),
         }
@@ -120,12 +135,14 @@ impl Client {
                 _ => continue,
             }
         }
-        let stream = tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect(&self.addr))
+        let limit = CONNECT_TIMEOUT.min(self.timeout);
+        let started = Instant::now();
+        let stream = tokio::time::timeout(limit, TcpStream::connect(&self.addr))
             .await
             .map_err(|_| KvError::ConnectionLost {
                 transport: NAME,
                 peer: self.addr.clone(),
-                detail: format!("connect timed out after {CONNECT_TIMEOUT:?}"),
+                detail: format!("connect timed out after {limit:?}"),
                 source: None,
             })?
             .map_err(|e| KvError::ConnectionLost {
@@ -136,11 +153,22 @@ impl Client {
             })?;
         let _ = stream.set_nodelay(true);
         let (rd, wr) = stream.into_split();
-        Ok(Conn {
+        let mut conn = Conn {
             rd: BufReader::with_capacity(IO_BUF, rd),
             wr: BufWriter::with_capacity(IO_BUF, wr),
             reused: false,
-        })
+        };
+        let left = limit.saturating_sub(started.elapsed());
+        let Conn { rd, wr, .. } = &mut conn;
+        tokio::time::timeout(left, handshake(rd, wr, &self.addr, self.secret.as_ref()))
+            .await
+            .map_err(|_| KvError::Timeout {
+                transport: NAME,
+                peer: self.addr.clone(),
+                op: "handshake",
+                after: limit,
+            })??;
+        Ok(conn)
     }
 
     pub(crate) fn checkin(&self, mut conn: Conn) {
@@ -184,89 +212,14 @@ impl Client {
             .map_err(|e| lost(&self.addr, "write failed", e))
     }
 
-    /// Reads one reply header. The outer error is the connection failing; the
-    /// inner one is an ERR reply (the connection stays usable).
-    async fn read_reply(
+    /// Reads one reply header ([`read_reply`]).
+    async fn read_reply<R: AsyncRead + Unpin>(
         &self,
-        rd: &mut BufReader<OwnedReadHalf>,
+        rd: &mut R,
         request_id: &str,
         waited_since: Instant,
     ) -> Result<Result<Header, KvError>, KvError> {
-        let peer = &self.addr;
-        let mut hb = [0u8; HEADER_LEN];
-        rd.read_exact(&mut hb).await.map_err(|e| {
-            if e.kind() == io::ErrorKind::UnexpectedEof {
-                lost(peer, "the relay closed the connection", e)
-            } else {
-                lost(peer, "read failed", e)
-            }
-        })?;
-        let h = Header::decode(&hb).map_err(|e| KvError::Protocol {
-            transport: NAME,
-            peer: peer.clone(),
-            detail: e.to_string(),
-        })?;
-        match h.op {
-            Op::Ok => Ok(Ok(h)),
-            Op::Err => {
-                let body = read_body(rd, h.body_len.min(64 * 1024) as usize)
-                    .await
-                    .map_err(|e| lost(peer, "read failed", e))?;
-                let msg = String::from_utf8_lossy(&body).into_owned();
-                let err = match ErrCode::from_u32(h.arg) {
-                    ErrCode::NotFound => KvError::NotFound {
-                        transport: NAME,
-                        request_id: request_id.to_string(),
-                        waited: waited_since.elapsed(),
-                    },
-                    ErrCode::Crc => KvError::Crc {
-                        transport: NAME,
-                        request_id: request_id.to_string(),
-                        source: WireError::Crc {
-                            index: h.index as usize,
-                            expected: 0,
-                            actual: h.crc32,
-                        },
-                    },
-                    ErrCode::Capacity => KvError::Capacity {
-                        transport: NAME,
-                        detail: msg,
-                        source: None,
-                    },
-                    ErrCode::BadRequest | ErrCode::TooLarge => KvError::BadRequest {
-                        transport: NAME,
-                        detail: msg,
-                    },
-                    ErrCode::Restarted => KvError::ConnectionLost {
-                        transport: NAME,
-                        peer: peer.clone(),
-                        detail: msg,
-                        source: None,
-                    },
-                    ErrCode::ShuttingDown => KvError::ConnectionLost {
-                        transport: NAME,
-                        peer: peer.clone(),
-                        detail: msg.clone(),
-                        source: Some(io::Error::new(io::ErrorKind::ConnectionAborted, msg)),
-                    },
-                    ErrCode::Malformed => KvError::Protocol {
-                        transport: NAME,
-                        peer: peer.clone(),
-                        detail: msg,
-                    },
-                };
-                // After these the relay closes the connection.
-                match ErrCode::from_u32(h.arg) {
-                    ErrCode::ShuttingDown | ErrCode::Malformed | ErrCode::TooLarge => Err(err),
-                    _ => Ok(Err(err)),
-                }
-            }
-            other => Err(KvError::Protocol {
-                transport: NAME,
-                peer: peer.clone(),
-                detail: format!("unexpected op {other:?} in a reply"),
-            }),
-        }
+        read_reply(rd, &self.addr, request_id, waited_since).await
     }
 
     pub(crate) async fn stats_on(&self, conn: &mut Conn) -> Result<RelayStats, KvError> {
@@ -479,4 +432,234 @@ impl Client {
             }
         }
     }
+}
+
+/// Reads one reply header (an ERR's message too). The outer error is the
+/// connection failing (or an ERR after which the relay closes it); the
+/// inner one is an ERR reply that leaves the connection usable.
+async fn read_reply<R: AsyncRead + Unpin>(
+    rd: &mut R,
+    peer: &str,
+    request_id: &str,
+    waited_since: Instant,
+) -> Result<Result<Header, KvError>, KvError> {
+    let mut hb = [0u8; HEADER_LEN];
+    rd.read_exact(&mut hb).await.map_err(|e| {
+        if e.kind() == io::ErrorKind::UnexpectedEof {
+            lost(peer, "the relay closed the connection", e)
+        } else {
+            lost(peer, "read failed", e)
+        }
+    })?;
+    let h = Header::decode(&hb).map_err(|e| KvError::Protocol {
+        transport: NAME,
+        peer: peer.to_string(),
+        detail: e.to_string(),
+    })?;
+    match h.op {
+        Op::Ok => Ok(Ok(h)),
+        Op::Err => {
+            let body = read_body(rd, h.body_len.min(64 * 1024) as usize)
+                .await
+                .map_err(|e| lost(peer, "read failed", e))?;
+            let msg = String::from_utf8_lossy(&body).into_owned();
+            let code = ErrCode::from_u32(h.arg);
+            let err = reply_error(code, h, msg, peer, request_id, waited_since);
+            if code.closes() {
+                Err(err)
+            } else {
+                Ok(Err(err))
+            }
+        }
+        other => Err(KvError::Protocol {
+            transport: NAME,
+            peer: peer.to_string(),
+            detail: format!("unexpected op {other:?} in a reply"),
+        }),
+    }
+}
+
+/// The error an ERR reply stands for.
+fn reply_error(
+    code: ErrCode,
+    h: Header,
+    msg: String,
+    peer: &str,
+    request_id: &str,
+    waited_since: Instant,
+) -> KvError {
+    let peer = peer.to_string();
+    match code {
+        ErrCode::NotFound => KvError::NotFound {
+            transport: NAME,
+            request_id: request_id.to_string(),
+            waited: waited_since.elapsed(),
+        },
+        ErrCode::Crc => KvError::Crc {
+            transport: NAME,
+            request_id: request_id.to_string(),
+            source: WireError::Crc {
+                index: h.index as usize,
+                expected: 0,
+                actual: h.crc32,
+            },
+        },
+        ErrCode::Capacity => KvError::Capacity {
+            transport: NAME,
+            detail: msg,
+            source: None,
+        },
+        ErrCode::BadRequest | ErrCode::TooLarge => KvError::BadRequest {
+            transport: NAME,
+            detail: msg,
+        },
+        ErrCode::Restarted => KvError::ConnectionLost {
+            transport: NAME,
+            peer,
+            detail: msg,
+            source: None,
+        },
+        ErrCode::ShuttingDown => KvError::ConnectionLost {
+            transport: NAME,
+            peer,
+            detail: msg.clone(),
+            source: Some(io::Error::new(io::ErrorKind::ConnectionAborted, msg)),
+        },
+        ErrCode::Unauthorized => KvError::Unauthorized {
+            transport: NAME,
+            peer,
+            detail: format!("the relay refused the handshake: {msg}"),
+        },
+        // The relay closed an idle pooled connection (or found us too slow):
+        // a dead connection, worth one retry on a fresh one.
+        ErrCode::Timeout => KvError::ConnectionLost {
+            transport: NAME,
+            peer,
+            detail: format!("the relay closed the connection: {msg}"),
+            source: Some(io::Error::new(io::ErrorKind::TimedOut, msg)),
+        },
+        ErrCode::Malformed => KvError::Protocol {
+            transport: NAME,
+            peer,
+            detail: msg,
+        },
+    }
+}
+
+/// The client's side of the handshake ([`crate::frame`]): reads HELLO,
+/// answers AUTH, checks the relay's proof of the secret.
+async fn handshake<R, W>(
+    rd: &mut R,
+    wr: &mut W,
+    peer: &str,
+    secret: Option<&Secret>,
+) -> Result<(), KvError>
+where
+    R: AsyncRead + Unpin,
+    W: AsyncWrite + Unpin,
+{
+    let protocol = |detail: String| KvError::Protocol {
+        transport: NAME,
+        peer: peer.to_string(),
+        detail,
+    };
+    let unauthorized = |detail: &str| KvError::Unauthorized {
+        transport: NAME,
+        peer: peer.to_string(),
+        detail: detail.to_string(),
+    };
+    let mut hb = [0u8; HEADER_LEN];
+    rd.read_exact(&mut hb)
+        .await
+        .map_err(|e| lost(peer, "no handshake from the relay", e))?;
+    let hello = Header::decode(&hb).map_err(|e| protocol(format!("handshake: {e}")))?;
+    match hello.op {
+        Op::Hello if hello.body_len == NONCE_LEN as u64 => {}
+        Op::Err => {
+            // E.g. the connection cap: the relay says why and closes.
+            let body = read_body(rd, hello.body_len.min(4096) as usize)
+                .await
+                .map_err(|e| lost(peer, "read failed", e))?;
+            let msg = String::from_utf8_lossy(&body).into_owned();
+            return Err(reply_error(
+                ErrCode::from_u32(hello.arg),
+                hello,
+                msg,
+                peer,
+                "",
+                Instant::now(),
+            ));
+        }
+        other => {
+            return Err(protocol(format!(
+                "expected the relay's HELLO, got {other:?} with {} bytes (a relay of another version?)",
+                hello.body_len
+            )));
+        }
+    }
+    let mut relay_nonce = [0u8; NONCE_LEN];
+    rd.read_exact(&mut relay_nonce)
+        .await
+        .map_err(|e| lost(peer, "read failed", e))?;
+    let checks = hello.arg & HELLO_AUTH != 0;
+    if secret.is_some() && !checks {
+        return Err(unauthorized(
+            "the relay does not check the shared secret (it runs with --insecure-no-auth); \
+             refusing to use it while a secret is configured",
+        ));
+    }
+    let client_nonce = frame::nonce();
+    let mac = secret
+        .map(|s| s.client_mac(&relay_nonce, &client_nonce))
+        .unwrap_or([0u8; MAC_LEN]);
+    let mut auth = Header::new(Op::Auth, 0);
+    auth.body_len = AUTH_BODY_LEN as u64;
+    let io = async {
+        wr.write_all(&auth.encode()).await?;
+        wr.write_all(&client_nonce).await?;
+        wr.write_all(&mac).await?;
+        wr.flush().await
+    };
+    io.await.map_err(|e| lost(peer, "write failed", e))?;
+    let ok = match read_reply(rd, peer, "", Instant::now()).await {
+        Ok(Ok(h)) => h,
+        Err(KvError::Unauthorized { .. }) | Ok(Err(KvError::Unauthorized { .. })) => {
+            return Err(unauthorized(if secret.is_some() {
+                "the relay refused our shared secret (the relay and this client have different secrets)"
+            } else {
+                "the relay requires the shared secret and this client has none"
+            }));
+        }
+        Err(e) | Ok(Err(e)) => return Err(e),
+    };
+    let expected = if checks { MAC_LEN } else { 0 };
+    if ok.body_len != expected as u64 {
+        return Err(protocol(format!(
+            "handshake reply of {} bytes, expected {expected}",
+            ok.body_len
+        )));
+    }
+    let mut proof = [0u8; MAC_LEN];
+    rd.read_exact(&mut proof[..expected])
+        .await
+        .map_err(|e| lost(peer, "read failed", e))?;
+    if let Some(secret) = secret
+        && !secret.verify_server(&relay_nonce, &client_nonce, &proof)
+    {
+        return Err(unauthorized(
+            "the relay did not prove the shared secret (is it the relay this client is configured for?)",
+        ));
+    }
+    Ok(())
+}
+
+/// Runs the client's side of the handshake on a raw connection (tools and
+/// tests that speak frames themselves): afterwards the stream carries requests.
+pub async fn authenticate(stream: &mut TcpStream, secret: Option<&Secret>) -> Result<(), KvError> {
+    let peer = stream
+        .peer_addr()
+        .map(|a| a.to_string())
+        .unwrap_or_else(|_| "the relay".into());
+    let (mut rd, mut wr) = stream.split();
+    handshake(&mut rd, &mut wr, &peer, secret).await
 }

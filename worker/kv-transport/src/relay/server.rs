@@ -1,26 +1,35 @@
-//! The relay server: accepts connections and speaks the protocol of
-//! [`crate::frame`] over each. Per connection, a reader task handles frames
-//! in order and a writer task sends replies; GETs wait in their own tasks, so
-//! one connection carries many requests at once. Replies carry the request's
-//! `seq`. A malformed or oversize frame closes that connection only.
+//! The relay server: accepts connections (under the connection cap),
+//! authenticates each with the handshake of [`crate::frame`], and speaks the
+//! protocol over it. Per connection, a reader task handles frames in order
+//! and a writer task sends replies; GETs wait in their own tasks (under the
+//! waiting-GET cap), so one connection carries many requests at once.
+//! Replies carry the request's `seq`. Every frame must arrive within the
+//! read deadline of its first byte, and every reply be taken within it; a
+//! connection idle (no frame, no GET waiting) for the idle timeout is
+//! closed. A malformed or oversize frame closes that connection only, with
+//! the rest of its stream discarded unread.
 
 use std::future::Future;
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use bytes::Bytes;
-use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader};
-use tokio::net::TcpListener;
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
+use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::mpsc;
+use tokio::time::{Instant, timeout, timeout_at};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-use super::store::{Gauge, Relay};
+use super::store::{Gauge, Reject, Relay};
 use super::{MAX_WAIT, RelayConfig};
-use crate::frame::{ErrCode, FLAG_CRC, HEADER_LEN, Header, IO_BUF, Op, read_body_crc};
-use crate::{KvError, MAX_KEY_LEN};
+use crate::KvError;
+use crate::frame::{
+    self, Body, ErrCode, FLAG_CRC, HELLO_AUTH, Header, IO_BUF, MAC_LEN, NONCE_LEN, Op,
+    read_body_admitted, read_request_head,
+};
 
 /// Serves the relay protocol on `listener` until `shutdown` completes; then
 /// closes every connection and returns once they are all gone.
@@ -29,6 +38,11 @@ pub async fn serve(
     cfg: RelayConfig,
     shutdown: impl Future<Output = ()>,
 ) -> Result<(), KvError> {
+    if cfg.secret.is_none() {
+        tracing::warn!(
+            "KV relay: connections are NOT authenticated (no shared secret; --insecure-no-auth)"
+        );
+    }
     let relay = Arc::new(Relay::new(cfg));
     let stop = CancellationToken::new();
     let tracker = TaskTracker::new();
@@ -51,15 +65,20 @@ pub async fn serve(
             _ = &mut shutdown => break Ok(()),
             accepted = listener.accept() => match accepted {
                 Ok((stream, peer)) => {
+                    if !relay.admit_connection() {
+                        relay.reject(Reject::Connections);
+                        refuse_connection(&relay, stream);
+                        tracing::debug!(%peer, "relay: connection cap reached, closed a new connection");
+                        continue;
+                    }
                     let _ = stream.set_nodelay(true);
                     let relay = relay.clone();
                     let cancel = stop.child_token();
                     let span = tracing::debug_span!("relay.connection", %peer);
                     tracker.spawn(tracing::Instrument::instrument(async move {
-                        let _g = Gauge::up(&relay.connections);
+                        let _g = Gauge::adopt(&relay.connections);
                         tracing::debug!(%peer, "relay: connection opened");
-                        let (rd, wr) = stream.into_split();
-                        connection(relay.clone(), rd, wr, peer.to_string(), cancel).await;
+                        connection(relay.clone(), stream, peer.to_string(), cancel).await;
                         tracing::debug!(%peer, "relay: connection closed");
                     }, span));
                 }
@@ -77,6 +96,24 @@ pub async fn serve(
     tracker.wait().await;
     tracing::info!(epoch = relay.epoch, "KV relay stopped");
     result
+}
+
+/// Closes a connection over the cap at once, with an ERR the client can
+/// name (written only if the socket takes it without waiting).
+fn refuse_connection(relay: &Relay, stream: TcpStream) {
+    let r = err_reply(
+        0,
+        relay.epoch,
+        ErrCode::Capacity,
+        format!(
+            "the relay's connection cap of {} is reached",
+            relay.cfg.max_connections
+        ),
+        true,
+    );
+    let mut bytes = r.header.encode().to_vec();
+    bytes.extend_from_slice(&r.body);
+    let _ = stream.try_write(&bytes);
 }
 
 /// A reply queued for the writer task.
@@ -112,51 +149,143 @@ fn ok_reply(seq: u32, epoch: u64, index: u32, body: Bytes) -> Reply {
     }
 }
 
-async fn connection(
-    relay: Arc<Relay>,
-    rd: OwnedReadHalf,
-    wr: OwnedWriteHalf,
-    peer: String,
-    stop: CancellationToken,
-) {
+/// The fixed answer to a failed handshake (it tells nothing of why).
+const AUTH_FAILED: &str = "authentication failed";
+
+/// How a connection's request loop ended.
+enum End {
+    /// The client closed it (or the relay stops).
+    Done,
+    /// A fatal error, already answered: close (after discarding pending input
+    /// for a bounded time when `linger`).
+    Fatal { reason: String, linger: bool },
+}
+
+async fn connection(relay: Arc<Relay>, stream: TcpStream, peer: String, stop: CancellationToken) {
+    let (rd, mut wr) = stream.into_split();
+    let mut rd = BufReader::with_capacity(IO_BUF, rd);
+    let authed = tokio::select! {
+        r = timeout(relay.cfg.read_timeout, handshake(&relay, &mut rd, &mut wr)) => match r {
+            Ok(Ok(())) => true,
+            Ok(Err(reason)) => {
+                tracing::warn!(%peer, %reason, "relay: handshake refused");
+                false
+            }
+            Err(_) => {
+                tracing::warn!(%peer, timeout = ?relay.cfg.read_timeout, "relay: no handshake answer in time");
+                false
+            }
+        },
+        _ = stop.cancelled() => return,
+    };
+    if !authed {
+        relay.reject(Reject::Auth);
+        let r = err_reply(
+            0,
+            relay.epoch,
+            ErrCode::Unauthorized,
+            AUTH_FAILED.into(),
+            true,
+        );
+        let _ = timeout(Duration::from_secs(1), async {
+            wr.write_all(&r.header.encode()).await?;
+            wr.write_all(&r.body).await?;
+            wr.shutdown().await
+        })
+        .await;
+        // A short lingering close (see below), smaller than for an
+        // authenticated peer: the refusal must not be lost to a reset.
+        let mut input = (&mut rd).take(64 << 10);
+        let _ = timeout(
+            Duration::from_millis(500),
+            tokio::io::copy(&mut input, &mut tokio::io::sink()),
+        )
+        .await;
+        return;
+    }
     let (tx, rx) = mpsc::channel::<Reply>(1024);
-    let writer = tokio::spawn(write_replies(wr, rx));
+    let writer = tokio::spawn(write_replies(relay.clone(), wr, rx));
     // Waiting GETs of this connection end with it (or with the relay).
     let gets = stop.child_token();
-    let mut rd = BufReader::with_capacity(IO_BUF, rd);
-    let reason = tokio::select! {
+    let end = tokio::select! {
         r = read_requests(&relay, &mut rd, &tx, &gets) => r,
         _ = stop.cancelled() => {
             let _ = tx.try_send(err_reply(0, relay.epoch, ErrCode::ShuttingDown, "relay shutting down".into(), true));
-            Ok(())
+            End::Done
         }
     };
-    let fatal = reason.is_err();
-    if let Err(reason) = reason {
-        tracing::warn!(%peer, %reason, "relay: closing connection");
-    }
+    let linger = match end {
+        End::Done => false,
+        End::Fatal { reason, linger } => {
+            tracing::warn!(%peer, %reason, "relay: closing connection");
+            linger
+        }
+    };
     // Stop the waiting GETs (they drop their senders), then let the writer
     // send what is queued: it ends when every sender is gone or after a
     // `close` reply. A client that does not read gets a short grace.
     gets.cancel();
     drop(tx);
     let abort = writer.abort_handle();
-    if tokio::time::timeout(Duration::from_secs(2), writer)
-        .await
-        .is_err()
-    {
+    if timeout(Duration::from_secs(2), writer).await.is_err() {
         abort.abort();
     }
-    if fatal {
+    if linger {
         // Lingering close: the client may still be sending the frame that was
         // refused. Closing with its bytes unread would make the kernel reset
         // the connection, and the client could lose the error reply it has
-        // not read yet. The reply and our FIN are out; drain for a bounded
-        // time and size, then close.
+        // not read yet. The reply and our FIN are out; discard input for a
+        // bounded time and size (never parsing it), then close.
         let mut input = (&mut rd).take(LINGER_MAX_BYTES);
         let mut sink = tokio::io::sink();
-        let _ = tokio::time::timeout(LINGER, tokio::io::copy(&mut input, &mut sink)).await;
+        let _ = timeout(LINGER, tokio::io::copy(&mut input, &mut sink)).await;
     }
+}
+
+/// The relay's side of the handshake: HELLO out, AUTH in (checked), OK out.
+/// An error is the (logged, never sent) reason for refusing.
+async fn handshake(
+    relay: &Relay,
+    rd: &mut BufReader<OwnedReadHalf>,
+    wr: &mut OwnedWriteHalf,
+) -> Result<(), String> {
+    let relay_nonce = frame::nonce();
+    let mut hello = Header::new(Op::Hello, 0);
+    hello.arg = if relay.cfg.secret.is_some() {
+        HELLO_AUTH
+    } else {
+        0
+    };
+    hello.body_len = NONCE_LEN as u64;
+    hello.epoch = relay.epoch;
+    let io = |e: std::io::Error| format!("handshake I/O: {e}");
+    wr.write_all(&hello.encode()).await.map_err(io)?;
+    wr.write_all(&relay_nonce).await.map_err(io)?;
+    // Nothing but an AUTH of its fixed size is read before the handshake.
+    let (h, _) = match read_request_head(rd, 0).await {
+        Ok(Some(head)) => head,
+        Ok(None) => return Err("closed before answering".into()),
+        Err(e) => return Err(format!("not a handshake answer: {e}")),
+    };
+    if h.op != Op::Auth {
+        return Err(format!("{:?} before the handshake", h.op));
+    }
+    let mut body = [0u8; NONCE_LEN + MAC_LEN];
+    rd.read_exact(&mut body).await.map_err(io)?;
+    let (client_nonce, client_mac) = body.split_at(NONCE_LEN);
+    let proof = match &relay.cfg.secret {
+        Some(secret) => {
+            if !secret.verify_client(&relay_nonce, client_nonce, client_mac) {
+                return Err("wrong secret".into());
+            }
+            Bytes::copy_from_slice(&secret.server_mac(&relay_nonce, client_nonce))
+        }
+        None => Bytes::new(),
+    };
+    let ok = ok_reply(h.seq, relay.epoch, 0, proof);
+    wr.write_all(&ok.header.encode()).await.map_err(io)?;
+    wr.write_all(&ok.body).await.map_err(io)?;
+    Ok(())
 }
 
 /// How long a connection closed for a protocol error keeps reading (and discarding) input.
@@ -164,143 +293,210 @@ const LINGER: Duration = Duration::from_secs(2);
 /// How much input such a connection discards at most.
 const LINGER_MAX_BYTES: u64 = 256 << 20;
 
-async fn write_replies(wr: OwnedWriteHalf, mut rx: mpsc::Receiver<Reply>) {
+async fn write_replies(relay: Arc<Relay>, wr: OwnedWriteHalf, mut rx: mpsc::Receiver<Reply>) {
     let mut wr = tokio::io::BufWriter::with_capacity(IO_BUF, wr);
+    let deadline = relay.cfg.read_timeout;
     while let Some(reply) = rx.recv().await {
-        let res = async {
+        let res = timeout(deadline, async {
             wr.write_all(&reply.header.encode()).await?;
             wr.write_all(&reply.body).await?;
             if rx.is_empty() || reply.close {
                 wr.flush().await?;
             }
             std::io::Result::Ok(())
-        }
+        })
         .await;
-        if res.is_err() || reply.close {
-            break;
+        match res {
+            Ok(Ok(())) if !reply.close => {}
+            Ok(_) => break,
+            Err(_) => {
+                // The client does not take its replies: drop it (and what is
+                // queued for it) rather than hold blobs for it.
+                relay.reject(Reject::WriteTimeout);
+                tracing::warn!(
+                    ?deadline,
+                    "relay: a client did not read its reply in time; closing"
+                );
+                return;
+            }
         }
     }
-    let _ = wr.flush().await;
-    let _ = wr.shutdown().await;
+    let _ = timeout(deadline, async {
+        let _ = wr.flush().await;
+        let _ = wr.shutdown().await;
+    })
+    .await;
 }
 
-/// Reads and handles frames until EOF or a fatal protocol error (returned as a message).
+/// Reads and handles frames until EOF or a fatal error (answered before it returns).
 async fn read_requests(
     relay: &Arc<Relay>,
     rd: &mut BufReader<OwnedReadHalf>,
     tx: &mpsc::Sender<Reply>,
     cancel: &CancellationToken,
-) -> Result<(), String> {
+) -> End {
     let epoch = relay.epoch;
-    let send = |r: Reply| async move { tx.send(r).await.map_err(|_| "writer gone".to_string()) };
+    let cfg = &relay.cfg;
+    // GETs of this connection still waiting (the connection is not idle then).
+    let pending = Arc::new(AtomicUsize::new(0));
+    macro_rules! send {
+        ($r:expr) => {
+            if tx.send($r).await.is_err() {
+                return End::Fatal {
+                    reason: "writer gone".into(),
+                    linger: false,
+                };
+            }
+        };
+    }
+    // Answers a fatal error (closing) and ends the loop.
+    macro_rules! fatal {
+        ($seq:expr, $code:expr, $why:expr, $msg:expr, $linger:expr) => {{
+            let msg: String = $msg;
+            relay.reject($why);
+            let _ = tx
+                .send(err_reply($seq, epoch, $code, msg.clone(), true))
+                .await;
+            return End::Fatal {
+                reason: msg,
+                linger: $linger,
+            };
+        }};
+    }
     loop {
-        let mut hb = [0u8; HEADER_LEN];
-        match rd.read_exact(&mut hb).await {
-            Ok(_) => {}
-            Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(()),
-            Err(e) => return Err(format!("read failed: {e}")),
-        }
-        let h = match Header::decode(&hb) {
-            Ok(h) => h,
-            Err(e) => {
-                send(err_reply(
-                    0,
-                    epoch,
-                    ErrCode::Malformed,
-                    format!("malformed frame: {e}"),
-                    true,
-                ))
-                .await?;
-                return Err(format!("malformed frame: {e}"));
-            }
-        };
-        if h.key_len as usize > MAX_KEY_LEN {
-            let msg = format!("key of {} bytes exceeds {MAX_KEY_LEN}", h.key_len);
-            send(err_reply(
-                h.seq,
-                epoch,
-                ErrCode::Malformed,
-                msg.clone(),
-                true,
-            ))
-            .await?;
-            return Err(msg);
-        }
-        let mut kb = vec![0u8; h.key_len as usize];
-        rd.read_exact(&mut kb)
+        // Idle until the next frame's first byte.
+        let n = loop {
+            match timeout(cfg.idle_timeout, async {
+                rd.fill_buf().await.map(|b| b.len())
+            })
             .await
-            .map_err(|e| format!("read failed: {e}"))?;
-        let key = match String::from_utf8(kb) {
-            Ok(k) if !k.is_empty() || h.op == Op::Stats => k,
-            _ => {
-                discard(&mut *rd, h.body_len.min(relay.cfg.max_frame)).await?;
-                send(err_reply(
-                    h.seq,
-                    epoch,
-                    ErrCode::BadRequest,
-                    "empty or non-UTF-8 key".into(),
-                    false,
-                ))
-                .await?;
-                continue;
+            {
+                Ok(Ok(n)) => break n,
+                Ok(Err(e)) => {
+                    return End::Fatal {
+                        reason: format!("read failed: {e}"),
+                        linger: false,
+                    };
+                }
+                Err(_) if pending.load(Ordering::SeqCst) > 0 => continue,
+                Err(_) => fatal!(
+                    0,
+                    ErrCode::Timeout,
+                    Reject::IdleTimeout,
+                    format!("connection idle for {:?}", cfg.idle_timeout),
+                    false
+                ),
             }
         };
-        if h.body_len > relay.cfg.max_frame {
-            let msg = format!(
-                "frame body of {} bytes exceeds the relay's maximum of {}",
-                h.body_len, relay.cfg.max_frame
-            );
-            send(err_reply(
-                h.seq,
-                epoch,
-                ErrCode::TooLarge,
-                msg.clone(),
-                true,
-            ))
-            .await?;
-            return Err(msg);
+        if n == 0 {
+            return End::Done;
         }
-        if h.op != Op::Put && h.body_len != 0 {
-            let msg = format!("{:?} frame with a body", h.op);
-            send(err_reply(
-                h.seq,
-                epoch,
-                ErrCode::Malformed,
-                msg.clone(),
-                true,
-            ))
-            .await?;
-            return Err(msg);
+        let deadline = Instant::now() + cfg.read_timeout;
+        let late = || format!("a frame did not arrive within {:?}", cfg.read_timeout);
+        // Skips a refused body within the frame's deadline.
+        macro_rules! discard_or_end {
+            ($seq:expr, $n:expr) => {
+                match timeout_at(deadline, discard(&mut *rd, $n)).await {
+                    Err(_) => fatal!($seq, ErrCode::Timeout, Reject::ReadTimeout, late(), false),
+                    Ok(Err(reason)) => {
+                        return End::Fatal {
+                            reason,
+                            linger: false,
+                        };
+                    }
+                    Ok(Ok(())) => {}
+                }
+            };
         }
+        let (h, key) = match timeout_at(deadline, read_request_head(rd, cfg.max_frame)).await {
+            Err(_) => fatal!(0, ErrCode::Timeout, Reject::ReadTimeout, late(), false),
+            Ok(Ok(Some(head))) => head,
+            Ok(Ok(None)) => return End::Done,
+            Ok(Err(frame::FrameError::Io(e))) => {
+                return End::Fatal {
+                    reason: format!("read failed: {e}"),
+                    linger: false,
+                };
+            }
+            Ok(Err(frame::FrameError::Truncated)) => {
+                return End::Fatal {
+                    reason: "connection closed inside a frame".into(),
+                    linger: false,
+                };
+            }
+            Ok(Err(e)) => {
+                let why = match e.code() {
+                    ErrCode::TooLarge => Reject::TooLarge,
+                    _ => Reject::Malformed,
+                };
+                fatal!(0, e.code(), why, format!("{e}"), true)
+            }
+        };
         match h.op {
             Op::Put => {
                 let n = h.body_len;
-                if !relay.reserve(n) {
-                    discard(&mut *rd, n).await?;
-                    let msg = format!(
-                        "relay memory cap of {} bytes reached ({} held)",
-                        relay.cfg.max_bytes,
-                        relay.used.load(Ordering::SeqCst)
-                    );
-                    send(err_reply(h.seq, epoch, ErrCode::Capacity, msg, false)).await?;
+                if let Err(why) = relay.admit_put() {
+                    relay.reject(why);
+                    discard_or_end!(h.seq, n);
+                    let msg = match why {
+                        Reject::Entries => {
+                            format!("the relay holds its maximum of {} blobs", cfg.max_entries)
+                        }
+                        _ => memory_full(relay),
+                    };
+                    send!(err_reply(h.seq, epoch, ErrCode::Capacity, msg, false));
                     continue;
                 }
                 let crc = (h.flags & FLAG_CRC != 0).then_some(h.crc32);
+                let mut received = 0u64;
                 let body = {
                     let _g = Gauge::up(&relay.puts_in_progress);
-                    read_body_crc(&mut *rd, n as usize, crc.is_some()).await
+                    let admit = |k: usize| {
+                        let ok = relay.reserve(k as u64);
+                        if ok {
+                            received += k as u64;
+                        }
+                        ok
+                    };
+                    timeout_at(
+                        deadline,
+                        read_body_admitted(&mut *rd, n as usize, crc.is_some(), admit),
+                    )
+                    .await
                 };
                 let (body, computed) = match body {
-                    Ok(b) => b,
-                    Err(e) => {
-                        relay.unreserve(n);
-                        return Err(format!("connection lost inside a PUT body: {e}"));
+                    Ok(Ok(Body::Complete(b, c))) => (b, c),
+                    Ok(Ok(Body::Refused { read })) => {
+                        relay.abandon_put(received);
+                        relay.reject(Reject::Memory);
+                        let rest = n - read as u64;
+                        discard_or_end!(h.seq, rest);
+                        send!(err_reply(
+                            h.seq,
+                            epoch,
+                            ErrCode::Capacity,
+                            memory_full(relay),
+                            false
+                        ));
+                        continue;
+                    }
+                    Ok(Err(e)) => {
+                        relay.abandon_put(received);
+                        return End::Fatal {
+                            reason: format!("connection lost inside a PUT body: {e}"),
+                            linger: false,
+                        };
+                    }
+                    Err(_) => {
+                        // A stalled PUT gives back what it held at once.
+                        relay.abandon_put(received);
+                        fatal!(h.seq, ErrCode::Timeout, Reject::ReadTimeout, late(), false)
                     }
                 };
                 if let Some(actual) = computed
                     && actual != h.crc32
                 {
-                    relay.unreserve(n);
+                    relay.abandon_put(received);
                     let mut r = err_reply(
                         h.seq,
                         epoch,
@@ -313,23 +509,40 @@ async fn read_requests(
                     );
                     r.header.crc32 = actual;
                     r.header.index = h.index;
-                    send(r).await?;
+                    send!(r);
                     continue;
                 }
                 relay.insert(key, h.index, (body, crc));
-                send(ok_reply(h.seq, epoch, h.index, Bytes::new())).await?;
+                send!(ok_reply(h.seq, epoch, h.index, Bytes::new()));
             }
             Op::Get => {
                 if h.epoch != 0 && h.epoch != epoch {
-                    send(restarted(&key, h, epoch)).await?;
+                    send!(restarted(&key, h, epoch));
+                    continue;
+                }
+                if !relay.admit_waiter() {
+                    relay.reject(Reject::Waiters);
+                    send!(err_reply(
+                        h.seq,
+                        epoch,
+                        ErrCode::Capacity,
+                        format!(
+                            "the relay's cap of {} waiting GETs is reached",
+                            cfg.max_waiters
+                        ),
+                        false
+                    ));
                     continue;
                 }
                 let wait = Duration::from_millis(h.arg as u64).min(MAX_WAIT);
-                let deadline = tokio::time::Instant::now() + wait;
+                let deadline = Instant::now() + wait;
                 let relay = relay.clone();
                 let tx = tx.clone();
                 let cancel = cancel.clone();
+                pending.fetch_add(1, Ordering::SeqCst);
+                let pending = pending.clone();
                 tokio::spawn(async move {
+                    let _p = Gauge::adopt(&pending);
                     let reply = match relay.wait_for(&key, h.index, deadline, &cancel).await {
                         Some((blob, crc)) => {
                             let mut r = ok_reply(h.seq, epoch, h.index, blob);
@@ -355,26 +568,29 @@ async fn read_requests(
             Op::Del => {
                 let removed = relay.remove(&key);
                 tracing::debug!(key, removed, "relay: released");
-                send(ok_reply(h.seq, epoch, 0, Bytes::new())).await?;
+                send!(ok_reply(h.seq, epoch, 0, Bytes::new()));
             }
             Op::Stats => {
                 let body = serde_json::to_vec(&relay.stats()).expect("stats serialize");
-                send(ok_reply(h.seq, epoch, 0, Bytes::from(body))).await?;
+                send!(ok_reply(h.seq, epoch, 0, Bytes::from(body)));
             }
-            Op::Ok | Op::Err => {
-                let msg = format!("reply op {:?} sent to the relay", h.op);
-                send(err_reply(
-                    h.seq,
-                    epoch,
-                    ErrCode::Malformed,
-                    msg.clone(),
-                    true,
-                ))
-                .await?;
-                return Err(msg);
-            }
+            Op::Hello | Op::Auth | Op::Ok | Op::Err => fatal!(
+                h.seq,
+                ErrCode::Malformed,
+                Reject::Malformed,
+                format!("{:?} frame sent to the relay after the handshake", h.op),
+                true
+            ),
         }
     }
+}
+
+fn memory_full(relay: &Relay) -> String {
+    format!(
+        "relay memory cap of {} bytes reached ({} held)",
+        relay.cfg.max_bytes,
+        relay.used.load(Ordering::SeqCst)
+    )
 }
 
 fn restarted(key: &str, h: Header, epoch: u64) -> Reply {
@@ -390,6 +606,7 @@ fn restarted(key: &str, h: Header, epoch: u64) -> Reply {
     )
 }
 
+/// Reads and drops `n` bytes; an error if the stream ends first.
 async fn discard<R: tokio::io::AsyncRead + Unpin>(rd: &mut R, n: u64) -> Result<(), String> {
     let copied = tokio::io::copy(&mut (&mut *rd).take(n), &mut tokio::io::sink())
         .await

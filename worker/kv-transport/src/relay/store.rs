@@ -1,6 +1,8 @@
 //! The relay's memory: blobs keyed by `(request key, blob index)`, the
-//! memory cap, the TTL sweep, the GETs waiting for a blob, and the counters
-//! of the STATS reply. The protocol side is [`super::server`].
+//! caps (memory with a per-blob overhead, blobs, waiting GETs,
+//! connections), the TTL sweep, the GETs waiting for a blob, and the
+//! counters of the STATS reply (with the rejections by reason). The
+//! protocol side is [`super::server`].
 
 use std::collections::HashMap;
 use std::sync::Mutex;
@@ -11,8 +13,65 @@ use bytes::Bytes;
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
-use super::RelayConfig;
+use super::{ENTRY_OVERHEAD, RelayConfig};
 use crate::frame::RelayStats;
+
+/// Why the relay refused something or closed a connection (the `reason`
+/// label of the STATS `rejections` counter).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Reject {
+    /// Wrong, missing or late handshake answer.
+    Auth,
+    /// Over the connection cap.
+    Connections,
+    /// Over the waiting-GET cap.
+    Waiters,
+    /// Over the blob cap.
+    Entries,
+    /// Over the memory cap.
+    Memory,
+    /// A frame that is not the protocol (bad magic, version, op, key, a body where none belongs).
+    Malformed,
+    /// A frame body over the maximum frame.
+    TooLarge,
+    /// A frame that did not arrive within the read deadline.
+    ReadTimeout,
+    /// A connection idle for the idle timeout.
+    IdleTimeout,
+    /// A reply the client did not take within the read deadline.
+    WriteTimeout,
+}
+
+impl Reject {
+    const ALL: [Reject; 10] = [
+        Reject::Auth,
+        Reject::Connections,
+        Reject::Waiters,
+        Reject::Entries,
+        Reject::Memory,
+        Reject::Malformed,
+        Reject::TooLarge,
+        Reject::ReadTimeout,
+        Reject::IdleTimeout,
+        Reject::WriteTimeout,
+    ];
+
+    /// The label value.
+    pub(super) fn as_str(self) -> &'static str {
+        match self {
+            Reject::Auth => "auth",
+            Reject::Connections => "connections",
+            Reject::Waiters => "waiters",
+            Reject::Entries => "entries",
+            Reject::Memory => "memory",
+            Reject::Malformed => "malformed",
+            Reject::TooLarge => "too_large",
+            Reject::ReadTimeout => "read_timeout",
+            Reject::IdleTimeout => "idle_timeout",
+            Reject::WriteTimeout => "write_timeout",
+        }
+    }
+}
 
 /// A stored blob and the CRC-32 it was PUT with (`None`: sent without one).
 pub(super) type Stored = (Bytes, Option<u32>);
@@ -30,6 +89,8 @@ pub(super) struct Relay {
     store: Mutex<HashMap<String, Slot>>,
     /// Bytes held or reserved (the memory cap counts these).
     pub(super) used: AtomicU64,
+    /// Blobs held plus PUTs admitted and still being received (the blob cap counts these).
+    entries: AtomicUsize,
     arrived: Notify,
     waiters: AtomicUsize,
     /// Open connections (a gauge).
@@ -37,6 +98,7 @@ pub(super) struct Relay {
     /// PUT bodies being received (a gauge).
     pub(super) puts_in_progress: AtomicUsize,
     expired: AtomicU64,
+    rejections: [AtomicU64; Reject::ALL.len()],
 }
 
 /// Decrements a gauge when dropped.
@@ -46,6 +108,13 @@ impl<'a> Gauge<'a> {
     /// Increments `g` until the returned guard drops.
     pub(super) fn up(g: &'a AtomicUsize) -> Gauge<'a> {
         g.fetch_add(1, Ordering::SeqCst);
+        Gauge(g)
+    }
+}
+
+impl<'a> Gauge<'a> {
+    /// Takes over one unit of `g` that was already counted, to give it back on drop.
+    pub(super) fn adopt(g: &'a AtomicUsize) -> Gauge<'a> {
         Gauge(g)
     }
 }
@@ -77,11 +146,13 @@ impl Relay {
             epoch: new_epoch(),
             store: Mutex::new(HashMap::new()),
             used: AtomicU64::new(0),
+            entries: AtomicUsize::new(0),
             arrived: Notify::new(),
             waiters: AtomicUsize::new(0),
             connections: AtomicUsize::new(0),
             puts_in_progress: AtomicUsize::new(0),
             expired: AtomicU64::new(0),
+            rejections: Default::default(),
             cfg,
         }
     }
@@ -98,7 +169,68 @@ impl Relay {
             connections: self.connections.load(Ordering::SeqCst),
             puts_in_progress: self.puts_in_progress.load(Ordering::SeqCst),
             expired: self.expired.load(Ordering::SeqCst),
+            rejections: Reject::ALL
+                .iter()
+                .map(|r| {
+                    (
+                        r.as_str().to_string(),
+                        self.rejections[*r as usize].load(Ordering::SeqCst),
+                    )
+                })
+                .collect(),
         }
+    }
+
+    /// Counts a refusal or forced close.
+    pub(super) fn reject(&self, why: Reject) {
+        self.rejections[why as usize].fetch_add(1, Ordering::SeqCst);
+    }
+
+    /// Takes one unit of `gauge` if it is below `cap`.
+    fn acquire(gauge: &AtomicUsize, cap: usize) -> bool {
+        gauge
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |cur| {
+                (cur < cap).then_some(cur + 1)
+            })
+            .is_ok()
+    }
+
+    /// Admits a connection under the connection cap; the connection's task
+    /// gives it back ([`Gauge::adopt`] of [`Relay::connections`]).
+    pub(super) fn admit_connection(&self) -> bool {
+        Self::acquire(&self.connections, self.cfg.max_connections)
+    }
+
+    /// Takes a waiting-GET slot under the cap; [`Relay::wait_for`] gives it back.
+    pub(super) fn admit_waiter(&self) -> bool {
+        Self::acquire(&self.waiters, self.cfg.max_waiters)
+    }
+
+    /// Admits a PUT under the blob cap and reserves its [`ENTRY_OVERHEAD`]
+    /// under the memory cap; on refusal says which cap. A PUT admitted here
+    /// ends in [`Relay::insert`] or [`Relay::abandon_put`].
+    pub(super) fn admit_put(&self) -> Result<(), Reject> {
+        if !Self::acquire(&self.entries, self.cfg.max_entries) {
+            return Err(Reject::Entries);
+        }
+        if !self.reserve(ENTRY_OVERHEAD) {
+            self.entries.fetch_sub(1, Ordering::SeqCst);
+            return Err(Reject::Memory);
+        }
+        Ok(())
+    }
+
+    /// Gives back what an admitted PUT held: its entry, its overhead and the
+    /// `received` body bytes reserved so far.
+    pub(super) fn abandon_put(&self, received: u64) {
+        self.unreserve(ENTRY_OVERHEAD + received);
+        self.entries.fetch_sub(1, Ordering::SeqCst);
+    }
+
+    /// Gives back what dropped blobs held (`count` entries of `bytes` in all).
+    fn release_blobs(&self, count: usize, bytes: u64) {
+        self.unreserve(bytes + ENTRY_OVERHEAD * count as u64);
+        self.entries.fetch_sub(count, Ordering::SeqCst);
     }
 
     /// Reserves `n` bytes under the memory cap.
@@ -123,7 +255,8 @@ impl Relay {
         self.used.fetch_sub(n, Ordering::SeqCst);
     }
 
-    /// Stores a blob (replacing one at the same index) and wakes the waiting GETs.
+    /// Stores the blob of an admitted PUT (replacing one at the same index)
+    /// and wakes the waiting GETs.
     pub(super) fn insert(&self, key: String, index: u32, blob: Stored) {
         let old = {
             let mut store = self.store.lock().expect("relay store poisoned");
@@ -134,7 +267,7 @@ impl Relay {
             slot.blobs.insert(index, blob)
         };
         if let Some((old, _)) = old {
-            self.unreserve(old.len() as u64);
+            self.release_blobs(1, old.len() as u64);
         }
         self.arrived.notify_waiters();
     }
@@ -150,7 +283,7 @@ impl Relay {
         match slot {
             Some(slot) => {
                 let bytes: u64 = slot.blobs.values().map(|b| b.0.len() as u64).sum();
-                self.unreserve(bytes);
+                self.release_blobs(slot.blobs.len(), bytes);
                 slot.blobs.len()
             }
             None => 0,
@@ -173,13 +306,14 @@ impl Relay {
         };
         for (key, slot) in gone {
             let bytes: u64 = slot.blobs.values().map(|b| b.0.len() as u64).sum();
-            self.unreserve(bytes);
+            self.release_blobs(slot.blobs.len(), bytes);
             self.expired.fetch_add(1, Ordering::SeqCst);
             tracing::info!(key, bytes, "relay: expired unread KV cache");
         }
     }
 
-    /// Waits for blob `index` of `key` until `deadline`, or until `cancel`.
+    /// Waits for blob `index` of `key` until `deadline`, or until `cancel`;
+    /// then gives back the slot [`Relay::admit_waiter`] took.
     pub(super) async fn wait_for(
         &self,
         key: &str,
@@ -187,7 +321,7 @@ impl Relay {
         deadline: tokio::time::Instant,
         cancel: &CancellationToken,
     ) -> Option<Stored> {
-        let _g = Gauge::up(&self.waiters);
+        let _g = Gauge(&self.waiters);
         loop {
             let notified = self.arrived.notified();
             tokio::pin!(notified);
