@@ -22,7 +22,10 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
+use std::sync::atomic::AtomicU64;
+use std::time::Instant;
 
+use prometheus::IntCounter;
 use wasmtime::{Caller, Linker, Memory, ResourceLimiter, TypedFunc};
 
 use crate::SandboxLimits;
@@ -52,7 +55,7 @@ mod stream;
 mod time;
 mod wasi;
 
-pub(crate) use headers::decode_map;
+pub use headers::{decode_map, encode_map};
 
 /// The proxy-wasm import module.
 const ENV: &str = "env";
@@ -118,6 +121,97 @@ impl ResourceLimiter for Limiter {
     }
 }
 
+/// The guest log rate limit of one runtime (all its instances): a token
+/// bucket of `rate` lines per second, holding at most `rate`.
+pub(crate) struct LogBucket {
+    rate: f64,
+    state: std::sync::Mutex<(f64, Instant)>,
+}
+
+// === impl LogBucket ===
+
+impl LogBucket {
+    /// A full bucket of `rate` lines per second (0: no guest line is logged).
+    pub fn new(rate: u32) -> Self {
+        LogBucket {
+            rate: f64::from(rate),
+            state: std::sync::Mutex::new((f64::from(rate), Instant::now())),
+        }
+    }
+
+    /// Takes one line's token; false when the rate is used up.
+    pub fn take(&self) -> bool {
+        let mut st = self
+            .state
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let now = Instant::now();
+        let refill = now.duration_since(st.1).as_secs_f64() * self.rate;
+        st.0 = (st.0 + refill).min(self.rate);
+        st.1 = now;
+        if st.0 >= 1.0 {
+            st.0 -= 1.0;
+            true
+        } else {
+            false
+        }
+    }
+}
+
+/// Counters of hostcalls refused at a host-side cap
+/// (`policy_host_cap_hits_total{cap}`), one per cap, resolved once.
+#[derive(Clone)]
+pub(crate) struct CapHits {
+    /// Shared data: entries or bytes.
+    pub shared_data: IntCounter,
+    /// Headers the guest sets: count or bytes.
+    pub headers: IntCounter,
+    /// A log message over the size cap.
+    pub log_size: IntCounter,
+    /// A log line over the rate.
+    pub log_rate: IntCounter,
+    /// Guest metric names: count or name length.
+    pub metrics: IntCounter,
+}
+
+// === impl CapHits ===
+
+impl CapHits {
+    /// The counters of `vec` (label `cap`).
+    pub fn of(vec: &prometheus::IntCounterVec) -> Self {
+        let c = |cap: &str| vec.with_label_values(&[cap]);
+        CapHits {
+            shared_data: c("shared_data"),
+            headers: c("headers"),
+            log_size: c("log_size"),
+            log_rate: c("log_rate"),
+            metrics: c("metrics"),
+        }
+    }
+
+    /// Counters registered nowhere (`rngd-pd policy check`).
+    pub fn unregistered() -> Self {
+        let vec = prometheus::IntCounterVec::new(
+            prometheus::Opts::new(rngd_telemetry::names::POLICY_HOST_CAP_HITS_TOTAL, "unused"),
+            &["cap"],
+        )
+        .expect("a valid metric name and label");
+        CapHits::of(&vec)
+    }
+}
+
+/// What every instance of one runtime shares with the host.
+#[derive(Clone)]
+pub(crate) struct HostEnv {
+    /// Epoch ticks since the engine started (the ticker counts them beside
+    /// the engine's own epoch, which wasmtime does not expose).
+    pub ticks: Arc<AtomicU64>,
+    /// The guest log rate limit.
+    pub log_bucket: Arc<LogBucket>,
+    /// Cap-hit counters.
+    pub caps: CapHits,
+}
+
 /// Per-store host state.
 pub(crate) struct HostState {
     pub limiter: Limiter,
@@ -126,19 +220,38 @@ pub(crate) struct HostState {
     pub plugin_config: Arc<[u8]>,
     pub req: RequestState,
     pub max_header_bytes: usize,
+    /// Caps on what a guest can make the host keep.
+    pub caps: HostCaps,
+    /// Shared with the other instances of the runtime.
+    pub env: HostEnv,
     /// Bytes on their way into guest memory (see `memory::give`).
     scratch: Vec<u8>,
     metrics: HashMap<u32, (String, u64)>,
     shared: HashMap<String, (Vec<u8>, u32)>,
+    /// Bytes (keys plus values) held in `shared`.
+    shared_bytes: usize,
     /// Last guest log lines at error level (for reports).
     pub errors: Vec<String>,
 }
+
+/// The host-side caps of [`SandboxLimits`] one store enforces.
+#[derive(Clone, Copy)]
+pub(crate) struct HostCaps {
+    pub shared_entries: usize,
+    pub shared_bytes: usize,
+    pub set_headers: usize,
+    pub set_header_bytes: usize,
+    pub log_bytes: usize,
+}
+
+/// Longest guest metric name.
+pub(crate) const MAX_METRIC_NAME_BYTES: usize = 256;
 
 // === impl HostState ===
 
 impl HostState {
     /// Fresh state for a new instance.
-    pub fn new(limits: &SandboxLimits, plugin_config: Arc<[u8]>) -> Self {
+    pub fn new(limits: &SandboxLimits, plugin_config: Arc<[u8]>, env: HostEnv) -> Self {
         HostState {
             limiter: Limiter {
                 memory_bytes: limits.memory_bytes,
@@ -149,9 +262,18 @@ impl HostState {
             plugin_config,
             req: RequestState::default(),
             max_header_bytes: limits.max_header_bytes,
+            caps: HostCaps {
+                shared_entries: limits.max_shared_entries,
+                shared_bytes: limits.max_shared_bytes,
+                set_headers: limits.max_set_headers,
+                set_header_bytes: limits.max_set_header_bytes,
+                log_bytes: limits.max_log_bytes,
+            },
+            env,
             scratch: Vec::new(),
             metrics: HashMap::new(),
             shared: HashMap::new(),
+            shared_bytes: 0,
             errors: Vec::new(),
         }
     }

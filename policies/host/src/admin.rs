@@ -1,26 +1,125 @@
-//! The admin API: `GET /admin/policy` (active module) and `PUT /admin/policy`
-//! (body = wasm bytes, bearer token required) for hot swaps.
+//! The admin API: `GET /admin/policy` (active module, and the one a rollback
+//! would restore) and `PUT /admin/policy` (body = wasm bytes) for hot swaps.
+//! Every method needs the bearer token, compared in constant time (SHA-256
+//! digests of both, compared without an early exit); after
+//! [`AdminOptions::max_failures`] failed attempts within
+//! [`AdminOptions::failure_window`] every request is answered 429 for
+//! [`AdminOptions::lockout`]. [`serve`] runs it on its own listener
+//! (loopback by default); [`admin_router`] / [`admin_router_with`] give the
+//! router for a caller that binds it. The token never appears in logs or in
+//! `Debug` output ([`AdminToken`]).
 
-use std::sync::Arc;
-use std::time::UNIX_EPOCH;
+use std::collections::VecDeque;
+use std::net::{Ipv4Addr, SocketAddr};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, UNIX_EPOCH};
 
 use axum::Router;
 use axum::body::Bytes;
 use axum::extract::{DefaultBodyLimit, State};
-use axum::http::{HeaderMap, StatusCode, header};
+use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use rngd_api::openai::ErrorBody;
 
-use crate::{ModuleInfo, PolicyRuntime};
+use crate::{ModuleInfo, PolicyError, PolicyRuntime};
 
 /// Largest module `PUT /admin/policy` accepts.
 const MAX_MODULE_BYTES: usize = 32 << 20;
 
+/// Where [`serve`] listens by default: loopback only.
+pub const DEFAULT_ADMIN_LISTEN: SocketAddr =
+    SocketAddr::new(std::net::IpAddr::V4(Ipv4Addr::LOCALHOST), 9903);
+
+/// The admin bearer token. Only its SHA-256 digest is kept; `Debug` shows
+/// neither.
+#[derive(Clone)]
+pub struct AdminToken {
+    digest: [u8; 32],
+}
+
+impl std::fmt::Debug for AdminToken {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("AdminToken(<redacted>)")
+    }
+}
+
+// === impl AdminToken ===
+
+impl AdminToken {
+    /// The token `token`; `None` when it is empty (no admin API).
+    pub fn new(token: &str) -> Option<AdminToken> {
+        (!token.is_empty()).then(|| AdminToken {
+            digest: digest(token.as_bytes()),
+        })
+    }
+
+    /// Whether `given` is the token: the SHA-256 digests of both are
+    /// compared without an early exit, so the time taken says nothing about
+    /// how much of `given` matched (nor about the token's length).
+    pub fn matches(&self, given: &[u8]) -> bool {
+        same_digest(&digest(given), &self.digest)
+    }
+}
+
+fn digest(bytes: &[u8]) -> [u8; 32] {
+    use sha2::Digest;
+    sha2::Sha256::digest(bytes).into()
+}
+
+/// Constant-time equality of two digests.
+fn same_digest(a: &[u8; 32], b: &[u8; 32]) -> bool {
+    let diff = a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y));
+    // Keeps the compiler from turning the fold into an early-exit compare.
+    std::hint::black_box(diff) == 0
+}
+
+/// How the admin API is served and guarded.
+#[derive(Clone, Debug)]
+pub struct AdminOptions {
+    /// Address [`serve`] binds. Default [`DEFAULT_ADMIN_LISTEN`]
+    /// (`127.0.0.1:9903`); port 0 picks a free port.
+    pub listen: SocketAddr,
+    /// The bearer token every request must carry (`Authorization: Bearer
+    /// TOKEN`); `None` (the default) turns the admin API off: every request
+    /// is answered 404.
+    pub token: Option<AdminToken>,
+    /// Failed attempts (missing or wrong token) within `failure_window`
+    /// after which every request is answered 429 for `lockout`. Default 10.
+    pub max_failures: u32,
+    /// The window of `max_failures`. Default 60 s.
+    pub failure_window: Duration,
+    /// How long requests are answered 429 once `max_failures` is reached
+    /// (the token is not even checked then). Default 30 s.
+    pub lockout: Duration,
+}
+
+impl Default for AdminOptions {
+    fn default() -> Self {
+        AdminOptions {
+            listen: DEFAULT_ADMIN_LISTEN,
+            token: None,
+            max_failures: 10,
+            failure_window: Duration::from_secs(60),
+            lockout: Duration::from_secs(30),
+        }
+    }
+}
+
+/// Failed attempts and the lockout they caused (one per router: the
+/// admin API is one operator's, so the limit is global, not per client).
+#[derive(Default)]
+struct Throttle {
+    failures: VecDeque<Instant>,
+    locked_until: Option<Instant>,
+}
+
 #[derive(Clone)]
 struct AdminState {
     runtime: Arc<PolicyRuntime>,
-    token: Arc<str>,
+    token: AdminToken,
+    options: Arc<AdminOptions>,
+    throttle: Arc<Mutex<Throttle>>,
 }
 
 fn error(status: StatusCode, message: impl Into<String>) -> Response {
@@ -36,31 +135,87 @@ fn info_json(info: &ModuleInfo) -> serde_json::Value {
     })
 }
 
-/// Compares without an early exit on the first differing byte.
-fn same_token(given: &[u8], expected: &[u8]) -> bool {
-    given.len() == expected.len()
-        && given
-            .iter()
-            .zip(expected)
-            .fold(0u8, |acc, (a, b)| acc | (a ^ b))
-            == 0
+// === impl AdminState ===
+
+impl AdminState {
+    /// Checks the bearer token, counting failures and answering 429 while
+    /// locked out: `Some` is the refusal to send, `None` lets the request in.
+    fn refusal(&self, headers: &HeaderMap) -> Option<Response> {
+        let now = Instant::now();
+        let mut th = self
+            .throttle
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some(until) = th.locked_until {
+            if now < until {
+                drop(th);
+                self.runtime.metrics.admin_throttled.inc();
+                let mut resp = error(
+                    StatusCode::TOO_MANY_REQUESTS,
+                    "too many failed admin attempts; try again later",
+                );
+                let secs = until.duration_since(now).as_secs().max(1);
+                if let Ok(v) = HeaderValue::from_str(&secs.to_string()) {
+                    resp.headers_mut().insert(header::RETRY_AFTER, v);
+                }
+                return Some(resp);
+            }
+            th.locked_until = None;
+        }
+        let given = headers
+            .get(header::AUTHORIZATION)
+            .and_then(|v| v.as_bytes().strip_prefix(b"Bearer "))
+            .unwrap_or_default();
+        if self.token.matches(given) {
+            th.failures.clear();
+            return None;
+        }
+        let opts = &self.options;
+        th.failures.push_back(now);
+        while th.failures.len() > opts.max_failures.max(1) as usize {
+            th.failures.pop_front();
+        }
+        let first = th.failures.front().copied().unwrap_or(now);
+        let lock_out = th.failures.len() >= opts.max_failures.max(1) as usize
+            && now.duration_since(first) <= opts.failure_window;
+        if lock_out {
+            th.failures.clear();
+            th.locked_until = Some(now + opts.lockout);
+        }
+        drop(th);
+        self.runtime.metrics.admin_auth_failures.inc();
+        if lock_out {
+            tracing::warn!(
+                failures = opts.max_failures,
+                lockout = ?opts.lockout,
+                "policy admin API: repeated failed attempts; answering 429 for a while"
+            );
+        }
+        let mut resp = error(
+            StatusCode::UNAUTHORIZED,
+            "a valid bearer token is required for the policy admin API",
+        );
+        resp.headers_mut()
+            .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+        Some(resp)
+    }
 }
 
-async fn get_policy(State(st): State<AdminState>) -> Response {
-    axum::Json(info_json(&st.runtime.active())).into_response()
+async fn get_policy(State(st): State<AdminState>, headers: HeaderMap) -> Response {
+    if let Some(resp) = st.refusal(&headers) {
+        return resp;
+    }
+    let mut v = info_json(&st.runtime.active());
+    v["previous"] = st
+        .runtime
+        .previous()
+        .map_or(serde_json::Value::Null, |p| info_json(&p));
+    axum::Json(v).into_response()
 }
 
 async fn put_policy(State(st): State<AdminState>, headers: HeaderMap, body: Bytes) -> Response {
-    let given = headers
-        .get(header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "))
-        .unwrap_or("");
-    if !same_token(given.as_bytes(), st.token.as_bytes()) {
-        return error(
-            StatusCode::UNAUTHORIZED,
-            "a valid bearer token is required to replace the policy module",
-        );
+    if let Some(resp) = st.refusal(&headers) {
+        return resp;
     }
     if body.is_empty() {
         return error(
@@ -68,9 +223,7 @@ async fn put_policy(State(st): State<AdminState>, headers: HeaderMap, body: Byte
             "the request body must be the wasm module",
         );
     }
-    let span = tracing::info_span!("admin_policy_put", bytes = body.len());
-    let _g = span.enter();
-    drop(_g);
+    tracing::info!(bytes = body.len(), "policy admin API: module upload");
     match st.runtime.swap(body.to_vec()).await {
         Ok(info) => axum::Json(info_json(&info)).into_response(),
         Err(e) => {
@@ -94,17 +247,146 @@ async fn admin_off() -> Response {
     )
 }
 
-/// The admin router. With `token == None` the admin API is off and both
-/// methods answer 404.
+/// The admin router with the default guard ([`AdminOptions::default`]:
+/// 10 failures within 60 s lock it for 30 s). With `token == None` (or
+/// empty) the admin API is off and both methods answer 404. Every method,
+/// `GET` too, needs the token.
 pub fn admin_router(runtime: Arc<PolicyRuntime>, token: Option<String>) -> Router {
-    match token.filter(|t| !t.is_empty()) {
+    admin_router_with(
+        runtime,
+        AdminOptions {
+            token: token.as_deref().and_then(AdminToken::new),
+            ..AdminOptions::default()
+        },
+    )
+}
+
+/// The admin router guarded as `options` say (`listen` is not used: the
+/// caller binds the router).
+pub fn admin_router_with(runtime: Arc<PolicyRuntime>, options: AdminOptions) -> Router {
+    match options.token.clone() {
         None => Router::new().route("/admin/policy", get(admin_off).put(admin_off)),
         Some(token) => Router::new()
             .route("/admin/policy", get(get_policy).put(put_policy))
             .layer(DefaultBodyLimit::max(MAX_MODULE_BYTES))
             .with_state(AdminState {
                 runtime,
-                token: token.into(),
+                token,
+                options: Arc::new(options),
+                throttle: Arc::default(),
             }),
+    }
+}
+
+/// The admin API on its own listener ([`serve`]).
+#[derive(Debug)]
+pub struct AdminServer {
+    addr: SocketAddr,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+// === impl AdminServer ===
+
+impl AdminServer {
+    /// The address it listens on (the bound port when `listen` had port 0).
+    pub fn local_addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// Stops accepting, lets requests in flight finish, and waits for that.
+    pub async fn shutdown(mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        let _ = (&mut self.task).await;
+    }
+}
+
+impl Drop for AdminServer {
+    fn drop(&mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+    }
+}
+
+/// Binds `options.listen` and serves the admin API there (as
+/// [`admin_router_with`]) until the returned server is shut down or dropped.
+pub async fn serve(
+    runtime: Arc<PolicyRuntime>,
+    options: AdminOptions,
+) -> Result<AdminServer, PolicyError> {
+    let listen = options.listen;
+    let listener = tokio::net::TcpListener::bind(listen)
+        .await
+        .map_err(|source| PolicyError::Listen {
+            addr: listen,
+            source,
+        })?;
+    let addr = listener
+        .local_addr()
+        .map_err(|source| PolicyError::Listen {
+            addr: listen,
+            source,
+        })?;
+    if !addr.ip().is_loopback() {
+        tracing::warn!(%addr, "policy admin API listening beyond loopback");
+    }
+    let app = admin_router_with(runtime, options);
+    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+    let task = tokio::spawn(async move {
+        let served = axum::serve(listener, app)
+            .with_graceful_shutdown(async move {
+                let _ = rx.await;
+            })
+            .await;
+        if let Err(e) = served {
+            tracing::error!(error = %e, "policy admin API listener failed");
+        }
+    });
+    tracing::info!(%addr, "policy admin API listening");
+    Ok(AdminServer {
+        addr,
+        stop: Some(tx),
+        task,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn token_comparison_is_exact_and_redacted() {
+        let t = AdminToken::new("s3cret").unwrap();
+        assert!(t.matches(b"s3cret"));
+        for wrong in [&b""[..], b"s3cre", b"s3cret ", b"S3cret", b"s3cres", b"x"] {
+            assert!(!t.matches(wrong), "{wrong:?}");
+        }
+        assert!(AdminToken::new("").is_none());
+        let shown = format!(
+            "{t:?} {:?}",
+            AdminOptions {
+                token: Some(t.clone()),
+                ..AdminOptions::default()
+            }
+        );
+        assert!(!shown.contains("s3cret"), "{shown}");
+        assert!(shown.contains("redacted"), "{shown}");
+    }
+
+    #[test]
+    fn digests_compare_without_early_exit() {
+        // Equal digests, one differing in the first byte, one in the last:
+        // same_digest looks at every byte either way (the fold has no branch).
+        let a = [7u8; 32];
+        let mut first = a;
+        first[0] ^= 1;
+        let mut last = a;
+        last[31] ^= 0x80;
+        assert!(same_digest(&a, &a));
+        assert!(!same_digest(&a, &first));
+        assert!(!same_digest(&a, &last));
     }
 }

@@ -8,6 +8,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use rngd_policy_core::Decision;
 
+use crate::abi::{CapHits, HostEnv, LogBucket};
 use crate::guest::{Guest, SnapshotProps};
 use crate::runtime::{canned_requests, compile, sandbox_engine, sandbox_linker};
 use crate::{PolicyError, SandboxLimits, sha256_hex};
@@ -59,10 +60,15 @@ pub fn check(path: &Path, config: &[u8]) -> Result<String, PolicyError> {
         ..SandboxLimits::default()
     };
     let stop = StopOnDrop(Arc::new(AtomicBool::new(false)));
-    let engine = sandbox_engine(&limits, stop.0.clone())?;
+    let env = HostEnv {
+        ticks: Arc::default(),
+        log_bucket: Arc::new(LogBucket::new(limits.log_lines_per_second)),
+        caps: CapHits::unregistered(),
+    };
+    let engine = sandbox_engine(&limits, stop.0.clone(), env.ticks.clone())?;
     let linker = sandbox_linker(&engine)?;
     let pre = compile(&engine, &linker, &wasm)?;
-    let mut guest = Guest::new(&engine, &pre, &limits, config.to_vec().into())?;
+    let mut guest = Guest::new(&engine, &pre, &limits, config.to_vec().into(), &env)?;
     let mut out = String::new();
     let _ = writeln!(
         out,

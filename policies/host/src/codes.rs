@@ -12,6 +12,8 @@ pub mod status {
     pub const BAD_ARGUMENT: u32 = 2;
     /// A pointer or length outside guest memory.
     pub const INVALID_MEMORY_ACCESS: u32 = 6;
+    /// A compare-and-swap version that is not the current one.
+    pub const CAS_MISMATCH: u32 = 8;
     /// The host could not complete the call.
     pub const INTERNAL_FAILURE: u32 = 10;
 }

@@ -1,13 +1,15 @@
 //! One sandboxed guest instance: instantiation from an `InstancePre`, the root
 //! context lifecycle (`_initialize`, `proxy_on_vm_start`, `proxy_on_configure`)
-//! and the HTTP context lifecycle of one request.
+//! and the HTTP context lifecycle of one request under one time budget
+//! across its callbacks ([`SandboxLimits::decision_budget`]).
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use rngd_policy_core::{Decision, Endpoint};
 use wasmtime::{Engine, InstancePre, Module, Store, Trap, TypedFunc};
 
-use crate::abi::HostState;
+use crate::abi::{HostEnv, HostState};
 use crate::{PolicyError, PolicyRequest, SandboxLimits};
 
 const ROOT_CONTEXT: u32 = 1;
@@ -59,7 +61,17 @@ pub(crate) struct Guest {
     /// The endpoints (by `Arc`) whose snapshot properties the request state holds.
     seen: Option<Arc<[Endpoint]>>,
     deadline_ticks: u64,
+    /// Epoch ticks of one decision's budget (the decision's deadline is
+    /// this many ticks after the count at its start).
+    budget_ticks: u64,
+    /// The runtime's epoch tick count.
+    ticks: Arc<AtomicU64>,
     limits: SandboxLimits,
+}
+
+/// Epoch ticks that stop a call between `d` and `d + tick` after it starts.
+fn ticks_for(d: std::time::Duration, tick: std::time::Duration) -> u64 {
+    (d.as_nanos().div_ceil(tick.as_nanos().max(1)) as u64).max(1) + 1
 }
 
 fn typed<P: wasmtime::WasmParams, R: wasmtime::WasmResults>(
@@ -85,12 +97,12 @@ impl Guest {
         pre: &InstancePre<HostState>,
         limits: &SandboxLimits,
         config: Arc<[u8]>,
+        env: &HostEnv,
     ) -> Result<Guest, PolicyError> {
-        let mut store = Store::new(engine, HostState::new(limits, config.clone()));
+        let mut store = Store::new(engine, HostState::new(limits, config.clone(), env.clone()));
         store.limiter(|s| &mut s.limiter);
         store.epoch_deadline_trap();
-        let tick = limits.epoch_tick.as_nanos().max(1);
-        let deadline_ticks = (limits.call_timeout.as_nanos().div_ceil(tick) as u64).max(1) + 1;
+        let deadline_ticks = ticks_for(limits.call_timeout, limits.epoch_tick);
         store.set_epoch_deadline(deadline_ticks);
         let instance = match pre.instantiate(&mut store) {
             Ok(i) => i,
@@ -168,6 +180,8 @@ impl Guest {
             next_context: ROOT_CONTEXT + 1,
             seen: None,
             deadline_ticks,
+            budget_ticks: ticks_for(limits.decision_budget, limits.epoch_tick),
+            ticks: env.ticks.clone(),
             limits: limits.clone(),
         })
     }
@@ -214,34 +228,103 @@ impl Guest {
 
     fn run_context(&mut self, ctx: u32, headers: u32, body_len: u32) -> Result<(), PolicyError> {
         let end_of_stream = u32::from(body_len == 0);
-        self.store.set_epoch_deadline(self.deadline_ticks);
-        self.on_context_create
-            .call(&mut self.store, (ctx, ROOT_CONTEXT))
-            .map_err(|e| classify(&self.store, e, &self.limits))?;
-        self.store.set_epoch_deadline(self.deadline_ticks);
-        self.on_request_headers
-            .call(&mut self.store, (ctx, headers, end_of_stream))
-            .map_err(|e| classify(&self.store, e, &self.limits))?;
+        let Guest {
+            store,
+            on_context_create,
+            on_request_headers,
+            on_request_body,
+            on_done,
+            on_delete,
+            deadline_ticks,
+            budget_ticks,
+            ticks,
+            limits,
+            ..
+        } = self;
+        let start = ticks.load(Ordering::Relaxed);
+        let budget = Budget {
+            start,
+            deadline: start + *budget_ticks,
+            call_ticks: *deadline_ticks,
+            ticks,
+            limits,
+        };
+        budget.call(store, "proxy_on_context_create", |s| {
+            on_context_create.call(s, (ctx, ROOT_CONTEXT))
+        })?;
+        budget.call(store, "proxy_on_request_headers", |s| {
+            on_request_headers.call(s, (ctx, headers, end_of_stream))
+        })?;
         if end_of_stream == 0
-            && !self.store.data().req.has_local_response()
-            && let Some(body) = &self.on_request_body
+            && !store.data().req.has_local_response()
+            && let Some(body) = on_request_body
         {
-            self.store.set_epoch_deadline(self.deadline_ticks);
-            body.call(&mut self.store, (ctx, body_len, 1))
-                .map_err(|e| classify(&self.store, e, &self.limits))?;
+            budget.call(store, "proxy_on_request_body", |s| {
+                body.call(s, (ctx, body_len, 1))
+            })?;
         }
-        if let Some(done) = &self.on_done {
-            self.store.set_epoch_deadline(self.deadline_ticks);
-            done.call(&mut self.store, ctx)
-                .map_err(|e| classify(&self.store, e, &self.limits))?;
+        if let Some(done) = on_done {
+            budget.call(store, "proxy_on_done", |s| done.call(s, ctx))?;
         }
-        if let Some(delete) = &self.on_delete {
-            self.store.set_epoch_deadline(self.deadline_ticks);
-            delete
-                .call(&mut self.store, ctx)
-                .map_err(|e| classify(&self.store, e, &self.limits))?;
+        if let Some(delete) = on_delete {
+            budget.call(store, "proxy_on_delete", |s| delete.call(s, ctx))?;
         }
         Ok(())
+    }
+}
+
+/// One decision's time budget: the callbacks of a decision that started at
+/// epoch tick `start` must all end by tick `deadline`.
+struct Budget<'a> {
+    start: u64,
+    deadline: u64,
+    /// Ticks of one call's timeout.
+    call_ticks: u64,
+    ticks: &'a AtomicU64,
+    limits: &'a SandboxLimits,
+}
+
+// === impl Budget ===
+
+impl Budget<'_> {
+    /// Runs one callback with its epoch deadline armed at the nearer of the
+    /// call timeout and the decision's deadline. A budget already spent is
+    /// an error before the callback runs; an interruption at the decision's
+    /// deadline is [`PolicyError::DecisionBudget`].
+    fn call<T>(
+        &self,
+        store: &mut Store<HostState>,
+        callback: &'static str,
+        f: impl FnOnce(&mut Store<HostState>) -> wasmtime::Result<T>,
+    ) -> Result<T, PolicyError> {
+        let now = self.ticks.load(Ordering::Relaxed);
+        let Some(left) = self.deadline.checked_sub(now).filter(|&l| l > 0) else {
+            return Err(self.spent(callback));
+        };
+        let by_budget = left < self.call_ticks;
+        store.set_epoch_deadline(left.min(self.call_ticks));
+        f(store).map_err(|e| {
+            if by_budget
+                && !store.data().limiter.hit
+                && matches!(e.downcast_ref::<Trap>(), Some(Trap::Interrupt))
+            {
+                self.spent(callback)
+            } else {
+                classify(store, e, self.limits)
+            }
+        })
+    }
+
+    fn spent(&self, callback: &'static str) -> PolicyError {
+        let ticks = self
+            .ticks
+            .load(Ordering::Relaxed)
+            .saturating_sub(self.start);
+        PolicyError::DecisionBudget {
+            budget: self.limits.decision_budget,
+            spent: self.limits.epoch_tick * u32::try_from(ticks).unwrap_or(u32::MAX),
+            callback,
+        }
     }
 }
 

@@ -3,7 +3,8 @@
 //!
 //! - [`PolicyRuntime`]: compile, self-test, serve decisions from a pool of warm
 //!   instances, hot-swap, watch the module file.
-//! - [`admin_router`]: `GET`/`PUT /admin/policy`.
+//! - [`admin`]: `GET`/`PUT /admin/policy`, token-guarded, on its own
+//!   listener ([`admin::serve`]) or as a router ([`admin_router`]).
 //! - [`check`], [`CheckOptions`]: `rngd-pd policy check FILE.wasm`.
 //! - [`RequestState`]: one request as a guest sees it through the ABI, and
 //!   the decision read back out of it (also used by a native run of a module).
@@ -12,7 +13,7 @@
 //! The decision contract is `docs/policy-abi.md`.
 
 mod abi;
-mod admin;
+pub mod admin;
 mod check;
 pub mod codes;
 mod guest;
@@ -24,7 +25,8 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
-pub use admin::admin_router;
+pub use abi::{decode_map as decode_header_map, encode_map as encode_header_map};
+pub use admin::{AdminOptions, AdminToken, admin_router, admin_router_with};
 pub use check::{CheckOptions, check};
 pub use request::RequestState;
 pub use rngd_policy_core::{Decision, Endpoint, LocalResponse, Route};
@@ -99,6 +101,20 @@ pub enum PolicyError {
         /// The limit.
         limit: Duration,
     },
+    /// One decision's callbacks together ran past
+    /// [`SandboxLimits::decision_budget`] (each alone may have been within
+    /// `call_timeout`). The instance was discarded.
+    #[error(
+        "policy decision exceeded its time budget of {budget:?} across callbacks (stopped in {callback} after {spent:?})"
+    )]
+    DecisionBudget {
+        /// The budget.
+        budget: Duration,
+        /// Time spent when the decision was stopped.
+        spent: Duration,
+        /// The callback that was running or about to run.
+        callback: &'static str,
+    },
     /// The guest tried to grow its memory past the cap.
     #[error("policy guest exceeded its memory cap of {limit} bytes")]
     GuestMemory {
@@ -122,6 +138,15 @@ pub enum PolicyError {
         /// The limit.
         max: usize,
     },
+    /// The admin API's listener could not be bound.
+    #[error("binding the policy admin listener {addr}: {source}")]
+    Listen {
+        /// The address.
+        addr: std::net::SocketAddr,
+        /// Cause.
+        #[source]
+        source: std::io::Error,
+    },
     /// The runtime is shutting down or a worker thread failed.
     #[error("policy runtime unavailable: {detail}")]
     Unavailable {
@@ -139,7 +164,8 @@ fn fmt_guest_log(lines: &[String]) -> String {
 }
 
 impl PolicyError {
-    /// Whether the guest misbehaved on a request (trap, timeout, memory cap):
+    /// Whether the guest misbehaved on a request (trap, timeout, memory cap,
+    /// decision budget):
     /// the request fails with a 500-class error and `policy_traps_total` counts it.
     pub fn is_guest_fault(&self) -> bool {
         matches!(
@@ -147,6 +173,7 @@ impl PolicyError {
             PolicyError::GuestTrap { .. }
                 | PolicyError::GuestTimeout { .. }
                 | PolicyError::GuestMemory { .. }
+                | PolicyError::DecisionBudget { .. }
         )
     }
 
@@ -211,6 +238,36 @@ pub struct SandboxLimits {
     pub max_header_bytes: usize,
     /// Largest request body passed to the guest. Default 4 MiB.
     pub max_body_bytes: usize,
+    /// Wall-time budget of one decision, across all its callbacks
+    /// (`proxy_on_context_create`, request headers, body, done, delete).
+    /// Each callback runs for at most what is left of it (and at most
+    /// `call_timeout`); a decision that spends it fails with
+    /// [`PolicyError::DecisionBudget`]. Enforced by epoch interruption, so a
+    /// callback is stopped up to two `epoch_tick`s past it. Default 10 ms.
+    pub decision_budget: Duration,
+    /// Shared-data entries one instance may hold (`proxy_set_shared_data`
+    /// of a new key past it is `BadArgument`). Default 1024.
+    pub max_shared_entries: usize,
+    /// Bytes (keys plus values) of one instance's shared data. Default 1 MiB.
+    pub max_shared_bytes: usize,
+    /// Headers a guest may set, replace or add in one decision (distinct
+    /// names). Default 64.
+    pub max_set_headers: usize,
+    /// Bytes (names plus values) of the headers a guest sets in one
+    /// decision. Default 64 KiB.
+    pub max_set_header_bytes: usize,
+    /// Largest guest log message (`proxy_log`, one WASI `fd_write`).
+    /// Default 4 KiB.
+    pub max_log_bytes: usize,
+    /// Guest log lines per second across all instances of a runtime (also
+    /// the burst). Default 100.
+    pub log_lines_per_second: u32,
+    /// Guest faults (trap, timeout, memory cap, decision budget) of a
+    /// hot-swapped module within `rollback_window` after which the runtime
+    /// goes back to the module active before it. 0 = never. Default 5.
+    pub rollback_after: u32,
+    /// The window of `rollback_after`. Default 10 s.
+    pub rollback_window: Duration,
 }
 
 impl Default for SandboxLimits {
@@ -222,6 +279,15 @@ impl Default for SandboxLimits {
             instances: 4,
             max_header_bytes: 64 << 10,
             max_body_bytes: 4 << 20,
+            decision_budget: Duration::from_millis(10),
+            max_shared_entries: 1024,
+            max_shared_bytes: 1 << 20,
+            max_set_headers: 64,
+            max_set_header_bytes: 64 << 10,
+            max_log_bytes: 4 << 10,
+            log_lines_per_second: 100,
+            rollback_after: 5,
+            rollback_window: Duration::from_secs(10),
         }
     }
 }

@@ -1,22 +1,25 @@
 //! [`PolicyRuntime`]: compiles a module, self-tests it, serves decisions from a
 //! small pool of warm instances off the async threads, swaps modules
-//! atomically and watches the module file.
+//! atomically, watches the module file and rolls a hot-swapped module back
+//! to the one before it after repeated runtime faults.
 //!
-//! This module holds the runtime and its instance pool (the decision path);
+//! This module holds the runtime and its instance pool (the decision path,
+//! fault counting and rollback);
 //! `sandbox` sets up the engine, the linker and the canned self-test
 //! requests; `swap` replaces the active module (swap, file watch).
 
+use std::collections::VecDeque;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock, Weak};
-use std::time::SystemTime;
+use std::time::{Instant, SystemTime};
 
-use prometheus::{IntCounter, Registry};
+use prometheus::{IntCounter, IntCounterVec, Registry};
 use rngd_policy_core::{Decision, Endpoint};
 use rngd_telemetry::names;
 use wasmtime::{Engine, InstancePre, Linker};
 
-use crate::abi::HostState;
+use crate::abi::{CapHits, HostEnv, HostState, LogBucket};
 use crate::guest::{Guest, SnapshotProps};
 use crate::{ModuleInfo, PolicyError, PolicyRequest, PolicySource, SandboxLimits, sha256_hex};
 
@@ -31,7 +34,22 @@ struct Loaded {
     pre: InstancePre<HostState>,
     /// Which activation this is (see [`PolicyRuntime::decide_blocking`]).
     generation: u64,
+    /// The module active before this one was swapped in (what a rollback
+    /// restores); `None` for the first module and for a restored one.
+    previous: Option<Fallback>,
+    /// When its last guest faults happened (at most `rollback_after`).
+    faults: Mutex<VecDeque<Instant>>,
 }
+
+/// A module a rollback can go back to.
+struct Fallback {
+    info: ModuleInfo,
+    pre: InstancePre<HostState>,
+}
+
+/// Modules rolled back and remembered so the file watcher does not load
+/// them again (by SHA-256; the oldest are forgotten past this many).
+const MAX_REMEMBERED_ROLLBACKS: usize = 16;
 
 /// A warm instance and the module it runs (moved along with it, never
 /// cloned per decision).
@@ -49,11 +67,17 @@ struct SnapshotMemo {
     generation: u64,
 }
 
-struct Metrics {
+pub(crate) struct Metrics {
     registry: Registry,
     reloads: IntCounter,
     reload_failures: IntCounter,
     traps: IntCounter,
+    rollbacks: IntCounter,
+    cap_hits: IntCounterVec,
+    /// Admin requests with a missing or wrong token.
+    pub(crate) admin_auth_failures: IntCounter,
+    /// Admin requests answered 429.
+    pub(crate) admin_throttled: IntCounter,
 }
 
 /// Runs policy modules: see the crate docs.
@@ -64,15 +88,21 @@ pub struct PolicyRuntime {
     limits: SandboxLimits,
     config: Arc<[u8]>,
     path: PathBuf,
+    /// Shared by every instance (epoch tick count, log rate, cap counters).
+    env: HostEnv,
     active: RwLock<Arc<Loaded>>,
     /// `active`'s generation, readable without the lock.
     generation: AtomicU64,
+    /// The generation the next activation (swap or rollback) takes.
+    next_generation: AtomicU64,
+    /// SHA-256 of modules rolled back (the watcher skips them).
+    rolled_back: Mutex<VecDeque<String>>,
     /// Warm instances, of the active module or (until a decision drops
     /// them) of the one before a swap.
     idle: Mutex<Vec<Warm>>,
     permits: Arc<tokio::sync::Semaphore>,
     memo: Mutex<SnapshotMemo>,
-    metrics: Metrics,
+    pub(crate) metrics: Metrics,
     swap_lock: tokio::sync::Mutex<()>,
     stop: Arc<AtomicBool>,
 }
@@ -92,19 +122,32 @@ impl Drop for PolicyRuntime {
     }
 }
 
+/// What [`prepare`] builds a module with.
+struct Sandbox<'a> {
+    engine: &'a Engine,
+    linker: &'a Linker<HostState>,
+    limits: &'a SandboxLimits,
+    config: &'a Arc<[u8]>,
+    env: &'a HostEnv,
+}
+
 /// Builds a loaded module: compile, instantiate, run the canned requests;
 /// returns it with a first warm instance.
 fn prepare(
-    engine: &Engine,
-    linker: &Linker<HostState>,
-    limits: &SandboxLimits,
-    config: &Arc<[u8]>,
+    sb: &Sandbox<'_>,
     wasm: &[u8],
     path: Option<PathBuf>,
     generation: u64,
 ) -> Result<Warm, PolicyError> {
+    let Sandbox {
+        engine,
+        linker,
+        limits,
+        config,
+        env,
+    } = *sb;
     let pre = compile(engine, linker, wasm)?;
-    let mut guest = Guest::new(engine, &pre, limits, config.clone())?;
+    let mut guest = Guest::new(engine, &pre, limits, config.clone(), env)?;
     for (name, mut req) in canned_requests() {
         let snap = req.endpoints.as_ref().map(|eps| SnapshotProps {
             json: serde_json::to_string(&**eps).unwrap_or_default().into(),
@@ -123,7 +166,7 @@ fn prepare(
     }
     // The self-test instance has parsed a different snapshot; start clean.
     drop(guest);
-    let guest = Guest::new(engine, &pre, limits, config.clone())?;
+    let guest = Guest::new(engine, &pre, limits, config.clone(), env)?;
     let loaded = Loaded {
         info: ModuleInfo {
             sha256: sha256_hex(wasm),
@@ -132,6 +175,8 @@ fn prepare(
         },
         pre,
         generation,
+        previous: None,
+        faults: Mutex::default(),
     };
     Ok(Warm {
         guest,
@@ -144,6 +189,16 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 }
 
 impl PolicyRuntime {
+    fn sandbox(&self) -> Sandbox<'_> {
+        Sandbox {
+            engine: &self.engine,
+            linker: &self.linker,
+            limits: &self.limits,
+            config: &self.config,
+            env: &self.env,
+        }
+    }
+
     /// Reads, compiles, self-tests and activates `source.module`.
     pub fn new(
         source: PolicySource,
@@ -153,25 +208,6 @@ impl PolicyRuntime {
             path: source.module.clone(),
             source: e,
         })?;
-        let stop = Arc::new(AtomicBool::new(false));
-        let engine = sandbox_engine(&limits, stop.clone())?;
-        let linker = sandbox_linker(&engine)?;
-        let config: Arc<[u8]> = source.config.clone().into();
-        let first = match prepare(
-            &engine,
-            &linker,
-            &limits,
-            &config,
-            &wasm,
-            Some(source.module.clone()),
-            0,
-        ) {
-            Ok(l) => l,
-            Err(e) => {
-                stop.store(true, Ordering::Relaxed);
-                return Err(e);
-            }
-        };
         let registry = Registry::new();
         let metric = |name: &str, help: &str| {
             rngd_telemetry::counter(&registry, name, help).map_err(|e| PolicyError::Engine {
@@ -189,9 +225,53 @@ impl PolicyRuntime {
             )?,
             traps: metric(
                 names::POLICY_TRAPS_TOTAL,
-                "Policy guest traps, timeouts and memory-cap hits",
+                "Policy guest traps, timeouts, memory-cap hits and spent decision budgets",
             )?,
+            rollbacks: metric(
+                names::POLICY_ROLLBACKS_TOTAL,
+                "Rollbacks to the previous policy module after repeated runtime faults",
+            )?,
+            admin_auth_failures: metric(
+                names::POLICY_ADMIN_AUTH_FAILURES_TOTAL,
+                "Policy admin API requests with a missing or wrong token",
+            )?,
+            admin_throttled: metric(
+                names::POLICY_ADMIN_THROTTLED_TOTAL,
+                "Policy admin API requests answered 429 after repeated failed attempts",
+            )?,
+            cap_hits: rngd_telemetry::counter_vec(
+                &registry,
+                names::POLICY_HOST_CAP_HITS_TOTAL,
+                "Policy hostcalls refused at a host-side cap",
+                &["cap"],
+            )
+            .map_err(|e| PolicyError::Engine {
+                source: Box::new(e),
+            })?,
             registry,
+        };
+        let env = HostEnv {
+            ticks: Arc::default(),
+            log_bucket: Arc::new(LogBucket::new(limits.log_lines_per_second)),
+            caps: CapHits::of(&metrics.cap_hits),
+        };
+        let stop = Arc::new(AtomicBool::new(false));
+        let engine = sandbox_engine(&limits, stop.clone(), env.ticks.clone())?;
+        let linker = sandbox_linker(&engine)?;
+        let config: Arc<[u8]> = source.config.clone().into();
+        let sandbox = Sandbox {
+            engine: &engine,
+            linker: &linker,
+            limits: &limits,
+            config: &config,
+            env: &env,
+        };
+        let first = match prepare(&sandbox, &wasm, Some(source.module.clone()), 0) {
+            Ok(l) => l,
+            Err(e) => {
+                stop.store(true, Ordering::Relaxed);
+                return Err(e);
+            }
         };
         tracing::info!(sha256 = %first.loaded.info.sha256, path = %source.module.display(), "policy module active");
         let permits = Arc::new(tokio::sync::Semaphore::new(limits.instances.max(1)));
@@ -202,8 +282,11 @@ impl PolicyRuntime {
             limits,
             config,
             path: source.module,
+            env,
             active: RwLock::new(first.loaded.clone()),
             generation: AtomicU64::new(0),
+            next_generation: AtomicU64::new(1),
+            rolled_back: Mutex::default(),
             idle: Mutex::new(vec![first]),
             permits,
             memo: Mutex::new(SnapshotMemo::default()),
@@ -223,8 +306,17 @@ impl PolicyRuntime {
         &self.limits
     }
 
-    /// The registry holding `policy_reloads_total`, `policy_reload_failures_total`
-    /// and `policy_traps_total`.
+    /// The module a rollback would restore: the one active before the
+    /// active module was swapped in. `None` for the first module and for a
+    /// module restored by a rollback.
+    pub fn previous(&self) -> Option<ModuleInfo> {
+        self.current().previous.as_ref().map(|p| p.info.clone())
+    }
+
+    /// The registry holding `policy_reloads_total`,
+    /// `policy_reload_failures_total`, `policy_traps_total`,
+    /// `policy_rollbacks_total`, `policy_host_cap_hits_total`,
+    /// `policy_admin_auth_failures_total` and `policy_admin_throttled_total`.
     pub fn registry(&self) -> &Registry {
         &self.metrics.registry
     }
@@ -232,9 +324,18 @@ impl PolicyRuntime {
     /// Registers the runtime's metrics in another registry too (e.g. a
     /// server's `/metrics`).
     pub fn register_metrics(&self, registry: &Registry) -> Result<(), prometheus::Error> {
-        registry.register(Box::new(self.metrics.reloads.clone()))?;
-        registry.register(Box::new(self.metrics.reload_failures.clone()))?;
-        registry.register(Box::new(self.metrics.traps.clone()))?;
+        let m = &self.metrics;
+        for c in [
+            &m.reloads,
+            &m.reload_failures,
+            &m.traps,
+            &m.rollbacks,
+            &m.admin_auth_failures,
+            &m.admin_throttled,
+        ] {
+            registry.register(Box::new(c.clone()))?;
+        }
+        registry.register(Box::new(m.cap_hits.clone()))?;
         Ok(())
     }
 
@@ -310,6 +411,7 @@ impl PolicyRuntime {
                 // A trapped proxy-wasm instance cannot be reused: drop it.
                 self.metrics.traps.inc();
                 tracing::warn!(error = %e, sha256 = %warm.loaded.info.sha256, "policy guest fault; instance discarded");
+                self.note_fault(&warm.loaded);
                 Err(e)
             }
             Err(e) => {
@@ -327,16 +429,100 @@ impl PolicyRuntime {
     }
 
     fn fresh(&self, loaded: &Arc<Loaded>) -> Result<Warm, PolicyError> {
-        Guest::new(&self.engine, &loaded.pre, &self.limits, self.config.clone())
-            .map(|guest| Warm {
-                guest,
-                loaded: loaded.clone(),
-            })
-            .inspect_err(|e| {
-                if e.is_guest_fault() {
-                    self.metrics.traps.inc();
+        Guest::new(
+            &self.engine,
+            &loaded.pre,
+            &self.limits,
+            self.config.clone(),
+            &self.env,
+        )
+        .map(|guest| Warm {
+            guest,
+            loaded: loaded.clone(),
+        })
+        .inspect_err(|e| {
+            if e.is_guest_fault() {
+                self.metrics.traps.inc();
+                self.note_fault(loaded);
+            }
+        })
+    }
+
+    /// Counts a guest fault of `loaded`; the `rollback_after`-th within
+    /// `rollback_window` of a hot-swapped module rolls it back.
+    fn note_fault(&self, loaded: &Arc<Loaded>) {
+        let n = self.limits.rollback_after as usize;
+        if n == 0 || loaded.previous.is_none() {
+            return;
+        }
+        let now = Instant::now();
+        let mut faults = lock(&loaded.faults);
+        faults.push_back(now);
+        while faults.len() > n {
+            faults.pop_front();
+        }
+        let within = faults
+            .front()
+            .is_some_and(|&first| now.duration_since(first) <= self.limits.rollback_window);
+        if faults.len() < n || !within {
+            return;
+        }
+        faults.clear();
+        drop(faults);
+        self.roll_back(loaded);
+    }
+
+    /// Makes the module active before `bad` active again, if `bad` is
+    /// still the active module.
+    fn roll_back(&self, bad: &Arc<Loaded>) {
+        let Some(prev) = &bad.previous else { return };
+        let mut active = self
+            .active
+            .write()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if active.generation != bad.generation {
+            // Swapped or rolled back meanwhile.
+            return;
+        }
+        let generation = self.next_generation.fetch_add(1, Ordering::AcqRel);
+        let restored = Arc::new(Loaded {
+            info: ModuleInfo {
+                loaded_at: SystemTime::now(),
+                ..prev.info.clone()
+            },
+            pre: prev.pre.clone(),
+            generation,
+            previous: None,
+            faults: Mutex::default(),
+        });
+        *active = restored;
+        self.generation.store(generation, Ordering::Release);
+        drop(active);
+        let stale = std::mem::take(&mut *lock(&self.idle));
+        drop(stale);
+        {
+            let mut bad_list = lock(&self.rolled_back);
+            if !bad_list.contains(&bad.info.sha256) {
+                if bad_list.len() >= MAX_REMEMBERED_ROLLBACKS {
+                    bad_list.pop_front();
                 }
-            })
+                bad_list.push_back(bad.info.sha256.clone());
+            }
+        }
+        self.metrics.rollbacks.inc();
+        tracing::error!(
+            bad = %bad.info.sha256,
+            restored = %prev.info.sha256,
+            faults = self.limits.rollback_after,
+            window = ?self.limits.rollback_window,
+            "policy module rolled back after repeated runtime faults; the previous module is active again and the bad one is not reloaded from its file until that changes"
+        );
+    }
+
+    /// Whether the module with this SHA-256 was rolled back (the watcher
+    /// does not load it again).
+    pub(crate) fn was_rolled_back(&self, sha256: &str) -> bool {
+        lock(&self.rolled_back).iter().any(|s| s == sha256)
     }
 
     /// Keeps an instance warm if it runs the active module and the pool has

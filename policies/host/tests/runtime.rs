@@ -55,6 +55,9 @@ fn runtime(name: &str, target: &str, config: &str) -> Result<Arc<PolicyRuntime>,
         },
         SandboxLimits {
             call_timeout: Duration::from_millis(250),
+            // Over the call timeout: a spinning callback is a GuestTimeout
+            // here (the budget across callbacks has its own tests).
+            decision_budget: Duration::from_secs(1),
             memory_bytes: 32 << 20,
             ..SandboxLimits::default()
         },
@@ -515,9 +518,18 @@ async fn admin_api() {
     assert_eq!(s, 404);
     assert!(v["error"]["message"].as_str().unwrap().contains("off"));
     let router = admin_router(rt.clone(), Some("s3cret".into()));
+    // GET needs the token too.
     let (s, v) = call(router.clone(), "GET", None, vec![]).await;
+    assert_eq!(
+        (s, v["error"]["type"].as_str()),
+        (401, Some("authentication_error"))
+    );
+    let (s, _) = call(router.clone(), "GET", Some("wrong"), vec![]).await;
+    assert_eq!(s, 401);
+    let (s, v) = call(router.clone(), "GET", Some("s3cret"), vec![]).await;
     assert_eq!(s, 200);
     assert_eq!(v["sha256"], rt.active().sha256);
+    assert!(v["previous"].is_null(), "{v}");
     let wasip1 = std::fs::read(built_module("pd-default", "wasm32-wasip1")).unwrap();
     let (s, v) = call(router.clone(), "PUT", Some("wrong"), wasip1.clone()).await;
     assert_eq!(
@@ -536,9 +548,14 @@ async fn admin_api() {
     let (s, v) = call(router.clone(), "PUT", Some("s3cret"), wasip1.clone()).await;
     assert_eq!(s, 200, "{v}");
     assert_eq!(v["sha256"], sha256_hex(&wasip1));
-    let (_, v) = call(router, "GET", None, vec![]).await;
+    let (_, v) = call(router, "GET", Some("s3cret"), vec![]).await;
     assert_eq!(v["sha256"], sha256_hex(&wasip1));
     assert!(v["path"].is_null());
+    // The module it replaced is what a rollback would restore.
+    assert_eq!(
+        v["previous"]["sha256"],
+        sha256_hex(&std::fs::read(built_module("pd-default", "wasm32-unknown-unknown")).unwrap())
+    );
 }
 
 #[test]

@@ -113,3 +113,15 @@ pub const DISCOVERY_SKIPPED_PODS: &str = "rngd_pd_discovery_skipped_pods";
 pub const DISCOVERY_WATCH_ERRORS_TOTAL: &str = "rngd_pd_discovery_watch_errors_total";
 /// 1 while the watch has failed for longer than the stale bound (gauge).
 pub const DISCOVERY_STALE: &str = "rngd_pd_discovery_stale";
+
+// Policy host: runtime hardening.
+/// Rollbacks to the module active before a hot swap, after repeated runtime
+/// guest faults of the swapped-in module (counter).
+pub const POLICY_ROLLBACKS_TOTAL: &str = "policy_rollbacks_total";
+/// Hostcalls refused at a host-side cap, by `cap` (`shared_data`, `headers`,
+/// `log_size`, `log_rate`, `metrics`) (counter).
+pub const POLICY_HOST_CAP_HITS_TOTAL: &str = "policy_host_cap_hits_total";
+/// Admin API requests with a missing or wrong token (counter).
+pub const POLICY_ADMIN_AUTH_FAILURES_TOTAL: &str = "policy_admin_auth_failures_total";
+/// Admin API requests answered 429 while failed attempts are throttled (counter).
+pub const POLICY_ADMIN_THROTTLED_TOTAL: &str = "policy_admin_throttled_total";

@@ -2,11 +2,16 @@
 //! the request-header hostcalls (get, set, add, replace, remove, whole-map
 //! get and set). Only the request headers exist; the other maps are empty
 //! (reads) or refused (writes). Edits overlay the passed headers (see
-//! [`RequestState`](crate::RequestState)).
+//! [`RequestState`](crate::RequestState)). What a guest sets in one
+//! decision is capped in count and bytes
+//! ([`SandboxLimits::max_set_headers`](crate::SandboxLimits::max_set_headers),
+//! [`SandboxLimits::max_set_header_bytes`](crate::SandboxLimits::max_set_header_bytes)):
+//! past them a set is `BadArgument` and nothing changes.
 
 use super::memory::{give, give_from, range, read, with_guest};
-use super::{Cx, ENV, Hostcall, R};
+use super::{Cx, ENV, HostCaps, Hostcall, R};
 use crate::codes::{MAP_REQUEST_HEADERS, status};
+use crate::request::RequestState;
 
 /// The header-map hostcalls.
 pub(super) const HOSTCALLS: &[Hostcall] = hostcalls![ENV =>
@@ -18,8 +23,10 @@ pub(super) const HOSTCALLS: &[Hostcall] = hostcalls![ENV =>
     proxy_add_header_map_value,
 ];
 
-/// Serializes header pairs in the ABI's map encoding.
-pub(crate) fn encode_map(pairs: &[(String, String)]) -> Vec<u8> {
+/// Serializes header pairs in the ABI's map encoding (u32 count, then
+/// (key length, value length) u32 pairs, then each key and value
+/// NUL-terminated, all little-endian).
+pub fn encode_map(pairs: &[(String, String)]) -> Vec<u8> {
     let size = 4 + pairs
         .iter()
         .map(|(k, v)| 8 + k.len() + v.len() + 2)
@@ -39,8 +46,23 @@ pub(crate) fn encode_map(pairs: &[(String, String)]) -> Vec<u8> {
     out
 }
 
-/// Parses the ABI's map encoding; `None` if malformed.
-pub(crate) fn decode_map(bytes: &[u8]) -> Option<Vec<(String, String)>> {
+/// Whether setting `key` to a value of `value_len` bytes keeps the headers
+/// the guest set within the caps.
+fn set_fits(req: &RequestState, caps: &HostCaps, key: &str, value_len: usize) -> bool {
+    // The others: the one set under `key` (if any) is replaced.
+    let (mut count, mut bytes) = (0, 0);
+    for (k, v) in req.set.iter().filter(|(k, _)| !k.eq_ignore_ascii_case(key)) {
+        count += 1;
+        bytes += k.len() + v.len();
+    }
+    count < caps.set_headers && bytes + key.len() + value_len <= caps.set_header_bytes
+}
+
+/// Parses the ABI's map encoding; `None` if malformed. What it allocates is
+/// bounded by the input: the pair count is checked against `bytes.len()`
+/// (at most one pair per 10 bytes) before the list is allocated, and every
+/// string is a checked slice of `bytes` (about 6 × `bytes.len()` at most).
+pub fn decode_map(bytes: &[u8]) -> Option<Vec<(String, String)>> {
     if bytes.is_empty() {
         return Some(Vec::new());
     }
@@ -49,7 +71,9 @@ pub(crate) fn decode_map(bytes: &[u8]) -> Option<Vec<(String, String)>> {
     };
     let n = word(0)?;
     let mut p = 4usize.checked_add(n.checked_mul(8)?)?;
-    if p > bytes.len() {
+    // Every pair also needs its two NULs: a count the input cannot hold is
+    // refused before anything is allocated for it.
+    if p.checked_add(n.checked_mul(2)?)? > bytes.len() {
         return None;
     }
     let mut out = Vec::with_capacity(n);
@@ -96,6 +120,19 @@ fn header_replace(cx: &mut Cx<'_>, map: u32, kp: u32, kl: u32, vp: u32, vl: u32,
     ) else {
         return Ok(status::BAD_ARGUMENT);
     };
+    // `add` appends to what the guest sees (`old,value`).
+    let value_len = match st.req.header(k) {
+        Some(old) if add && !old.is_empty() => old.len() + 1 + v.len(),
+        _ => v.len(),
+    };
+    if !set_fits(&st.req, &st.caps, k, value_len) {
+        st.env.caps.headers.inc();
+        tracing::debug!(
+            headers = st.req.set.len(),
+            "policy guest set headers over their cap; refused"
+        );
+        return Ok(status::BAD_ARGUMENT);
+    }
     st.req.set_header(k, v, add);
     Ok(status::OK)
 }
@@ -122,6 +159,12 @@ fn proxy_set_header_map_pairs(mut cx: Cx<'_>, map: u32, p: u32, l: u32) -> R {
     let Some(pairs) = decode_map(&bytes) else {
         return Ok(status::BAD_ARGUMENT);
     };
+    let caps = cx.data().caps;
+    let set_bytes: usize = pairs.iter().map(|(k, v)| k.len() + v.len()).sum();
+    if pairs.len() > caps.set_headers || set_bytes > caps.set_header_bytes {
+        cx.data().env.caps.headers.inc();
+        return Ok(status::BAD_ARGUMENT);
+    }
     // The whole map is replaced: passed headers missing from it are
     // removed, and every pair counts as set.
     let req = &mut cx.data_mut().req;

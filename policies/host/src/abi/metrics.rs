@@ -1,9 +1,10 @@
 //! Guest metrics: `proxy_define_metric`, `proxy_get_metric`,
 //! `proxy_record_metric`, `proxy_increment_metric`, kept per instance (at
-//! most 1024 names); they are not exported anywhere.
+//! most 1024 names of at most 256 bytes: past that a define is `BadArgument`,
+//! counted as cap `metrics`); they are not exported anywhere.
 
 use super::memory::{read_str, write};
-use super::{Cx, ENV, Hostcall, R};
+use super::{Cx, ENV, Hostcall, MAX_METRIC_NAME_BYTES, R};
 use crate::codes::status;
 
 /// The metric hostcalls.
@@ -15,19 +16,26 @@ pub(super) const HOSTCALLS: &[Hostcall] = hostcalls![ENV =>
 ];
 
 fn proxy_define_metric(mut cx: Cx<'_>, _kind: u32, np: u32, nl: u32, rid: u32) -> R {
+    if nl as usize > MAX_METRIC_NAME_BYTES {
+        cx.data().env.caps.metrics.inc();
+        return Ok(status::BAD_ARGUMENT);
+    }
     let name = match read_str(&cx, np, nl) {
         Ok(n) => n,
         Err(s) => return Ok(s),
     };
-    let metrics = &mut cx.data_mut().metrics;
-    if metrics.len() >= 1024 {
-        return Ok(status::BAD_ARGUMENT);
-    }
-    let id = metrics
+    let st = cx.data_mut();
+    let known = st
+        .metrics
         .iter()
         .find(|(_, (n, _))| *n == name)
-        .map(|(id, _)| *id)
-        .unwrap_or(metrics.len() as u32 + 1);
+        .map(|(id, _)| *id);
+    if known.is_none() && st.metrics.len() >= 1024 {
+        st.env.caps.metrics.inc();
+        return Ok(status::BAD_ARGUMENT);
+    }
+    let metrics = &mut st.metrics;
+    let id = known.unwrap_or(metrics.len() as u32 + 1);
     metrics.entry(id).or_insert((name, 0));
     Ok(write(&mut cx, rid, &id.to_le_bytes()).map_or_else(|s| s, |_| status::OK))
 }

@@ -1,6 +1,9 @@
 //! The five WASI preview-1 functions a `wasm32-wasip1` guest imports, as
 //! stubs with no capabilities: no entropy (deterministic filler), no
-//! environment, stdout/stderr into the log, `proc_exit` traps.
+//! environment, stdout/stderr into the log (at most
+//! [`SandboxLimits::max_log_bytes`](crate::SandboxLimits::max_log_bytes) of
+//! one write, the rest dropped; lines past the runtime's log rate dropped
+//! and counted), `proc_exit` traps.
 
 use super::logging::MAX_KEPT_ERRORS;
 use super::memory::{read, write};
@@ -53,6 +56,9 @@ fn fd_write(mut cx: Cx<'_>, fd: u32, iovs: u32, n: u32, written: u32) -> wasmtim
     if fd != 1 && fd != 2 {
         return Ok(WASI_EBADF);
     }
+    // The guest is told everything was written (an error would turn a
+    // print into a guest panic); the host keeps at most `log_bytes` of it.
+    let cap = cx.data().caps.log_bytes;
     let mut total = 0u32;
     let mut text = Vec::new();
     for i in 0..n.min(64) {
@@ -61,15 +67,23 @@ fn fd_write(mut cx: Cx<'_>, fd: u32, iovs: u32, n: u32, written: u32) -> wasmtim
         };
         let p = u32::from_le_bytes([iov[0], iov[1], iov[2], iov[3]]);
         let l = u32::from_le_bytes([iov[4], iov[5], iov[6], iov[7]]).min(64 * 1024);
-        let Ok(chunk) = read(&cx, p, l) else {
+        let keep = (l as usize).min(cap - text.len()) as u32;
+        let Ok(chunk) = read(&cx, p, keep) else {
             return Ok(WASI_EBADF);
         };
         total = total.saturating_add(l);
         text.extend_from_slice(&chunk);
     }
+    if (total as usize) > text.len() {
+        cx.data().env.caps.log_size.inc();
+    }
     let line = String::from_utf8_lossy(&text).trim_end().to_string();
     if !line.is_empty() {
-        tracing::warn!(target: "policy_guest", fd, "{line}");
+        if cx.data().env.log_bucket.take() {
+            tracing::warn!(target: "policy_guest", fd, "{line}");
+        } else {
+            cx.data().env.caps.log_rate.inc();
+        }
         let errors = &mut cx.data_mut().errors;
         if errors.len() < MAX_KEPT_ERRORS {
             errors.push(line);

@@ -5,7 +5,7 @@
 //! `rngd-pd policy check`.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use rngd_policy_core::{Endpoint, Role, Vendor};
 use wasmtime::{
@@ -22,10 +22,13 @@ pub(super) fn boxed(e: wasmtime::Error) -> crate::BoxError {
     e.into()
 }
 
-/// A wasmtime engine configured for the sandbox, with its epoch ticker.
+/// A wasmtime engine configured for the sandbox, with its epoch ticker
+/// (which also counts its ticks in `ticks`, the clock of the decision
+/// budget).
 pub(crate) fn sandbox_engine(
     limits: &SandboxLimits,
     stop: Arc<AtomicBool>,
+    ticks: Arc<AtomicU64>,
 ) -> Result<Engine, PolicyError> {
     let mut pool = PoolingAllocationConfig::new();
     let slots = (limits.instances as u32).saturating_mul(4).clamp(8, 64);
@@ -54,6 +57,7 @@ pub(crate) fn sandbox_engine(
             while !stop.load(Ordering::Relaxed) {
                 std::thread::sleep(tick);
                 ticker.increment_epoch();
+                ticks.fetch_add(1, Ordering::Relaxed);
             }
         })
         .map_err(|e| PolicyError::Engine {

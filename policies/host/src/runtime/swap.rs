@@ -1,14 +1,14 @@
 //! Replacing the active module: [`PolicyRuntime::swap`] (compile off the
 //! serving threads, self-test, activate atomically; the old module stays on
 //! failure) and [`PolicyRuntime::watch`] (poll the module file and swap when
-//! its content changes).
+//! its content changes; a module rolled back is not loaded again).
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, SystemTime};
 
-use super::{PolicyRuntime, lock, prepare};
+use super::{Fallback, PolicyRuntime, lock, prepare};
 use crate::{ModuleInfo, PolicyError, sha256_hex};
 
 // === impl PolicyRuntime ===
@@ -29,25 +29,30 @@ impl PolicyRuntime {
         let _serial = self.swap_lock.lock().await;
         let me = self.me()?;
         let sha = sha256_hex(&wasm);
-        // Swaps are serialized (`swap_lock`): the next generation is free.
-        let generation = self.generation.load(Ordering::Acquire) + 1;
-        let res = tokio::task::spawn_blocking(move || {
-            prepare(
-                &me.engine, &me.linker, &me.limits, &me.config, &wasm, path, generation,
-            )
-        })
-        .await
-        .map_err(|e| PolicyError::Unavailable {
-            detail: format!("compile thread failed: {e}"),
-        })
-        .and_then(|r| r);
+        // Unique across swaps and rollbacks (a rollback may happen meanwhile).
+        let generation = self.next_generation.fetch_add(1, Ordering::AcqRel);
+        let res =
+            tokio::task::spawn_blocking(move || prepare(&me.sandbox(), &wasm, path, generation))
+                .await
+                .map_err(|e| PolicyError::Unavailable {
+                    detail: format!("compile thread failed: {e}"),
+                })
+                .and_then(|r| r);
         match res {
-            Ok(first) => {
+            Ok(mut first) => {
                 let info = first.loaded.info.clone();
                 let mut active = self
                     .active
                     .write()
                     .unwrap_or_else(std::sync::PoisonError::into_inner);
+                // What a rollback of the new module restores: the module
+                // active now (only its code; not its own predecessor).
+                if let Some(new) = Arc::get_mut(&mut first.loaded) {
+                    new.previous = Some(Fallback {
+                        info: active.info.clone(),
+                        pre: active.pre.clone(),
+                    });
+                }
                 let old = std::mem::replace(&mut *active, first.loaded.clone());
                 self.generation.store(generation, Ordering::Release);
                 drop(active);
@@ -97,6 +102,10 @@ impl PolicyRuntime {
                 };
                 let sha = sha256_hex(&bytes);
                 if sha == rt.active().sha256 || last_failed.as_deref() == Some(sha.as_str()) {
+                    continue;
+                }
+                if rt.was_rolled_back(&sha) {
+                    tracing::info!(path = %path.display(), sha256 = %sha, "policy module file holds the module rolled back; not reloaded until it changes");
                     continue;
                 }
                 match rt.swap_from(bytes, Some(path.clone())).await {
