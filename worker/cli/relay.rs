@@ -1,6 +1,8 @@
 //! `rngd-pd relay`: the KV relay server of the `tcp` transport. The flags
 //! live here; the relay is `rngd_kv_transport::relay` ([`RelayOptions`],
-//! [`rngd_kv_transport::relay::launch`]).
+//! [`rngd_kv_transport::relay::launch`]). It refuses to start without the
+//! shared secret (`--secret-file` / `AIRM_KV_TCP_SECRET`) unless
+//! `--insecure-no-auth`.
 
 use std::path::PathBuf;
 
@@ -187,6 +189,11 @@ mod tests {
         }
         let opts: RelayOptions = Cli::parse_from(["relay"]).args.into();
         assert_eq!(opts, RelayOptions::default());
+        let err = opts.config().unwrap_err().to_string();
+        assert!(
+            err.contains("--insecure-no-auth"),
+            "no secret, no start: {err}"
+        );
     }
 
     #[test]

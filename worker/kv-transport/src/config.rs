@@ -32,7 +32,8 @@ pub struct TransportConfig {
     pub tcp_log: bool,
     /// `tcp`: the relay's shared secret (`AIRM_KV_TCP_SECRET_FILE` or
     /// `AIRM_KV_TCP_SECRET`); `None`: no authentication (the relay must run
-    /// with `--insecure-no-auth`). Never shown by `Debug`.
+    /// with `--insecure-no-auth`). From the environment, `None` with a relay
+    /// address needs `AIRM_KV_TCP_INSECURE_NO_AUTH=1`. Never shown by `Debug`.
     pub tcp_secret: Option<Secret>,
     /// `tcp`: deadline of a push, release or STATS (`AIRM_KV_TCP_TIMEOUT_MS`,
     /// default 30 s); also bounds connecting and the handshake.
@@ -107,6 +108,17 @@ impl TransportConfig {
             None => false,
         };
         match (&cfg.tcp_secret, insecure) {
+            (None, false) if cfg.tcp_addr.is_some() => {
+                return Err(KvError::Config {
+                    detail: format!(
+                        "the tcp transport needs the relay's shared secret in {} or {} \
+                         ({}=1 runs it without authentication)",
+                        env::AIRM_KV_TCP_SECRET_FILE,
+                        env::AIRM_KV_TCP_SECRET,
+                        env::AIRM_KV_TCP_INSECURE_NO_AUTH
+                    ),
+                });
+            }
             (Some(_), true) => {
                 return Err(KvError::Config {
                     detail: format!(
@@ -195,12 +207,18 @@ mod tests {
     }
 
     #[test]
-    fn the_secret_comes_from_a_file_or_the_environment() {
+    fn a_relay_address_needs_a_secret_or_the_explicit_insecure_flag() {
         let with = |vars: &[(&str, &str)]| {
             let vars: HashMap<&str, &str> = vars.iter().copied().collect();
             TransportConfig::from_lookup(|k| vars.get(k).map(|v| v.to_string()))
         };
         let addr = (env::AIRM_KV_TCP_ADDR, "10.0.0.1:7000");
+        let err = with(&[addr]).unwrap_err().to_string();
+        assert!(
+            err.contains(env::AIRM_KV_TCP_SECRET)
+                && err.contains(env::AIRM_KV_TCP_INSECURE_NO_AUTH),
+            "{err}"
+        );
         let cfg = with(&[addr, (env::AIRM_KV_TCP_INSECURE_NO_AUTH, "1")]).unwrap();
         assert_eq!(cfg.tcp_secret, None);
         // No relay address (an shm-only worker): nothing to authenticate.

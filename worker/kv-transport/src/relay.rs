@@ -61,7 +61,7 @@ pub struct RelayConfig {
     pub max_frame: u64,
     /// The shared secret every connection must prove in the handshake.
     /// `None`: connections are not authenticated (what `--insecure-no-auth`
-    /// gives). The default is
+    /// gives; [`RelayOptions::config`] refuses it otherwise). The default is
     /// `None` for in-process relays of tests and benchmarks.
     pub secret: Option<Secret>,
     /// A frame (header, key, body), and the handshake's answer, must arrive
@@ -152,6 +152,7 @@ impl Default for RelayOptions {
 
 impl RelayOptions {
     /// The [`RelayConfig`] these options describe. Reads `secret_file`.
+    /// Without a secret this is an error unless `insecure_no_auth`.
     pub fn config(&self) -> Result<RelayConfig, KvError> {
         let ttl = crate::config::parse_secs("--ttl-s", &self.ttl_s.to_string())?;
         let positive = |what: &str, ok: bool| {
@@ -191,11 +192,14 @@ impl RelayOptions {
         };
         match (&secret, self.insecure_no_auth) {
             (None, false) => {
-                // Not yet refused (the callers get their secret first).
-                tracing::warn!(
-                    "the relay has no shared secret (--secret-file, {}): it runs without authentication",
-                    env::AIRM_KV_TCP_SECRET
-                );
+                return Err(KvError::Config {
+                    detail: format!(
+                        "the relay needs a shared secret: --secret-file ({}) or {}; \
+                         --insecure-no-auth runs it without authentication",
+                        env::AIRM_KV_TCP_SECRET_FILE,
+                        env::AIRM_KV_TCP_SECRET
+                    ),
+                });
             }
             (Some(_), true) => {
                 return Err(KvError::Config {
@@ -330,6 +334,11 @@ mod tests {
 
     #[test]
     fn a_secret_is_required_unless_insecure() {
+        let err = RelayOptions::default().config().unwrap_err().to_string();
+        assert!(
+            err.contains("--secret-file") && err.contains("--insecure-no-auth"),
+            "{err}"
+        );
         let secret = Secret::parse("relay-secret-0123456789").unwrap();
         let cfg = RelayOptions {
             secret: Some(secret.clone()),

@@ -67,7 +67,8 @@ pub fn parse_location(location: &str) -> (&str, u64) {
 impl TcpTransport {
     /// Creates the transport for `cfg.tcp_addr` (`AIRM_KV_TCP_ADDR`), which
     /// must be set, authenticating with `cfg.tcp_secret` (without one the
-    /// relay must run with `--insecure-no-auth`).
+    /// relay must run with `--insecure-no-auth`; [`TransportConfig::from_env`]
+    /// refuses that unless `AIRM_KV_TCP_INSECURE_NO_AUTH=1`).
     pub fn new(cfg: &TransportConfig) -> Result<Self, KvError> {
         let addr = cfg.tcp_addr.clone().ok_or_else(|| KvError::Config {
             detail: format!(

@@ -342,6 +342,17 @@ async fn launched_relay_serves_until_shut_down() {
     .await
     .unwrap_err();
     assert!(matches!(bad, KvError::Config { .. }), "{bad}");
+    // Without a secret the relay does not start, unless told to run without.
+    let no_secret = relay::launch(relay::RelayOptions {
+        listen: "127.0.0.1:0".into(),
+        ..relay::RelayOptions::default()
+    })
+    .await
+    .unwrap_err();
+    assert!(
+        no_secret.to_string().contains("--insecure-no-auth"),
+        "{no_secret}"
+    );
     let insecure = relay::launch(relay::RelayOptions {
         listen: "127.0.0.1:0".into(),
         insecure_no_auth: true,
