@@ -30,7 +30,7 @@ pub struct Args {
     pub secret_file: Option<PathBuf>,
     /// The shared secret itself. Prefer the environment variable or
     /// `--secret-file`: a flag's value shows in the process list. Never printed.
-    #[arg(long = "secret", env = env::AIRM_KV_TCP_SECRET, hide_env_values = true, value_name = "SECRET")]
+    #[arg(long = "secret", env = env::AIRM_KV_TCP_SECRET, hide_env_values = true, value_name = "SECRET", value_parser = secret_arg)]
     pub secret: Option<Secret>,
     /// Run without authentication (anyone who reaches the port can read and
     /// write KV caches); logged as a warning. Not for production.
@@ -55,6 +55,12 @@ pub struct Args {
     /// Validate the flags and exit: 0 and `ok`, or a clear error.
     #[arg(long)]
     pub check: bool,
+}
+
+/// Takes any text: the length is checked by [`RelayOptions::config`], so
+/// that no parse error prints the value.
+fn secret_arg(text: &str) -> Result<Secret, std::convert::Infallible> {
+    Ok(Secret::from_text(text))
 }
 
 impl From<Args> for RelayOptions {
@@ -158,8 +164,15 @@ mod tests {
             cfg.secret,
             Some(Secret::parse("cli-relay-secret-0123456789").unwrap())
         );
-        let cli = Cli::try_parse_from(["relay", "--secret", "short"]);
-        assert!(cli.is_err(), "a short secret is refused");
+        let cli = Cli::try_parse_from(["relay", "--secret", "hunter2"]).unwrap();
+        let err = RelayOptions::from(cli.args)
+            .config()
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("at least 16") && !err.contains("hunter2"),
+            "a short secret is refused without being shown: {err}"
+        );
         let cli = Cli::try_parse_from(["relay", "--ttl-s", "0", "--insecure-no-auth"]).unwrap();
         assert!(
             RelayOptions::from(cli.args).config().is_err(),

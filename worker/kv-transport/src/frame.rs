@@ -498,23 +498,39 @@ impl Secret {
 
     /// A secret from its bytes, exactly as given; at least [`Secret::MIN_LEN`] of them.
     pub fn new(bytes: impl Into<Vec<u8>>) -> Result<Secret, KvError> {
-        let bytes = bytes.into();
-        if bytes.len() < Self::MIN_LEN {
+        let s = Secret(bytes.into().into());
+        s.check()?;
+        Ok(s)
+    }
+
+    /// A secret from text (an environment variable): surrounding whitespace
+    /// (a trailing newline) is dropped; then checked as [`Secret::new`].
+    pub fn parse(text: &str) -> Result<Secret, KvError> {
+        let s = Secret::from_text(text);
+        s.check()?;
+        Ok(s)
+    }
+
+    /// Like [`Secret::parse`] without the length check, for a command-line
+    /// parser (whose errors would print the value): whoever uses it checks
+    /// with [`Secret::check`] (as [`crate::relay::RelayOptions::config`] does).
+    pub fn from_text(text: &str) -> Secret {
+        Secret(text.trim().as_bytes().into())
+    }
+
+    /// Checks the length rule of [`Secret::new`] (the error tells the
+    /// length, never the bytes).
+    pub fn check(&self) -> Result<(), KvError> {
+        if self.0.len() < Self::MIN_LEN {
             return Err(KvError::Config {
                 detail: format!(
                     "the relay secret has {} bytes; it needs at least {} (e.g. 32 random bytes, hex)",
-                    bytes.len(),
+                    self.0.len(),
                     Self::MIN_LEN
                 ),
             });
         }
-        Ok(Secret(bytes.into()))
-    }
-
-    /// A secret from text (an environment variable): surrounding whitespace
-    /// (a trailing newline) is dropped.
-    pub fn parse(text: &str) -> Result<Secret, KvError> {
-        Secret::new(text.trim().as_bytes())
+        Ok(())
     }
 
     /// A secret from a file (a mounted Kubernetes Secret): its contents

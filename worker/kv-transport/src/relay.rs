@@ -187,7 +187,10 @@ impl RelayOptions {
                 });
             }
             (Some(path), None) => Some(Secret::from_file(path)?),
-            (None, Some(s)) => Some(s.clone()),
+            (None, Some(s)) => {
+                s.check()?;
+                Some(s.clone())
+            }
             (None, None) => None,
         };
         match (&secret, self.insecure_no_auth) {
