@@ -49,9 +49,14 @@ async fn stack(token_delay: Duration) -> Stack {
         let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let transports = Transports::new("memory", Shared(kv.clone()));
         workers.push(
-            rngd_worker::serve(l, engine, transports, WorkerConfig::new(role))
-                .await
-                .unwrap(),
+            rngd_worker::serve(
+                l,
+                engine,
+                transports,
+                WorkerConfig::new(role).with_kv_secret(b"test-kv-secret-0123456789abcdef"),
+            )
+            .await
+            .unwrap(),
         );
     }
     let decode = workers.pop().unwrap();
@@ -226,7 +231,8 @@ async fn gateway_binary_serves() {
         l,
         engine,
         Transports::new("memory", Shared(Arc::new(MemoryTransport::new()))),
-        WorkerConfig::new(rngd_worker::Role::Decode),
+        rngd_worker::WorkerConfig::new(rngd_worker::Role::Decode)
+            .with_kv_secret(b"test-kv-secret-0123456789abcdef"),
     )
     .await
     .unwrap();

@@ -121,6 +121,9 @@ impl Drop for Proc {
     }
 }
 
+/// The test deployment's KV secret.
+const KV_SECRET: &str = "worker-pd-test-secret-0123456789";
+
 struct Env {
     dir: tempfile::TempDir,
     envs: Vec<(&'static str, String)>,
@@ -135,6 +138,9 @@ impl Env {
             ("AIRM_KV_SHM_TTL_S", TTL_S.to_string()),
             ("AIRM_KV_TCP_TTL_S", TTL_S.to_string()),
             ("RNGD_PD_KV_PULL_TIMEOUT_MS", "3000".to_string()),
+            // The deployment's KV secret: the relay admits, and the decode
+            // worker verifies handles, with it.
+            ("AIRM_KV_TCP_SECRET", KV_SECRET.to_string()),
             // As the Helm chart runs cpu workers: the device lookup finds no card, which the cpu backend only logs.
             ("RNGD_PD_CHIP", "-1".to_string()),
             (
@@ -156,7 +162,7 @@ impl Env {
             "relay",
             self.dir.path(),
             &["relay", "--listen", "127.0.0.1:0", "--ttl-s", TTL_S],
-            &[],
+            &[("AIRM_KV_TCP_SECRET", KV_SECRET.to_string())],
             "relay listening on ",
         );
         self.envs.push(("AIRM_KV_TCP_ADDR", relay.addr.clone()));

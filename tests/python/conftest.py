@@ -26,6 +26,16 @@ def rngd_bin():
     return b
 
 
+# The test deployment's KV secret: workers sign and verify KV handles with it
+# (a prefill or decode worker does not start without one).
+KV_SECRET = "python-tests-kv-secret-0123456789"
+
+
+def worker_env(**extra):
+    """The environment of a worker the tests start (the KV secret added)."""
+    return dict(os.environ, AIRM_KV_TCP_SECRET=KV_SECRET, **extra)
+
+
 def model_path():
     m = os.environ.get("RNGD_PD_MODEL")
     if m:
@@ -153,7 +163,8 @@ def stack(request):
 @pytest.fixture(scope="session")
 def solo():
     """A solo worker on the same model: the single-worker reference."""
-    proc = Proc("solo worker", [rngd_bin(), "worker", "--role", "solo", "--port", "0", "--model", model_path()])
+    proc = Proc("solo worker", [rngd_bin(), "worker", "--role", "solo", "--port", "0", "--model", model_path()],
+                env=worker_env())
     try:
         url = proc.wait_line("rngd-pd worker listening on", 120)
         if not url.startswith("http"):

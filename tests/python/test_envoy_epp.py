@@ -28,7 +28,7 @@ import pytest
 import requests
 
 from epp.helpers import ExtProc, envoy_binary, policy_module, teapot_module
-from conftest import Proc, free_port, model_path, poll_ok, rngd_bin
+from conftest import Proc, free_port, model_path, poll_ok, rngd_bin, worker_env
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "deploy" / "envoy"))
@@ -45,7 +45,7 @@ def start_worker(role: str, *extra: str) -> tuple[Proc, str]:
     m = model_path()
     if not os.path.isfile(m):
         pytest.fail(f"model {m} not found: run `rngd-pd model fetch` or set RNGD_PD_MODEL")
-    p = Proc(f"{role} worker", [rngd_bin(), "worker", "--role", role, "--port", "0", "--model", m, *extra])
+    p = Proc(f"{role} worker", [rngd_bin(), "worker", "--role", role, "--port", "0", "--model", m, *extra], env=worker_env())
     url = p.wait_line("rngd-pd worker listening on", 300)
     if not url.startswith("http"):
         url = "http://" + url

@@ -632,32 +632,40 @@ def test_image_repository_is_the_image_the_containerfile_builds():
     assert container(render({"image": {"repository": "r.example/rngd-pd", "tag": "t1"}}), "demo-relay")["image"] == "r.example/rngd-pd:t1"
 
 
-# --- The tcp KV relay's shared secret -----------------------------------------
+# --- The deployment's KV secret -----------------------------------------------
 
 
-def test_relay_and_workers_share_the_relay_secret_as_a_file():
+def test_relay_and_workers_share_the_kv_secret_as_a_file():
     objs = render()
-    secret = objs[("Secret", "demo-kv-relay")]
+    secret = objs[("Secret", "demo-kv")]
     assert len(base64.b64decode(secret["data"]["secret"]).strip()) >= 16
     specs = pod_specs(objs)
     for name in ("demo-relay", "demo-prefill", "demo-decode"):
         c = specs[name]["containers"][0]
         env = {e["name"]: e for e in c["env"]}
-        assert env["AIRM_KV_TCP_SECRET_FILE"]["value"] == "/etc/rngd-pd/kv-relay/secret", name
+        assert env["AIRM_KV_TCP_SECRET_FILE"]["value"] == "/etc/rngd-pd/kv/secret", name
         assert "AIRM_KV_TCP_INSECURE_NO_AUTH" not in env and "AIRM_KV_TCP_SECRET" not in env, name
-        assert {"name": "kv-relay-secret", "mountPath": "/etc/rngd-pd/kv-relay", "readOnly": True} in c["volumeMounts"]
+        assert {"name": "kv-secret", "mountPath": "/etc/rngd-pd/kv", "readOnly": True} in c["volumeMounts"]
         volumes = {v["name"]: v for v in specs[name]["volumes"]}
-        assert volumes["kv-relay-secret"]["secret"] == {"secretName": "demo-kv-relay", "items": [{"key": "secret", "path": "secret"}]}
+        assert volumes["kv-secret"]["secret"] == {"secretName": "demo-kv", "items": [{"key": "secret", "path": "secret"}]}
         assert secret["data"]["secret"] not in yaml.safe_dump(objs[("Deployment", name)])
     for name in ("demo-epp", "demo-gateway"):
-        assert "kv-relay-secret" not in {v["name"] for v in specs[name]["volumes"]}, name
+        assert "kv-secret" not in {v["name"] for v in specs[name]["volumes"]}, name
     # An existing Secret instead: none created, that one mounted.
-    objs = render({"relay": {"secretName": "kv-mine"}})
-    assert ("Secret", "demo-kv-relay") not in objs
+    objs = render({"kvTransport": {"secretName": "kv-mine"}})
+    assert ("Secret", "demo-kv") not in objs
     volumes = {v["name"]: v for v in pod_specs(objs)["demo-decode"]["volumes"]}
-    assert volumes["kv-relay-secret"]["secret"]["secretName"] == "kv-mine"
-    # No relay, no secret.
+    assert volumes["kv-secret"]["secret"]["secretName"] == "kv-mine"
+    # No relay: the workers still sign and verify KV handles with it.
     objs = render({"relay": {"enabled": False}})
-    assert ("Secret", "demo-kv-relay") not in objs
+    assert ("Secret", "demo-kv") in objs
     env = {e["name"] for e in container(objs, "demo-decode")["env"]}
-    assert "AIRM_KV_TCP_SECRET_FILE" not in env and "AIRM_KV_TCP_ADDR" not in env
+    assert "AIRM_KV_TCP_SECRET_FILE" in env and "AIRM_KV_TCP_ADDR" not in env
+
+
+def test_prefill_workers_take_prefill_only_requests_from_the_pod_network_only():
+    pre = container(render(), "demo-prefill")
+    assert "--front-door-allow=10.0.0.0/8,172.16.0.0/12,192.168.0.0/16" in pre["args"]
+    assert not any(a.startswith("--front-door-allow") for a in container(render(), "demo-decode")["args"])
+    pre = container(render({"prefill": {"frontDoorAllow": ["10.244.0.0/16"]}}), "demo-prefill")
+    assert "--front-door-allow=10.244.0.0/16" in pre["args"]

@@ -318,6 +318,10 @@ async fn bring_up(
     let host = &args.host;
     let model_s = model.display().to_string();
 
+    // One secret for this stack: the relay admits only its workers, and the
+    // decode worker takes only KV handles its prefill worker signed. Made
+    // fresh for every `up`, passed in the children's environment, never printed.
+    let secret = rngd_worker::handles::random_hex(32);
     // KV relay (the `tcp` transport's server).
     let (relay, _) = start(
         stack,
@@ -327,7 +331,7 @@ async fn bring_up(
             "--listen".into(),
             format!("{host}:{}", args.relay_port),
         ],
-        &[],
+        &[(env::AIRM_KV_TCP_SECRET, secret.clone())],
         "relay listening on ",
     )
     .await?;
@@ -339,6 +343,7 @@ async fn bring_up(
     let envs = [
         (env::PD_SHM_ROOT, stack.shm_root.display().to_string()),
         (env::AIRM_KV_TCP_ADDR, relay.clone()),
+        (env::AIRM_KV_TCP_SECRET, secret.clone()),
     ];
     let mut urls: Vec<String> = Vec::new();
     for (name, role, port) in [

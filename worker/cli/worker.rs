@@ -5,7 +5,7 @@
 use std::path::PathBuf;
 
 use rngd_api::env;
-use rngd_worker::{AllowEntry, Backend, PrefillAllow, Role, WorkerOptions};
+use rngd_worker::{AllowEntry, Backend, ClientAllow, PrefillAllow, Role, WorkerOptions};
 
 /// `--role`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -95,6 +95,15 @@ pub struct Args {
     /// Empty entries (an empty variable, a trailing comma) are skipped.
     #[arg(long, env = env::RNGD_PD_PREFILL_ALLOW, value_delimiter = ',', value_name = "ENTRY", value_parser = parse_allow)]
     pub prefill_allow: Vec<AllowArg>,
+    /// Clients that may send prefill-only requests
+    /// (`kv_transfer_params.do_remote_decode`), by the IP of their
+    /// connection: the gateways, Envoy and the decode workers. `IP` or
+    /// `IP/PREFIX` entries, comma-separated; anyone else gets 403.
+    #[arg(long, env = env::RNGD_PD_FRONT_DOOR_ALLOW, default_value = "127.0.0.0/8,::1")]
+    pub front_door_allow: ClientAllow,
+    /// Largest request body, bytes; larger is a 413 (OpenAI error body).
+    #[arg(long, env = env::RNGD_PD_WORKER_BODY_LIMIT, default_value_t = rngd_worker::state::DEFAULT_BODY_LIMIT)]
+    pub body_limit: usize,
     /// Validate the flags and files (backend, model, KV transport
     /// configuration) and exit: 0 and `ok`, or a clear error.
     #[arg(long)]
@@ -130,6 +139,8 @@ impl Args {
             prefill_allow: PrefillAllow::new(
                 self.prefill_allow.into_iter().filter_map(|a| a.0).collect(),
             ),
+            front_door_allow: self.front_door_allow,
+            body_limit: self.body_limit,
         }
     }
 }
@@ -164,7 +175,9 @@ fn check_options(opts: &WorkerOptions) -> anyhow::Result<()> {
         opts.kv_transport,
         rngd_kv_transport::registry::KNOWN.join(", ")
     );
-    rngd_kv_transport::TransportConfig::from_env().context("KV transport configuration")?;
+    let kv =
+        rngd_kv_transport::TransportConfig::from_env().context("KV transport configuration")?;
+    rngd_worker::kv_auth(opts.role, &kv)?;
     let model = rngd_engine::model_fetch::resolve(opts.model.as_deref())?;
     rngd_engine::tokenizer::Tokenizer::from_gguf(&model)
         .with_context(|| format!("model {}", model.display()))?;

@@ -189,7 +189,8 @@ pub async fn run(args: Options) -> Result<Report, Error> {
         l,
         engine,
         transports,
-        rngd_worker::WorkerConfig::new(rngd_worker::Role::Decode),
+        rngd_worker::WorkerConfig::new(rngd_worker::Role::Decode)
+            .with_kv_secret(b"test-kv-secret-0123456789abcdef"),
     )
     .await
     .map_err(|e| Error::Worker(e.to_string()))?;

@@ -180,7 +180,7 @@ pub async fn spawn_worker(
         l,
         engine,
         Transports::new("memory", Shared(kv)),
-        WorkerConfig::new(role),
+        WorkerConfig::new(role).with_kv_secret(b"test-kv-secret-0123456789abcdef"),
     )
     .await
     .unwrap();

@@ -72,6 +72,11 @@ pub const RNGD_PD_PREFILL_TIMEOUT_MS: &str = "RNGD_PD_PREFILL_TIMEOUT_MS";
 /// (`HOST:PORT`, `IP/PREFIX:PORT`, `[IPV6]/PREFIX:PORT`; ports required);
 /// default empty: the header is refused.
 pub const RNGD_PD_PREFILL_ALLOW: &str = "RNGD_PD_PREFILL_ALLOW";
+/// Worker: the clients (connection IPs, `IP` or `IP/PREFIX`, comma-separated)
+/// that may send prefill-only requests (`do_remote_decode`); default loopback.
+pub const RNGD_PD_FRONT_DOOR_ALLOW: &str = "RNGD_PD_FRONT_DOOR_ALLOW";
+/// Worker: largest request body, bytes (default 2 MiB).
+pub const RNGD_PD_WORKER_BODY_LIMIT: &str = "RNGD_PD_WORKER_BODY_LIMIT";
 /// Worker: CPU threads of the `cpu` backend; default: all cores.
 pub const RNGD_PD_THREADS: &str = "RNGD_PD_THREADS";
 

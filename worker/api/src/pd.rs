@@ -36,6 +36,14 @@ pub struct KvTransferParams {
     /// so that the decode worker need not tokenize again.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub prompt_token_ids: Option<Vec<u32>>,
+    /// HMAC-SHA256 (hex) of `kv_handle`, `first_token`, `prompt_token_ids` and
+    /// `kv_handle_expires_ms` under the deployment's key (prefill response,
+    /// decode request): a decode worker pulls nothing it cannot verify.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kv_handle_signature: Option<String>,
+    /// Until when the handle is valid, Unix ms (signed with it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kv_handle_expires_ms: Option<u64>,
     /// Prefill compute time, ms (prefill response).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub prefill_ms: Option<f64>,

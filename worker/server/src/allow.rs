@@ -1,7 +1,8 @@
 //! Which prefill peers a decode worker may call: [`PrefillAllow`] (the
 //! `--prefill-allow` list, [`AllowEntry`] each) and [`PeerAddr`] (the
 //! `x-prefiller-host-port` entry it admitted, the only thing the peer client
-//! connects to).
+//! connects to); and which clients may ask a worker for a prefill-only
+//! request: [`ClientAllow`] (`--front-door-allow`, by connection IP).
 //!
 //! Entry syntax (`--prefill-allow`, comma-separated, repeatable):
 //!
@@ -394,5 +395,118 @@ impl fmt::Display for PrefillAllow {
             write!(f, "{e}")?;
         }
         Ok(())
+    }
+}
+
+// === impl ClientAllow ===
+
+/// Which clients, by the IP address of their connection, may send a
+/// prefill-only request (`do_remote_decode`): the front doors (gateway,
+/// Envoy) and the decode workers (`--front-door-allow`, comma-separated `IP`
+/// or `IP/PREFIX` entries; IPv6 in brackets or bare). The default is loopback.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ClientAllow {
+    nets: Vec<(IpAddr, u8)>,
+}
+
+impl ClientAllow {
+    /// `127.0.0.0/8` and `::1`.
+    pub fn loopback() -> Self {
+        ClientAllow {
+            nets: vec![
+                (IpAddr::V4(Ipv4Addr::new(127, 0, 0, 0)), 8),
+                (IpAddr::V6(Ipv6Addr::LOCALHOST), 128),
+            ],
+        }
+    }
+
+    /// Whether a connection from `ip` is admitted (an IPv4-mapped IPv6
+    /// address counts as its IPv4 address).
+    pub fn admits(&self, ip: IpAddr) -> bool {
+        let ip = match ip {
+            IpAddr::V6(v6) => v6.to_ipv4_mapped().map(IpAddr::V4).unwrap_or(ip),
+            v4 => v4,
+        };
+        self.nets
+            .iter()
+            .any(|(net, prefix)| masked(ip, *prefix) == Some(*net))
+    }
+}
+
+impl FromStr for ClientAllow {
+    type Err = AllowError;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let mut nets = Vec::new();
+        for raw in s.split(',').map(str::trim).filter(|e| !e.is_empty()) {
+            let err = |reason: &str| AllowError {
+                entry: raw.to_string(),
+                reason: reason.to_string(),
+            };
+            let (addr, prefix) = match raw.split_once('/') {
+                Some((a, p)) => (
+                    a,
+                    Some(
+                        p.parse::<u8>()
+                            .map_err(|_| err("the prefix is not a number"))?,
+                    ),
+                ),
+                None => (raw, None),
+            };
+            let addr = addr.trim_start_matches('[').trim_end_matches(']');
+            let ip = IpAddr::from_str(addr)
+                .map_err(|_| err("not an IP address (IP or IP/PREFIX; no port, no name)"))?;
+            let max = if ip.is_ipv4() { 32 } else { 128 };
+            let prefix = prefix.unwrap_or(max);
+            if prefix > max {
+                return Err(err("prefix longer than the address"));
+            }
+            let net = masked(ip, prefix).ok_or_else(|| err("bad prefix"))?;
+            nets.push((net, prefix));
+        }
+        Ok(ClientAllow { nets })
+    }
+}
+
+impl fmt::Display for ClientAllow {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        for (i, (net, prefix)) in self.nets.iter().enumerate() {
+            if i > 0 {
+                f.write_str(",")?;
+            }
+            write!(f, "{net}/{prefix}")?;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod client_allow_tests {
+    use super::*;
+
+    #[test]
+    fn loopback_by_default_and_cidrs_when_given() {
+        let lo = ClientAllow::loopback();
+        assert!(lo.admits("127.0.0.1".parse().unwrap()));
+        assert!(lo.admits("127.9.9.9".parse().unwrap()));
+        assert!(lo.admits("::1".parse().unwrap()));
+        assert!(lo.admits("::ffff:127.0.0.1".parse().unwrap()));
+        assert!(!lo.admits("10.0.0.1".parse().unwrap()));
+        let pods: ClientAllow = "10.244.0.0/16, 192.168.1.7, [fd00::]/8".parse().unwrap();
+        assert!(pods.admits("10.244.3.4".parse().unwrap()));
+        assert!(!pods.admits("10.245.0.1".parse().unwrap()));
+        assert!(pods.admits("192.168.1.7".parse().unwrap()));
+        assert!(!pods.admits("192.168.1.8".parse().unwrap()));
+        assert!(pods.admits("fd12::1".parse().unwrap()));
+        assert!(!pods.admits("127.0.0.1".parse().unwrap()));
+        assert_eq!(pods.to_string(), "10.244.0.0/16,192.168.1.7/32,fd00::/8");
+        for bad in ["10.0.0.0/33", "worker-0", "10.0.0.1:8000", "10.0.0.0/x"] {
+            assert!(bad.parse::<ClientAllow>().is_err(), "{bad}");
+        }
+        assert!(
+            !"".parse::<ClientAllow>()
+                .unwrap()
+                .admits("127.0.0.1".parse().unwrap())
+        );
     }
 }

@@ -4,7 +4,7 @@
 
 use std::path::PathBuf;
 
-use crate::allow::PrefillAllow;
+use crate::allow::{ClientAllow, PrefillAllow};
 
 /// What a worker does with requests (the one role type, owned by `rngd-api`).
 pub use rngd_api::Role;
@@ -68,6 +68,13 @@ pub struct WorkerOptions {
     /// prefill, and a request with the header is refused (403, code
     /// `prefiller_not_allowed`).
     pub prefill_allow: PrefillAllow,
+    /// Clients (their connection's IP) that may send prefill-only requests
+    /// (`do_remote_decode`): the gateways, Envoy and the decode workers
+    /// (`--front-door-allow`: `IP` or `IP/PREFIX` entries). Default loopback;
+    /// anyone else gets 403 (code `pd_not_allowed`).
+    pub front_door_allow: ClientAllow,
+    /// Largest request body, bytes; larger is an OpenAI-style 413. Default 2 MiB.
+    pub body_limit: usize,
 }
 
 impl Default for WorkerOptions {
@@ -88,6 +95,8 @@ impl Default for WorkerOptions {
             kv_pull_timeout_ms: 30_000,
             prefill_timeout_ms: 120_000,
             prefill_allow: PrefillAllow::default(),
+            front_door_allow: ClientAllow::loopback(),
+            body_limit: crate::state::DEFAULT_BODY_LIMIT,
         }
     }
 }

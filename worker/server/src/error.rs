@@ -71,6 +71,20 @@ pub enum ApiError {
     /// The model is not loaded yet.
     #[error("the model is still loading; retry when GET /ready answers 200")]
     NotReady,
+    /// A KV handle that cannot be verified or does not fit the model: nothing
+    /// was pulled or deleted.
+    #[error("kv_transfer_params: {0}")]
+    BadHandle(#[from] crate::handles::HandleError),
+    /// A PD request this worker does not take from this client or without a
+    /// KV secret.
+    #[error("{0}")]
+    PdRefused(String),
+    /// The request body is larger than the worker accepts.
+    #[error("the request body is larger than {limit} bytes")]
+    BodyTooLarge {
+        /// The limit, bytes.
+        limit: usize,
+    },
     /// A transport name this worker cannot create.
     #[error("KV transport `{name}` is not available on this worker")]
     UnknownTransport {
@@ -212,6 +226,9 @@ impl ApiError {
             | ApiError::WrongRole(_) => StatusCode::BAD_REQUEST,
             ApiError::UnknownTransport { .. } => StatusCode::BAD_REQUEST,
             ApiError::NotReady => StatusCode::SERVICE_UNAVAILABLE,
+            ApiError::BadHandle(_) => StatusCode::BAD_REQUEST,
+            ApiError::PdRefused(_) => StatusCode::FORBIDDEN,
+            ApiError::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             ApiError::KvPush { source, .. } | ApiError::KvPull { source, .. } => match **source {
                 KvError::NotFound { .. } => StatusCode::GATEWAY_TIMEOUT,
                 KvError::BadRequest { .. } => StatusCode::BAD_REQUEST,
@@ -271,6 +288,13 @@ impl ApiError {
                 body.with_code(PREFILLER_MALFORMED_CODE)
             }
             ApiError::PrefillRefused(_) => body.with_code(PREFILLER_NOT_ALLOWED_CODE),
+            ApiError::BadHandle(_) => body
+                .with_code("invalid_kv_handle")
+                .with_param("kv_transfer_params"),
+            ApiError::PdRefused(_) => body
+                .with_code("pd_not_allowed")
+                .with_param("kv_transfer_params"),
+            ApiError::BodyTooLarge { .. } => body.with_code("request_too_large"),
             _ => body,
         }
     }

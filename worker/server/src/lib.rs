@@ -11,12 +11,15 @@
 //!   served as a completion: whole or orchestrated; answered in the chat
 //!   format), `GET /health`, `GET /ready`, `GET /metrics`, `GET /v1/models`.
 //! - [`error::ApiError`]: every request failure, mapped to a status in one place.
-//! - [`allow`]: the `--prefill-allow` list; [`peer`]: the bounded prefill-peer client.
+//! - [`allow`]: the `--prefill-allow` and `--front-door-allow` lists; [`peer`]:
+//!   the bounded prefill-peer client; [`handles`]: random KV keys and signed,
+//!   checked KV handles.
 
 pub mod allow;
 pub mod args;
 mod completions;
 pub mod error;
+pub mod handles;
 pub mod metrics;
 pub mod peer;
 pub mod state;
@@ -38,9 +41,10 @@ use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
-pub use allow::{AllowEntry, AllowError, PeerAddr, PrefillAllow};
+pub use allow::{AllowEntry, AllowError, ClientAllow, PeerAddr, PrefillAllow};
 pub use args::{Backend, Role, WorkerOptions};
 pub use error::{ApiError, WorkerError};
+pub use handles::{HandleSigner, KvAuth};
 pub use metrics::WorkerMetrics;
 pub use peer::{HttpPrefillPeer, PrefillPeer};
 pub use state::{WorkerConfig, WorkerState};
@@ -51,6 +55,7 @@ pub const LISTENING_PREFIX: &str = "rngd-pd worker listening on http://";
 
 /// The worker's routes over `state`.
 pub fn router(state: WorkerState) -> Router {
+    let limit = state.config().body_limit;
     Router::new()
         .route("/v1/completions", post(completions::completions))
         .route("/v1/chat/completions", post(completions::chat_completions))
@@ -58,6 +63,7 @@ pub fn router(state: WorkerState) -> Router {
         .route("/ready", get(ready))
         .route("/metrics", get(metrics_text))
         .route("/v1/models", get(models))
+        .layer(axum::extract::DefaultBodyLimit::max(limit))
         .with_state(state)
 }
 
@@ -177,9 +183,12 @@ pub fn serve_state(
     let token = shutdown.clone();
     let app = router(state.clone());
     let task = tokio::spawn(async move {
-        axum::serve(listener, app)
-            .with_graceful_shutdown(async move { token.cancelled().await })
-            .await
+        axum::serve(
+            listener,
+            app.into_make_service_with_connect_info::<SocketAddr>(),
+        )
+        .with_graceful_shutdown(async move { token.cancelled().await })
+        .await
     });
     Ok(RunningWorker {
         addr,
@@ -226,6 +235,48 @@ pub fn select_device(args: &WorkerOptions) -> Result<rngd_devices::Selection, Wo
     rngd_devices::select_chip(&query, &lister).map_err(|e| WorkerError::Devices(Box::new(e)))
 }
 
+/// How a worker started from the environment treats KV handles: signed with
+/// the deployment's KV secret (`AIRM_KV_TCP_SECRET[_FILE]`) when there is one;
+/// without, a prefill or decode worker refuses to start unless
+/// `AIRM_KV_TCP_INSECURE_NO_AUTH=1`, and a solo worker serves no PD.
+pub fn kv_auth(
+    role: Role,
+    config: &rngd_kv_transport::TransportConfig,
+) -> Result<handles::KvAuth, WorkerError> {
+    use rngd_api::env;
+    let insecure = env::var(env::AIRM_KV_TCP_INSECURE_NO_AUTH).is_some_and(|v| {
+        matches!(
+            v.trim().to_ascii_lowercase().as_str(),
+            "1" | "true" | "yes" | "on"
+        )
+    });
+    Ok(match (&config.tcp_secret, insecure) {
+        (Some(secret), _) => handles::KvAuth::Signed(handles::HandleSigner::new(
+            &secret.derive(b"rngd-pd worker kv handles"),
+        )),
+        (None, true) => {
+            tracing::warn!(
+                "{}=1: KV handles are neither signed nor verified; run only on a single trusted host",
+                env::AIRM_KV_TCP_INSECURE_NO_AUTH
+            );
+            handles::KvAuth::Insecure
+        }
+        (None, false) if role == Role::Solo => {
+            tracing::info!("no KV secret: this solo worker serves whole requests only (no PD)");
+            handles::KvAuth::Off
+        }
+        (None, false) => {
+            return Err(WorkerError::Config(format!(
+                "a {} worker signs or verifies KV handles with the deployment's KV secret: set {} or {} ({}=1 runs without, on a single trusted host only)",
+                role.as_str(),
+                env::AIRM_KV_TCP_SECRET_FILE,
+                env::AIRM_KV_TCP_SECRET,
+                env::AIRM_KV_TCP_INSECURE_NO_AUTH
+            )));
+        }
+    })
+}
+
 /// Runs `rngd-pd worker`: checks the backend, picks the device, sets up the
 /// default transport, binds, loads the model (while `/health` already answers
 /// and `/ready` says 503), prints [`LISTENING_PREFIX`] + address on stdout, and
@@ -255,12 +306,20 @@ pub async fn launch(
         }
         Err(e) => return Err(e),
     }
-    let transports = Transports::from_env(args.kv_transport.clone()).map_err(|source| {
+    let transport_config = rngd_kv_transport::TransportConfig::from_env().map_err(|source| {
         WorkerError::Transport {
             name: args.kv_transport.clone(),
             source: Box::new(source),
         }
     })?;
+    let kv_auth = kv_auth(args.role, &transport_config)?;
+    let handle_ttl = transport_config.shm_ttl.max(transport_config.tcp_ttl);
+    let transports = Transports::new(
+        args.kv_transport.clone(),
+        RegistryFactory {
+            config: transport_config,
+        },
+    );
     // Create the default transport now: a bad configuration fails at startup,
     // and the shm sweeper starts (it frees caches whose reader never came).
     transports
@@ -280,7 +339,12 @@ pub async fn launch(
     } else {
         tracing::info!(prefill_allow = %args.prefill_allow, "prefill peers admitted");
     }
-    let state = WorkerState::new(WorkerConfig::from_args(&args), transports)?;
+    let config = WorkerConfig {
+        kv_auth,
+        handle_ttl,
+        ..WorkerConfig::from_args(&args)
+    };
+    let state = WorkerState::new(config, transports)?;
     let running = serve_state(listener, state.clone())?;
     tracing::info!(addr = %running.addr, "serving; loading the model");
     let engine = load_engine(&args).await?;

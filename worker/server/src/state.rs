@@ -6,9 +6,10 @@ use std::time::Duration;
 
 use rngd_engine::Engine;
 
-use crate::allow::PrefillAllow;
+use crate::allow::{ClientAllow, PrefillAllow};
 use crate::args::{Role, WorkerOptions};
 use crate::error::WorkerError;
+use crate::handles::KvAuth;
 use crate::metrics::WorkerMetrics;
 use crate::peer::{HttpPrefillPeer, PrefillPeer};
 use crate::transports::Transports;
@@ -27,11 +28,25 @@ pub struct WorkerConfig {
     /// Prefill peers `x-prefiller-host-port` may name; empty: none (the
     /// header is refused with 403).
     pub prefill_allow: PrefillAllow,
+    /// Clients (by socket address) that may send `do_remote_decode`: the
+    /// front doors and decode workers. Default: loopback only.
+    pub front_door_allow: ClientAllow,
+    /// How KV handles are signed and checked; [`KvAuth::Off`] refuses PD.
+    pub kv_auth: KvAuth,
+    /// How long a signed handle stays valid (the transports' TTL).
+    pub handle_ttl: Duration,
+    /// Largest request body, bytes (larger: 413).
+    pub body_limit: usize,
 }
+
+/// Default of [`WorkerConfig::body_limit`]: 2 MiB.
+pub const DEFAULT_BODY_LIMIT: usize = 2 << 20;
 
 impl WorkerConfig {
     /// Defaults for `role`: 30 s KV pull timeout, 120 s prefill-peer timeout,
-    /// no prefill peer allowed.
+    /// no prefill peer allowed, `do_remote_decode` from loopback only, no KV
+    /// secret (PD refused until [`WorkerConfig::kv_auth`] is set), 60 s
+    /// handles, 2 MiB bodies.
     pub fn new(role: Role) -> Self {
         WorkerConfig {
             role,
@@ -39,17 +54,30 @@ impl WorkerConfig {
             prefill_timeout: Duration::from_secs(120),
             node: None,
             prefill_allow: PrefillAllow::default(),
+            front_door_allow: ClientAllow::loopback(),
+            kv_auth: KvAuth::Off,
+            handle_ttl: Duration::from_secs(60),
+            body_limit: DEFAULT_BODY_LIMIT,
         }
     }
 
-    /// The configuration the flags describe.
+    /// This configuration with handles signed and checked under `secret`.
+    pub fn with_kv_secret(mut self, secret: &[u8]) -> Self {
+        self.kv_auth = KvAuth::Signed(crate::handles::HandleSigner::new(secret));
+        self
+    }
+
+    /// The configuration the flags describe (`kv_auth` and `handle_ttl` come
+    /// from the transports' configuration, set by [`crate::launch`]).
     pub fn from_args(args: &WorkerOptions) -> Self {
         WorkerConfig {
-            role: args.role,
             kv_pull_timeout: Duration::from_millis(args.kv_pull_timeout_ms),
             prefill_timeout: Duration::from_millis(args.prefill_timeout_ms),
             node: args.node.clone(),
             prefill_allow: args.prefill_allow.clone(),
+            front_door_allow: args.front_door_allow.clone(),
+            body_limit: args.body_limit,
+            ..WorkerConfig::new(args.role)
         }
     }
 }

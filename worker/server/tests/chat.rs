@@ -27,7 +27,12 @@ use serde_json::{Value, json};
 const SEQ_LEN: usize = 64;
 
 async fn start_seq(role: Role, transport: &Arc<MemoryTransport>, seq_len: usize) -> RunningWorker {
-    start_config(WorkerConfig::new(role), transport, seq_len).await
+    start_config(
+        WorkerConfig::new(role).with_kv_secret(b"test-kv-secret-0123456789abcdef"),
+        transport,
+        seq_len,
+    )
+    .await
 }
 
 async fn start_config(
@@ -48,7 +53,8 @@ async fn start_decode_for(
     prefill: &RunningWorker,
     transport: &Arc<MemoryTransport>,
 ) -> RunningWorker {
-    let mut config = WorkerConfig::new(Role::Decode);
+    let mut config =
+        WorkerConfig::new(Role::Decode).with_kv_secret(b"test-kv-secret-0123456789abcdef");
     config.prefill_allow = prefill.addr.to_string().parse().unwrap();
     start_config(config, transport, SEQ_LEN).await
 }

@@ -24,7 +24,7 @@ async fn start_with(
     transport: &Arc<MemoryTransport>,
     tweak: impl FnOnce(&mut WorkerConfig),
 ) -> RunningWorker {
-    let mut config = WorkerConfig::new(role);
+    let mut config = WorkerConfig::new(role).with_kv_secret(b"test-kv-secret-0123456789abcdef");
     tweak(&mut config);
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let engine: Arc<dyn Engine> = Arc::new(EchoEngine::new(SEQ_LEN));
@@ -117,10 +117,12 @@ async fn pd_round_trip_matches_solo_and_releases_the_kv() {
         "Hello, PD world".len()
     );
     let handle = params.kv_handle.clone().unwrap();
-    assert_eq!(
-        (handle.transport.as_str(), handle.request_id.as_str()),
-        ("memory", "rt-1")
-    );
+    assert_eq!(handle.transport, "memory");
+    // The cache's key is the prefill worker's own 128 random bits, not the
+    // client's request id.
+    assert_eq!(handle.request_id.len(), 32, "{}", handle.request_id);
+    assert!(handle.request_id.bytes().all(|b| b.is_ascii_hexdigit()));
+    assert!(params.kv_handle_signature.is_some() && params.kv_handle_expires_ms.is_some());
     assert!(params.prefill_ms.is_some() && params.kv_save_ms.is_some());
     assert_eq!(mem.held(), 1, "the prefill pushed one cache");
 
@@ -381,7 +383,7 @@ async fn errors_map_to_statuses_with_openai_bodies() {
         .unwrap();
     let mut dec = request("hi", 3);
     dec["kv_transfer_params"] = serde_json::to_value(&params).unwrap();
-    let (status, body) = error(&decode, &dec, &[]).await;
+    let (status, body) = error(&decode, &dec, &[("x-request-id", "gone-1")]).await;
     assert_eq!(status, 504, "{body:?}");
     assert_eq!(body.error.kind, "timeout_error");
     assert!(
@@ -392,10 +394,11 @@ async fn errors_map_to_statuses_with_openai_bodies() {
 
     // Corrupted KV: 502, and the cache is still released.
     let pre_ok = completion(&prefill, &pre, &[("x-request-id", "corrupt-1")]).await;
-    assert!(mem.corrupt("corrupt-1", 1, 3));
+    let params = pre_ok.kv_transfer_params.unwrap();
+    assert!(mem.corrupt(&params.kv_handle.as_ref().unwrap().request_id, 1, 3));
     let mut dec = request("hi", 3);
-    dec["kv_transfer_params"] = serde_json::to_value(pre_ok.kv_transfer_params.unwrap()).unwrap();
-    let (status, body) = error(&decode, &dec, &[]).await;
+    dec["kv_transfer_params"] = serde_json::to_value(params).unwrap();
+    let (status, body) = error(&decode, &dec, &[("x-request-id", "corrupt-1")]).await;
     assert_eq!(status, 502, "{body:?}");
     assert!(body.error.message.contains("corrupt-1"));
     assert_eq!(mem.held(), 0);
@@ -575,7 +578,7 @@ async fn pd_through_an_in_process_tcp_relay() {
     };
     let start_tcp = |role, prefill_allow: &str| {
         let config = config.clone();
-        let mut worker = WorkerConfig::new(role);
+        let mut worker = WorkerConfig::new(role).with_kv_secret(b"test-kv-secret-0123456789abcdef");
         worker.prefill_allow = prefill_allow.parse().unwrap();
         async move {
             let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();

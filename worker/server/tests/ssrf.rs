@@ -24,7 +24,7 @@ use tokio::net::TcpListener;
 const SEQ_LEN: usize = 64;
 
 async fn start(role: Role, mem: &Arc<MemoryTransport>, allow: &str) -> RunningWorker {
-    let mut config = WorkerConfig::new(role);
+    let mut config = WorkerConfig::new(role).with_kv_secret(b"test-kv-secret-0123456789abcdef");
     config.prefill_allow = allow.parse().unwrap();
     config.prefill_timeout = Duration::from_secs(20);
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();

@@ -173,31 +173,25 @@ emptyDir. Same user and security context as every other container. */}}
 
 {{/* Name of the Secret holding the tcp KV relay's shared secret (key `secret`). */}}
 {{- define "rngd-pd.kvSecretName" -}}
-{{- default (printf "%s-kv-relay" .Release.Name) .Values.relay.secretName -}}
+{{- default (printf "%s-kv" .Release.Name) .Values.kvTransport.secretName -}}
 {{- end -}}
 
-{{/* The relay secret as a file for the relay and the workers' tcp transport
-(nothing without the relay): env, mount, volume. */}}
+{{/* The deployment's KV secret as a file for the relay and the workers
+(relay handshake, KV handle signatures): env, mount, volume. */}}
 {{- define "rngd-pd.kvSecretEnv" -}}
-{{- if .Values.relay.enabled }}
 - name: AIRM_KV_TCP_SECRET_FILE
-  value: /etc/rngd-pd/kv-relay/secret
-{{- end }}
+  value: /etc/rngd-pd/kv/secret
 {{- end -}}
 {{- define "rngd-pd.kvSecretMount" -}}
-{{- if .Values.relay.enabled }}
-- name: kv-relay-secret
-  mountPath: /etc/rngd-pd/kv-relay
+- name: kv-secret
+  mountPath: /etc/rngd-pd/kv
   readOnly: true
-{{- end }}
 {{- end -}}
 {{- define "rngd-pd.kvSecretVolume" -}}
-{{- if .Values.relay.enabled }}
-- name: kv-relay-secret
+- name: kv-secret
   secret:
     secretName: {{ include "rngd-pd.kvSecretName" . }}
     items:
       - key: secret
         path: secret
-{{- end }}
 {{- end -}}

@@ -17,9 +17,12 @@ mod respond;
 
 use std::time::Instant;
 
+use std::net::SocketAddr;
+
 use axum::body::Bytes;
-use axum::extract::State;
-use axum::http::{HeaderMap, HeaderValue};
+use axum::extract::rejection::BytesRejection;
+use axum::extract::{ConnectInfo, State};
+use axum::http::{Extensions, HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use rngd_api::Role;
 use rngd_api::headers;
@@ -36,33 +39,58 @@ use respond::{Api, Meta, respond};
 /// The `/v1/completions` handler.
 pub(crate) async fn completions(
     State(state): State<WorkerState>,
+    ext: Extensions,
     headers: HeaderMap,
-    body: Bytes,
+    body: Result<Bytes, BytesRejection>,
 ) -> Response {
-    serve(state, headers, body, Api::Completion).await
+    serve(state, client_ip(&ext), headers, body, Api::Completion).await
 }
 
 /// The `/v1/chat/completions` handler: the chat is rendered into a completion
 /// request and served as one, the answer given in the chat format.
 pub(crate) async fn chat_completions(
     State(state): State<WorkerState>,
+    ext: Extensions,
     headers: HeaderMap,
-    body: Bytes,
+    body: Result<Bytes, BytesRejection>,
 ) -> Response {
-    serve(state, headers, body, Api::Chat).await
+    serve(state, client_ip(&ext), headers, body, Api::Chat).await
+}
+
+/// The IP of the connection (none when served without connect info, as in
+/// router-level tests: such a caller is no front door).
+fn client_ip(ext: &Extensions) -> Option<std::net::IpAddr> {
+    ext.get::<ConnectInfo<SocketAddr>>().map(|c| c.0.ip())
 }
 
 /// Both handlers: request id, span, status counter, `x-request-id` echo.
-async fn serve(state: WorkerState, headers: HeaderMap, body: Bytes, api: Api) -> Response {
+async fn serve(
+    state: WorkerState,
+    client: Option<std::net::IpAddr>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+    api: Api,
+) -> Response {
     let request_id = crate::request_id(&headers);
     let name = match api {
         Api::Completion => "completion",
         Api::Chat => "chat",
     };
     let span = tracing::info_span!("request", api = name, request_id = %request_id, role = state.config().role.as_str());
-    let result = handle(&state, &headers, &request_id, &body, api)
-        .instrument(span)
-        .await;
+    let result = match body {
+        Ok(body) => {
+            handle(&state, client, &headers, &request_id, &body, api)
+                .instrument(span)
+                .await
+        }
+        Err(r) if r.status() == StatusCode::PAYLOAD_TOO_LARGE => Err(ApiError::BodyTooLarge {
+            limit: state.config().body_limit,
+        }),
+        Err(r) => Err(ApiError::BadRequest(format!(
+            "reading the request body: {}",
+            r.body_text()
+        ))),
+    };
     let mut resp = result.unwrap_or_else(IntoResponse::into_response);
     state
         .metrics()
@@ -77,6 +105,7 @@ async fn serve(state: WorkerState, headers: HeaderMap, body: Bytes, api: Api) ->
 
 async fn handle(
     state: &WorkerState,
+    client: Option<std::net::IpAddr>,
     headers: &HeaderMap,
     request_id: &str,
     body: &[u8],
@@ -107,6 +136,16 @@ async fn handle(
             return Err(ApiError::WrongRole(
                 "this worker has role decode: it does not serve prefill-only requests (kv_transfer_params.do_remote_decode)".into(),
             ));
+        }
+        // Only a front door or a decode worker asks for a prefill whose KV
+        // nobody else would read.
+        if !client.is_some_and(|ip| state.config().front_door_allow.admits(ip)) {
+            return Err(ApiError::PdRefused(format!(
+                "prefill-only requests (kv_transfer_params.do_remote_decode) are taken only from the front doors and decode workers (--front-door-allow), not from {}",
+                client
+                    .map(|ip| ip.to_string())
+                    .unwrap_or_else(|| "an unknown client".into())
+            )));
         }
         let transport = params
             .kv_transport

@@ -16,6 +16,7 @@ use super::respond::{Api, Meta, respond};
 use super::{check_vocab, prompt_ids, sampling};
 use crate::allow::PeerAddr;
 use crate::error::ApiError;
+use crate::handles::{HandleError, KvAuth, check_shape, new_kv_key};
 use crate::state::WorkerState;
 
 /// Extra time the worker gives a transport's own pull timeout before giving up itself.
@@ -30,6 +31,11 @@ pub(super) async fn prefill_for_remote(
     transport_name: Option<&str>,
     started: Instant,
 ) -> Result<Response, ApiError> {
+    if matches!(state.config().kv_auth, KvAuth::Off) {
+        return Err(ApiError::PdRefused(
+            "this worker has no KV secret (AIRM_KV_TCP_SECRET / AIRM_KV_TCP_SECRET_FILE): it serves no prefill for a remote decode".into(),
+        ));
+    }
     let prompt = prompt_ids(&**engine, &req.prompt)?;
     let sp = sampling(&req.sampling, &prompt, engine.info().seq_len)?;
     let transport =
@@ -49,9 +55,13 @@ pub(super) async fn prefill_for_remote(
     m.prefill_seconds.observe(pre.elapsed.as_secs_f64());
     let first = pre.first_token;
     let t0 = Instant::now();
+    // The cache's name: 128 random bits, never the client's request id (two
+    // requests with one id must not share, and nobody may guess it).
+    let key = new_kv_key();
+    tracing::debug!(kv_key = %key, "KV key");
     let handle = transport
         .push(KvPayload {
-            request_id: request_id.to_string(),
+            request_id: key,
             layout: pre.kv.layout,
             tokens: pre.kv.tokens,
             blobs: pre.kv.blobs,
@@ -72,6 +82,11 @@ pub(super) async fn prefill_for_remote(
         "KV pushed"
     );
     let text = engine.detokenize(&[first])?;
+    let expires_ms = unix_ms().saturating_add(state.config().handle_ttl.as_millis() as u64);
+    let signature = match &state.config().kv_auth {
+        KvAuth::Signed(s) => Some(s.sign(&handle, first, &prompt, expires_ms)),
+        KvAuth::Insecure | KvAuth::Off => None,
+    };
     let total = ms(started.elapsed());
     let prompt_tokens = prompt.len();
     let resp = CompletionResponse {
@@ -90,6 +105,8 @@ pub(super) async fn prefill_for_remote(
         kv_transfer_params: Some(KvTransferParams {
             do_remote_prefill: true,
             kv_handle: Some(handle),
+            kv_handle_signature: signature,
+            kv_handle_expires_ms: Some(expires_ms),
             first_token: Some(first),
             prompt_token_ids: Some(prompt),
             prefill_ms: Some(prefill_ms),
@@ -106,6 +123,13 @@ pub(super) async fn prefill_for_remote(
         }),
     };
     Ok(axum::Json(resp).into_response())
+}
+
+fn unix_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
 }
 
 /// One request's context for the modes that answer with a generation.
@@ -146,19 +170,26 @@ pub(super) async fn decode_remote(
         None => prompt_ids(&**engine, &req.prompt)?,
     };
     check_vocab(&prompt, engine.info().vocab_size)?;
-    if handle.tokens != prompt.len() {
-        return Err(ApiError::BadRequest(format!(
-            "kv_handle covers {} tokens but the prompt has {}",
-            handle.tokens,
-            prompt.len()
-        )));
-    }
-    let expected = engine.info().kv_layout;
-    if handle.layout != expected {
-        return Err(ApiError::BadRequest(format!(
-            "KV layout mismatch: the prefill produced {:?}, this decode worker's model needs {expected:?}",
-            handle.layout
-        )));
+    // Nothing is pulled (or deleted) before the handle is known to be ours
+    // and to fit this model.
+    check_shape(&handle, &engine.info().kv_layout, prompt.len())?;
+    match &state.config().kv_auth {
+        KvAuth::Off => {
+            return Err(ApiError::PdRefused(
+                "this worker has no KV secret (AIRM_KV_TCP_SECRET / AIRM_KV_TCP_SECRET_FILE): it takes no remote prefill".into(),
+            ));
+        }
+        KvAuth::Insecure => {}
+        KvAuth::Signed(signer) => {
+            let sig = params
+                .kv_handle_signature
+                .as_deref()
+                .ok_or(HandleError::Unsigned)?;
+            let expires = params
+                .kv_handle_expires_ms
+                .ok_or(HandleError::BadSignature)?;
+            signer.verify(&handle, first, &prompt, expires, sig, unix_ms())?;
+        }
     }
     let sp = sampling(&req.sampling, &prompt, engine.info().seq_len)?;
     let transport = state
@@ -178,14 +209,14 @@ pub(super) async fn decode_remote(
         Err(_) => {
             return Err(ApiError::KvPullTimeout {
                 transport: handle.transport.clone(),
-                request_id: handle.request_id.clone(),
+                request_id: request_id.to_string(),
                 waited: t0.elapsed(),
             });
         }
         Ok(Err(source)) => {
             return Err(ApiError::KvPull {
                 transport: handle.transport.clone(),
-                request_id: handle.request_id.clone(),
+                request_id: request_id.to_string(),
                 source: Box::new(source),
             });
         }
