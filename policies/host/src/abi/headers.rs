@@ -80,10 +80,15 @@ pub fn decode_map(bytes: &[u8]) -> Option<Vec<(String, String)>> {
     for i in 0..n {
         let kl = word(4 + i * 8)?;
         let vl = word(8 + i * 8)?;
+        // Each string is followed by its terminator, which must be there
+        // (its value is not checked, as in Envoy).
         let k = bytes.get(p..p.checked_add(kl)?)?;
-        p = p.checked_add(kl + 1)?;
+        p = p.checked_add(kl)?.checked_add(1)?;
         let v = bytes.get(p..p.checked_add(vl)?)?;
-        p = p.checked_add(vl + 1)?;
+        p = p.checked_add(vl)?.checked_add(1)?;
+        if p > bytes.len() {
+            return None;
+        }
         out.push((
             String::from_utf8(k.to_vec()).ok()?,
             String::from_utf8(v.to_vec()).ok()?,

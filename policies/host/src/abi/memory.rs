@@ -125,3 +125,26 @@ pub(super) fn with_guest<T>(
     let r = range(data.len(), ptr, len).ok_or(status::INVALID_MEMORY_ACCESS)?;
     Ok(f(&data[r], cx.data()))
 }
+
+#[cfg(test)]
+mod tests {
+    use proptest::prelude::*;
+
+    use super::range;
+
+    proptest! {
+        /// Any guest pointer and length: a range inside memory or none,
+        /// never a panic or a wrapped range.
+        #[test]
+        fn ranges_stay_inside_memory(memory in 0usize..(1 << 33), ptr: u32, len: u32) {
+            match range(memory, ptr, len) {
+                Some(r) => {
+                    prop_assert_eq!(r.start, ptr as usize);
+                    prop_assert_eq!(r.len(), len as usize);
+                    prop_assert!(r.end <= memory);
+                }
+                None => prop_assert!(ptr as usize + len as usize > memory),
+            }
+        }
+    }
+}
