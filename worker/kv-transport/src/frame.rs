@@ -643,22 +643,28 @@ pub(crate) enum Body {
     },
 }
 
-/// Reads exactly `n` bytes into a fresh buffer without zero-filling it first.
+/// Reads exactly `n` bytes into a fresh buffer without zero-filling it
+/// first; the buffer grows with the bytes (`n` need not be trusted).
 pub(crate) async fn read_body<R: AsyncRead + Unpin>(
     rd: &mut R,
     n: usize,
 ) -> std::io::Result<Bytes> {
-    Ok(read_body_crc(rd, n, false).await?.0)
+    match read_body_admitted(rd, n, false, |_| true).await? {
+        Body::Complete(b, _) => Ok(b),
+        Body::Refused { .. } => unreachable!("every chunk is admitted"),
+    }
 }
 
-/// Like [`read_body`], and with `crc` computes the CRC-32 chunk by chunk as
-/// the bytes arrive (while they are still in cache).
+/// Reads exactly `n` bytes into one buffer of `n` bytes allocated up front
+/// (no regrowth), and with `crc` computes the CRC-32 chunk by chunk as the
+/// bytes arrive (while they are still in cache). Only for a size the
+/// caller has checked (a pulled blob's, against its handle).
 pub(crate) async fn read_body_crc<R: AsyncRead + Unpin>(
     rd: &mut R,
     n: usize,
     crc: bool,
 ) -> std::io::Result<(Bytes, Option<u32>)> {
-    match read_body_admitted(rd, n, crc, |_| true).await? {
+    match read_into(rd, n, n, crc, |_| true).await? {
         Body::Complete(b, c) => Ok((b, c)),
         Body::Refused { .. } => unreachable!("every chunk is admitted"),
     }
@@ -672,10 +678,21 @@ pub(crate) async fn read_body_admitted<R: AsyncRead + Unpin>(
     rd: &mut R,
     n: usize,
     crc: bool,
+    admit: impl FnMut(usize) -> bool,
+) -> std::io::Result<Body> {
+    read_into(rd, n, FIRST_BODY_CHUNK, crc, admit).await
+}
+
+/// The body reader: a buffer of `first.min(n)` bytes, doubled whenever full.
+async fn read_into<R: AsyncRead + Unpin>(
+    rd: &mut R,
+    n: usize,
+    first: usize,
+    crc: bool,
     mut admit: impl FnMut(usize) -> bool,
 ) -> std::io::Result<Body> {
     let mut buf: Vec<u8> = Vec::new();
-    buf.reserve_exact(n.min(FIRST_BODY_CHUNK));
+    buf.reserve_exact(n.min(first));
     let mut hasher = crc.then(rngd_kv_wire::Crc32::new);
     while buf.len() < n {
         if buf.len() == buf.capacity() {
