@@ -179,14 +179,16 @@ def wait_serving(addr: str, proc: Proc, timeout: float = 60):
 
 
 class ExtProc:
-    """A running `rngd-pd ext-proc` with all ports picked by the OS."""
+    """A running `rngd-pd ext-proc` with all ports picked by the OS (`endpoints_file`
+    None: the endpoints come from `extra`, e.g. `--pool-name`)."""
 
     def __init__(self, endpoints_file, policy, policy_config=None, model=None, extra=(), tls=True, cert_path=None):
         self.tls = tls
         args = [
             rngd_bin(), "ext-proc", "--host", "127.0.0.1",
             "--grpc-port", "0", "--grpc-health-port", "0", "--metrics-port", "0",
-            "--endpoints", str(endpoints_file), "--policy", str(policy), "--watch-ms", "50",
+            *(["--endpoints", str(endpoints_file)] if endpoints_file is not None else []),
+            "--policy", str(policy), "--watch-ms", "50",
             f"--secure-serving={'true' if tls else 'false'}",
         ]
         if cert_path is not None:
