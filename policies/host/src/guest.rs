@@ -70,8 +70,11 @@ pub(crate) struct Guest {
 }
 
 /// Epoch ticks that stop a call between `d` and `d + tick` after it starts.
+/// Saturates far below `u64::MAX`, so a deadline of a start plus this cannot
+/// overflow (a `Duration::MAX` limit is "never").
 fn ticks_for(d: std::time::Duration, tick: std::time::Duration) -> u64 {
-    (d.as_nanos().div_ceil(tick.as_nanos().max(1)) as u64).max(1) + 1
+    let n = d.as_nanos().div_ceil(tick.as_nanos().max(1));
+    u64::try_from(n).unwrap_or(u64::MAX).clamp(1, u64::MAX >> 2) + 1
 }
 
 fn typed<P: wasmtime::WasmParams, R: wasmtime::WasmResults>(
@@ -244,7 +247,7 @@ impl Guest {
         let start = ticks.load(Ordering::Relaxed);
         let budget = Budget {
             start,
-            deadline: start + *budget_ticks,
+            deadline: start.saturating_add(*budget_ticks),
             call_ticks: *deadline_ticks,
             ticks,
             limits,
@@ -343,5 +346,24 @@ fn classify(store: &Store<HostState>, e: wasmtime::Error, limits: &SandboxLimits
     PolicyError::GuestTrap {
         message: format!("{e:#}"),
         guest_log: store.data().errors.clone(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::ticks_for;
+
+    #[test]
+    fn ticks_cover_the_limit_and_never_overflow() {
+        let tick = Duration::from_millis(5);
+        // Stopped between the limit and one tick past it.
+        assert_eq!(ticks_for(Duration::from_millis(10), tick), 3);
+        assert_eq!(ticks_for(Duration::from_millis(11), tick), 4);
+        assert_eq!(ticks_for(Duration::ZERO, tick), 2);
+        let max = ticks_for(Duration::MAX, tick);
+        assert!(max > 1 << 60);
+        assert!(max.checked_add(u64::MAX >> 1).is_some());
     }
 }
