@@ -131,7 +131,16 @@ async fn no_or_wrong_secret_is_refused_and_sees_nothing() {
         (1, 2),
         "only the good push is held: {s:?}"
     );
-    assert!(rejected(&s, "auth") >= 10, "{s:?}");
+    let refused = rejected(&s, "auth");
+    assert!(refused >= 10, "{s:?}");
+    // A TCP probe (connect, close) is not a failed authentication.
+    let mut probes = Vec::new();
+    for _ in 0..3 {
+        probes.push(TcpStream::connect(relay.addr).await.unwrap());
+    }
+    drop(probes);
+    let s = eventually(&relay, WITHIN, "probes gone", |s| s.connections == 2).await;
+    assert_eq!(rejected(&s, "auth"), refused, "{s:?}");
     assert_eq!(good.pull(&kept, WITHIN).await.unwrap(), want);
     good.release(&kept).await.unwrap();
     assert_clean_and_working(&relay, "auth").await;

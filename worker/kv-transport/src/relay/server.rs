@@ -149,6 +149,9 @@ fn ok_reply(seq: u32, epoch: u64, index: u32, body: Bytes) -> Reply {
     }
 }
 
+/// Why [`handshake`] failed when the peer closed without sending a byte.
+const SILENT: &str = "closed before answering";
+
 /// The fixed answer to a failed handshake (it tells nothing of why).
 const AUTH_FAILED: &str = "authentication failed";
 
@@ -167,6 +170,12 @@ async fn connection(relay: Arc<Relay>, stream: TcpStream, peer: String, stop: Ca
     let authed = tokio::select! {
         r = timeout(relay.cfg.read_timeout, handshake(&relay, &mut rd, &mut wr)) => match r {
             Ok(Ok(())) => true,
+            // A TCP probe or a scan: connected and closed (or reset)
+            // without an answer. Neither a warning nor a rejection.
+            Ok(Err(reason)) if reason == SILENT => {
+                tracing::debug!(%peer, "relay: closed before the handshake");
+                return;
+            }
             Ok(Err(reason)) => {
                 tracing::warn!(%peer, %reason, "relay: handshake refused");
                 false
@@ -259,12 +268,15 @@ async fn handshake(
     hello.body_len = NONCE_LEN as u64;
     hello.epoch = relay.epoch;
     let io = |e: std::io::Error| format!("handshake I/O: {e}");
-    wr.write_all(&hello.encode()).await.map_err(io)?;
-    wr.write_all(&relay_nonce).await.map_err(io)?;
+    // A peer gone before it said anything (the HELLO cannot be written,
+    // the socket is reset or closed) is silent, not a failed answer.
+    let silent = |_| SILENT.to_string();
+    wr.write_all(&hello.encode()).await.map_err(silent)?;
+    wr.write_all(&relay_nonce).await.map_err(silent)?;
     // Nothing but an AUTH of its fixed size is read before the handshake.
     let (h, _) = match read_request_head(rd, 0).await {
         Ok(Some(head)) => head,
-        Ok(None) => return Err("closed before answering".into()),
+        Ok(None) | Err(frame::FrameError::Io(_)) => return Err(SILENT.into()),
         Err(e) => return Err(format!("not a handshake answer: {e}")),
     };
     if h.op != Op::Auth {
