@@ -125,9 +125,10 @@ fn header_replace(cx: &mut Cx<'_>, map: u32, kp: u32, kl: u32, vp: u32, vl: u32,
     ) else {
         return Ok(status::BAD_ARGUMENT);
     };
-    // `add` appends to what the guest sees (`old,value`).
-    let value_len = match st.req.header(k) {
-        Some(old) if add && !old.is_empty() => old.len() + 1 + v.len(),
+    // `add` appends to what the guest sees (`old,value`); only it looks the
+    // old value up (a replace, the routing path, does not).
+    let value_len = match add.then(|| st.req.header(k)).flatten() {
+        Some(old) if !old.is_empty() => old.len() + 1 + v.len(),
         _ => v.len(),
     };
     if !set_fits(&st.req, &st.caps, k, value_len) {
