@@ -8,7 +8,8 @@
 //! - [`check`], [`CheckOptions`]: `rngd-pd policy check FILE.wasm`.
 //! - [`RequestState`]: one request as a guest sees it through the ABI, and
 //!   the decision read back out of it (also used by a native run of a module).
-//! - [`codes`]: the ABI's status codes and map and buffer types.
+//! - [`codes`]: the ABI's status codes and map and buffer types;
+//!   [`decode_header_map`] / [`encode_header_map`]: its header-map encoding.
 //!
 //! The decision contract is `docs/policy-abi.md`.
 
@@ -224,7 +225,10 @@ pub struct PolicySource {
 pub struct SandboxLimits {
     /// Linear memory cap per instance. Default 64 MiB.
     pub memory_bytes: usize,
-    /// Wall-time cap of one guest call. Default 50 ms.
+    /// Wall-time cap of one guest call. Default 50 ms. In a decision the
+    /// budget across its callbacks (`decision_budget`) is the nearer limit
+    /// unless this is shorter; this one alone bounds `_initialize`,
+    /// `proxy_on_vm_start` and `proxy_on_configure`.
     pub call_timeout: Duration,
     /// Epoch ticker period (the timeout's resolution: a call is stopped
     /// between `call_timeout` and `call_timeout + epoch_tick`). Default 5 ms,
