@@ -240,6 +240,20 @@ async fn put_policy(State(st): State<AdminState>, headers: HeaderMap, body: Byte
     }
 }
 
+/// Any other method: authenticated like the others, then 405.
+async fn other_method(State(st): State<AdminState>, headers: HeaderMap) -> Response {
+    if let Some(resp) = st.refusal(&headers) {
+        return resp;
+    }
+    let mut resp = error(
+        StatusCode::METHOD_NOT_ALLOWED,
+        "the policy admin API answers GET and PUT",
+    );
+    resp.headers_mut()
+        .insert(header::ALLOW, HeaderValue::from_static("GET, PUT"));
+    resp
+}
+
 async fn admin_off() -> Response {
     error(
         StatusCode::NOT_FOUND,
@@ -267,7 +281,10 @@ pub fn admin_router_with(runtime: Arc<PolicyRuntime>, options: AdminOptions) -> 
     match options.token.clone() {
         None => Router::new().route("/admin/policy", get(admin_off).put(admin_off)),
         Some(token) => Router::new()
-            .route("/admin/policy", get(get_policy).put(put_policy))
+            .route(
+                "/admin/policy",
+                get(get_policy).put(put_policy).fallback(other_method),
+            )
             .layer(DefaultBodyLimit::max(MAX_MODULE_BYTES))
             .with_state(AdminState {
                 runtime,

@@ -514,6 +514,15 @@ async fn admin_listener_of_its_own() {
         raw_status(addr, &get("authorization: Bearer tok\r\n")).await,
         200
     );
+    // Every method is authenticated first.
+    let delete = |auth: &str| {
+        format!("DELETE /admin/policy HTTP/1.1\r\nhost: x\r\n{auth}connection: close\r\n\r\n")
+    };
+    assert_eq!(raw_status(addr, &delete("")).await, 401);
+    assert_eq!(
+        raw_status(addr, &delete("authorization: Bearer tok\r\n")).await,
+        405
+    );
     assert_eq!(
         raw_status(
             addr,
