@@ -161,6 +161,22 @@ pub enum ApiError {
         /// The timeout.
         after_ms: u64,
     },
+    /// Too many requests at once → 429 with `Retry-After`.
+    #[error("overloaded ({}): {max_concurrent} requests are being served", reason.as_str())]
+    Overloaded {
+        /// Queue full or waited too long.
+        reason: crate::admission::Overload,
+        /// The concurrency limit.
+        max_concurrent: usize,
+        /// Seconds to wait before retrying (`Retry-After`).
+        retry_after_s: u64,
+    },
+    /// The client did not send its body in time → 408.
+    #[error("the request body did not arrive within {after_ms} ms")]
+    BodyTimeout {
+        /// The deadline.
+        after_ms: u64,
+    },
     /// A bug or an impossible state → 500.
     #[error("internal error: {0}")]
     Internal(String),
@@ -199,12 +215,15 @@ impl ApiError {
                 StatusCode::from_u16(e.status()).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR)
             }
             ApiError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
+            ApiError::Overloaded { .. } => StatusCode::TOO_MANY_REQUESTS,
+            ApiError::BodyTimeout { .. } => StatusCode::REQUEST_TIMEOUT,
             ApiError::Upstream { .. } => StatusCode::BAD_GATEWAY,
             // A worker's client error (bad sampling value, over-length) is the
             // client's: pass it through. Anything else from a worker is a
             // failed stage.
             ApiError::UpstreamStatus { status, .. } => match *status {
-                400 | 404 | 413 | 422 => {
+                // A worker's 429 is load, as the gateway's own: passed on.
+                400 | 404 | 413 | 422 | 429 => {
                     StatusCode::from_u16(*status).unwrap_or(StatusCode::BAD_GATEWAY)
                 }
                 504 => StatusCode::GATEWAY_TIMEOUT,
@@ -303,6 +322,16 @@ impl ApiError {
             )
             .with_code(&format!("{stage}_timeout")),
             ApiError::Internal(_) => ErrorBody::new(kind, "internal error"),
+            ApiError::Overloaded { retry_after_s, .. } => ErrorBody::new(
+                kind,
+                format!("the server is at capacity; retry after {retry_after_s} s"),
+            )
+            .with_code("server_overloaded"),
+            ApiError::BodyTimeout { after_ms } => ErrorBody::new(
+                kind,
+                format!("the request body did not arrive within {after_ms} ms"),
+            )
+            .with_code("request_timeout"),
         }
     }
 }
@@ -337,6 +366,14 @@ impl IntoResponse for ApiError {
             http::header::CONTENT_TYPE,
             HeaderValue::from_static("application/json"),
         );
+        if status == StatusCode::TOO_MANY_REQUESTS {
+            let after = match &self {
+                ApiError::Overloaded { retry_after_s, .. } => *retry_after_s,
+                _ => 1,
+            };
+            resp.headers_mut()
+                .insert(http::header::RETRY_AFTER, HeaderValue::from(after));
+        }
         resp
     }
 }

@@ -5,6 +5,7 @@
 //! - [`server`]: router ([`router`]), handlers, `serve`.
 //! - [`flow`]: one request end to end (policy → prefill → decode, streaming).
 //! - [`error`]: [`ApiError`], the one place statuses and messages are decided.
+//! - [`admission`]: the concurrency limit and bounded waiting room (429s).
 //! - The endpoint pool, the prompt counter, the request rules and the policy
 //!   call are `rngd-pool`'s, shared with the endpoint picker: this crate is
 //!   the HTTP/SSE adapter over them.
@@ -15,6 +16,7 @@
 //!
 //! See `docs/gateway.md`.
 
+pub mod admission;
 pub mod error;
 pub mod flow;
 pub mod launch;

@@ -151,7 +151,19 @@ async fn read_body(
 async fn handle(gw: Arc<Gateway>, kind: ApiKind, req: Request) -> Result<Response, ApiError> {
     let started = Instant::now();
     let (parts, body) = req.into_parts();
-    let bytes = read_body(body, &parts.headers, gw.config.body_limit).await?;
+    // A client gets `body_timeout` to send its body (slow-loris), and no
+    // slot while it sends it.
+    let deadline = gw.config.body_timeout;
+    let bytes = tokio::time::timeout(
+        deadline,
+        read_body(body, &parts.headers, gw.config.body_limit),
+    )
+    .await
+    .map_err(|_| ApiError::BodyTimeout {
+        after_ms: deadline.as_millis() as u64,
+    })??;
+    // A slot from here to the end of the response stream (or a 429 now).
+    let slot = gw.admission.admit().await?;
     let counter = Arc::clone(&gw.tokenizer);
     let seq_len = gw.config.seq_len;
     // Tokenizing a long prompt is CPU work: off the async threads.
@@ -170,7 +182,25 @@ async fn handle(gw: Arc<Gateway>, kind: ApiKind, req: Request) -> Result<Respons
         path: parts.uri.path().to_string(),
         started,
     };
-    flow::run(gw, prepared, parts.headers).await
+    let resp = flow::run(gw, prepared, parts.headers).await?;
+    Ok(hold_until_sent(resp, slot))
+}
+
+/// The response with `slot` held until its body (a stream, perhaps) is sent
+/// or dropped.
+fn hold_until_sent(resp: Response, slot: crate::admission::Slot) -> Response {
+    use axum::body::HttpBody as _;
+    use futures::StreamExt;
+    // A whole body (JSON) is done: the slot is freed with this return.
+    if resp.body().size_hint().exact().is_some() {
+        return resp;
+    }
+    let (parts, body) = resp.into_parts();
+    let stream = body.into_data_stream().map(move |chunk| {
+        let _held = &slot;
+        chunk
+    });
+    Response::from_parts(parts, Body::from_stream(stream))
 }
 
 async fn completions(State(gw): State<Arc<Gateway>>, req: Request) -> Result<Response, ApiError> {

@@ -31,6 +31,14 @@ pub struct GatewayConfig {
     pub stream_idle_timeout: Duration,
     /// TCP connect timeout towards workers.
     pub connect_timeout: Duration,
+    /// Requests served at once (policy call to the end of the response).
+    pub max_concurrent: usize,
+    /// Requests that may wait for a slot beyond those; more are a 429.
+    pub max_queued: usize,
+    /// Longest wait for a slot; then a 429.
+    pub queue_timeout: Duration,
+    /// Time a client has to send its whole body; then a 408.
+    pub body_timeout: Duration,
 }
 
 impl Default for GatewayConfig {
@@ -43,6 +51,10 @@ impl Default for GatewayConfig {
             decode_timeout: Duration::from_secs(600),
             stream_idle_timeout: Duration::from_secs(60),
             connect_timeout: Duration::from_secs(2),
+            max_concurrent: 256,
+            max_queued: 1024,
+            queue_timeout: Duration::from_secs(5),
+            body_timeout: Duration::from_secs(30),
         }
     }
 }
@@ -54,6 +66,7 @@ pub struct Gateway {
     pub(crate) tokenizer: Arc<dyn PromptCounter>,
     pub(crate) client: reqwest::Client,
     pub(crate) metrics: Arc<GatewayMetrics>,
+    pub(crate) admission: crate::admission::Admission,
     next_id: AtomicU64,
     id_prefix: String,
 }
@@ -85,12 +98,20 @@ impl Gateway {
             .duration_since(UNIX_EPOCH)
             .map(|d| d.as_nanos())
             .unwrap_or(0);
+        let metrics = Arc::new(GatewayMetrics::new()?);
+        let admission = crate::admission::Admission::new(
+            config.max_concurrent,
+            config.max_queued,
+            config.queue_timeout,
+            metrics.registry(),
+        )?;
         Ok(Arc::new(Gateway {
             config,
             picker,
             tokenizer,
             client,
-            metrics: Arc::new(GatewayMetrics::new()?),
+            metrics,
+            admission,
             next_id: AtomicU64::new(0),
             id_prefix: format!("{:x}", (nanos as u64) ^ u64::from(std::process::id())),
         }))

@@ -76,6 +76,19 @@ pub struct Args {
     /// Longest silence inside a streamed decode, ms.
     #[arg(long, default_value_t = 60_000)]
     pub stream_idle_timeout_ms: u64,
+    /// Requests served at once (policy call to the end of the response).
+    #[arg(long, default_value_t = 256)]
+    pub max_concurrent: usize,
+    /// Requests that may wait for a slot beyond `--max-concurrent`; more get
+    /// 429 with `Retry-After` at once.
+    #[arg(long, default_value_t = 1024)]
+    pub max_queued: usize,
+    /// Longest wait for a slot, ms; then 429.
+    #[arg(long, default_value_t = 5_000)]
+    pub queue_timeout_ms: u64,
+    /// Time a client has to send its whole body, ms; then 408.
+    #[arg(long, default_value_t = 30_000)]
+    pub body_timeout_ms: u64,
     /// Worker `/metrics` scrape period, ms.
     #[arg(long, default_value_t = 50)]
     pub scrape_interval_ms: u64,
@@ -193,6 +206,10 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
             prefill_timeout: Duration::from_millis(args.prefill_timeout_ms),
             decode_timeout: Duration::from_millis(args.decode_timeout_ms),
             stream_idle_timeout: Duration::from_millis(args.stream_idle_timeout_ms),
+            max_concurrent: args.max_concurrent,
+            max_queued: args.max_queued,
+            queue_timeout: Duration::from_millis(args.queue_timeout_ms),
+            body_timeout: Duration::from_millis(args.body_timeout_ms),
             ..GatewayConfig::default()
         },
         scrape: ScrapeOptions {

@@ -104,6 +104,13 @@ pub struct Args {
     /// Largest request body, bytes; larger is a 413 (OpenAI error body).
     #[arg(long, env = env::RNGD_PD_WORKER_BODY_LIMIT, default_value_t = rngd_worker::state::DEFAULT_BODY_LIMIT)]
     pub body_limit: usize,
+    /// Time a client has to send its whole body, ms; then 408.
+    #[arg(long, default_value_t = 30_000)]
+    pub body_timeout_ms: u64,
+    /// Completion requests admitted at once (queued in the engine or running,
+    /// their pulled KV held); one more is a 429 with `Retry-After`, never a wait.
+    #[arg(long, default_value_t = rngd_worker::state::DEFAULT_MAX_IN_FLIGHT)]
+    pub max_in_flight: usize,
     /// Validate the flags and files (backend, model, KV transport
     /// configuration) and exit: 0 and `ok`, or a clear error.
     #[arg(long)]
@@ -141,6 +148,8 @@ impl Args {
             ),
             front_door_allow: self.front_door_allow,
             body_limit: self.body_limit,
+            body_timeout_ms: self.body_timeout_ms,
+            max_in_flight: self.max_in_flight,
         }
     }
 }

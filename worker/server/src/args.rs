@@ -75,6 +75,11 @@ pub struct WorkerOptions {
     pub front_door_allow: ClientAllow,
     /// Largest request body, bytes; larger is an OpenAI-style 413. Default 2 MiB.
     pub body_limit: usize,
+    /// Time a client has to send its whole body, ms; then 408. Default 30 s.
+    pub body_timeout_ms: u64,
+    /// Completion requests admitted at once (queued in the engine or
+    /// running); one more is a 429 with `Retry-After`. Default 64.
+    pub max_in_flight: usize,
 }
 
 impl Default for WorkerOptions {
@@ -97,6 +102,8 @@ impl Default for WorkerOptions {
             prefill_allow: PrefillAllow::default(),
             front_door_allow: ClientAllow::loopback(),
             body_limit: crate::state::DEFAULT_BODY_LIMIT,
+            body_timeout_ms: 30_000,
+            max_in_flight: crate::state::DEFAULT_MAX_IN_FLIGHT,
         }
     }
 }

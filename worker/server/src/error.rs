@@ -79,6 +79,18 @@ pub enum ApiError {
     /// KV secret.
     #[error("{0}")]
     PdRefused(String),
+    /// Every engine slot is taken → 429 with `Retry-After`.
+    #[error("this worker is at capacity ({limit} requests in flight); retry shortly")]
+    Overloaded {
+        /// `--max-in-flight`.
+        limit: usize,
+    },
+    /// The client did not send its body in time → 408.
+    #[error("the request body did not arrive within {after_ms} ms")]
+    BodyTimeout {
+        /// The deadline, ms.
+        after_ms: u64,
+    },
     /// The request body is larger than the worker accepts.
     #[error("the request body is larger than {limit} bytes")]
     BodyTooLarge {
@@ -229,6 +241,8 @@ impl ApiError {
             ApiError::BadHandle(_) => StatusCode::BAD_REQUEST,
             ApiError::PdRefused(_) => StatusCode::FORBIDDEN,
             ApiError::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
+            ApiError::Overloaded { .. } => StatusCode::TOO_MANY_REQUESTS,
+            ApiError::BodyTimeout { .. } => StatusCode::REQUEST_TIMEOUT,
             ApiError::KvPush { source, .. } | ApiError::KvPull { source, .. } => match **source {
                 KvError::NotFound { .. } => StatusCode::GATEWAY_TIMEOUT,
                 KvError::BadRequest { .. } => StatusCode::BAD_REQUEST,
@@ -295,6 +309,8 @@ impl ApiError {
                 .with_code("pd_not_allowed")
                 .with_param("kv_transfer_params"),
             ApiError::BodyTooLarge { .. } => body.with_code("request_too_large"),
+            ApiError::Overloaded { .. } => body.with_code("server_overloaded"),
+            ApiError::BodyTimeout { .. } => body.with_code("request_timeout"),
             _ => body,
         }
     }
@@ -308,6 +324,13 @@ impl IntoResponse for ApiError {
         } else {
             tracing::debug!(status = status.as_u16(), error = %self.message(), "request refused");
         }
-        (status, axum::Json(self.body())).into_response()
+        let mut resp = (status, axum::Json(self.body())).into_response();
+        if status == StatusCode::TOO_MANY_REQUESTS {
+            resp.headers_mut().insert(
+                axum::http::header::RETRY_AFTER,
+                axum::http::HeaderValue::from_static("1"),
+            );
+        }
+        resp
     }
 }

@@ -43,6 +43,10 @@ pub struct WorkerMetrics {
     pub kv_loads: IntCounter,
     /// Requests by HTTP status.
     pub requests: IntCounterVec,
+    /// Requests refused with 429 because every engine slot was taken.
+    pub overload_rejections: IntCounter,
+    /// Requests holding an engine slot now.
+    pub in_flight: prometheus::Gauge,
 }
 
 impl WorkerMetrics {
@@ -135,6 +139,16 @@ impl WorkerMetrics {
                 names::WORKER_REQUESTS_TOTAL,
                 "Requests by HTTP status",
                 &["status"],
+            )?,
+            overload_rejections: rngd_telemetry::counter(
+                &r,
+                names::WORKER_OVERLOAD_REJECTIONS_TOTAL,
+                "Requests refused with 429: every engine slot (--max-in-flight) was taken",
+            )?,
+            in_flight: rngd_telemetry::gauge(
+                &r,
+                names::WORKER_IN_FLIGHT,
+                "Requests holding an engine slot (queued or running in the engine)",
             )?,
             registry: r,
         })

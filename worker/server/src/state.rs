@@ -37,7 +37,16 @@ pub struct WorkerConfig {
     pub handle_ttl: Duration,
     /// Largest request body, bytes (larger: 413).
     pub body_limit: usize,
+    /// Time a client has to send its whole body (then 408).
+    pub body_timeout: Duration,
+    /// Completion requests admitted at once (waiting in the engine's queue or
+    /// running, their pulled KV held); one more is a 429 at once, never a
+    /// wait.
+    pub max_in_flight: usize,
 }
+
+/// Default of [`WorkerConfig::max_in_flight`].
+pub const DEFAULT_MAX_IN_FLIGHT: usize = 64;
 
 /// Default of [`WorkerConfig::body_limit`]: 2 MiB.
 pub const DEFAULT_BODY_LIMIT: usize = 2 << 20;
@@ -58,6 +67,8 @@ impl WorkerConfig {
             kv_auth: KvAuth::Off,
             handle_ttl: Duration::from_secs(60),
             body_limit: DEFAULT_BODY_LIMIT,
+            body_timeout: Duration::from_secs(30),
+            max_in_flight: DEFAULT_MAX_IN_FLIGHT,
         }
     }
 
@@ -77,12 +88,15 @@ impl WorkerConfig {
             prefill_allow: args.prefill_allow.clone(),
             front_door_allow: args.front_door_allow.clone(),
             body_limit: args.body_limit,
+            body_timeout: Duration::from_millis(args.body_timeout_ms),
+            max_in_flight: args.max_in_flight,
             ..WorkerConfig::new(args.role)
         }
     }
 }
 
 struct Inner {
+    slots: Arc<tokio::sync::Semaphore>,
     config: WorkerConfig,
     engine: OnceLock<Arc<dyn Engine>>,
     transports: Transports,
@@ -117,6 +131,7 @@ impl WorkerState {
         peer: Arc<dyn PrefillPeer>,
     ) -> Result<Self, WorkerError> {
         Ok(WorkerState(Arc::new(Inner {
+            slots: Arc::new(tokio::sync::Semaphore::new(config.max_in_flight.max(1))),
             config,
             engine: OnceLock::new(),
             transports,
@@ -155,8 +170,31 @@ impl WorkerState {
         &self.0.metrics
     }
 
+    /// An engine slot for one request, or `None` when all are taken.
+    pub fn try_admit(&self) -> Option<Slot> {
+        let permit = Arc::clone(&self.0.slots).try_acquire_owned().ok()?;
+        self.0.metrics.in_flight.inc();
+        Some(Slot {
+            _permit: permit,
+            in_flight: self.0.metrics.in_flight.clone(),
+        })
+    }
+
     /// The prefill-peer client.
     pub fn peer(&self) -> &dyn PrefillPeer {
         &*self.0.peer
+    }
+}
+
+/// One request's engine slot; dropping it frees the slot.
+#[derive(Debug)]
+pub struct Slot {
+    _permit: tokio::sync::OwnedSemaphorePermit,
+    in_flight: prometheus::Gauge,
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        self.in_flight.dec();
     }
 }

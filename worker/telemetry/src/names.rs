@@ -125,3 +125,15 @@ pub const POLICY_HOST_CAP_HITS_TOTAL: &str = "policy_host_cap_hits_total";
 pub const POLICY_ADMIN_AUTH_FAILURES_TOTAL: &str = "policy_admin_auth_failures_total";
 /// Admin API requests answered 429 while failed attempts are throttled (counter).
 pub const POLICY_ADMIN_THROTTLED_TOTAL: &str = "policy_admin_throttled_total";
+
+// Admission control.
+/// Gateway requests being served, policy call to the end of the response (gauge).
+pub const GATEWAY_IN_FLIGHT: &str = "rngd_pd_gateway_in_flight";
+/// Gateway requests waiting for a serving slot (gauge).
+pub const GATEWAY_QUEUED: &str = "rngd_pd_gateway_queued";
+/// Gateway requests answered 429 for load, by `reason` (counter).
+pub const GATEWAY_OVERLOAD_REJECTIONS_TOTAL: &str = "rngd_pd_gateway_overload_rejections_total";
+/// Worker requests answered 429 because its engine queue was full (counter).
+pub const WORKER_OVERLOAD_REJECTIONS_TOTAL: &str = "rngd_pd_worker_overload_rejections_total";
+/// Worker requests admitted to the engine and not finished (gauge).
+pub const WORKER_IN_FLIGHT: &str = "rngd_pd_worker_in_flight";

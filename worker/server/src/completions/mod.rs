@@ -19,10 +19,9 @@ use std::time::Instant;
 
 use std::net::SocketAddr;
 
-use axum::body::Bytes;
-use axum::extract::rejection::BytesRejection;
+use axum::body::{Body, Bytes};
 use axum::extract::{ConnectInfo, State};
-use axum::http::{Extensions, HeaderMap, HeaderValue, StatusCode};
+use axum::http::{Extensions, HeaderMap, HeaderValue};
 use axum::response::{IntoResponse, Response};
 use rngd_api::Role;
 use rngd_api::headers;
@@ -41,7 +40,7 @@ pub(crate) async fn completions(
     State(state): State<WorkerState>,
     ext: Extensions,
     headers: HeaderMap,
-    body: Result<Bytes, BytesRejection>,
+    body: Body,
 ) -> Response {
     serve(state, client_ip(&ext), headers, body, Api::Completion).await
 }
@@ -52,7 +51,7 @@ pub(crate) async fn chat_completions(
     State(state): State<WorkerState>,
     ext: Extensions,
     headers: HeaderMap,
-    body: Result<Bytes, BytesRejection>,
+    body: Body,
 ) -> Response {
     serve(state, client_ip(&ext), headers, body, Api::Chat).await
 }
@@ -68,7 +67,7 @@ async fn serve(
     state: WorkerState,
     client: Option<std::net::IpAddr>,
     headers: HeaderMap,
-    body: Result<Bytes, BytesRejection>,
+    body: Body,
     api: Api,
 ) -> Response {
     let request_id = crate::request_id(&headers);
@@ -77,20 +76,20 @@ async fn serve(
         Api::Chat => "chat",
     };
     let span = tracing::info_span!("request", api = name, request_id = %request_id, role = state.config().role.as_str());
-    let result = match body {
-        Ok(body) => {
-            handle(&state, client, &headers, &request_id, &body, api)
-                .instrument(span)
-                .await
-        }
-        Err(r) if r.status() == StatusCode::PAYLOAD_TOO_LARGE => Err(ApiError::BodyTooLarge {
-            limit: state.config().body_limit,
-        }),
-        Err(r) => Err(ApiError::BadRequest(format!(
-            "reading the request body: {}",
-            r.body_text()
-        ))),
-    };
+    let result = async {
+        let body = read_body(&state, &headers, body).await?;
+        // An engine slot from here to the end of the response, or a 429 now.
+        let slot = state.try_admit().ok_or_else(|| {
+            state.metrics().overload_rejections.inc();
+            ApiError::Overloaded {
+                limit: state.config().max_in_flight,
+            }
+        })?;
+        let resp = handle(&state, client, &headers, &request_id, &body, api).await?;
+        Ok::<_, ApiError>(hold_until_sent(resp, slot))
+    }
+    .instrument(span)
+    .await;
     let mut resp = result.unwrap_or_else(IntoResponse::into_response);
     state
         .metrics()
@@ -101,6 +100,57 @@ async fn serve(
         resp.headers_mut().insert(headers::REQUEST_ID, v);
     }
     resp
+}
+
+/// The body, within the size limit (413) and the time limit (408).
+async fn read_body(
+    state: &WorkerState,
+    headers: &HeaderMap,
+    body: Body,
+) -> Result<Bytes, ApiError> {
+    use http_body_util::BodyExt;
+    let limit = state.config().body_limit;
+    let too_large = || ApiError::BodyTooLarge { limit };
+    if headers
+        .get(axum::http::header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok())
+        .is_some_and(|n| n > limit as u64)
+    {
+        return Err(too_large());
+    }
+    let deadline = state.config().body_timeout;
+    match tokio::time::timeout(
+        deadline,
+        http_body_util::Limited::new(body, limit).collect(),
+    )
+    .await
+    {
+        Err(_) => Err(ApiError::BodyTimeout {
+            after_ms: deadline.as_millis() as u64,
+        }),
+        Ok(Ok(c)) => Ok(c.to_bytes()),
+        Ok(Err(e)) if e.is::<http_body_util::LengthLimitError>() => Err(too_large()),
+        Ok(Err(e)) => Err(ApiError::BadRequest(format!(
+            "reading the request body: {e}"
+        ))),
+    }
+}
+
+/// The response with `slot` held until its body (a stream) is sent or
+/// dropped; a whole body frees it at once.
+fn hold_until_sent(resp: Response, slot: crate::state::Slot) -> Response {
+    use axum::body::HttpBody as _;
+    use futures::StreamExt;
+    if resp.body().size_hint().exact().is_some() {
+        return resp;
+    }
+    let (parts, body) = resp.into_parts();
+    let stream = body.into_data_stream().map(move |chunk| {
+        let _held = &slot;
+        chunk
+    });
+    Response::from_parts(parts, Body::from_stream(stream))
 }
 
 async fn handle(
