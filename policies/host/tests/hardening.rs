@@ -58,6 +58,15 @@ fn runtime_of(dir: &Path, spec: &Spec, limits: SandboxLimits) -> Arc<PolicyRunti
     .unwrap_or_else(|e| panic!("{spec:?} loads: {e}"))
 }
 
+/// Default limits with a decision budget no descheduled test thread spends
+/// (for the tests that are not about the budget).
+fn generous() -> SandboxLimits {
+    SandboxLimits {
+        decision_budget: Duration::from_secs(2),
+        ..SandboxLimits::default()
+    }
+}
+
 fn request(headers: &[&str], body: &str) -> PolicyRequest {
     let mut h = vec![
         (":method".to_string(), "POST".to_string()),
@@ -145,6 +154,40 @@ async fn one_budget_covers_all_callbacks_of_a_decision() {
         .unwrap();
     assert_eq!(decode_of(&d), "10.0.0.1:1");
     assert_eq!(counter(&rt, "policy_traps_total"), 0);
+}
+
+#[tokio::test]
+async fn a_module_over_the_budget_fails_its_self_test() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("policy.wasm");
+    install(
+        &path,
+        &guest::module(&Spec {
+            slow_headers_ms: 30,
+            slow_always: true,
+            ..Spec::default()
+        }),
+    );
+    let e = PolicyRuntime::new(
+        PolicySource {
+            module: path,
+            config: b"{}".to_vec(),
+        },
+        SandboxLimits {
+            decision_budget: Duration::from_millis(20),
+            ..SandboxLimits::default()
+        },
+    )
+    .unwrap_err();
+    match e {
+        PolicyError::SelfTest { source, .. } => {
+            assert!(
+                matches!(*source, PolicyError::DecisionBudget { .. }),
+                "{source}"
+            )
+        }
+        other => panic!("wanted a self-test failure, got {other}"),
+    }
 }
 
 #[tokio::test]
@@ -260,7 +303,7 @@ async fn runtime_traps_roll_a_swapped_module_back() {
         trap_on: Some("x-trap"),
         ..Spec::default()
     });
-    let rt = runtime_of(dir.path(), &Spec::default(), SandboxLimits::default());
+    let rt = runtime_of(dir.path(), &Spec::default(), generous());
     let path = dir.path().join("policy.wasm");
     let watcher = rt.watch(Duration::from_millis(20));
     // The bad module passes the self-test and is swapped in from its file.
@@ -330,7 +373,7 @@ async fn the_first_module_is_kept_and_its_traps_counted() {
             trap_on: Some("x-trap"),
             ..Spec::default()
         },
-        SandboxLimits::default(),
+        generous(),
     );
     let first = rt.active().sha256;
     for _ in 0..12 {
@@ -352,7 +395,7 @@ async fn traps_spread_beyond_the_window_do_not_roll_back() {
         SandboxLimits {
             rollback_after: 2,
             rollback_window: Duration::from_millis(100),
-            ..SandboxLimits::default()
+            ..generous()
         },
     );
     let bad = guest::module(&Spec {
@@ -400,7 +443,7 @@ async fn call(
 #[tokio::test]
 async fn admin_api_under_abuse() {
     let dir = tempfile::tempdir().unwrap();
-    let rt = runtime_of(dir.path(), &Spec::default(), SandboxLimits::default());
+    let rt = runtime_of(dir.path(), &Spec::default(), generous());
     let token = "the-right-token-0123456789";
     let options = AdminOptions {
         token: AdminToken::new(token),
@@ -488,7 +531,7 @@ async fn raw_status(addr: std::net::SocketAddr, request: &str) -> u16 {
 #[tokio::test]
 async fn admin_listener_of_its_own() {
     let dir = tempfile::tempdir().unwrap();
-    let rt = runtime_of(dir.path(), &Spec::default(), SandboxLimits::default());
+    let rt = runtime_of(dir.path(), &Spec::default(), generous());
     let server = admin::serve(
         rt.clone(),
         AdminOptions {

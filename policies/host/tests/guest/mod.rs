@@ -5,7 +5,7 @@
 //!
 //! | request header | what the guest does |
 //! |---|---|
-//! | `x-slow` | spins `slow_headers_ms` in the headers callback and `slow_body_ms` in the body callback (on the host's clock, `proxy_get_current_time_nanoseconds`) |
+//! | `x-slow` (every request with `slow_always`) | spins `slow_headers_ms` in the headers callback and `slow_body_ms` in the body callback (on the host's clock, `proxy_get_current_time_nanoseconds`) |
 //! | `trap_on` (if set) | traps (`unreachable`) in the headers callback |
 //! | `x-greedy` | tries to make the host keep ever more: shared data (1 KiB values, new keys), headers (new names, 100-byte values), one 1 MiB log line, then 10,000 small ones; each loop stops at the first refusal, and the report headers below say how far it got |
 //!
@@ -31,6 +31,8 @@ pub struct Spec {
     pub slow_headers_ms: u32,
     /// Spin in the body callback on `x-slow`, ms.
     pub slow_body_ms: u32,
+    /// Spin as on `x-slow` on every request (the canned ones too).
+    pub slow_always: bool,
     /// Trap in the headers callback when this request header is present.
     pub trap_on: Option<&'static str>,
     /// React to `x-greedy`.
@@ -43,6 +45,7 @@ impl Default for Spec {
             destination: "10.0.0.1:1",
             slow_headers_ms: 0,
             slow_body_ms: 0,
+            slow_always: false,
             trap_on: None,
             greedy: false,
         }
@@ -286,10 +289,12 @@ pub fn module(spec: &Spec) -> Vec<u8> {
         }
         let (a, l) = strings.get("x-slow");
         s.i32_const(0).global_set(G_SLOW);
-        s.i32_const(a)
-            .i32_const(l)
-            .call(HAS_HEADER)
-            .if_(BlockType::Empty)
+        if spec.slow_always {
+            s.i32_const(1);
+        } else {
+            s.i32_const(a).i32_const(l).call(HAS_HEADER);
+        }
+        s.if_(BlockType::Empty)
             .i32_const(1)
             .global_set(G_SLOW)
             .i64_const(i64::from(spec.slow_headers_ms) * 1_000_000)
