@@ -12,6 +12,7 @@ mod epp;
 mod gateway;
 mod kv;
 mod policy;
+mod replay;
 
 use clap::{Parser, Subcommand};
 
@@ -35,6 +36,8 @@ enum Command {
     Gateway(gateway::Args),
     /// Latency Envoy + the endpoint picker add over Envoy routing directly.
     Epp(epp::Args),
+    /// Open-loop replay of the Azure LLM inference trace against an OpenAI-compatible URL.
+    Replay(replay::Args),
 }
 
 fn init_tracing() {
@@ -68,6 +71,9 @@ fn main() -> anyhow::Result<()> {
             }
             Command::Epp(a) => {
                 rngd_bench_epp::run(a.into()).await?;
+            }
+            Command::Replay(a) => {
+                rngd_bench_replay::run(a.into()).await?;
             }
         }
         Ok(())

@@ -1,0 +1,111 @@
+//! Flags of `rngd-pd-bench replay` ([`rngd_bench_replay::Options`]).
+
+use std::path::PathBuf;
+
+/// Flags of `rngd-pd-bench replay`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct Args {
+    /// The trace CSV (TIMESTAMP,ContextTokens,GeneratedTokens); default:
+    /// `../shared/data/AzureLLMInferenceTrace_conv.csv` from the repository root.
+    #[arg(long)]
+    pub trace: Option<PathBuf>,
+    /// Base URL of an OpenAI-compatible server (the gateway, or Envoy in
+    /// front of the picker), e.g. http://127.0.0.1:8000.
+    #[arg(
+        long,
+        conflicts_with = "spawn_up",
+        required_unless_present = "spawn_up"
+    )]
+    pub url: Option<String>,
+    /// `model` of the requests; default: the first of /v1/models.
+    #[arg(long)]
+    pub model: Option<String>,
+    /// Arrival-time divisor (10 = ten times faster than the trace).
+    #[arg(long, default_value_t = 1.0)]
+    pub speedup: f64,
+    /// First trace row replayed (0 = the first data row).
+    #[arg(long, default_value_t = 0)]
+    pub skip: usize,
+    /// At most this many requests.
+    #[arg(long)]
+    pub max_requests: Option<usize>,
+    /// Only requests scheduled within this many seconds of the start.
+    #[arg(long)]
+    pub duration_s: Option<f64>,
+    /// Compiled context: prompt + max_tokens are scaled to fit seq_len - margin.
+    #[arg(long, default_value_t = 512)]
+    pub seq_len: u32,
+    /// Tokens of the context kept free.
+    #[arg(long, default_value_t = 16)]
+    pub margin: u32,
+    /// Requests open at once; arrivals beyond it are counted as client_dropped.
+    #[arg(long, default_value_t = 256)]
+    pub max_in_flight: usize,
+    /// Deadline of each request (send to end of stream), seconds.
+    #[arg(long, default_value_t = 120.0)]
+    pub request_timeout_s: f64,
+    /// TPOT SLO, ms (slo_share, goodput_rps).
+    #[arg(long, default_value_t = 150.0)]
+    pub slo_tpot_ms: f64,
+    /// Pids whose RSS is sampled at start and end.
+    #[arg(long, value_delimiter = ',')]
+    pub pids: Vec<u32>,
+    /// Command-line substrings: matching processes' RSS is sampled.
+    #[arg(long = "proc-name", value_delimiter = ',')]
+    pub proc_names: Vec<String>,
+    /// Worker metrics URLs (base or /metrics) read for leaked KV after the run.
+    #[arg(long, value_delimiter = ',')]
+    pub kv_metrics: Vec<String>,
+    /// Directory whose files are counted as leaked KV after the run (the shm transport's root).
+    #[arg(long)]
+    pub shm_root: Option<PathBuf>,
+    /// Bound on waiting for the workers to go idle after the run, seconds.
+    #[arg(long, default_value_t = 30.0)]
+    pub settle_s: f64,
+    /// Start `rngd-pd up` (gateway port 0), replay against it, watch its
+    /// processes and shm root, stop it (SIGINT) at the end.
+    #[arg(long)]
+    pub spawn_up: bool,
+    /// The rngd-pd binary for --spawn-up; default: $RNGD_PD_BIN, else
+    /// $CARGO_TARGET_DIR/release/rngd-pd, else beside this executable.
+    #[arg(long)]
+    pub rngd_pd: Option<PathBuf>,
+    /// Extra argument of `rngd-pd up` (repeat it), e.g. --up-arg=--kv-transport --up-arg=tcp.
+    #[arg(long = "up-arg", allow_hyphen_values = true)]
+    pub up_args: Vec<String>,
+    /// How long `rngd-pd up` may take to be ready, seconds.
+    #[arg(long, default_value_t = 900.0)]
+    pub up_timeout_s: f64,
+    /// Print only the JSON line (no progress on stderr).
+    #[arg(long)]
+    pub json: bool,
+}
+
+impl From<Args> for rngd_bench_replay::Options {
+    fn from(a: Args) -> Self {
+        rngd_bench_replay::Options {
+            trace: a.trace.unwrap_or_else(rngd_bench_replay::default_trace),
+            url: a.url,
+            model: a.model,
+            speedup: a.speedup,
+            skip: a.skip,
+            max_requests: a.max_requests,
+            duration_s: a.duration_s,
+            seq_len: a.seq_len,
+            margin: a.margin,
+            max_in_flight: a.max_in_flight,
+            request_timeout_s: a.request_timeout_s,
+            slo_tpot_ms: a.slo_tpot_ms,
+            pids: a.pids,
+            proc_names: a.proc_names,
+            kv_metrics: a.kv_metrics,
+            shm_root: a.shm_root,
+            settle_s: a.settle_s,
+            spawn_up: a.spawn_up,
+            rngd_pd: a.rngd_pd,
+            up_args: a.up_args,
+            up_timeout_s: a.up_timeout_s,
+            json: a.json,
+        }
+    }
+}

@@ -1,0 +1,146 @@
+//! One streaming `/v1/completions` request and what it measured: the SSE
+//! stream read chunk by chunk (first content chunk, last content chunk,
+//! `usage`, an in-band error, `[DONE]`), the status classified.
+
+use std::time::{Duration, Instant};
+
+use futures::StreamExt;
+use serde_json::Value;
+
+use crate::stats::{Outcome, Status};
+
+/// What to send.
+#[derive(Debug, Clone)]
+pub struct Request {
+    /// `{base}/v1/completions`.
+    pub url: String,
+    /// The `model` field.
+    pub model: String,
+    /// The prompt text.
+    pub prompt: String,
+    /// `max_tokens`.
+    pub max_tokens: u32,
+}
+
+impl Request {
+    /// The JSON body: streaming, with `stream_options.include_usage`, greedy.
+    pub fn body(&self) -> Value {
+        serde_json::json!({
+            "model": self.model,
+            "prompt": self.prompt,
+            "max_tokens": self.max_tokens,
+            "temperature": 0,
+            "stream": true,
+            "stream_options": {"include_usage": true},
+        })
+    }
+}
+
+/// Sends `req` and reads its stream, all within `timeout`.
+pub async fn send(client: &reqwest::Client, req: &Request, timeout: Duration) -> Outcome {
+    let start = Instant::now();
+    let mut seen = Seen::default();
+    match tokio::time::timeout(timeout, exchange(client, req, start, &mut seen)).await {
+        Ok(status) => seen.outcome(status),
+        Err(_) => seen.outcome(Status::Timeout),
+    }
+}
+
+/// What the stream showed so far (kept across a timeout).
+#[derive(Debug, Default)]
+struct Seen {
+    ttft: Option<Duration>,
+    last: Option<Duration>,
+    chunks: u64,
+    usage_tokens: Option<u64>,
+}
+
+impl Seen {
+    fn outcome(&self, status: Status) -> Outcome {
+        Outcome {
+            status,
+            ttft: self.ttft,
+            decode: self.ttft.zip(self.last).map(|(f, l)| l.saturating_sub(f)),
+            tokens: self.usage_tokens.unwrap_or(self.chunks),
+            usage_seen: self.usage_tokens.is_some(),
+        }
+    }
+
+    /// One `data:` payload; `Some(status)` when the stream is over.
+    fn event(&mut self, data: &str, at: Duration) -> Option<Status> {
+        let data = data.trim();
+        if data == "[DONE]" {
+            return Some(Status::Ok);
+        }
+        let Ok(v) = serde_json::from_str::<Value>(data) else {
+            return None;
+        };
+        if v.get("error").is_some_and(|e| !e.is_null()) {
+            return Some(Status::StreamError);
+        }
+        if let Some(n) = v
+            .get("usage")
+            .and_then(|u| u.get("completion_tokens"))
+            .and_then(Value::as_u64)
+        {
+            self.usage_tokens = Some(n);
+        }
+        if let Some(c) = v
+            .get("choices")
+            .and_then(Value::as_array)
+            .and_then(|c| c.first())
+        {
+            let text = c.get("text").and_then(Value::as_str).unwrap_or("");
+            let finished = c.get("finish_reason").is_some_and(|f| !f.is_null());
+            if !text.is_empty() || !finished {
+                self.ttft.get_or_insert(at);
+                self.last = Some(at);
+                self.chunks += 1;
+            }
+        }
+        None
+    }
+}
+
+async fn exchange(
+    client: &reqwest::Client,
+    req: &Request,
+    start: Instant,
+    seen: &mut Seen,
+) -> Status {
+    let resp = match client.post(&req.url).json(&req.body()).send().await {
+        Ok(r) => r,
+        Err(_) => return Status::Transport,
+    };
+    let code = resp.status().as_u16();
+    if !resp.status().is_success() {
+        // Drain the body so the connection can be reused; its content does not matter.
+        let _ = resp.bytes().await;
+        return match code {
+            429 => Status::Http429,
+            500..=599 => Status::Http5xx,
+            c => Status::HttpOther(c),
+        };
+    }
+    let mut stream = resp.bytes_stream();
+    let mut buf: Vec<u8> = Vec::new();
+    while let Some(chunk) = stream.next().await {
+        let Ok(chunk) = chunk else {
+            return Status::Transport;
+        };
+        let at = start.elapsed();
+        buf.extend_from_slice(&chunk);
+        // Complete lines only; a `data:` line is one event here (the servers
+        // this talks to put each JSON object on one line).
+        while let Some(nl) = buf.iter().position(|&b| b == b'\n') {
+            let line: Vec<u8> = buf.drain(..=nl).collect();
+            let line = String::from_utf8_lossy(&line);
+            if let Some(data) = line.trim_end().strip_prefix("data:")
+                && let Some(status) = seen.event(data, at)
+            {
+                return status;
+            }
+        }
+    }
+    Status::Transport
+}

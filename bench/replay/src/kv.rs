@@ -1,0 +1,164 @@
+//! KV left behind after the run. The workers export no gauge of KV files or
+//! transferred caches they hold; what they do export is the engine's slot
+//! use (`vllm:kv_cache_usage_perc`) and the running / waiting requests,
+//! which must all be 0 on an idle worker. The `shm` transport's leftovers
+//! are files in its root (`<key>.kv`, `.tmp.*`), counted here. The relay's
+//! STATS needs the stack's secret, which `rngd-pd up` never prints, so it is
+//! not read.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use serde::Serialize;
+
+/// The engine gauges of one worker after the run.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Default)]
+pub struct WorkerKv {
+    /// `vllm:kv_cache_usage_perc` (summed over label sets).
+    pub kv_cache_usage_perc: f64,
+    /// `vllm:num_requests_running`.
+    pub running: f64,
+    /// `vllm:num_requests_waiting`.
+    pub waiting: f64,
+}
+
+/// What was left after the run.
+#[derive(Debug, Clone, PartialEq, Serialize, Default)]
+pub struct LeakedKv {
+    /// The shm root counted (`None` if none was given).
+    pub shm_root: Option<PathBuf>,
+    /// Files under it (request files and temporary files).
+    pub shm_files: Option<u64>,
+    /// Their bytes.
+    pub shm_bytes: Option<u64>,
+    /// Each worker's gauges, by metrics URL (`null`: not reachable).
+    pub workers: BTreeMap<String, Option<WorkerKv>>,
+    /// Whether every reachable worker reported no running or waiting
+    /// request before the settle bound ran out.
+    pub settled: bool,
+}
+
+/// The sum of the samples of metric `name` in a Prometheus text exposition
+/// (`None` if there is no sample).
+pub fn metric_sum(text: &str, name: &str) -> Option<f64> {
+    let mut sum = None;
+    for line in text.lines() {
+        if line.starts_with('#') {
+            continue;
+        }
+        let Some(rest) = line.strip_prefix(name) else {
+            continue;
+        };
+        // `name{labels} value` or `name value`, not a longer name.
+        let rest = if let Some(r) = rest.strip_prefix('{') {
+            match r.rfind('}') {
+                Some(i) => &r[i + 1..],
+                None => continue,
+            }
+        } else if rest.starts_with(' ') {
+            rest
+        } else {
+            continue;
+        };
+        if let Some(v) = rest
+            .split_whitespace()
+            .next()
+            .and_then(|v| v.parse::<f64>().ok())
+        {
+            *sum.get_or_insert(0.0) += v;
+        }
+    }
+    sum
+}
+
+/// The gauges in one `/metrics` text.
+pub fn parse_worker(text: &str) -> WorkerKv {
+    WorkerKv {
+        kv_cache_usage_perc: metric_sum(text, "vllm:kv_cache_usage_perc").unwrap_or(0.0),
+        running: metric_sum(text, "vllm:num_requests_running").unwrap_or(0.0),
+        waiting: metric_sum(text, "vllm:num_requests_waiting").unwrap_or(0.0),
+    }
+}
+
+/// `url` with `/metrics` appended unless it already ends with it.
+pub fn metrics_url(url: &str) -> String {
+    let u = url.trim_end_matches('/');
+    if u.ends_with("/metrics") {
+        u.to_string()
+    } else {
+        format!("{u}/metrics")
+    }
+}
+
+async fn scrape(client: &reqwest::Client, url: &str) -> Option<WorkerKv> {
+    let r = client
+        .get(url)
+        .timeout(Duration::from_secs(5))
+        .send()
+        .await
+        .ok()?;
+    if !r.status().is_success() {
+        return None;
+    }
+    Some(parse_worker(&r.text().await.ok()?))
+}
+
+/// Files and bytes under `root` (recursively); `(0, 0)` if it does not exist.
+pub fn count_files(root: &Path) -> (u64, u64) {
+    let (mut n, mut bytes) = (0, 0);
+    let mut dirs = vec![root.to_path_buf()];
+    while let Some(d) = dirs.pop() {
+        let Ok(rd) = std::fs::read_dir(&d) else {
+            continue;
+        };
+        for e in rd.flatten() {
+            let Ok(md) = e.metadata() else { continue };
+            if md.is_dir() {
+                dirs.push(e.path());
+            } else {
+                n += 1;
+                bytes += md.len();
+            }
+        }
+    }
+    (n, bytes)
+}
+
+/// Polls the workers' gauges (every 200 ms) until none reports a running or
+/// waiting request or `settle` passes, then reads them and counts the shm
+/// root's files.
+pub async fn measure(
+    client: &reqwest::Client,
+    metrics: &[String],
+    shm_root: Option<&Path>,
+    settle: Duration,
+) -> LeakedKv {
+    let urls: Vec<String> = metrics.iter().map(|u| metrics_url(u)).collect();
+    let deadline = Instant::now() + settle;
+    let mut out = LeakedKv {
+        shm_root: shm_root.map(Path::to_path_buf),
+        ..LeakedKv::default()
+    };
+    loop {
+        out.workers.clear();
+        for u in &urls {
+            out.workers.insert(u.clone(), scrape(client, u).await);
+        }
+        out.settled = out
+            .workers
+            .values()
+            .flatten()
+            .all(|w| w.running == 0.0 && w.waiting == 0.0);
+        if out.settled || Instant::now() >= deadline {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    if let Some(root) = shm_root {
+        let (n, b) = count_files(root);
+        out.shm_files = Some(n);
+        out.shm_bytes = Some(b);
+    }
+    out
+}

@@ -1,0 +1,503 @@
+//! `rngd-pd-bench replay`: replays the Azure LLM inference trace
+//! (`TIMESTAMP,ContextTokens,GeneratedTokens`) against any OpenAI-compatible
+//! base URL (the rngd-pd gateway, Envoy + the endpoint picker) with streaming
+//! `/v1/completions`, open loop, and ends with one JSON line.
+//!
+//! - arrivals: the trace's timestamps from row `skip`, divided by `speedup`,
+//!   bounded by `max_requests` and `duration`; each request fires at its time
+//!   whatever the others are doing, unless `max_in_flight` requests are
+//!   already open, in which case it is counted as `client_dropped` and not sent;
+//! - lengths: prompt + `max_tokens` scaled down proportionally to fit
+//!   `seq_len - margin`; the prompt is that many common words; the server may
+//!   stop before `max_tokens` (no `ignore_eos`), so output tokens are the
+//!   stream's `usage`;
+//! - per request: TTFT (to the first content chunk), TPOT ((last - first) /
+//!   (tokens - 1)), status; every request has a deadline;
+//! - around the run: RSS of watched processes at start and end, KV left after
+//!   it ([`kv`]); with `spawn_up`, the whole stack started and stopped here ([`up`]).
+//!
+//! Modules: [`trace`] (CSV, offsets, scaling, prompts), [`client`] (one
+//! request), [`stats`] (outcomes, percentiles, summary), [`procs`] (`/proc`),
+//! [`kv`], [`up`]; this file: [`Options`], [`Error`], [`run`] and the
+//! [`Report`] it prints.
+
+pub mod client;
+pub mod kv;
+pub mod procs;
+pub mod stats;
+pub mod trace;
+pub mod up;
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use serde::Serialize;
+use tokio::sync::Semaphore;
+
+/// Errors of the replay.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// Reading the trace file failed.
+    #[error("reading the trace {path}: {source}")]
+    ReadTrace {
+        /// The file.
+        path: PathBuf,
+        /// Cause.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The trace is malformed (the message names the line).
+    #[error("trace: {0}")]
+    Trace(String),
+    /// The options do not make a run.
+    #[error("options: {0}")]
+    Options(String),
+    /// The `rngd-pd` binary was not found (the places tried).
+    #[error("no rngd-pd binary (tried {0}); pass --rngd-pd or set RNGD_PD_BIN")]
+    NoBinary(String),
+    /// `rngd-pd up` failed to start or stop.
+    #[error("rngd-pd up: {0}")]
+    Up(String),
+    /// Building the HTTP client failed.
+    #[error("http client: {0}")]
+    Client(#[source] reqwest::Error),
+}
+
+/// What to run (the flags of `rngd-pd-bench replay`).
+#[derive(Debug, Clone)]
+pub struct Options {
+    /// The trace CSV. Default [`default_trace`].
+    pub trace: PathBuf,
+    /// Base URL of the OpenAI-compatible server (`http://host:port`, no
+    /// `/v1`). Default `None`: required unless `spawn_up`.
+    pub url: Option<String>,
+    /// `model` of the requests. Default `None`: the first of `/v1/models`,
+    /// else `default`.
+    pub model: Option<String>,
+    /// Arrival-time divisor (10 = ten times faster than the trace). Default 1.
+    pub speedup: f64,
+    /// First trace row replayed (0 = the first data row). Default 0.
+    pub skip: usize,
+    /// At most this many requests scheduled. Default `None`: no bound.
+    pub max_requests: Option<usize>,
+    /// Only requests scheduled within this many seconds. Default `None`: no bound.
+    pub duration_s: Option<f64>,
+    /// Compiled context length the lengths are scaled to. Default 512.
+    pub seq_len: u32,
+    /// Tokens kept free of the context (prompt-length error, special tokens). Default 16.
+    pub margin: u32,
+    /// Requests open at once; an arrival beyond it is `client_dropped`. Default 256.
+    pub max_in_flight: usize,
+    /// Deadline of each request (send to end of stream), seconds. Default 120.
+    pub request_timeout_s: f64,
+    /// TPOT SLO, ms (`slo_share`, `goodput_rps`). Default 150.
+    pub slo_tpot_ms: f64,
+    /// Pids whose RSS is sampled at start and end (keyed by pid). Default none.
+    pub pids: Vec<u32>,
+    /// Command-line substrings; matching processes are sampled (keyed
+    /// `pattern:pid`). Default none.
+    pub proc_names: Vec<String>,
+    /// Worker metrics URLs (base or `/metrics`) read for leaked KV after the
+    /// run. Default none (with `spawn_up`: its prefill and decode workers).
+    pub kv_metrics: Vec<String>,
+    /// Directory whose files are counted as leaked KV after the run. Default
+    /// `None` (with `spawn_up`: its shm root).
+    pub shm_root: Option<PathBuf>,
+    /// How long to wait after the run for the workers to report nothing
+    /// running or waiting, seconds. Default 30.
+    pub settle_s: f64,
+    /// Start `rngd-pd up` here, replay against its gateway, watch its
+    /// processes and shm root, stop it at the end. Default off.
+    pub spawn_up: bool,
+    /// The `rngd-pd` binary for `spawn_up`. Default `None`: [`up::locate`].
+    pub rngd_pd: Option<PathBuf>,
+    /// Extra arguments of `rngd-pd up` (e.g. `--kv-transport tcp`). Default none.
+    pub up_args: Vec<String>,
+    /// How long `rngd-pd up` may take to print its ready line, seconds. Default 900.
+    pub up_timeout_s: f64,
+    /// Print only the JSON line (no progress on stderr). Default off.
+    pub json: bool,
+}
+
+/// The trace in the repository's sibling data directory:
+/// `<repo root>/../shared/data/AzureLLMInferenceTrace_conv.csv`.
+pub fn default_trace() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../../shared/data/AzureLLMInferenceTrace_conv.csv")
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Options {
+            trace: default_trace(),
+            url: None,
+            model: None,
+            speedup: 1.0,
+            skip: 0,
+            max_requests: None,
+            duration_s: None,
+            seq_len: 512,
+            margin: 16,
+            max_in_flight: 256,
+            request_timeout_s: 120.0,
+            slo_tpot_ms: 150.0,
+            pids: Vec::new(),
+            proc_names: Vec::new(),
+            kv_metrics: Vec::new(),
+            shm_root: None,
+            settle_s: 30.0,
+            spawn_up: false,
+            rngd_pd: None,
+            up_args: Vec::new(),
+            up_timeout_s: 900.0,
+            json: false,
+        }
+    }
+}
+
+/// The settings a run used (in the JSON line under `settings`).
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct Settings {
+    /// Trace file.
+    pub trace: String,
+    /// Base URL replayed against.
+    pub url: String,
+    /// `model` sent.
+    pub model: String,
+    /// Arrival-time divisor.
+    pub speedup: f64,
+    /// First row.
+    pub skip: usize,
+    /// Bound on requests scheduled.
+    pub max_requests: Option<usize>,
+    /// Bound on the arrival window, seconds.
+    pub duration_s: Option<f64>,
+    /// Context scaled to.
+    pub seq_len: u32,
+    /// Tokens kept free.
+    pub margin: u32,
+    /// In-flight bound.
+    pub max_in_flight: usize,
+    /// Per-request deadline, seconds.
+    pub request_timeout_s: f64,
+    /// TPOT SLO, ms.
+    pub slo_tpot_ms: f64,
+    /// Whether the stack was started here.
+    pub spawn_up: bool,
+}
+
+/// The JSON line.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct Report {
+    /// Requests sent.
+    pub requests: u64,
+    /// Requests the schedule held (`requests + client_dropped`).
+    pub scheduled: u64,
+    /// Arrivals not sent because `max_in_flight` requests were open.
+    pub client_dropped: u64,
+    /// Requests completed (2xx, whole stream).
+    pub ok: u64,
+    /// Requests sent that did not complete (the sum of the next six).
+    pub errors: u64,
+    /// Answered 429.
+    pub http_429: u64,
+    /// Answered 5xx.
+    pub http_5xx: u64,
+    /// Answered another non-2xx status.
+    pub http_other: u64,
+    /// Error object inside a 2xx stream.
+    pub stream_errors: u64,
+    /// Past the per-request deadline.
+    pub timeouts: u64,
+    /// Connection-level failures (or a stream cut before `[DONE]`).
+    pub transport: u64,
+    /// Successful streams without `usage` (tokens counted from chunks).
+    pub usage_missing: u64,
+    /// TTFT p50 of successful requests, ms.
+    pub ttft_p50_ms: Option<f64>,
+    /// TTFT p90, ms.
+    pub ttft_p90_ms: Option<f64>,
+    /// TTFT p99, ms.
+    pub ttft_p99_ms: Option<f64>,
+    /// TPOT p50 of successful requests of two tokens or more, ms.
+    pub tpot_p50_ms: Option<f64>,
+    /// TPOT p90, ms.
+    pub tpot_p90_ms: Option<f64>,
+    /// TPOT p99, ms.
+    pub tpot_p99_ms: Option<f64>,
+    /// Share of successful requests with TPOT ≤ the SLO (one-token answers meet it).
+    pub slo_share: Option<f64>,
+    /// Successful requests meeting the SLO per second of wall time.
+    pub goodput_rps: f64,
+    /// Output tokens (successful requests) per second of wall time.
+    pub tok_s: f64,
+    /// Output tokens of successful requests.
+    pub output_tokens: u64,
+    /// Prompt tokens asked for (scaled, summed over requests sent).
+    pub prompt_tokens_sent: u64,
+    /// `max_tokens` asked for (summed over requests sent).
+    pub max_tokens_sent: u64,
+    /// RSS at start, MB, by process label.
+    pub rss_mb_start: BTreeMap<String, Option<f64>>,
+    /// RSS at end (after the settle), MB, by process label.
+    pub rss_mb_end: BTreeMap<String, Option<f64>>,
+    /// KV left after the run (`null` with no metrics URL and no shm root).
+    pub leaked_kv: Option<kv::LeakedKv>,
+    /// First arrival to the last request's end, seconds.
+    pub wall_s: f64,
+    /// The settings used.
+    pub settings: Settings,
+}
+
+impl Report {
+    /// The one-line JSON text.
+    pub fn json_line(&self) -> String {
+        serde_json::to_string(self).unwrap_or_else(|e| format!("{{\"error\":\"{e}\"}}"))
+    }
+}
+
+/// Runs the replay and prints the JSON line (the last line of stdout).
+pub async fn run(opts: Options) -> Result<Report, Error> {
+    let report = launch(opts).await?;
+    println!("{}", report.json_line());
+    Ok(report)
+}
+
+/// Runs the replay and returns its report without printing it.
+pub async fn launch(opts: Options) -> Result<Report, Error> {
+    if !opts.speedup.is_finite() || opts.speedup <= 0.0 {
+        return Err(Error::Options("--speedup must be > 0".into()));
+    }
+    if opts.max_in_flight == 0 {
+        return Err(Error::Options("--max-in-flight must be ≥ 1".into()));
+    }
+    if opts.url.is_some() == opts.spawn_up {
+        return Err(Error::Options(
+            "give exactly one of --url and --spawn-up".into(),
+        ));
+    }
+    let text = std::fs::read_to_string(&opts.trace).map_err(|source| Error::ReadTrace {
+        path: opts.trace.clone(),
+        source,
+    })?;
+    let rows = trace::parse(&text)?;
+    let budget = opts.seq_len.saturating_sub(opts.margin);
+    if budget < 2 {
+        return Err(Error::Options(
+            "--seq-len minus --margin leaves fewer than 2 tokens".into(),
+        ));
+    }
+    let arrivals = trace::schedule(
+        &rows,
+        opts.skip,
+        opts.max_requests,
+        opts.duration_s.map(Duration::from_secs_f64),
+        opts.speedup,
+        budget,
+    );
+    if arrivals.is_empty() {
+        return Err(Error::Options(format!(
+            "no request to replay ({} rows, --skip {})",
+            rows.len(),
+            opts.skip
+        )));
+    }
+    let mut stack = None;
+    if opts.spawn_up {
+        let bin = up::locate(opts.rngd_pd.as_deref())?;
+        if !opts.json {
+            eprintln!("replay: starting {} up", bin.display());
+        }
+        stack = Some(
+            up::start(
+                &bin,
+                opts.seq_len,
+                &opts.up_args,
+                Duration::from_secs_f64(opts.up_timeout_s),
+            )
+            .await?,
+        );
+    }
+    let result = replay(&opts, &arrivals, stack.as_ref()).await;
+    if let Some(s) = stack {
+        let stopped = s.stop(Duration::from_secs(30)).await;
+        if let Err(e) = stopped {
+            eprintln!("replay: {e}");
+        }
+    }
+    result
+}
+
+async fn replay(
+    opts: &Options,
+    arrivals: &[trace::Arrival],
+    stack: Option<&up::Up>,
+) -> Result<Report, Error> {
+    let url = match (stack, &opts.url) {
+        (Some(s), _) => s.info.gateway.clone().unwrap_or_default(),
+        (None, Some(u)) => u.clone(),
+        (None, None) => unreachable!("checked in launch"),
+    };
+    let base = url.trim_end_matches('/').to_string();
+    let client = reqwest::Client::builder()
+        .pool_max_idle_per_host(opts.max_in_flight)
+        .build()
+        .map_err(Error::Client)?;
+    let model = match &opts.model {
+        Some(m) => m.clone(),
+        None => first_model(&client, &base)
+            .await
+            .unwrap_or_else(|| "default".into()),
+    };
+
+    // What to watch.
+    let mut watched: Vec<procs::Watched> = opts
+        .pids
+        .iter()
+        .map(|&pid| procs::Watched {
+            label: pid.to_string(),
+            pid,
+        })
+        .collect();
+    for p in &opts.proc_names {
+        watched.extend(procs::by_name(p));
+    }
+    let mut kv_metrics = opts.kv_metrics.clone();
+    let mut shm_root = opts.shm_root.clone();
+    if let Some(s) = stack {
+        watched.extend(procs::up_stack(s.pid));
+        if kv_metrics.is_empty() {
+            kv_metrics.extend(s.info.prefill.iter().chain(&s.info.decode).cloned());
+        }
+        if shm_root.is_none() {
+            shm_root.clone_from(&s.info.shm_root);
+        }
+    }
+    let rss_mb_start = procs::sample(&watched);
+
+    if !opts.json {
+        eprintln!(
+            "replay: {} requests over {:.1} s (speedup {}) against {base}, model {model}",
+            arrivals.len(),
+            arrivals.last().map_or(0.0, |a| a.offset.as_secs_f64()),
+            opts.speedup
+        );
+    }
+    let endpoint = format!("{base}/v1/completions");
+    let timeout = Duration::from_secs_f64(opts.request_timeout_s);
+    let slots = Arc::new(Semaphore::new(opts.max_in_flight));
+    let mut tasks = tokio::task::JoinSet::new();
+    let (mut dropped, mut prompt_sent, mut max_sent) = (0u64, 0u64, 0u64);
+    let start = tokio::time::Instant::now();
+    let wall_start = Instant::now();
+    for a in arrivals {
+        tokio::time::sleep_until(start + a.offset).await;
+        let Ok(permit) = slots.clone().try_acquire_owned() else {
+            dropped += 1;
+            continue;
+        };
+        prompt_sent += u64::from(a.prompt_tokens);
+        max_sent += u64::from(a.max_tokens);
+        let req = client::Request {
+            url: endpoint.clone(),
+            model: model.clone(),
+            prompt: trace::prompt_text(a.prompt_tokens, a.row),
+            max_tokens: a.max_tokens,
+        };
+        let client = client.clone();
+        tasks.spawn(async move {
+            let o = client::send(&client, &req, timeout).await;
+            drop(permit);
+            o
+        });
+    }
+    let mut outcomes = Vec::with_capacity(arrivals.len());
+    while let Some(r) = tasks.join_next().await {
+        // A panicking request task is a bug here, not a server outcome.
+        outcomes.push(r.unwrap_or_else(|e| {
+            eprintln!("replay: request task failed: {e}");
+            stats::Outcome::failed(stats::Status::Transport)
+        }));
+    }
+    let wall = wall_start.elapsed();
+
+    let leaked_kv = if kv_metrics.is_empty() && shm_root.is_none() {
+        None
+    } else {
+        Some(
+            kv::measure(
+                &client,
+                &kv_metrics,
+                shm_root.as_deref(),
+                Duration::from_secs_f64(opts.settle_s),
+            )
+            .await,
+        )
+    };
+    let rss_mb_end = procs::sample(&watched);
+
+    let s = stats::summarize(
+        &outcomes,
+        wall,
+        Duration::from_secs_f64(opts.slo_tpot_ms / 1e3),
+    );
+    Ok(Report {
+        requests: s.requests,
+        scheduled: s.requests + dropped,
+        client_dropped: dropped,
+        ok: s.ok,
+        errors: s.errors,
+        http_429: s.http_429,
+        http_5xx: s.http_5xx,
+        http_other: s.http_other,
+        stream_errors: s.stream_errors,
+        timeouts: s.timeouts,
+        transport: s.transport,
+        usage_missing: s.usage_missing,
+        ttft_p50_ms: s.ttft_ms.p50,
+        ttft_p90_ms: s.ttft_ms.p90,
+        ttft_p99_ms: s.ttft_ms.p99,
+        tpot_p50_ms: s.tpot_ms.p50,
+        tpot_p90_ms: s.tpot_ms.p90,
+        tpot_p99_ms: s.tpot_ms.p99,
+        slo_share: s.slo_share,
+        goodput_rps: s.goodput_rps,
+        tok_s: s.tok_s,
+        output_tokens: s.output_tokens,
+        prompt_tokens_sent: prompt_sent,
+        max_tokens_sent: max_sent,
+        rss_mb_start,
+        rss_mb_end,
+        leaked_kv,
+        wall_s: wall.as_secs_f64(),
+        settings: Settings {
+            trace: opts.trace.display().to_string(),
+            url: base,
+            model,
+            speedup: opts.speedup,
+            skip: opts.skip,
+            max_requests: opts.max_requests,
+            duration_s: opts.duration_s,
+            seq_len: opts.seq_len,
+            margin: opts.margin,
+            max_in_flight: opts.max_in_flight,
+            request_timeout_s: opts.request_timeout_s,
+            slo_tpot_ms: opts.slo_tpot_ms,
+            spawn_up: opts.spawn_up,
+        },
+    })
+}
+
+/// The first model id of `{base}/v1/models`.
+async fn first_model(client: &reqwest::Client, base: &str) -> Option<String> {
+    let r = client
+        .get(format!("{base}/v1/models"))
+        .timeout(Duration::from_secs(10))
+        .send()
+        .await
+        .ok()?;
+    let v: serde_json::Value = r.json().await.ok()?;
+    v["data"][0]["id"].as_str().map(str::to_string)
+}
