@@ -53,6 +53,7 @@ struct Seen {
     last: Option<Duration>,
     chunks: u64,
     usage_tokens: Option<u64>,
+    usage_prompt: Option<u64>,
 }
 
 impl Seen {
@@ -63,6 +64,7 @@ impl Seen {
             decode: self.ttft.zip(self.last).map(|(f, l)| l.saturating_sub(f)),
             tokens: self.usage_tokens.unwrap_or(self.chunks),
             usage_seen: self.usage_tokens.is_some(),
+            prompt_tokens: self.usage_prompt,
         }
     }
 
@@ -78,12 +80,13 @@ impl Seen {
         if v.get("error").is_some_and(|e| !e.is_null()) {
             return Some(Status::StreamError);
         }
-        if let Some(n) = v
-            .get("usage")
-            .and_then(|u| u.get("completion_tokens"))
-            .and_then(Value::as_u64)
-        {
-            self.usage_tokens = Some(n);
+        if let Some(u) = v.get("usage") {
+            if let Some(n) = u.get("completion_tokens").and_then(Value::as_u64) {
+                self.usage_tokens = Some(n);
+            }
+            if let Some(n) = u.get("prompt_tokens").and_then(Value::as_u64) {
+                self.usage_prompt = Some(n);
+            }
         }
         if let Some(c) = v
             .get("choices")

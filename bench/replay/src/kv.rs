@@ -1,7 +1,9 @@
 //! KV left behind after the run. The workers export no gauge of KV files or
 //! transferred caches they hold; what they do export is the engine's slot
-//! use (`vllm:kv_cache_usage_perc`) and the running / waiting requests,
-//! which must all be 0 on an idle worker. The `shm` transport's leftovers
+//! use (`vllm:kv_cache_usage_perc`), the running / waiting requests and (with
+//! admission control) `rngd_pd_worker_in_flight`, the admitted requests whose
+//! pulled KV is held; the gateway exports `rngd_pd_gateway_in_flight` and
+//! `rngd_pd_gateway_queued`. All must be 0 once the run is over. The `shm` transport's leftovers
 //! are files in its root (`<key>.kv`, `.tmp.*`), counted here. The relay's
 //! STATS needs the stack's secret, which `rngd-pd up` never prints, so it is
 //! not read.
@@ -12,15 +14,43 @@ use std::time::{Duration, Instant};
 
 use serde::Serialize;
 
-/// The engine gauges of one worker after the run.
+/// The gauges of one server after the run (each summed over its label
+/// sets; `None`, and left out of the JSON, when the server has no such gauge).
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Default)]
 pub struct WorkerKv {
-    /// `vllm:kv_cache_usage_perc` (summed over label sets).
-    pub kv_cache_usage_perc: f64,
+    /// `vllm:kv_cache_usage_perc`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub kv_cache_usage_perc: Option<f64>,
     /// `vllm:num_requests_running`.
-    pub running: f64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub running: Option<f64>,
     /// `vllm:num_requests_waiting`.
-    pub waiting: f64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub waiting: Option<f64>,
+    /// `rngd_pd_worker_in_flight` (admitted, KV held).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub worker_in_flight: Option<f64>,
+    /// `rngd_pd_gateway_in_flight`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub gateway_in_flight: Option<f64>,
+    /// `rngd_pd_gateway_queued`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub gateway_queued: Option<f64>,
+}
+
+impl WorkerKv {
+    /// Whether no request is running, waiting, admitted or queued here.
+    pub fn idle(&self) -> bool {
+        [
+            self.running,
+            self.waiting,
+            self.worker_in_flight,
+            self.gateway_in_flight,
+            self.gateway_queued,
+        ]
+        .iter()
+        .all(|v| v.is_none_or(|v| v == 0.0))
+    }
 }
 
 /// What was left after the run.
@@ -32,10 +62,10 @@ pub struct LeakedKv {
     pub shm_files: Option<u64>,
     /// Their bytes.
     pub shm_bytes: Option<u64>,
-    /// Each worker's gauges, by metrics URL (`null`: not reachable).
+    /// Each server's gauges, by metrics URL (`null`: not reachable).
     pub workers: BTreeMap<String, Option<WorkerKv>>,
-    /// Whether every reachable worker reported no running or waiting
-    /// request before the settle bound ran out.
+    /// Whether every reachable server was [`WorkerKv::idle`] before the
+    /// settle bound ran out.
     pub settled: bool,
 }
 
@@ -75,9 +105,12 @@ pub fn metric_sum(text: &str, name: &str) -> Option<f64> {
 /// The gauges in one `/metrics` text.
 pub fn parse_worker(text: &str) -> WorkerKv {
     WorkerKv {
-        kv_cache_usage_perc: metric_sum(text, "vllm:kv_cache_usage_perc").unwrap_or(0.0),
-        running: metric_sum(text, "vllm:num_requests_running").unwrap_or(0.0),
-        waiting: metric_sum(text, "vllm:num_requests_waiting").unwrap_or(0.0),
+        kv_cache_usage_perc: metric_sum(text, "vllm:kv_cache_usage_perc"),
+        running: metric_sum(text, "vllm:num_requests_running"),
+        waiting: metric_sum(text, "vllm:num_requests_waiting"),
+        worker_in_flight: metric_sum(text, "rngd_pd_worker_in_flight"),
+        gateway_in_flight: metric_sum(text, "rngd_pd_gateway_in_flight"),
+        gateway_queued: metric_sum(text, "rngd_pd_gateway_queued"),
     }
 }
 
@@ -125,8 +158,7 @@ pub fn count_files(root: &Path) -> (u64, u64) {
     (n, bytes)
 }
 
-/// Polls the workers' gauges (every 200 ms) until none reports a running or
-/// waiting request or `settle` passes, then reads them and counts the shm
+/// Polls the servers' gauges (every 200 ms) until all are idle or `settle` passes, then reads them and counts the shm
 /// root's files.
 pub async fn measure(
     client: &reqwest::Client,
@@ -145,11 +177,7 @@ pub async fn measure(
         for u in &urls {
             out.workers.insert(u.clone(), scrape(client, u).await);
         }
-        out.settled = out
-            .workers
-            .values()
-            .flatten()
-            .all(|w| w.running == 0.0 && w.waiting == 0.0);
+        out.settled = out.workers.values().flatten().all(WorkerKv::idle);
         if out.settled || Instant::now() >= deadline {
             break;
         }

@@ -99,8 +99,9 @@ pub struct Options {
     /// Command-line substrings; matching processes are sampled (keyed
     /// `pattern:pid`). Default none.
     pub proc_names: Vec<String>,
-    /// Worker metrics URLs (base or `/metrics`) read for leaked KV after the
-    /// run. Default none (with `spawn_up`: its prefill and decode workers).
+    /// Worker (or gateway) metrics URLs (base or `/metrics`) read for leaked
+    /// KV after the run. Default none (with `spawn_up`: its prefill and
+    /// decode workers and its gateway).
     pub kv_metrics: Vec<String>,
     /// Directory whose files are counted as leaked KV after the run. Default
     /// `None` (with `spawn_up`: its shm root).
@@ -239,6 +240,10 @@ pub struct Report {
     pub prompt_tokens_sent: u64,
     /// `max_tokens` asked for (summed over requests sent).
     pub max_tokens_sent: u64,
+    /// Prompt tokens of successful requests as the server counted them
+    /// (`usage.prompt_tokens`; compare with `prompt_tokens_sent` to see how
+    /// close the word-built prompts come to their target length).
+    pub prompt_tokens_usage: u64,
     /// RSS at start, MB, by process label.
     pub rss_mb_start: BTreeMap<String, Option<f64>>,
     /// RSS at end (after the settle), MB, by process label.
@@ -369,7 +374,14 @@ async fn replay(
     if let Some(s) = stack {
         watched.extend(procs::up_stack(s.pid));
         if kv_metrics.is_empty() {
-            kv_metrics.extend(s.info.prefill.iter().chain(&s.info.decode).cloned());
+            kv_metrics.extend(
+                s.info
+                    .prefill
+                    .iter()
+                    .chain(&s.info.decode)
+                    .chain(&s.info.gateway)
+                    .cloned(),
+            );
         }
         if shm_root.is_none() {
             shm_root.clone_from(&s.info.shm_root);
@@ -468,6 +480,7 @@ async fn replay(
         output_tokens: s.output_tokens,
         prompt_tokens_sent: prompt_sent,
         max_tokens_sent: max_sent,
+        prompt_tokens_usage: s.prompt_tokens_usage,
         rss_mb_start,
         rss_mb_end,
         leaked_kv,

@@ -36,6 +36,8 @@ pub struct Outcome {
     pub tokens: u64,
     /// Whether the stream carried a `usage` object.
     pub usage_seen: bool,
+    /// The stream's `usage.prompt_tokens` (the server's count of the prompt).
+    pub prompt_tokens: Option<u64>,
 }
 
 impl Outcome {
@@ -47,6 +49,7 @@ impl Outcome {
             decode: None,
             tokens: 0,
             usage_seen: false,
+            prompt_tokens: None,
         }
     }
 
@@ -127,6 +130,8 @@ pub struct Summary {
     pub slo_share: Option<f64>,
     /// Output tokens of successful requests.
     pub output_tokens: u64,
+    /// Prompt tokens of successful requests as the server counted them (`usage.prompt_tokens`).
+    pub prompt_tokens_usage: u64,
     /// `slo_met` per second of `wall`.
     pub goodput_rps: f64,
     /// `output_tokens` per second of `wall`.
@@ -145,6 +150,7 @@ pub fn summarize(outcomes: &[Outcome], wall: Duration, slo: Duration) -> Summary
             Status::Ok => {
                 s.ok += 1;
                 s.output_tokens += o.tokens;
+                s.prompt_tokens_usage += o.prompt_tokens.unwrap_or(0);
                 if !o.usage_seen {
                     s.usage_missing += 1;
                 }

@@ -127,6 +127,7 @@ fn ok(ttft_ms: u64, decode_ms: u64, tokens: u64) -> Outcome {
         decode: Some(Duration::from_millis(decode_ms)),
         tokens,
         usage_seen: true,
+        prompt_tokens: Some(5),
     }
 }
 
@@ -169,6 +170,7 @@ fn the_summary_counts_and_rates() {
     );
     assert_eq!(s.usage_missing, 1);
     assert_eq!(s.output_tokens, 23);
+    assert_eq!(s.prompt_tokens_usage, 20, "successes only");
     assert_eq!(s.slo_met, 3);
     assert_eq!(s.slo_share, Some(0.75));
     assert_eq!(s.goodput_rps, 1.5);
@@ -249,8 +251,13 @@ fn worker_gauges_parse_from_prometheus_text() {
     let w = kv::parse_worker(text);
     assert_eq!(
         (w.kv_cache_usage_perc, w.running, w.waiting),
-        (0.25, 2.0, 1.0)
+        (Some(0.25), Some(2.0), Some(1.0))
     );
+    assert_eq!(w.worker_in_flight, None, "absent gauge");
+    assert!(!w.idle(), "2 running");
+    let idle = kv::parse_worker("vllm:num_requests_running 0\nrngd_pd_worker_in_flight 0\n");
+    assert!(idle.idle());
+    assert!(!kv::parse_worker("rngd_pd_gateway_queued 3\n").idle());
     assert_eq!(kv::metric_sum(text, "vllm:absent"), None);
     assert_eq!(kv::metrics_url("http://h:1/"), "http://h:1/metrics");
     assert_eq!(kv::metrics_url("http://h:1/metrics"), "http://h:1/metrics");
@@ -308,7 +315,8 @@ async fn completions(State(f): State<Arc<Fake>>, body: axum::body::Bytes) -> Res
 
 const METRICS: &str = "vllm:kv_cache_usage_perc{model_name=\"m\"} 0\n\
     vllm:num_requests_running{model_name=\"m\"} 0\n\
-    vllm:num_requests_waiting{model_name=\"m\"} 0\n";
+    vllm:num_requests_waiting{model_name=\"m\"} 0\n\
+    rngd_pd_worker_in_flight 0\n";
 
 async fn serve(fake: Arc<Fake>) -> String {
     let app = Router::new()
@@ -388,6 +396,10 @@ async fn a_run_against_a_fake_server_counts_exactly() {
     );
     assert_eq!(r.output_tokens, 21, "3 tokens from usage per success");
     assert_eq!(r.usage_missing, 0);
+    assert_eq!(
+        r.prompt_tokens_usage, 35,
+        "5 prompt tokens from usage per success"
+    );
     assert!(r.ttft_p50_ms.is_some() && r.tpot_p50_ms.is_some());
     assert!(r.slo_share.is_some());
     assert_eq!(r.settings.model, "fake-model");
@@ -398,7 +410,13 @@ async fn a_run_against_a_fake_server_counts_exactly() {
     assert!(leaked.settled);
     assert_eq!(
         leaked.workers[&format!("{url}/metrics")],
-        Some(kv::WorkerKv::default())
+        Some(kv::WorkerKv {
+            kv_cache_usage_perc: Some(0.0),
+            running: Some(0.0),
+            waiting: Some(0.0),
+            worker_in_flight: Some(0.0),
+            ..kv::WorkerKv::default()
+        })
     );
 
     // What the server received: streaming with usage, lengths within the context.
