@@ -28,8 +28,9 @@ fn running(pid: u32) -> bool {
 fn a_child_of_up_stops_when_up_is_killed() {
     // A shell stands in for `up`: it starts a relay that names the shell as
     // its parent, prints the relay's pid, and waits.
-    let script =
-        format!("{RNGD_PD_UP_PARENT}=$$ \"$0\" relay --listen 127.0.0.1:0 & echo \"pid $!\"; wait");
+    let script = format!(
+        "{RNGD_PD_UP_PARENT}=$$ \"$0\" relay --listen 127.0.0.1:0 --insecure-no-auth & echo \"pid $!\"; wait"
+    );
     let mut parent = Command::new("sh")
         .args(["-c", &script, EXE])
         .env("RUST_LOG", "warn")

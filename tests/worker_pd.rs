@@ -398,7 +398,14 @@ fn push(
 async fn assert_expired(decode: &Proc, params: Value, transport: &str, rid: &str) {
     let mut dec = request(PROMPTS[0]);
     dec["kv_transfer_params"] = params;
-    let (status, text) = post(&decode.url("/v1/completions"), &dec, &[]).await;
+    // The error names the transport and the decode request's own id (the
+    // cache's key is the prefill worker's random one).
+    let (status, text) = post(
+        &decode.url("/v1/completions"),
+        &dec,
+        &[("x-request-id", rid)],
+    )
+    .await;
     assert!(status >= 500, "{transport}: {status} {text}");
     assert!(text.contains(transport) && text.contains(rid), "{text}");
 }

@@ -286,3 +286,38 @@ async fn buffered_mode_continues_headers_and_routes_on_the_body_response() {
     let seen = h.policy.seen.lock().unwrap();
     assert!(seen[0].prompt_tokens.unwrap() >= 2, "chat prompt counted");
 }
+
+#[tokio::test]
+async fn a_request_stream_that_stalls_is_ended_at_the_idle_deadline() {
+    let picker = Arc::new(Picker::new(
+        rngd_pool::Picker::new(
+            Arc::new(FakePolicy::default()),
+            StaticEndpoints::new(default_endpoints()),
+        ),
+        Some(Arc::new(WordCounter { model: "m" })),
+        EppMetrics::new().unwrap(),
+    ));
+    let config = rngd_ext_proc::processor::ProcessorConfig {
+        request_idle_timeout: std::time::Duration::from_millis(200),
+        ..Default::default()
+    };
+    // Headers, then nothing: the body never comes.
+    let inbound = futures::stream::iter(vec![Ok(post_headers(BodySendMode::FullDuplexStreamed))])
+        .chain(futures::stream::pending());
+    let mut out = rngd_ext_proc::processor::respond(Box::pin(inbound), picker, config);
+    let t0 = std::time::Instant::now();
+    let end = tokio::time::timeout(std::time::Duration::from_secs(10), async {
+        loop {
+            match out.next().await {
+                Some(Ok(_)) => continue,
+                other => return other,
+            }
+        }
+    })
+    .await
+    .expect("the stalled stream was not ended");
+    let status = end.expect("an error status").unwrap_err();
+    assert_eq!(status.code(), tonic::Code::DeadlineExceeded, "{status}");
+    assert!(t0.elapsed() >= std::time::Duration::from_millis(200));
+    assert!(out.next().await.is_none(), "nothing after the end");
+}

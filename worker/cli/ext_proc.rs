@@ -73,6 +73,14 @@ pub struct Args {
     /// Largest request body buffered for a pick, bytes.
     #[arg(long, default_value_t = DEFAULT_MAX_BODY)]
     pub max_body_bytes: usize,
+    /// Longest wait for Envoy's next ext_proc message before the pick, ms
+    /// (a stalled request stream is ended; Envoy fails the request).
+    #[arg(long, default_value_t = rngd_ext_proc::processor::DEFAULT_REQUEST_IDLE_TIMEOUT.as_millis() as u64)]
+    pub request_idle_timeout_ms: u64,
+    /// Longest wait for Envoy's next ext_proc message after the pick (the
+    /// response path), ms.
+    #[arg(long, default_value_t = rngd_ext_proc::processor::DEFAULT_RESPONSE_IDLE_TIMEOUT.as_millis() as u64)]
+    pub response_idle_timeout_ms: u64,
     /// Bearer token for `PUT /admin/policy` on the metrics port; unset = admin API off.
     #[arg(long, env = env::RNGD_PD_ADMIN_TOKEN, hide_env_values = true)]
     pub admin_token: Option<String>,
@@ -130,6 +138,8 @@ fn options(args: &Args) -> anyhow::Result<Options> {
         processor: ProcessorConfig {
             max_body_bytes: args.max_body_bytes,
             chunk_size: MAX_CHUNK,
+            request_idle_timeout: Duration::from_millis(args.request_idle_timeout_ms),
+            response_idle_timeout: Duration::from_millis(args.response_idle_timeout_ms),
         },
         admin_token: args.admin_token.clone(),
         tls: TlsChoice::from_flags(args.secure_serving, args.cert_path.clone(), watch),

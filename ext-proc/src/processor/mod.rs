@@ -57,13 +57,27 @@ pub struct ProcessorConfig {
     pub max_body_bytes: usize,
     /// Size of the re-sent body chunks (at most [`MAX_CHUNK`]).
     pub chunk_size: usize,
+    /// Longest wait for Envoy's next message before the pick (headers to the
+    /// end of the request body): a stalled request stream is ended with
+    /// `DEADLINE_EXCEEDED` (Envoy then fails the request, closed).
+    pub request_idle_timeout: std::time::Duration,
+    /// Longest wait for Envoy's next message after the pick (the response
+    /// path: as long as the slowest gap between two streamed tokens may be).
+    pub response_idle_timeout: std::time::Duration,
 }
+
+/// Default of [`ProcessorConfig::request_idle_timeout`].
+pub const DEFAULT_REQUEST_IDLE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
+/// Default of [`ProcessorConfig::response_idle_timeout`].
+pub const DEFAULT_RESPONSE_IDLE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(600);
 
 impl Default for ProcessorConfig {
     fn default() -> Self {
         ProcessorConfig {
             max_body_bytes: DEFAULT_MAX_BODY,
             chunk_size: MAX_CHUNK,
+            request_idle_timeout: DEFAULT_REQUEST_IDLE_TIMEOUT,
+            response_idle_timeout: DEFAULT_RESPONSE_IDLE_TIMEOUT,
         }
     }
 }
@@ -149,6 +163,15 @@ impl StreamState {
             body: Vec::new(),
             destination: None,
             open: None,
+        }
+    }
+
+    /// How long the next message may take (before or after the pick).
+    pub fn idle_timeout(&self) -> std::time::Duration {
+        if self.phase == Phase::Routed {
+            self.config.response_idle_timeout
+        } else {
+            self.config.request_idle_timeout
         }
     }
 

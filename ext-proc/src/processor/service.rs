@@ -92,7 +92,22 @@ where
             if d.closing {
                 return None;
             }
-            let msg = match d.inbound.next().await {
+            let idle = d.state.idle_timeout();
+            let next = match tokio::time::timeout(idle, d.inbound.next()).await {
+                Ok(n) => n,
+                Err(_) => {
+                    // A stalled stream holds buffered state: end it; Envoy
+                    // fails the request (closed).
+                    tracing::warn!(parent: &d.span, idle_ms = idle.as_millis() as u64, "ext_proc stream idle too long; ended");
+                    d.closing = true;
+                    let status = tonic::Status::deadline_exceeded(format!(
+                        "no ext_proc message for {} ms",
+                        idle.as_millis()
+                    ));
+                    return Some((Err(status), d));
+                }
+            };
+            let msg = match next {
                 Some(Ok(m)) => m,
                 None => return None,
                 Some(Err(status)) => {
