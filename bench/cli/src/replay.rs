@@ -53,7 +53,8 @@ pub struct Args {
     /// Command-line substrings: matching processes' RSS is sampled.
     #[arg(long = "proc-name", value_delimiter = ',')]
     pub proc_names: Vec<String>,
-    /// Worker metrics URLs (base or /metrics) read for leaked KV after the run.
+    /// Worker or gateway metrics URLs (base or /metrics; LABEL=URL names
+    /// one) read for leaked KV after the run.
     #[arg(long, value_delimiter = ',')]
     pub kv_metrics: Vec<String>,
     /// Directory whose files are counted as leaked KV after the run (the shm transport's root).

@@ -62,7 +62,7 @@ pub struct LeakedKv {
     pub shm_files: Option<u64>,
     /// Their bytes.
     pub shm_bytes: Option<u64>,
-    /// Each server's gauges, by metrics URL (`null`: not reachable).
+    /// Each server's gauges, by label (`LABEL=URL`) or metrics URL (`null`: not reachable).
     pub workers: BTreeMap<String, Option<WorkerKv>>,
     /// Whether every reachable server was [`WorkerKv::idle`] before the
     /// settle bound ran out.
@@ -158,15 +158,28 @@ pub fn count_files(root: &Path) -> (u64, u64) {
     (n, bytes)
 }
 
-/// Polls the servers' gauges (every 200 ms) until all are idle or `settle` passes, then reads them and counts the shm
-/// root's files.
+/// A `--kv-metrics` entry: `LABEL=URL` or a bare URL (its own label).
+/// Returns `(label, metrics URL)`.
+pub fn metrics_target(entry: &str) -> (String, String) {
+    match entry.split_once('=') {
+        Some((label, url)) if !label.contains('/') => (label.to_string(), metrics_url(url)),
+        _ => {
+            let url = metrics_url(entry);
+            (url.clone(), url)
+        }
+    }
+}
+
+/// Polls the servers' gauges (every 200 ms) until all are idle or `settle`
+/// passes, then reads them and counts the shm root's files. `metrics` are
+/// [`metrics_target`] entries.
 pub async fn measure(
     client: &reqwest::Client,
     metrics: &[String],
     shm_root: Option<&Path>,
     settle: Duration,
 ) -> LeakedKv {
-    let urls: Vec<String> = metrics.iter().map(|u| metrics_url(u)).collect();
+    let targets: Vec<(String, String)> = metrics.iter().map(|m| metrics_target(m)).collect();
     let deadline = Instant::now() + settle;
     let mut out = LeakedKv {
         shm_root: shm_root.map(Path::to_path_buf),
@@ -174,8 +187,8 @@ pub async fn measure(
     };
     loop {
         out.workers.clear();
-        for u in &urls {
-            out.workers.insert(u.clone(), scrape(client, u).await);
+        for (label, url) in &targets {
+            out.workers.insert(label.clone(), scrape(client, url).await);
         }
         out.settled = out.workers.values().flatten().all(WorkerKv::idle);
         if out.settled || Instant::now() >= deadline {

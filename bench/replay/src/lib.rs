@@ -99,8 +99,8 @@ pub struct Options {
     /// Command-line substrings; matching processes are sampled (keyed
     /// `pattern:pid`). Default none.
     pub proc_names: Vec<String>,
-    /// Worker (or gateway) metrics URLs (base or `/metrics`) read for leaked
-    /// KV after the run. Default none (with `spawn_up`: its prefill and
+    /// Worker (or gateway) metrics URLs (base or `/metrics`, optionally
+    /// `LABEL=URL`) read for leaked KV after the run. Default none (with `spawn_up`: its prefill and
     /// decode workers and its gateway).
     pub kv_metrics: Vec<String>,
     /// Directory whose files are counted as leaked KV after the run. Default
@@ -374,14 +374,15 @@ async fn replay(
     if let Some(s) = stack {
         watched.extend(procs::up_stack(s.pid));
         if kv_metrics.is_empty() {
-            kv_metrics.extend(
-                s.info
-                    .prefill
-                    .iter()
-                    .chain(&s.info.decode)
-                    .chain(&s.info.gateway)
-                    .cloned(),
-            );
+            for (label, url) in [
+                ("prefill", &s.info.prefill),
+                ("decode", &s.info.decode),
+                ("gateway", &s.info.gateway),
+            ] {
+                if let Some(u) = url {
+                    kv_metrics.push(format!("{label}={u}"));
+                }
+            }
         }
         if shm_root.is_none() {
             shm_root.clone_from(&s.info.shm_root);
@@ -486,7 +487,10 @@ async fn replay(
         leaked_kv,
         wall_s: wall.as_secs_f64(),
         settings: Settings {
-            trace: opts.trace.display().to_string(),
+            trace: std::fs::canonicalize(&opts.trace)
+                .unwrap_or_else(|_| opts.trace.clone())
+                .display()
+                .to_string(),
             url: base,
             model,
             speedup: opts.speedup,

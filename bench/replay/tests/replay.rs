@@ -261,6 +261,17 @@ fn worker_gauges_parse_from_prometheus_text() {
     assert_eq!(kv::metric_sum(text, "vllm:absent"), None);
     assert_eq!(kv::metrics_url("http://h:1/"), "http://h:1/metrics");
     assert_eq!(kv::metrics_url("http://h:1/metrics"), "http://h:1/metrics");
+    assert_eq!(
+        kv::metrics_target("decode=http://h:1"),
+        ("decode".into(), "http://h:1/metrics".into())
+    );
+    assert_eq!(
+        kv::metrics_target("http://h:1/x?a=b"),
+        (
+            "http://h:1/x?a=b/metrics".into(),
+            "http://h:1/x?a=b/metrics".into()
+        )
+    );
 }
 
 // ---- the fake server -------------------------------------------------------
@@ -373,7 +384,7 @@ async fn a_run_against_a_fake_server_counts_exactly() {
         seq_len: 512,
         margin: 16,
         pids: vec![std::process::id()],
-        kv_metrics: vec![url.clone()],
+        kv_metrics: vec![url.clone(), format!("named={url}/metrics")],
         shm_root: Some(shm.clone()),
         settle_s: 5.0,
         json: true,
@@ -408,6 +419,11 @@ async fn a_run_against_a_fake_server_counts_exactly() {
     let leaked = r.leaked_kv.as_ref().expect("leaked_kv");
     assert_eq!((leaked.shm_files, leaked.shm_bytes), (Some(2), Some(15)));
     assert!(leaked.settled);
+    assert_eq!(leaked.workers.len(), 2);
+    assert_eq!(
+        leaked.workers["named"],
+        leaked.workers[&format!("{url}/metrics")]
+    );
     assert_eq!(
         leaked.workers[&format!("{url}/metrics")],
         Some(kv::WorkerKv {
