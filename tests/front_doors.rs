@@ -81,6 +81,7 @@ async fn doors(tokenizer: TokenizerChoice) -> Doors {
         endpoints: SourceChoice::Static(endpoints.clone()),
         policy: PolicyChoice::Custom(policy.clone()),
         admin_token: None,
+        admin_listen: "127.0.0.1:0".parse().unwrap(),
         tokenizer: tokenizer.clone(),
         config: GatewayConfig::default(),
         // The list's own `healthy` is used: no scrape to wait for.

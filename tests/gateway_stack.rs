@@ -85,6 +85,7 @@ async fn stack(token_delay: Duration) -> Stack {
             watch_every: None,
         },
         admin_token: None,
+        admin_listen: "127.0.0.1:0".parse().unwrap(),
         tokenizer: TokenizerChoice::Custom(Arc::new(rngd_pool::prompt::ByteCounter)),
         config: GatewayConfig::default(),
         scrape: ScrapeOptions {
@@ -295,4 +296,70 @@ async fn gateway_binary_serves() {
     assert!(text.contains("airm_ttft_p90_ms"), "{text}");
     child.kill().unwrap();
     child.wait().unwrap();
+}
+
+#[tokio::test]
+async fn the_admin_api_is_on_its_own_loopback_listener_and_always_authenticated() {
+    let gateway = rngd_gateway::launch::launch(LaunchOptions {
+        listen: "127.0.0.1:0".into(),
+        kpi_listen: None,
+        endpoints: SourceChoice::Static(vec![endpoints::local_endpoint(
+            "127.0.0.1:9".into(),
+            Role::Solo,
+            512,
+            &["memory".into()],
+        )]),
+        policy: PolicyChoice::Wasm {
+            module: policy_module(),
+            config: Vec::new(),
+            limits: Default::default(),
+            watch_every: None,
+        },
+        admin_token: Some("s3cret-admin-token".into()),
+        admin_listen: "127.0.0.1:0".parse().unwrap(),
+        tokenizer: TokenizerChoice::Custom(Arc::new(rngd_pool::prompt::ByteCounter)),
+        config: GatewayConfig::default(),
+        scrape: ScrapeOptions {
+            every: None,
+            stale_after: Duration::from_secs(2),
+        },
+    })
+    .await
+    .unwrap();
+    let admin = gateway.admin_addr.expect("an admin listener");
+    assert!(admin.ip().is_loopback());
+    assert_ne!(admin, gateway.addr);
+    let c = reqwest::Client::new();
+    // Not on the public listener.
+    let r = c
+        .get(format!("http://{}/admin/policy", gateway.addr))
+        .bearer_auth("s3cret-admin-token")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 404);
+    let url = format!("http://{admin}/admin/policy");
+    assert_eq!(
+        c.get(&url).send().await.unwrap().status(),
+        401,
+        "GET needs the token"
+    );
+    assert_eq!(
+        c.get(&url)
+            .bearer_auth("wrong")
+            .send()
+            .await
+            .unwrap()
+            .status(),
+        401
+    );
+    let r = c
+        .get(&url)
+        .bearer_auth("s3cret-admin-token")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let v: Value = r.json().await.unwrap();
+    assert!(v.to_string().contains("sha256"), "{v}");
 }

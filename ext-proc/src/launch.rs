@@ -24,7 +24,7 @@ pub struct Options {
     pub grpc: SocketAddr,
     /// gRPC health listener.
     pub health: SocketAddr,
-    /// Metrics (and admin API) listener; `None` = off.
+    /// Metrics listener; `None` = off.
     pub metrics: Option<SocketAddr>,
     /// Where the endpoints come from.
     pub endpoints: SourceChoice,
@@ -37,8 +37,12 @@ pub struct Options {
     pub tokenizer: Option<TokenizerChoice>,
     /// State-machine limits (largest buffered body, re-sent chunk size).
     pub processor: ProcessorConfig,
-    /// Bearer token of the policy admin API on the metrics listener; `None` = off.
+    /// Bearer token of the policy admin API (`GET`/`PUT /admin/policy`, every
+    /// verb authenticated); `None` = off.
     pub admin_token: Option<String>,
+    /// The admin API's own listener (loopback by default); port 0 picks one
+    /// ([`Launched::admin_addr`]).
+    pub admin_listen: SocketAddr,
     /// TLS of the ext_proc gRPC listener (the reference picker's default is
     /// TLS with a self-signed certificate); the health and metrics listeners
     /// stay plaintext.
@@ -52,6 +56,9 @@ pub struct Launched {
     pub server: RunningServer,
     /// The picker (metrics).
     pub picker: Arc<Picker>,
+    /// Bound address of the admin listener, when the admin API is on.
+    pub admin_addr: Option<SocketAddr>,
+    _admin: Option<rngd_policy_host::admin::AdminServer>,
     _source: RunningSource,
     _policy_watch: AbortOnDrop,
 }
@@ -119,11 +126,27 @@ pub async fn launch(opts: Options) -> Result<Launched, ExtProcError> {
     if let Some(name) = opts.endpoints.pool_name() {
         picker.set_pool_name(name);
     }
-    let extra_routes = match (&loaded.runtime, &opts.admin_token) {
-        (Some(rt), Some(token)) => Some(rngd_policy_host::admin_router(
-            Arc::clone(rt),
-            Some(token.clone()),
-        )),
+    // The admin API on its own listener, never the metrics port.
+    let token = opts
+        .admin_token
+        .as_deref()
+        .and_then(rngd_policy_host::AdminToken::new);
+    let admin = match (&loaded.runtime, token) {
+        (Some(rt), Some(token)) => Some(
+            rngd_policy_host::admin::serve(
+                Arc::clone(rt),
+                rngd_policy_host::AdminOptions {
+                    listen: opts.admin_listen,
+                    token: Some(token),
+                    ..Default::default()
+                },
+            )
+            .await
+            .map_err(|source| ExtProcError::Policy {
+                path: "(admin listener)".into(),
+                source,
+            })?,
+        ),
         _ => None,
     };
     let server = server::start(
@@ -133,7 +156,7 @@ pub async fn launch(opts: Options) -> Result<Launched, ExtProcError> {
             health: opts.health,
             metrics: opts.metrics,
             processor: opts.processor,
-            extra_routes,
+            extra_routes: None,
             tls,
         },
     )
@@ -141,6 +164,8 @@ pub async fn launch(opts: Options) -> Result<Launched, ExtProcError> {
     Ok(Launched {
         server,
         picker,
+        admin_addr: admin.as_ref().map(|a| a.local_addr()),
+        _admin: admin,
         _source: source,
         _policy_watch: AbortOnDrop(loaded.watch),
     })

@@ -170,7 +170,10 @@ mod tests {
         }
         // A slot frees: the waiter gets it.
         drop(s1);
-        let _s3 = waiter.await.unwrap().expect("the waiter gets the freed slot");
+        let _s3 = waiter
+            .await
+            .unwrap()
+            .expect("the waiter gets the freed slot");
         // Nothing frees now: a new waiter times out.
         match a.admit().await {
             Err(ApiError::Overloaded {

@@ -25,8 +25,12 @@ pub struct LaunchOptions {
     pub endpoints: SourceChoice,
     /// The policy.
     pub policy: PolicyChoice,
-    /// Bearer token of `PUT /admin/policy`; `None` = admin API off.
+    /// Bearer token of the policy admin API (`GET`/`PUT /admin/policy`, every
+    /// verb authenticated); `None` = admin API off.
     pub admin_token: Option<String>,
+    /// The admin API's own listener (loopback by default, never the public
+    /// one); port 0 picks one ([`Launched::admin_addr`]).
+    pub admin_listen: SocketAddr,
     /// The tokenizer.
     pub tokenizer: TokenizerChoice,
     /// Request handling settings.
@@ -44,6 +48,9 @@ pub struct Launched {
     pub kpi_addr: Option<SocketAddr>,
     /// The state (metrics, endpoints).
     pub gateway: Arc<Gateway>,
+    /// Bound address of the admin listener, when the admin API is on.
+    pub admin_addr: Option<SocketAddr>,
+    _admin: Option<rngd_policy_host::admin::AdminServer>,
     stop: CancellationToken,
     tasks: Vec<tokio::task::JoinHandle<Result<(), GatewayError>>>,
     background: Vec<tokio::task::JoinHandle<()>>,
@@ -126,14 +133,30 @@ pub async fn launch(opts: LaunchOptions) -> Result<Launched, GatewayError> {
     source
         .register_metrics(gateway.metrics().registry())
         .map_err(GatewayError::Pool)?;
-    let mut app = server::router(gateway.clone());
+    let app = server::router(gateway.clone());
+    let mut admin = None;
     if let Some(rt) = &loaded.runtime {
         rt.register_metrics(gateway.metrics().registry())
             .map_err(|e| GatewayError::Policy(Box::new(e)))?;
-        app = app.merge(rngd_policy_host::admin_router(
-            rt.clone(),
-            opts.admin_token.clone(),
-        ));
+        // The admin API on its own listener, never the public one.
+        if let Some(token) = opts
+            .admin_token
+            .as_deref()
+            .and_then(rngd_policy_host::AdminToken::new)
+        {
+            admin = Some(
+                rngd_policy_host::admin::serve(
+                    rt.clone(),
+                    rngd_policy_host::AdminOptions {
+                        listen: opts.admin_listen,
+                        token: Some(token),
+                        ..Default::default()
+                    },
+                )
+                .await
+                .map_err(|e| GatewayError::Policy(Box::new(e)))?,
+            );
+        }
     }
     let stop = CancellationToken::new();
     let listener = bind(&opts.listen).await?;
@@ -165,6 +188,8 @@ pub async fn launch(opts: LaunchOptions) -> Result<Launched, GatewayError> {
     Ok(Launched {
         addr,
         kpi_addr,
+        admin_addr: admin.as_ref().map(|a| a.local_addr()),
+        _admin: admin,
         gateway,
         stop,
         tasks,

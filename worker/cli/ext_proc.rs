@@ -31,7 +31,7 @@ pub struct Args {
     /// service); always plaintext (kubelet gRPC probes), `--health-port` is an alias.
     #[arg(long, alias = "health-port", default_value_t = server::DEFAULT_HEALTH_PORT)]
     pub grpc_health_port: u16,
-    /// Prometheus metrics port (`GET /metrics`; also the policy admin API when an admin token is set).
+    /// Prometheus metrics port (`GET /metrics`).
     #[arg(long, default_value_t = server::DEFAULT_METRICS_PORT)]
     pub metrics_port: u16,
     /// Serve the ext_proc gRPC port over TLS (default, as the reference
@@ -81,9 +81,13 @@ pub struct Args {
     /// response path), ms.
     #[arg(long, default_value_t = rngd_ext_proc::processor::DEFAULT_RESPONSE_IDLE_TIMEOUT.as_millis() as u64)]
     pub response_idle_timeout_ms: u64,
-    /// Bearer token for `PUT /admin/policy` on the metrics port; unset = admin API off.
+    /// Bearer token of the policy admin API (every verb, GET included, on `--admin-listen`); unset = admin API off.
     #[arg(long, env = env::RNGD_PD_ADMIN_TOKEN, hide_env_values = true)]
     pub admin_token: Option<String>,
+    /// Listener of the policy admin API (`GET`/`PUT /admin/policy`), apart
+    /// from the public and metrics ports; loopback by default.
+    #[arg(long, env = env::RNGD_PD_ADMIN_LISTEN, default_value_t = rngd_policy_host::admin::DEFAULT_ADMIN_LISTEN)]
+    pub admin_listen: std::net::SocketAddr,
     /// Validate the flags and files (endpoints file or pool names and
     /// kubeconfig — no API call —, policy module and its configuration
     /// through the module's self-test, the tokenizer, the TLS certificate)
@@ -142,6 +146,7 @@ fn options(args: &Args) -> anyhow::Result<Options> {
             response_idle_timeout: Duration::from_millis(args.response_idle_timeout_ms),
         },
         admin_token: args.admin_token.clone(),
+        admin_listen: args.admin_listen,
         tls: TlsChoice::from_flags(args.secure_serving, args.cert_path.clone(), watch),
     })
 }

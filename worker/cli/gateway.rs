@@ -49,9 +49,13 @@ pub struct Args {
     /// Extra accepted model name (alias); repeat for several.
     #[arg(long = "served-model-name")]
     pub served_model_name: Vec<String>,
-    /// Bearer token of `PUT /admin/policy`; unset = admin API off.
+    /// Bearer token of the policy admin API (every verb, GET included); unset = admin API off.
     #[arg(long, env = env::RNGD_PD_ADMIN_TOKEN, hide_env_values = true)]
     pub admin_token: Option<String>,
+    /// Listener of the policy admin API (`GET`/`PUT /admin/policy`), apart
+    /// from the public and metrics ports; loopback by default.
+    #[arg(long, env = env::RNGD_PD_ADMIN_LISTEN, default_value_t = rngd_policy_host::admin::DEFAULT_ADMIN_LISTEN)]
+    pub admin_listen: std::net::SocketAddr,
     /// Compiled context length of the workers given by URL.
     #[arg(long, env = env::RNGD_PD_SEQ_LEN, default_value_t = 512)]
     pub seq_len: u32,
@@ -198,6 +202,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
                 .then(|| Duration::from_millis(args.policy_watch_ms)),
         },
         admin_token: args.admin_token.clone(),
+        admin_listen: args.admin_listen,
         tokenizer: TokenizerChoice::Gguf(model),
         config: GatewayConfig {
             model_aliases: args.served_model_name.clone(),

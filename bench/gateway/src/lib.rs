@@ -212,6 +212,7 @@ pub async fn run(args: Options) -> Result<Report, Error> {
             watch_every: None,
         },
         admin_token: None,
+        admin_listen: "127.0.0.1:0".parse().unwrap(),
         tokenizer: TokenizerChoice::Custom(Arc::new(rngd_pool::prompt::ByteCounter)),
         config: GatewayConfig::default(),
         scrape: ScrapeOptions {

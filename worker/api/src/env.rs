@@ -50,8 +50,11 @@ pub const POD_UID: &str = "POD_UID";
 pub const RNGD_PD_POLICY: &str = "RNGD_PD_POLICY";
 /// Path of the policy's plugin configuration (JSON).
 pub const RNGD_PD_POLICY_CONFIG: &str = "RNGD_PD_POLICY_CONFIG";
-/// Bearer token for `PUT /admin/policy`; unset = admin API off.
+/// Bearer token of the policy admin API (`GET`/`PUT /admin/policy`); unset = admin API off.
 pub const RNGD_PD_ADMIN_TOKEN: &str = "RNGD_PD_ADMIN_TOKEN";
+/// Gateway / picker: the policy admin API's own listener `HOST:PORT`
+/// (default `127.0.0.1:9903`, loopback).
+pub const RNGD_PD_ADMIN_LISTEN: &str = "RNGD_PD_ADMIN_LISTEN";
 /// Path of the endpoints file (gateway and ext-proc).
 pub const RNGD_PD_ENDPOINTS: &str = "RNGD_PD_ENDPOINTS";
 /// `tracing` filter, as `RUST_LOG`.
