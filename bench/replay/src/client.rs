@@ -36,14 +36,31 @@ impl Request {
     }
 }
 
-/// Sends `req` and reads its stream, all within `timeout`.
-pub async fn send(client: &reqwest::Client, req: &Request, timeout: Duration) -> Outcome {
+/// Longest error body kept, bytes.
+const ERROR_BODY_MAX: usize = 300;
+
+/// Sends `req` and reads its stream, all within `timeout`. With the outcome:
+/// the body of a non-2xx answer or the in-band error object (the first
+/// [`ERROR_BODY_MAX`] bytes), which says which component refused.
+pub async fn send(
+    client: &reqwest::Client,
+    req: &Request,
+    timeout: Duration,
+) -> (Outcome, Option<String>) {
     let start = Instant::now();
     let mut seen = Seen::default();
     match tokio::time::timeout(timeout, exchange(client, req, start, &mut seen)).await {
-        Ok(status) => seen.outcome(status),
-        Err(_) => seen.outcome(Status::Timeout),
+        Ok(status) => (seen.outcome(status), seen.error.take()),
+        Err(_) => (seen.outcome(Status::Timeout), None),
     }
+}
+
+fn truncated(s: &str) -> String {
+    let mut end = s.len().min(ERROR_BODY_MAX);
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    s[..end].to_string()
 }
 
 /// What the stream showed so far (kept across a timeout).
@@ -54,6 +71,7 @@ struct Seen {
     chunks: u64,
     usage_tokens: Option<u64>,
     usage_prompt: Option<u64>,
+    error: Option<String>,
 }
 
 impl Seen {
@@ -78,6 +96,7 @@ impl Seen {
             return None;
         };
         if v.get("error").is_some_and(|e| !e.is_null()) {
+            self.error = Some(truncated(data));
             return Some(Status::StreamError);
         }
         if let Some(u) = v.get("usage") {
@@ -117,11 +136,10 @@ async fn exchange(
     };
     let code = resp.status().as_u16();
     if !resp.status().is_success() {
-        // Drain the body so the connection can be reused; its content does not matter.
-        let _ = resp.bytes().await;
+        seen.error = resp.text().await.ok().map(|b| truncated(&b));
         return match code {
             429 => Status::Http429,
-            500..=599 => Status::Http5xx,
+            c @ 500..=599 => Status::Http5xx(c),
             c => Status::HttpOther(c),
         };
     }

@@ -244,6 +244,9 @@ pub struct Report {
     /// (`usage.prompt_tokens`; compare with `prompt_tokens_sent` to see how
     /// close the word-built prompts come to their target length).
     pub prompt_tokens_usage: u64,
+    /// The first error body seen per kind (`429`, `503`, …, `stream`): which
+    /// component refused, and how.
+    pub error_bodies: BTreeMap<String, String>,
     /// RSS at start, MB, by process label.
     pub rss_mb_start: BTreeMap<String, Option<f64>>,
     /// RSS at end (after the settle), MB, by process label.
@@ -427,12 +430,17 @@ async fn replay(
         });
     }
     let mut outcomes = Vec::with_capacity(arrivals.len());
+    let mut error_bodies = BTreeMap::new();
     while let Some(r) = tasks.join_next().await {
         // A panicking request task is a bug here, not a server outcome.
-        outcomes.push(r.unwrap_or_else(|e| {
+        let (o, body) = r.unwrap_or_else(|e| {
             eprintln!("replay: request task failed: {e}");
-            stats::Outcome::failed(stats::Status::Transport)
-        }));
+            (stats::Outcome::failed(stats::Status::Transport), None)
+        });
+        if let Some(b) = body {
+            error_bodies.entry(error_key(o.status)).or_insert(b);
+        }
+        outcomes.push(o);
     }
     let wall = wall_start.elapsed();
 
@@ -482,6 +490,7 @@ async fn replay(
         prompt_tokens_sent: prompt_sent,
         max_tokens_sent: max_sent,
         prompt_tokens_usage: s.prompt_tokens_usage,
+        error_bodies,
         rss_mb_start,
         rss_mb_end,
         leaked_kv,
@@ -505,6 +514,16 @@ async fn replay(
             spawn_up: opts.spawn_up,
         },
     })
+}
+
+/// The key of an error kind in [`Report::error_bodies`].
+fn error_key(s: stats::Status) -> String {
+    match s {
+        stats::Status::Http429 => "429".into(),
+        stats::Status::HttpOther(c) | stats::Status::Http5xx(c) => c.to_string(),
+        stats::Status::StreamError => "stream".into(),
+        other => format!("{other:?}").to_lowercase(),
+    }
 }
 
 /// The first model id of `{base}/v1/models`.

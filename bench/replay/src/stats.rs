@@ -10,8 +10,8 @@ pub enum Status {
     Ok,
     /// Answered 429.
     Http429,
-    /// Answered 5xx.
-    Http5xx,
+    /// Answered 5xx (the status).
+    Http5xx(u16),
     /// Answered another non-2xx status.
     HttpOther(u16),
     /// An error object inside a 2xx stream (a generation failing mid-stream).
@@ -168,7 +168,7 @@ pub fn summarize(outcomes: &[Outcome], wall: Duration, slo: Duration) -> Summary
                 }
             }
             Status::Http429 => s.http_429 += 1,
-            Status::Http5xx => s.http_5xx += 1,
+            Status::Http5xx(_) => s.http_5xx += 1,
             Status::HttpOther(_) => s.http_other += 1,
             Status::StreamError => s.stream_errors += 1,
             Status::Timeout => s.timeouts += 1,

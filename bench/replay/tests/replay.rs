@@ -143,7 +143,7 @@ fn the_summary_counts_and_rates() {
         },
         Outcome::failed(Status::Http429),
         Outcome::failed(Status::Http429),
-        Outcome::failed(Status::Http5xx),
+        Outcome::failed(Status::Http5xx(503)),
         Outcome::failed(Status::HttpOther(400)),
         Outcome::failed(Status::Timeout),
         Outcome::failed(Status::Transport),
@@ -407,6 +407,12 @@ async fn a_run_against_a_fake_server_counts_exactly() {
     );
     assert_eq!(r.output_tokens, 21, "3 tokens from usage per success");
     assert_eq!(r.usage_missing, 0);
+    assert_eq!(
+        r.error_bodies.get("429").map(String::as_str),
+        Some("slow down")
+    );
+    assert_eq!(r.error_bodies.get("503").map(String::as_str), Some("no"));
+    assert_eq!(r.error_bodies.len(), 2);
     assert_eq!(
         r.prompt_tokens_usage, 35,
         "5 prompt tokens from usage per success"
