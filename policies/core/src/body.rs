@@ -415,6 +415,9 @@ impl<'a> Scanner<'a> {
 }
 
 #[cfg(test)]
+mod props;
+
+#[cfg(test)]
 mod tests {
     use super::*;
 

@@ -445,6 +445,7 @@ async fn a_chat_through_the_gateway_equals_the_chat_sent_to_the_worker() {
         endpoints: SourceChoice::Static(endpoints),
         policy: PolicyChoice::Custom(Arc::new(rngd_pool::pick::NativePolicy::default())),
         admin_token: None,
+        admin_listen: "127.0.0.1:0".parse().unwrap(),
         tokenizer: TokenizerChoice::Custom(Arc::new(ByteCounter)),
         config: GatewayConfig::default(),
         scrape: ScrapeOptions {
