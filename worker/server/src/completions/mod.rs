@@ -15,6 +15,7 @@ mod chat;
 mod pd;
 mod respond;
 
+use std::sync::Arc;
 use std::time::Instant;
 
 use std::net::SocketAddr;
@@ -85,7 +86,7 @@ async fn serve(
                 limit: state.config().max_in_flight,
             }
         })?;
-        let resp = handle(&state, client, &headers, &request_id, &body, api).await?;
+        let resp = handle(&state, client, &headers, &request_id, body, api).await?;
         Ok::<_, ApiError>(hold_until_sent(resp, slot))
     }
     .instrument(span)
@@ -158,20 +159,25 @@ async fn handle(
     client: Option<std::net::IpAddr>,
     headers: &HeaderMap,
     request_id: &str,
-    body: &[u8],
+    body: Bytes,
     api: Api,
 ) -> Result<Response, ApiError> {
     let started = Instant::now();
     let engine = state.engine().ok_or(ApiError::NotReady)?.clone();
-    let req = match api {
+    // Parsing a body of up to `body_limit` bytes and rendering a chat (its
+    // template, its token count) is CPU work: off the async threads.
+    let e = Arc::clone(&engine);
+    let req = tokio::task::spawn_blocking(move || match api {
         Api::Completion => {
-            let req: CompletionRequest = rules::parse_body(body)?;
+            let req: CompletionRequest = rules::parse_body(&body)?;
             rules::check_completion(&req)?;
-            req
+            Ok(req)
         }
         // A chat has no kv_transfer_params: it is served whole or orchestrated.
-        Api::Chat => chat::render(&*engine, body)?,
-    };
+        Api::Chat => chat::render(&*e, &body),
+    })
+    .await
+    .map_err(|e| ApiError::Internal(format!("request parsing task: {e}")))??;
     let header = |name: &str| {
         headers
             .get(name)
@@ -257,7 +263,7 @@ async fn handle(
         return orchestrate(call, &req, &peer, transport).await;
     }
     tracing::info!(mode = "local");
-    let prompt = prompt_ids(&*engine, &req.prompt)?;
+    let prompt = prompt_ids(&engine, &req.prompt).await?;
     let sp = sampling(&req.sampling, &prompt, engine.info().seq_len)?;
     let rx = engine.generate(&prompt, &sp).await?;
     state.metrics().prefills.inc();
@@ -273,11 +279,24 @@ async fn handle(
     respond(state.clone(), meta, rx, req.sampling.stream).await
 }
 
-/// The prompt as token ids (one prompt per request).
-pub(super) fn prompt_ids(engine: &dyn Engine, prompt: &Prompt) -> Result<Vec<u32>, ApiError> {
+/// The prompt as token ids (one prompt per request); text is tokenized off
+/// the async threads.
+pub(super) async fn prompt_ids(
+    engine: &Arc<dyn Engine>,
+    prompt: &Prompt,
+) -> Result<Vec<u32>, ApiError> {
+    let tokenize = |text: &str| {
+        let (e, t) = (Arc::clone(engine), text.to_string());
+        async move {
+            tokio::task::spawn_blocking(move || e.tokenize(&t))
+                .await
+                .map_err(|e| ApiError::Internal(format!("tokenizer task: {e}")))?
+                .map_err(ApiError::from)
+        }
+    };
     let ids = match prompt {
-        Prompt::Text(t) => engine.tokenize(t)?,
-        Prompt::TextBatch(v) if v.len() == 1 => engine.tokenize(&v[0])?,
+        Prompt::Text(t) => tokenize(t).await?,
+        Prompt::TextBatch(v) if v.len() == 1 => tokenize(&v[0]).await?,
         Prompt::Tokens(t) => t.clone(),
         Prompt::TokensBatch(v) if v.len() == 1 => v[0].clone(),
         _ => {

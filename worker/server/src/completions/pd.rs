@@ -36,7 +36,7 @@ pub(super) async fn prefill_for_remote(
             "this worker has no KV secret (AIRM_KV_TCP_SECRET / AIRM_KV_TCP_SECRET_FILE): it serves no prefill for a remote decode".into(),
         ));
     }
-    let prompt = prompt_ids(&**engine, &req.prompt)?;
+    let prompt = prompt_ids(engine, &req.prompt).await?;
     let sp = sampling(&req.sampling, &prompt, engine.info().seq_len)?;
     let transport =
         state
@@ -167,7 +167,7 @@ pub(super) async fn decode_remote(
     let first = params.first_token.ok_or_else(|| missing("first_token"))?;
     let prompt = match params.prompt_token_ids {
         Some(p) => p,
-        None => prompt_ids(&**engine, &req.prompt)?,
+        None => prompt_ids(engine, &req.prompt).await?,
     };
     check_vocab(&prompt, engine.info().vocab_size)?;
     // Nothing is pulled (or deleted) before the handle is known to be ours
