@@ -10,6 +10,20 @@
 //!   away with the last `Bytes`;
 //! - a sweeper task removes files older than the TTL (`AIRM_KV_SHM_TTL_S`).
 //!
+//! Hostile roots (a node directory other users can reach): the root is
+//! checked once, at creation, without following symlinks: it must be a real
+//! directory (a symlink is refused, never followed), owned by this user or by
+//! root, and if anyone but its owner may write to it the sticky bit must be
+//! set (so nobody can remove or rename another's files); a private root of
+//! this user is set to mode 0700, a shared sticky one is left as it is.
+//! Inside it, nothing is followed or read that this user did not write: the
+//! temporary file is created `O_CREAT|O_EXCL|O_NOFOLLOW`, publication is a
+//! `link` that never replaces a name (only this user's own earlier regular
+//! file of the same key is replaced, by `rename`, which never follows a
+//! symlink either), and the puller opens `O_NOFOLLOW|O_NONBLOCK` and reads
+//! only a regular file owned by this user that nobody else may write. The
+//! sweeper removes only this user's regular files.
+//!
 //! File layout (little-endian): magic `RNGDKV01`, u32 version, u32 blob count,
 //! u64 payload offset, u64 payload bytes, then per blob (u64 len, u32 crc32),
 //! zero padding up to the payload offset (a multiple of 4096), then the blobs
@@ -17,7 +31,7 @@
 
 use std::fs::{File, OpenOptions};
 use std::io;
-use std::os::unix::fs::{FileExt, OpenOptionsExt, PermissionsExt};
+use std::os::unix::fs::{DirBuilderExt, FileExt, MetadataExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
@@ -98,9 +112,113 @@ fn is_no_space(e: &io::Error) -> bool {
         || e.kind() == io::ErrorKind::StorageFull
 }
 
+/// This process's effective uid.
+fn euid() -> u32 {
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    unsafe { libc::geteuid() }
+}
+
+fn root_refused(root: &Path, why: String) -> KvError {
+    KvError::Config {
+        detail: format!(
+            "shm root {}: {why}; refusing to use it (PD_SHM_ROOT)",
+            root.display()
+        ),
+    }
+}
+
+/// Creates the root if missing (mode 0700) and checks it, never following a
+/// symlink: see the module docs for the rules.
+fn prepare_root(root: &Path) -> Result<(), KvError> {
+    let meta = match std::fs::symlink_metadata(root) {
+        Ok(m) => m,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => {
+            if let Some(parent) = root.parent().filter(|p| !p.as_os_str().is_empty()) {
+                std::fs::create_dir_all(parent)
+                    .map_err(io_err(format!("creating {}", parent.display())))?;
+            }
+            match std::fs::DirBuilder::new().mode(0o700).create(root) {
+                Ok(()) => {}
+                // Somebody else made it meanwhile: checked below like any existing root.
+                Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {}
+                Err(e) => return Err(io_err(format!("creating {}", root.display()))(e)),
+            }
+            std::fs::symlink_metadata(root)
+                .map_err(io_err(format!("reading {}", root.display())))?
+        }
+        Err(e) => return Err(io_err(format!("reading {}", root.display()))(e)),
+    };
+    let ft = meta.file_type();
+    if ft.is_symlink() {
+        let target = std::fs::read_link(root)
+            .map(|t| t.display().to_string())
+            .unwrap_or_else(|e| format!("unreadable: {e}"));
+        return Err(root_refused(
+            root,
+            format!("is a symlink (to {target}), which is never followed"),
+        ));
+    }
+    if !ft.is_dir() {
+        return Err(root_refused(root, "is not a directory".into()));
+    }
+    let me = euid();
+    let owner = meta.uid();
+    if owner != me && owner != 0 {
+        return Err(root_refused(
+            root,
+            format!("is owned by uid {owner}, neither this process's uid {me} nor root"),
+        ));
+    }
+    let mode = meta.mode();
+    let sticky = mode & 0o1000 != 0;
+    if mode & 0o022 != 0 && !sticky {
+        return Err(root_refused(
+            root,
+            format!(
+                "is writable by group or others (mode {:o}) without the sticky bit, \
+                 so anyone could replace or remove the caches",
+                mode & 0o7777
+            ),
+        ));
+    }
+    if owner == me && !sticky && mode & 0o777 != 0o700 {
+        std::fs::set_permissions(root, std::fs::Permissions::from_mode(0o700))
+            .map_err(io_err(format!("setting mode 0700 on {}", root.display())))?;
+    }
+    Ok(())
+}
+
+/// Refuses `meta` (of a file about to be read or replaced) unless it is a
+/// regular file of this user that nobody else may write.
+fn check_own_file(path: &Path, meta: &std::fs::Metadata) -> Result<(), KvError> {
+    let refuse = |why: String| KvError::Io {
+        transport: NAME,
+        context: format!("refusing {}: {why}", path.display()),
+        source: io::Error::from(io::ErrorKind::PermissionDenied),
+    };
+    if !meta.file_type().is_file() {
+        return Err(refuse("not a regular file".into()));
+    }
+    let (owner, me) = (meta.uid(), euid());
+    if owner != me {
+        return Err(refuse(format!(
+            "owned by uid {owner}, not this process's uid {me} (another user's file is never read or replaced)"
+        )));
+    }
+    if meta.mode() & 0o022 != 0 {
+        return Err(refuse(format!(
+            "writable by group or others (mode {:o})",
+            meta.mode() & 0o7777
+        )));
+    }
+    Ok(())
+}
+
 impl ShmTransport {
-    /// Creates the transport on `cfg.shm_root` (created with mode 0700) with
-    /// the real file writer. Inside a tokio runtime this also starts the TTL
+    /// Creates the transport on `cfg.shm_root` (created with mode 0700 if
+    /// missing; an existing root must pass the checks in the module docs:
+    /// no symlink, owned by this user or root, sticky if others may write)
+    /// with the real file writer. Inside a tokio runtime this also starts the TTL
     /// sweeper, which stops when the last clone is dropped.
     pub fn new(cfg: &TransportConfig) -> Result<Self, KvError> {
         Self::with_writer(cfg, Arc::new(FileWriter))
@@ -109,9 +227,7 @@ impl ShmTransport {
     /// Like [`ShmTransport::new`] with a custom [`ShmWriter`] (tests).
     pub fn with_writer(cfg: &TransportConfig, writer: Arc<dyn ShmWriter>) -> Result<Self, KvError> {
         let root = cfg.shm_root.clone();
-        std::fs::create_dir_all(&root).map_err(io_err(format!("creating {}", root.display())))?;
-        std::fs::set_permissions(&root, std::fs::Permissions::from_mode(0o700))
-            .map_err(io_err(format!("setting mode 0700 on {}", root.display())))?;
+        prepare_root(&root)?;
         let inner = Arc::new(Inner {
             location: root.display().to_string(),
             root,
@@ -166,7 +282,9 @@ impl Inner {
             // File times come from the kernel's coarse clock (one tick, up to
             // 10 ms, behind the real time): without the slack a file could go
             // a few ms before its TTL.
-            if meta.is_file() && age >= self.ttl + MTIME_SLACK {
+            // Only this user's regular files: never a symlink (the entry's
+            // metadata is an lstat), never another user's file.
+            if meta.is_file() && meta.uid() == euid() && age >= self.ttl + MTIME_SLACK {
                 match std::fs::remove_file(entry.path()) {
                     Ok(()) => {
                         removed += 1;
@@ -184,17 +302,29 @@ impl Inner {
 
     fn write_request(&self, key: &str, blobs: &[Bytes]) -> Result<Vec<BlobMeta>, KvError> {
         static SEQ: AtomicU64 = AtomicU64::new(0);
-        let tmp = self.root.join(format!(
-            "{TMP_PREFIX}{key}.{}.{}",
-            std::process::id(),
-            SEQ.fetch_add(1, Ordering::Relaxed)
-        ));
-        let file = OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .mode(0o600)
-            .open(&tmp)
-            .map_err(|e| self.write_error(&tmp, e))?;
+        // O_EXCL: an existing name (a symlink or file somebody planted at a
+        // guessed temporary name) is never opened; try another name.
+        let mut attempt = 0;
+        let (tmp, file) = loop {
+            let tmp = self.root.join(format!(
+                "{TMP_PREFIX}{key}.{}.{}",
+                std::process::id(),
+                SEQ.fetch_add(1, Ordering::Relaxed)
+            ));
+            match OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .mode(0o600)
+                .custom_flags(libc::O_NOFOLLOW)
+                .open(&tmp)
+            {
+                Ok(f) => break (tmp, f),
+                Err(e) if e.kind() == io::ErrorKind::AlreadyExists && attempt < 16 => {
+                    attempt += 1;
+                }
+                Err(e) => return Err(self.write_error(&tmp, e)),
+            }
+        };
         let guard = TmpGuard(Some(tmp.clone()));
         let header_len = FIXED_HEADER + BLOB_ENTRY * blobs.len();
         let data_offset = data_offset(blobs.len()) as usize;
@@ -229,9 +359,37 @@ impl Inner {
             .map_err(|e| self.write_error(&tmp, e))?;
         drop(file);
         let path = self.root.join(format!("{key}.{EXT}"));
-        std::fs::rename(&tmp, &path).map_err(|e| self.write_error(&path, e))?;
-        guard.disarm();
+        self.publish(&tmp, &path)?;
+        // The temporary name (still linked after a `link`) goes with the guard.
+        drop(guard);
         Ok(metas)
+    }
+
+    /// Gives the written temporary file its published name without ever
+    /// replacing what is there, unless it is this user's own earlier
+    /// regular file of the same key (a re-push), which `rename` replaces
+    /// (it does not follow a symlink either).
+    fn publish(&self, tmp: &Path, path: &Path) -> Result<(), KvError> {
+        match std::fs::hard_link(tmp, path) {
+            Ok(()) => Ok(()),
+            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {
+                let meta = std::fs::symlink_metadata(path)
+                    .map_err(io_err(format!("reading {}", path.display())))?;
+                if meta.file_type().is_symlink() {
+                    return Err(KvError::Io {
+                        transport: NAME,
+                        context: format!(
+                            "refusing to publish {}: a symlink is there (not followed, not replaced)",
+                            path.display()
+                        ),
+                        source: e,
+                    });
+                }
+                check_own_file(path, &meta)?;
+                std::fs::rename(tmp, path).map_err(|e| self.write_error(path, e))
+            }
+            Err(e) => Err(self.write_error(path, e)),
+        }
     }
 
     fn write_error(&self, path: &Path, e: io::Error) -> KvError {
@@ -257,12 +415,6 @@ impl Inner {
 
 /// Removes a temporary file unless disarmed (published).
 struct TmpGuard(Option<PathBuf>);
-
-impl TmpGuard {
-    fn disarm(mut self) {
-        self.0 = None;
-    }
-}
 
 impl Drop for TmpGuard {
     fn drop(&mut self) {
@@ -303,9 +455,10 @@ fn load(path: &Path, file: File, handle: &KvHandle) -> Result<Vec<Bytes>, KvErro
     if len < FIXED_HEADER {
         return Err(corrupt(format!("file of {len} bytes has no header")));
     }
-    // SAFETY: the file lives in a 0700 directory owned by this user; writers
-    // never modify a published file in place (they write a temporary file and
-    // rename it over), and removal only unlinks, so the mapped pages stay valid
+    // SAFETY: the file was checked to be a regular file owned by this user
+    // that nobody else may write (`check_own_file`); this user's writers never
+    // modify a published file in place (they write a temporary file and link
+    // or rename it), and removal only unlinks, so the mapped pages stay valid
     // and unchanged for the lifetime of the mapping.
     let map = unsafe { memmap2::MmapOptions::new().populate().map(&file) }
         .map_err(io_err(format!("mapping {}", path.display())))?;
@@ -401,8 +554,24 @@ impl KvTransport for ShmTransport {
         let deadline = started + timeout;
         let mut backoff = Duration::from_millis(1);
         let file = loop {
-            match File::open(&path) {
+            // O_NOFOLLOW: a symlink at the key's path is refused, not followed;
+            // O_NONBLOCK: a FIFO planted there cannot block the open.
+            match OpenOptions::new()
+                .read(true)
+                .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
+                .open(&path)
+            {
                 Ok(f) => break f,
+                Err(e) if e.raw_os_error() == Some(libc::ELOOP) => {
+                    return Err(KvError::Io {
+                        transport: NAME,
+                        context: format!(
+                            "refusing {}: it is a symlink (never followed)",
+                            path.display()
+                        ),
+                        source: e,
+                    });
+                }
                 Err(e) if e.kind() == io::ErrorKind::NotFound => {
                     let now = Instant::now();
                     if now >= deadline {
@@ -420,8 +589,19 @@ impl KvTransport for ShmTransport {
         };
         let h = handle.clone();
         let blobs = tokio::task::spawn_blocking(move || {
+            let meta = file
+                .metadata()
+                .map_err(io_err(format!("stat {}", path.display())))?;
+            check_own_file(&path, &meta)?;
             let blobs = load(&path, file, &h)?;
-            // The reader releases: the mapping stays valid after the unlink.
+            // The reader releases (the mapping stays valid after the unlink),
+            // unless the name now belongs to another file.
+            let same = std::fs::symlink_metadata(&path)
+                .map(|m| m.dev() == meta.dev() && m.ino() == meta.ino())
+                .unwrap_or(false);
+            if !same {
+                return Ok(blobs);
+            }
             match std::fs::remove_file(&path) {
                 Ok(()) => {}
                 Err(e) if e.kind() == io::ErrorKind::NotFound => {}
