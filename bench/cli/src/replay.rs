@@ -110,3 +110,83 @@ impl From<Args> for rngd_bench_replay::Options {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use crate::{Cli, Command};
+
+    fn parse(args: &[&str]) -> Result<rngd_bench_replay::Options, clap::Error> {
+        let argv = ["rngd-pd-bench", "replay"]
+            .into_iter()
+            .chain(args.iter().copied());
+        match Cli::try_parse_from(argv)?.command {
+            Command::Replay(a) => Ok(a.into()),
+            other => panic!("parsed as {other:?}"),
+        }
+    }
+
+    /// With only `--url`, the flags give the library's defaults.
+    #[test]
+    fn defaults_match_the_library() {
+        let o = parse(&["--url", "http://h:1"]).expect("parses");
+        let d = rngd_bench_replay::Options {
+            url: Some("http://h:1".into()),
+            ..rngd_bench_replay::Options::default()
+        };
+        assert_eq!(format!("{o:?}"), format!("{d:?}"));
+    }
+
+    /// Exactly one of `--url` and `--spawn-up`; lists split on commas;
+    /// `--up-arg` takes values that start with `--`.
+    #[test]
+    fn flags_parse() {
+        assert!(parse(&[]).is_err(), "neither --url nor --spawn-up");
+        assert!(
+            parse(&["--url", "http://h:1", "--spawn-up"]).is_err(),
+            "both"
+        );
+        let o = parse(&[
+            "--spawn-up",
+            "--pids",
+            "1,2",
+            "--proc-name",
+            "a,b",
+            "--kv-metrics",
+            "decode=http://h:1,http://h:2",
+            "--up-arg",
+            "--kv-transport",
+            "--up-arg=tcp",
+            "--speedup",
+            "50",
+            "--max-requests",
+            "200",
+            "--duration-s",
+            "60",
+            "--skip",
+            "3",
+            "--max-in-flight",
+            "8",
+            "--request-timeout-s",
+            "5",
+            "--seq-len",
+            "256",
+            "--json",
+        ])
+        .expect("parses");
+        assert!(o.spawn_up && o.json);
+        assert_eq!(o.pids, [1, 2]);
+        assert_eq!(o.proc_names, ["a", "b"]);
+        assert_eq!(o.kv_metrics, ["decode=http://h:1", "http://h:2"]);
+        assert_eq!(o.up_args, ["--kv-transport", "tcp"]);
+        assert_eq!(
+            (o.speedup, o.max_requests, o.duration_s, o.skip),
+            (50.0, Some(200), Some(60.0), 3)
+        );
+        assert_eq!(
+            (o.max_in_flight, o.request_timeout_s, o.seq_len),
+            (8, 5.0, 256)
+        );
+    }
+}
