@@ -356,3 +356,33 @@ async fn chat_prompt_tokens_agree_with_the_engine() {
         .sum();
     assert!(engine_count > bare, "{engine_count} vs {bare}");
 }
+
+#[tokio::test]
+async fn forged_kv_handles_do_not_pass_a_front_door() {
+    // A client cannot hand a worker a KV handle (forged, oversized, or one it
+    // saw) through the gateway or the picker: kv_transfer_params in a client
+    // body is a 400 naming it at both, before any routing. (A decode worker
+    // reached directly verifies the handle's signature itself:
+    // worker/server/tests/handles.rs.)
+    let d = doors(TokenizerChoice::Custom(Arc::new(ByteCounter))).await;
+    let gw = format!("http://{}", d.gateway.addr);
+    let forged: &'static str = r#"{"model":"m","prompt":"hello","max_tokens":2,"kv_transfer_params":{"do_remote_prefill":true,"first_token":104,"kv_handle":{"request_id":"0123456789abcdef0123456789abcdef","transport":"tcp","location":"10.0.0.9:7070","layout":{"layers":1,"kv_heads":1,"head_dim":1,"seq_len":8,"dtype":"bf16"},"tokens":5,"blobs":[{"len":1099511627776,"crc32":0}]},"kv_handle_signature":"00"}}"#;
+    let parks: &'static str = r#"{"model":"m","prompt":"hello","max_tokens":2,"kv_transfer_params":{"do_remote_decode":true}}"#;
+    for body in [forged, parks] {
+        let want = (400, Some("kv_transfer_params".to_string()));
+        assert_eq!(
+            http_verdict(format!("{gw}/v1/completions"), body).await,
+            want,
+            "gateway"
+        );
+        assert_eq!(
+            picker_verdict(&d.picker, "/v1/completions", body).await,
+            want,
+            "picker"
+        );
+    }
+    assert!(
+        d.policy.prompt_tokens.lock().unwrap().is_empty(),
+        "refused before the policy was asked"
+    );
+}
