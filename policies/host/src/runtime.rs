@@ -3,10 +3,10 @@
 //! atomically, watches the module file and rolls a hot-swapped module back
 //! to the one before it after repeated runtime faults.
 //!
-//! This module holds the runtime and its instance pool (the decision path,
-//! fault counting and rollback);
+//! This module holds the runtime and its instance pool (the decision path);
 //! `sandbox` sets up the engine, the linker and the canned self-test
-//! requests; `swap` replaces the active module (swap, file watch).
+//! requests; `swap` replaces the active module (swap, file watch, and the
+//! fault counting and rollback to the module before).
 
 use std::collections::VecDeque;
 use std::path::PathBuf;
@@ -46,10 +46,6 @@ struct Fallback {
     info: ModuleInfo,
     pre: InstancePre<HostState>,
 }
-
-/// Modules rolled back and remembered so the file watcher does not load
-/// them again (by SHA-256; the oldest are forgotten past this many).
-const MAX_REMEMBERED_ROLLBACKS: usize = 16;
 
 /// A warm instance and the module it runs (moved along with it, never
 /// cloned per decision).
@@ -455,83 +451,6 @@ impl PolicyRuntime {
                 self.note_fault(loaded);
             }
         })
-    }
-
-    /// Counts a guest fault of `loaded`; the `rollback_after`-th within
-    /// `rollback_window` of a hot-swapped module rolls it back.
-    fn note_fault(&self, loaded: &Arc<Loaded>) {
-        let n = self.limits.rollback_after as usize;
-        if n == 0 || loaded.previous.is_none() {
-            return;
-        }
-        let now = Instant::now();
-        let mut faults = lock(&loaded.faults);
-        faults.push_back(now);
-        while faults.len() > n {
-            faults.pop_front();
-        }
-        let within = faults
-            .front()
-            .is_some_and(|&first| now.duration_since(first) <= self.limits.rollback_window);
-        if faults.len() < n || !within {
-            return;
-        }
-        faults.clear();
-        drop(faults);
-        self.roll_back(loaded);
-    }
-
-    /// Makes the module active before `bad` active again, if `bad` is
-    /// still the active module.
-    fn roll_back(&self, bad: &Arc<Loaded>) {
-        let Some(prev) = &bad.previous else { return };
-        let mut active = self
-            .active
-            .write()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        if active.generation != bad.generation {
-            // Swapped or rolled back meanwhile.
-            return;
-        }
-        let generation = self.next_generation.fetch_add(1, Ordering::AcqRel);
-        let restored = Arc::new(Loaded {
-            info: ModuleInfo {
-                loaded_at: SystemTime::now(),
-                ..prev.info.clone()
-            },
-            pre: prev.pre.clone(),
-            generation,
-            previous: None,
-            faults: Mutex::default(),
-        });
-        *active = restored;
-        self.generation.store(generation, Ordering::Release);
-        drop(active);
-        let stale = std::mem::take(&mut *lock(&self.idle));
-        drop(stale);
-        {
-            let mut bad_list = lock(&self.rolled_back);
-            if !bad_list.contains(&bad.info.sha256) {
-                if bad_list.len() >= MAX_REMEMBERED_ROLLBACKS {
-                    bad_list.pop_front();
-                }
-                bad_list.push_back(bad.info.sha256.clone());
-            }
-        }
-        self.metrics.rollbacks.inc();
-        tracing::error!(
-            bad = %bad.info.sha256,
-            restored = %prev.info.sha256,
-            faults = self.limits.rollback_after,
-            window = ?self.limits.rollback_window,
-            "policy module rolled back after repeated runtime faults; the previous module is active again and the bad one is not reloaded from its file until that changes"
-        );
-    }
-
-    /// Whether the module with this SHA-256 was rolled back (the watcher
-    /// does not load it again).
-    pub(crate) fn was_rolled_back(&self, sha256: &str) -> bool {
-        lock(&self.rolled_back).iter().any(|s| s == sha256)
     }
 
     /// Keeps an instance warm if it runs the active module and the pool has

@@ -9,6 +9,7 @@ mod common;
 
 use std::time::{Duration, Instant};
 
+use common::freezer::Freezer;
 use common::{
     TestRelay, assert_clean_and_working, client_cfg, eventually, put_header, raw_frame, read_frame,
     rejected, secret, ttl_cfg, wrong_secret,
@@ -18,9 +19,8 @@ use rngd_kv_transport::frame::{ErrCode, HEADER_LEN, Header, Op};
 use rngd_kv_transport::relay::{self, RelayConfig};
 use rngd_kv_transport::tcp::TcpTransport;
 use rngd_kv_transport::{KvError, KvTransport, TransportConfig};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::AsyncReadExt;
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::watch;
 
 /// Bound on every wait in these tests.
 const WITHIN: Duration = Duration::from_secs(20);
@@ -452,63 +452,6 @@ async fn a_bad_key_or_oversize_frame_closes_only_its_connection() {
     assert_eq!(s.keys, 0, "the refused PUTs stored nothing: {s:?}");
     assert_clean_and_working(&relay, "frames").await;
     relay.stop().await;
-}
-
-/// A TCP proxy in front of `upstream` that can be frozen: from then on it
-/// forwards nothing in either direction and closes nothing, like a relay
-/// process that was stopped (SIGSTOP) or a black-holed route.
-struct Freezer {
-    addr: std::net::SocketAddr,
-    freeze: watch::Sender<bool>,
-}
-
-impl Freezer {
-    async fn start(upstream: std::net::SocketAddr) -> Freezer {
-        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        let (freeze, frozen) = watch::channel(false);
-        tokio::spawn(async move {
-            loop {
-                let Ok((down, _)) = listener.accept().await else {
-                    return;
-                };
-                let up = TcpStream::connect(upstream).await.unwrap();
-                let (dr, dw) = down.into_split();
-                let (ur, uw) = up.into_split();
-                tokio::spawn(pump(dr, uw, frozen.clone()));
-                tokio::spawn(pump(ur, dw, frozen.clone()));
-            }
-        });
-        Freezer { addr, freeze }
-    }
-}
-
-async fn pump(
-    mut from: tokio::net::tcp::OwnedReadHalf,
-    mut to: tokio::net::tcp::OwnedWriteHalf,
-    mut frozen: watch::Receiver<bool>,
-) {
-    let mut buf = vec![0u8; 64 * 1024];
-    loop {
-        let is_frozen = *frozen.borrow_and_update();
-        if is_frozen {
-            std::future::pending::<()>().await;
-        }
-        let n = tokio::select! {
-            r = from.read(&mut buf) => match r {
-                Ok(0) | Err(_) => return,
-                Ok(n) => n,
-            },
-            _ = frozen.changed() => continue,
-        };
-        let is_frozen = *frozen.borrow();
-        if is_frozen {
-            std::future::pending::<()>().await;
-        }
-        if to.write_all(&buf[..n]).await.is_err() {
-            return;
-        }
-    }
 }
 
 fn quick(addr: impl ToString) -> TcpTransport {

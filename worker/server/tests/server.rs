@@ -4,87 +4,21 @@
 
 mod common;
 
-use common::{metrics, sample};
+use common::{
+    SEQ_LEN, allow, completion, error, metrics, post, request, sample, sse_events, start,
+    start_with, token_ids,
+};
 
 use std::sync::Arc;
 use std::time::Duration;
 
-use rngd_api::openai::{CompletionResponse, ErrorBody};
+use rngd_api::openai::CompletionResponse;
 use rngd_engine::Engine;
 use rngd_engine::fake::EchoEngine;
 use rngd_kv_transport::KvTransport;
 use rngd_kv_transport::fake::MemoryTransport;
-use rngd_worker::{Role, RunningWorker, Transports, WorkerConfig, WorkerState};
+use rngd_worker::{Role, Transports, WorkerConfig, WorkerState};
 use serde_json::{Value, json};
-
-const SEQ_LEN: usize = 64;
-
-async fn start_with(
-    role: Role,
-    transport: &Arc<MemoryTransport>,
-    tweak: impl FnOnce(&mut WorkerConfig),
-) -> RunningWorker {
-    let mut config = WorkerConfig::new(role).with_kv_secret(b"test-kv-secret-0123456789abcdef");
-    tweak(&mut config);
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let engine: Arc<dyn Engine> = Arc::new(EchoEngine::new(SEQ_LEN));
-    let t: Arc<dyn KvTransport> = transport.clone();
-    rngd_worker::serve(listener, engine, Transports::fixed(vec![t]), config)
-        .await
-        .unwrap()
-}
-
-/// A config tweak admitting these prefill peers (`--prefill-allow`).
-fn allow(peers: &[&str]) -> impl FnOnce(&mut WorkerConfig) + use<> {
-    let list = peers.join(",");
-    move |c: &mut WorkerConfig| c.prefill_allow = list.parse().unwrap()
-}
-
-async fn start(role: Role, transport: &Arc<MemoryTransport>) -> RunningWorker {
-    start_with(role, transport, |_| {}).await
-}
-
-async fn post(
-    w: &RunningWorker,
-    body: &Value,
-    headers: &[(&str, &str)],
-) -> (u16, reqwest::header::HeaderMap, String) {
-    let mut req = reqwest::Client::new()
-        .post(format!("{}/v1/completions", w.url()))
-        .json(body);
-    for (k, v) in headers {
-        req = req.header(*k, *v);
-    }
-    let resp = req.send().await.unwrap();
-    let status = resp.status().as_u16();
-    let headers = resp.headers().clone();
-    (status, headers, resp.text().await.unwrap())
-}
-
-async fn completion(
-    w: &RunningWorker,
-    body: &Value,
-    headers: &[(&str, &str)],
-) -> CompletionResponse {
-    let (status, _, text) = post(w, body, headers).await;
-    assert_eq!(status, 200, "{text}");
-    serde_json::from_str(&text).unwrap()
-}
-
-async fn error(w: &RunningWorker, body: &Value, headers: &[(&str, &str)]) -> (u16, ErrorBody) {
-    let (status, _, text) = post(w, body, headers).await;
-    let body: ErrorBody =
-        serde_json::from_str(&text).unwrap_or_else(|e| panic!("not an error body ({e}): {text}"));
-    (status, body)
-}
-
-fn token_ids(r: &CompletionResponse) -> Vec<u32> {
-    r.choices[0].token_ids.clone().unwrap()
-}
-
-fn request(prompt: &str, max_tokens: u32) -> Value {
-    json!({"model": "echo", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0})
-}
 
 #[tokio::test]
 async fn pd_round_trip_matches_solo_and_releases_the_kv() {
@@ -195,22 +129,6 @@ async fn prefiller_header_orchestrates_prefill_then_decodes_here() {
         sample(&metrics(&decode).await, "rngd_pd_worker_prefills_total"),
         1.0
     );
-}
-
-/// Parses an SSE body into its `data:` payloads, checking the framing.
-fn sse_events(body: &str) -> Vec<String> {
-    assert!(
-        body.ends_with("\n\n"),
-        "SSE body must end with a blank line: {body:?}"
-    );
-    body.split("\n\n")
-        .filter(|e| !e.is_empty())
-        .map(|e| {
-            e.strip_prefix("data: ")
-                .unwrap_or_else(|| panic!("event is not a data line: {e:?}"))
-                .to_string()
-        })
-        .collect()
 }
 
 #[tokio::test]

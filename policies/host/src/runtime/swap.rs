@@ -2,14 +2,22 @@
 //! serving threads, self-test, activate atomically; the old module stays on
 //! failure) and [`PolicyRuntime::watch`] (poll the module file and swap when
 //! its content changes; a module rolled back is not loaded again).
+//! Also the way back: a hot-swapped module's guest faults are counted, and
+//! the `rollback_after`-th within `rollback_window` makes the module before
+//! it active again.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::sync::Mutex;
 use std::sync::atomic::Ordering;
-use std::time::{Duration, SystemTime};
+use std::time::{Duration, Instant, SystemTime};
 
-use super::{Fallback, PolicyRuntime, lock, prepare};
+use super::{Fallback, Loaded, PolicyRuntime, lock, prepare};
 use crate::{ModuleInfo, PolicyError, sha256_hex};
+
+/// Modules rolled back and remembered so the file watcher does not load
+/// them again (by SHA-256; the oldest are forgotten past this many).
+const MAX_REMEMBERED_ROLLBACKS: usize = 16;
 
 // === impl PolicyRuntime ===
 
@@ -114,6 +122,87 @@ impl PolicyRuntime {
                 }
             }
         })
+    }
+}
+
+// === impl PolicyRuntime (rollback) ===
+
+impl PolicyRuntime {
+    /// Counts a guest fault of `loaded`; the `rollback_after`-th within
+    /// `rollback_window` of a hot-swapped module rolls it back.
+    pub(super) fn note_fault(&self, loaded: &Arc<Loaded>) {
+        let n = self.limits.rollback_after as usize;
+        if n == 0 || loaded.previous.is_none() {
+            return;
+        }
+        let now = Instant::now();
+        let mut faults = lock(&loaded.faults);
+        faults.push_back(now);
+        while faults.len() > n {
+            faults.pop_front();
+        }
+        let within = faults
+            .front()
+            .is_some_and(|&first| now.duration_since(first) <= self.limits.rollback_window);
+        if faults.len() < n || !within {
+            return;
+        }
+        faults.clear();
+        drop(faults);
+        self.roll_back(loaded);
+    }
+
+    /// Makes the module active before `bad` active again, if `bad` is
+    /// still the active module.
+    fn roll_back(&self, bad: &Arc<Loaded>) {
+        let Some(prev) = &bad.previous else { return };
+        let mut active = self
+            .active
+            .write()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if active.generation != bad.generation {
+            // Swapped or rolled back meanwhile.
+            return;
+        }
+        let generation = self.next_generation.fetch_add(1, Ordering::AcqRel);
+        let restored = Arc::new(Loaded {
+            info: ModuleInfo {
+                loaded_at: SystemTime::now(),
+                ..prev.info.clone()
+            },
+            pre: prev.pre.clone(),
+            generation,
+            previous: None,
+            faults: Mutex::default(),
+        });
+        *active = restored;
+        self.generation.store(generation, Ordering::Release);
+        drop(active);
+        let stale = std::mem::take(&mut *lock(&self.idle));
+        drop(stale);
+        {
+            let mut bad_list = lock(&self.rolled_back);
+            if !bad_list.contains(&bad.info.sha256) {
+                if bad_list.len() >= MAX_REMEMBERED_ROLLBACKS {
+                    bad_list.pop_front();
+                }
+                bad_list.push_back(bad.info.sha256.clone());
+            }
+        }
+        self.metrics.rollbacks.inc();
+        tracing::error!(
+            bad = %bad.info.sha256,
+            restored = %prev.info.sha256,
+            faults = self.limits.rollback_after,
+            window = ?self.limits.rollback_window,
+            "policy module rolled back after repeated runtime faults; the previous module is active again and the bad one is not reloaded from its file until that changes"
+        );
+    }
+
+    /// Whether the module with this SHA-256 was rolled back (the watcher
+    /// does not load it again).
+    pub(crate) fn was_rolled_back(&self, sha256: &str) -> bool {
+        lock(&self.rolled_back).iter().any(|s| s == sha256)
     }
 }
 

@@ -1,7 +1,8 @@
 //! The client side of the relay protocol: a pool of connections to one
 //! relay, the handshake that authenticates each new connection (the shared
-//! secret, [`crate::frame`]), and the request/reply exchanges (PUT, GET,
-//! DEL, STATS) on a connection. The [`crate::tcp`] transport drives it (and
+//! secret, [`crate::frame`]; in `client/handshake.rs`), and the
+//! request/reply exchanges (PUT, GET, DEL, STATS) on a connection (replies
+//! read and ERR codes mapped to errors in `client/reply.rs`). The [`crate::tcp`] transport drives it (and
 //! puts its deadlines on them); it speaks [`crate::frame`] and knows
 //! nothing of the server.
 
@@ -13,15 +14,21 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use rngd_kv_wire::{BlobMeta, KvHandle, WireError};
 use sha2::{Digest, Sha256};
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader, BufWriter};
+use tokio::io::{AsyncRead, AsyncWriteExt, BufReader, BufWriter};
 use tokio::net::TcpStream;
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 
 use crate::KvError;
 use crate::frame::{
-    self, AUTH_BODY_LEN, ErrCode, FLAG_CRC, HEADER_LEN, HELLO_AUTH, Header, IO_BUF, MAC_LEN,
-    NONCE_LEN, Op, RelayStats, Secret, TRANSPORT as NAME, read_body, read_body_crc,
+    FLAG_CRC, Header, IO_BUF, Op, RelayStats, Secret, TRANSPORT as NAME, read_body, read_body_crc,
 };
+
+mod handshake;
+mod reply;
+
+pub use handshake::authenticate;
+use handshake::handshake;
+use reply::read_reply;
 
 /// Idle connections kept per transport.
 pub const MAX_IDLE: usize = 16;
@@ -432,234 +439,4 @@ impl Client {
             }
         }
     }
-}
-
-/// Reads one reply header (an ERR's message too). The outer error is the
-/// connection failing (or an ERR after which the relay closes it); the
-/// inner one is an ERR reply that leaves the connection usable.
-async fn read_reply<R: AsyncRead + Unpin>(
-    rd: &mut R,
-    peer: &str,
-    request_id: &str,
-    waited_since: Instant,
-) -> Result<Result<Header, KvError>, KvError> {
-    let mut hb = [0u8; HEADER_LEN];
-    rd.read_exact(&mut hb).await.map_err(|e| {
-        if e.kind() == io::ErrorKind::UnexpectedEof {
-            lost(peer, "the relay closed the connection", e)
-        } else {
-            lost(peer, "read failed", e)
-        }
-    })?;
-    let h = Header::decode(&hb).map_err(|e| KvError::Protocol {
-        transport: NAME,
-        peer: peer.to_string(),
-        detail: e.to_string(),
-    })?;
-    match h.op {
-        Op::Ok => Ok(Ok(h)),
-        Op::Err => {
-            let body = read_body(rd, h.body_len.min(64 * 1024) as usize)
-                .await
-                .map_err(|e| lost(peer, "read failed", e))?;
-            let msg = String::from_utf8_lossy(&body).into_owned();
-            let code = ErrCode::from_u32(h.arg);
-            let err = reply_error(code, h, msg, peer, request_id, waited_since);
-            if code.closes() {
-                Err(err)
-            } else {
-                Ok(Err(err))
-            }
-        }
-        other => Err(KvError::Protocol {
-            transport: NAME,
-            peer: peer.to_string(),
-            detail: format!("unexpected op {other:?} in a reply"),
-        }),
-    }
-}
-
-/// The error an ERR reply stands for.
-fn reply_error(
-    code: ErrCode,
-    h: Header,
-    msg: String,
-    peer: &str,
-    request_id: &str,
-    waited_since: Instant,
-) -> KvError {
-    let peer = peer.to_string();
-    match code {
-        ErrCode::NotFound => KvError::NotFound {
-            transport: NAME,
-            request_id: request_id.to_string(),
-            waited: waited_since.elapsed(),
-        },
-        ErrCode::Crc => KvError::Crc {
-            transport: NAME,
-            request_id: request_id.to_string(),
-            source: WireError::Crc {
-                index: h.index as usize,
-                expected: 0,
-                actual: h.crc32,
-            },
-        },
-        ErrCode::Capacity => KvError::Capacity {
-            transport: NAME,
-            detail: msg,
-            source: None,
-        },
-        ErrCode::BadRequest | ErrCode::TooLarge => KvError::BadRequest {
-            transport: NAME,
-            detail: msg,
-        },
-        ErrCode::Restarted => KvError::ConnectionLost {
-            transport: NAME,
-            peer,
-            detail: msg,
-            source: None,
-        },
-        ErrCode::ShuttingDown => KvError::ConnectionLost {
-            transport: NAME,
-            peer,
-            detail: msg.clone(),
-            source: Some(io::Error::new(io::ErrorKind::ConnectionAborted, msg)),
-        },
-        ErrCode::Unauthorized => KvError::Unauthorized {
-            transport: NAME,
-            peer,
-            detail: format!("the relay refused the handshake: {msg}"),
-        },
-        // The relay closed an idle pooled connection (or found us too slow):
-        // a dead connection, worth one retry on a fresh one.
-        ErrCode::Timeout => KvError::ConnectionLost {
-            transport: NAME,
-            peer,
-            detail: format!("the relay closed the connection: {msg}"),
-            source: Some(io::Error::new(io::ErrorKind::TimedOut, msg)),
-        },
-        ErrCode::Malformed => KvError::Protocol {
-            transport: NAME,
-            peer,
-            detail: msg,
-        },
-    }
-}
-
-/// The client's side of the handshake ([`crate::frame`]): reads HELLO,
-/// answers AUTH, checks the relay's proof of the secret.
-async fn handshake<R, W>(
-    rd: &mut R,
-    wr: &mut W,
-    peer: &str,
-    secret: Option<&Secret>,
-) -> Result<(), KvError>
-where
-    R: AsyncRead + Unpin,
-    W: AsyncWrite + Unpin,
-{
-    let protocol = |detail: String| KvError::Protocol {
-        transport: NAME,
-        peer: peer.to_string(),
-        detail,
-    };
-    let unauthorized = |detail: &str| KvError::Unauthorized {
-        transport: NAME,
-        peer: peer.to_string(),
-        detail: detail.to_string(),
-    };
-    let mut hb = [0u8; HEADER_LEN];
-    rd.read_exact(&mut hb)
-        .await
-        .map_err(|e| lost(peer, "no handshake from the relay", e))?;
-    let hello = Header::decode(&hb).map_err(|e| protocol(format!("handshake: {e}")))?;
-    match hello.op {
-        Op::Hello if hello.body_len == NONCE_LEN as u64 => {}
-        Op::Err => {
-            // E.g. the connection cap: the relay says why and closes.
-            let body = read_body(rd, hello.body_len.min(4096) as usize)
-                .await
-                .map_err(|e| lost(peer, "read failed", e))?;
-            let msg = String::from_utf8_lossy(&body).into_owned();
-            return Err(reply_error(
-                ErrCode::from_u32(hello.arg),
-                hello,
-                msg,
-                peer,
-                "",
-                Instant::now(),
-            ));
-        }
-        other => {
-            return Err(protocol(format!(
-                "expected the relay's HELLO, got {other:?} with {} bytes (a relay of another version?)",
-                hello.body_len
-            )));
-        }
-    }
-    let mut relay_nonce = [0u8; NONCE_LEN];
-    rd.read_exact(&mut relay_nonce)
-        .await
-        .map_err(|e| lost(peer, "read failed", e))?;
-    let checks = hello.arg & HELLO_AUTH != 0;
-    if secret.is_some() && !checks {
-        return Err(unauthorized(
-            "the relay does not check the shared secret (it runs with --insecure-no-auth); \
-             refusing to use it while a secret is configured",
-        ));
-    }
-    let client_nonce = frame::nonce();
-    let mac = secret
-        .map(|s| s.client_mac(&relay_nonce, &client_nonce))
-        .unwrap_or([0u8; MAC_LEN]);
-    let mut auth = Header::new(Op::Auth, 0);
-    auth.body_len = AUTH_BODY_LEN as u64;
-    let io = async {
-        wr.write_all(&auth.encode()).await?;
-        wr.write_all(&client_nonce).await?;
-        wr.write_all(&mac).await?;
-        wr.flush().await
-    };
-    io.await.map_err(|e| lost(peer, "write failed", e))?;
-    let ok = match read_reply(rd, peer, "", Instant::now()).await {
-        Ok(Ok(h)) => h,
-        Err(KvError::Unauthorized { .. }) | Ok(Err(KvError::Unauthorized { .. })) => {
-            return Err(unauthorized(if secret.is_some() {
-                "the relay refused our shared secret (the relay and this client have different secrets)"
-            } else {
-                "the relay requires the shared secret and this client has none"
-            }));
-        }
-        Err(e) | Ok(Err(e)) => return Err(e),
-    };
-    let expected = if checks { MAC_LEN } else { 0 };
-    if ok.body_len != expected as u64 {
-        return Err(protocol(format!(
-            "handshake reply of {} bytes, expected {expected}",
-            ok.body_len
-        )));
-    }
-    let mut proof = [0u8; MAC_LEN];
-    rd.read_exact(&mut proof[..expected])
-        .await
-        .map_err(|e| lost(peer, "read failed", e))?;
-    if let Some(secret) = secret
-        && !secret.verify_server(&relay_nonce, &client_nonce, &proof)
-    {
-        return Err(unauthorized(
-            "the relay did not prove the shared secret (is it the relay this client is configured for?)",
-        ));
-    }
-    Ok(())
-}
-
-/// Runs the client's side of the handshake on a raw connection (tools and
-/// tests that speak frames themselves): afterwards the stream carries requests.
-pub async fn authenticate(stream: &mut TcpStream, secret: Option<&Secret>) -> Result<(), KvError> {
-    let peer = stream
-        .peer_addr()
-        .map(|a| a.to_string())
-        .unwrap_or_else(|_| "the relay".into());
-    let (mut rd, mut wr) = stream.split();
-    handshake(&mut rd, &mut wr, &peer, secret).await
 }

@@ -1,8 +1,11 @@
 //! Helpers the relay's integration tests share: an in-process relay with a
 //! shared secret (restartable on the same port), clients configured with
-//! that secret, and raw, authenticated connections that speak frames.
+//! that secret, and raw, authenticated connections that speak frames; and
+//! in `freezer`, a proxy that can be frozen (a black-holed relay).
 
 #![allow(dead_code)]
+
+pub mod freezer;
 
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
