@@ -2,27 +2,20 @@
 //! (default `/dev/shm/rngd_kv_cluster`).
 //!
 //! - push: blobs are written to a temporary name (`.tmp.<key>.<pid>.<n>`, mode
-//!   0600) and published with an atomic `rename` to `<key>.kv`; a failed write
-//!   (e.g. ENOSPC) removes the temporary file, so no partial file is ever visible;
-//! - pull: waits (polling) until `<key>.kv` exists, maps it with memmap2,
-//!   checks header and CRC-32 of every blob, then unlinks it: the returned
-//!   [`Bytes`] borrow the mapping, so nothing is copied and the memory goes
-//!   away with the last `Bytes`;
-//! - a sweeper task removes files older than the TTL (`AIRM_KV_SHM_TTL_S`).
+//!   0600, `O_EXCL|O_NOFOLLOW`) and published atomically as `<key>.kv` by a
+//!   `link`, which replaces nothing (only this user's own earlier file of the
+//!   key, by `rename`); a failed write (e.g. ENOSPC) removes the temporary
+//!   file, so no partial file is ever visible;
+//! - pull: waits (polling) until `<key>.kv` exists, opens it
+//!   `O_NOFOLLOW|O_NONBLOCK` and goes on only if it is a regular file of this
+//!   user that nobody else may write, maps it with memmap2, checks header and
+//!   CRC-32 of every blob, then unlinks it: the returned [`Bytes`] borrow the
+//!   mapping, so nothing is copied and the memory goes away with the last `Bytes`;
+//! - a sweeper task removes this user's files older than the TTL (`AIRM_KV_SHM_TTL_S`).
 //!
-//! Hostile roots (a node directory other users can reach): the root is
-//! checked once, at creation, without following symlinks: it must be a real
-//! directory (a symlink is refused, never followed), owned by this user or by
-//! root, and if anyone but its owner may write to it the sticky bit must be
-//! set (so nobody can remove or rename another's files); a private root of
-//! this user is set to mode 0700, a shared sticky one is left as it is.
-//! Inside it, nothing is followed or read that this user did not write: the
-//! temporary file is created `O_CREAT|O_EXCL|O_NOFOLLOW`, publication is a
-//! `link` that never replaces a name (only this user's own earlier regular
-//! file of the same key is replaced, by `rename`, which never follows a
-//! symlink either), and the puller opens `O_NOFOLLOW|O_NONBLOCK` and reads
-//! only a regular file owned by this user that nobody else may write. The
-//! sweeper removes only this user's regular files.
+//! The root is checked once, at creation, never following a symlink: a real
+//! directory owned by this user or root, sticky if others may write to it (a
+//! private root of this user is set to 0700). Rules: `docs/kv-wire.md`.
 //!
 //! File layout (little-endian): magic `RNGDKV01`, u32 version, u32 blob count,
 //! u64 payload offset, u64 payload bytes, then per blob (u64 len, u32 crc32),
@@ -118,15 +111,6 @@ fn euid() -> u32 {
     unsafe { libc::geteuid() }
 }
 
-fn root_refused(root: &Path, why: String) -> KvError {
-    KvError::Config {
-        detail: format!(
-            "shm root {}: {why}; refusing to use it (PD_SHM_ROOT)",
-            root.display()
-        ),
-    }
-}
-
 /// Creates the root if missing (mode 0700) and checks it, never following a
 /// symlink: see the module docs for the rules.
 fn prepare_root(root: &Path) -> Result<(), KvError> {
@@ -148,38 +132,32 @@ fn prepare_root(root: &Path) -> Result<(), KvError> {
         }
         Err(e) => return Err(io_err(format!("reading {}", root.display()))(e)),
     };
-    let ft = meta.file_type();
-    if ft.is_symlink() {
-        let target = std::fs::read_link(root)
-            .map(|t| t.display().to_string())
-            .unwrap_or_else(|e| format!("unreadable: {e}"));
-        return Err(root_refused(
-            root,
-            format!("is a symlink (to {target}), which is never followed"),
-        ));
-    }
-    if !ft.is_dir() {
-        return Err(root_refused(root, "is not a directory".into()));
-    }
-    let me = euid();
-    let owner = meta.uid();
-    if owner != me && owner != 0 {
-        return Err(root_refused(
-            root,
-            format!("is owned by uid {owner}, neither this process's uid {me} nor root"),
-        ));
-    }
-    let mode = meta.mode();
+    let (ft, owner, mode, me) = (meta.file_type(), meta.uid(), meta.mode(), euid());
     let sticky = mode & 0o1000 != 0;
-    if mode & 0o022 != 0 && !sticky {
-        return Err(root_refused(
-            root,
-            format!(
-                "is writable by group or others (mode {:o}) without the sticky bit, \
-                 so anyone could replace or remove the caches",
-                mode & 0o7777
+    let why = if ft.is_symlink() {
+        let target = std::fs::read_link(root)
+            .map_or_else(|e| format!("unreadable: {e}"), |t| t.display().to_string());
+        format!("is a symlink (to {target}), which is never followed")
+    } else if !ft.is_dir() {
+        "is not a directory".into()
+    } else if owner != me && owner != 0 {
+        format!("is owned by uid {owner}, neither this process's uid {me} nor root")
+    } else if mode & 0o022 != 0 && !sticky {
+        format!(
+            "is writable by group or others (mode {:o}) without the sticky bit, \
+             so anyone could replace or remove the caches",
+            mode & 0o7777
+        )
+    } else {
+        String::new()
+    };
+    if !why.is_empty() {
+        return Err(KvError::Config {
+            detail: format!(
+                "shm root {}: {why}; refusing to use it (PD_SHM_ROOT)",
+                root.display()
             ),
-        ));
+        });
     }
     if owner == me && !sticky && mode & 0o777 != 0o700 {
         std::fs::set_permissions(root, std::fs::Permissions::from_mode(0o700))
@@ -215,11 +193,9 @@ fn check_own_file(path: &Path, meta: &std::fs::Metadata) -> Result<(), KvError> 
 }
 
 impl ShmTransport {
-    /// Creates the transport on `cfg.shm_root` (created with mode 0700 if
-    /// missing; an existing root must pass the checks in the module docs:
-    /// no symlink, owned by this user or root, sticky if others may write)
-    /// with the real file writer. Inside a tokio runtime this also starts the TTL
-    /// sweeper, which stops when the last clone is dropped.
+    /// Creates the transport on `cfg.shm_root` (checked, or created with mode
+    /// 0700, as the module docs say) with the real file writer. Inside a tokio
+    /// runtime this also starts the TTL sweeper, which stops with the last clone.
     pub fn new(cfg: &TransportConfig) -> Result<Self, KvError> {
         Self::with_writer(cfg, Arc::new(FileWriter))
     }
@@ -365,10 +341,8 @@ impl Inner {
         Ok(metas)
     }
 
-    /// Gives the written temporary file its published name without ever
-    /// replacing what is there, unless it is this user's own earlier
-    /// regular file of the same key (a re-push), which `rename` replaces
-    /// (it does not follow a symlink either).
+    /// Gives the temporary file its published name, replacing nothing but this
+    /// user's own earlier regular file of the key (a re-push), by `rename`.
     fn publish(&self, tmp: &Path, path: &Path) -> Result<(), KvError> {
         match std::fs::hard_link(tmp, path) {
             Ok(()) => Ok(()),
@@ -376,14 +350,11 @@ impl Inner {
                 let meta = std::fs::symlink_metadata(path)
                     .map_err(io_err(format!("reading {}", path.display())))?;
                 if meta.file_type().is_symlink() {
-                    return Err(KvError::Io {
-                        transport: NAME,
-                        context: format!(
-                            "refusing to publish {}: a symlink is there (not followed, not replaced)",
-                            path.display()
-                        ),
-                        source: e,
-                    });
+                    let why = format!(
+                        "refusing to publish {}: a symlink is there (not followed, not replaced)",
+                        path.display()
+                    );
+                    return Err(io_err(why)(e));
                 }
                 check_own_file(path, &meta)?;
                 std::fs::rename(tmp, path).map_err(|e| self.write_error(path, e))
@@ -563,14 +534,11 @@ impl KvTransport for ShmTransport {
             {
                 Ok(f) => break f,
                 Err(e) if e.raw_os_error() == Some(libc::ELOOP) => {
-                    return Err(KvError::Io {
-                        transport: NAME,
-                        context: format!(
-                            "refusing {}: it is a symlink (never followed)",
-                            path.display()
-                        ),
-                        source: e,
-                    });
+                    let why = format!(
+                        "refusing {}: it is a symlink (never followed)",
+                        path.display()
+                    );
+                    return Err(io_err(why)(e));
                 }
                 Err(e) if e.kind() == io::ErrorKind::NotFound => {
                     let now = Instant::now();
@@ -597,8 +565,7 @@ impl KvTransport for ShmTransport {
             // The reader releases (the mapping stays valid after the unlink),
             // unless the name now belongs to another file.
             let same = std::fs::symlink_metadata(&path)
-                .map(|m| m.dev() == meta.dev() && m.ino() == meta.ino())
-                .unwrap_or(false);
+                .is_ok_and(|m| m.dev() == meta.dev() && m.ino() == meta.ino());
             if !same {
                 return Ok(blobs);
             }
@@ -628,87 +595,5 @@ impl KvTransport for ShmTransport {
             Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
             Err(e) => Err(io_err(format!("removing {}", path.display()))(e)),
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use rngd_kv_wire::KvLayout;
-
-    /// Fails with ENOSPC once `budget` bytes have been written.
-    struct FullDisk {
-        budget: u64,
-        written: std::sync::Mutex<u64>,
-    }
-
-    impl ShmWriter for FullDisk {
-        fn write_all_at(&self, file: &File, bytes: &[u8], offset: u64) -> io::Result<()> {
-            let mut w = self.written.lock().unwrap();
-            if *w + bytes.len() as u64 > self.budget {
-                return Err(io::Error::from_raw_os_error(libc::ENOSPC));
-            }
-            *w += bytes.len() as u64;
-            FileExt::write_all_at(file, bytes, offset)
-        }
-    }
-
-    fn cfg(dir: &Path) -> TransportConfig {
-        TransportConfig {
-            shm_root: dir.join("kv"),
-            ..TransportConfig::default()
-        }
-    }
-
-    fn payload(id: &str) -> KvPayload {
-        KvPayload {
-            request_id: id.into(),
-            layout: KvLayout::LLAMA31_8B_S512,
-            tokens: 3,
-            blobs: vec![Bytes::from(vec![7u8; 5000]), Bytes::from(vec![9u8; 3000])],
-        }
-    }
-
-    #[tokio::test]
-    async fn injected_enospc_is_capacity_and_leaves_no_file() {
-        let dir = tempfile::tempdir().unwrap();
-        let writer = Arc::new(FullDisk {
-            budget: 6000,
-            written: Default::default(),
-        });
-        let t = ShmTransport::with_writer(&cfg(dir.path()), writer).unwrap();
-        let err = t.push(payload("r1")).await.unwrap_err();
-        assert!(matches!(err, KvError::Capacity { .. }), "{err}");
-        assert!(err.to_string().contains("no space"), "{err}");
-        assert_eq!(t.held_files().unwrap(), 0);
-    }
-
-    #[tokio::test]
-    async fn files_and_dir_are_private() {
-        let dir = tempfile::tempdir().unwrap();
-        let t = ShmTransport::new(&cfg(dir.path())).unwrap();
-        let h = t.push(payload("r/../2")).await.unwrap();
-        let mode = std::fs::metadata(t.root()).unwrap().permissions().mode();
-        assert_eq!(mode & 0o777, 0o700);
-        let path = t.path_of("r/../2").unwrap();
-        assert_eq!(path.parent().unwrap(), t.root());
-        let mode = std::fs::metadata(&path).unwrap().permissions().mode();
-        assert_eq!(mode & 0o777, 0o600);
-        let blobs = t.pull(&h, Duration::from_secs(1)).await.unwrap();
-        assert_eq!(blobs[0], vec![7u8; 5000]);
-        assert!(!path.exists(), "the reader unlinks after load");
-    }
-
-    #[tokio::test]
-    async fn foreign_handles_are_rejected() {
-        let dir = tempfile::tempdir().unwrap();
-        let t = ShmTransport::new(&cfg(dir.path())).unwrap();
-        let mut h = t.push(payload("r3")).await.unwrap();
-        h.location = "/etc".into();
-        let err = t.pull(&h, Duration::from_millis(10)).await.unwrap_err();
-        assert!(matches!(err, KvError::BadRequest { .. }), "{err}");
-        h.transport = "tcp".into();
-        let err = t.release(&h).await.unwrap_err();
-        assert!(matches!(err, KvError::BadRequest { .. }), "{err}");
     }
 }

@@ -5,6 +5,9 @@
 //! path). Each asserts the clear error, that nothing is left behind or
 //! touched, and that the transport still serves a normal request.
 //!
+//! Also the transport's basic guarantees (moved from its unit tests): an
+//! injected ENOSPC at the disk edge, private modes, foreign handles refused.
+//!
 //! Mounting and `chown` need root (CI runs as root, as `tests/shm.rs` and
 //! `tests/netns.rs` do); without it these tests fail with a message saying so.
 
@@ -12,11 +15,13 @@ use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::process::Command;
+use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 
+use bytes::Bytes;
 use rngd_kv_transport::conformance;
-use rngd_kv_transport::shm::ShmTransport;
-use rngd_kv_transport::{KvError, KvTransport, TransportConfig};
+use rngd_kv_transport::shm::{ShmTransport, ShmWriter};
+use rngd_kv_transport::{KvError, KvLayout, KvPayload, KvTransport, TransportConfig};
 
 /// The uid of "another user" (nobody on this machine has to exist with it).
 const OTHER_UID: u32 = 12345;
@@ -426,4 +431,74 @@ async fn a_push_never_follows_or_overwrites_what_is_planted_at_the_keys_path() {
     assert_eq!(got, want, "the re-pushed bytes are served");
     assert!(entries(&root).is_empty(), "{:?}", entries(&root));
     still_serves(&t, "after-planted-files").await;
+}
+
+/// Fails with ENOSPC once `budget` bytes have been written (a fault
+/// injected at the disk edge, [`ShmWriter`]).
+struct FullDisk {
+    budget: u64,
+    written: std::sync::Mutex<u64>,
+}
+
+impl ShmWriter for FullDisk {
+    fn write_all_at(&self, file: &std::fs::File, bytes: &[u8], offset: u64) -> std::io::Result<()> {
+        let mut w = self.written.lock().unwrap();
+        if *w + bytes.len() as u64 > self.budget {
+            return Err(std::io::Error::from_raw_os_error(libc::ENOSPC));
+        }
+        *w += bytes.len() as u64;
+        std::os::unix::fs::FileExt::write_all_at(file, bytes, offset)
+    }
+}
+
+fn small(id: &str) -> KvPayload {
+    KvPayload {
+        request_id: id.into(),
+        layout: KvLayout::LLAMA31_8B_S512,
+        tokens: 3,
+        blobs: vec![Bytes::from(vec![7u8; 5000]), Bytes::from(vec![9u8; 3000])],
+    }
+}
+
+#[tokio::test]
+async fn injected_enospc_is_capacity_and_leaves_no_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let writer = Arc::new(FullDisk {
+        budget: 6000,
+        written: Default::default(),
+    });
+    let t = ShmTransport::with_writer(&cfg(&dir.path().join("kv")), writer).unwrap();
+    let err = t.push(small("r1")).await.unwrap_err();
+    assert!(matches!(err, KvError::Capacity { .. }), "{err}");
+    assert!(err.to_string().contains("no space"), "{err}");
+    assert_eq!(t.held_files().unwrap(), 0);
+}
+
+#[tokio::test]
+async fn files_and_dir_are_private() {
+    let dir = tempfile::tempdir().unwrap();
+    let t = ShmTransport::new(&cfg(&dir.path().join("kv"))).unwrap();
+    let h = t.push(small("r/../2")).await.unwrap();
+    let mode = std::fs::metadata(t.root()).unwrap().permissions().mode();
+    assert_eq!(mode & 0o777, 0o700);
+    let path = t.path_of("r/../2").unwrap();
+    assert_eq!(path.parent().unwrap(), t.root());
+    let mode = std::fs::metadata(&path).unwrap().permissions().mode();
+    assert_eq!(mode & 0o777, 0o600);
+    let blobs = t.pull(&h, Duration::from_secs(1)).await.unwrap();
+    assert_eq!(blobs[0], vec![7u8; 5000]);
+    assert!(!path.exists(), "the reader unlinks after load");
+}
+
+#[tokio::test]
+async fn foreign_handles_are_rejected() {
+    let dir = tempfile::tempdir().unwrap();
+    let t = ShmTransport::new(&cfg(&dir.path().join("kv"))).unwrap();
+    let mut h = t.push(small("r3")).await.unwrap();
+    h.location = "/etc".into();
+    let err = t.pull(&h, Duration::from_millis(10)).await.unwrap_err();
+    assert!(matches!(err, KvError::BadRequest { .. }), "{err}");
+    h.transport = "tcp".into();
+    let err = t.release(&h).await.unwrap_err();
+    assert!(matches!(err, KvError::BadRequest { .. }), "{err}");
 }
