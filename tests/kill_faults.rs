@@ -391,13 +391,6 @@ fn relay_sockets(relay: &Proc) -> (usize, u64) {
     (clients, rx_max)
 }
 
-fn now_ms() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .unwrap()
-        .as_millis() as u64
-}
-
 /// Keys the prefill worker has started pushing blobs of (its `AIRM_KV_TCP_LOG=1` lines).
 fn pushed_keys(prefill: &Proc) -> Vec<String> {
     let mut keys = Vec::new();
@@ -564,7 +557,8 @@ async fn prefill_killed_mid_push_leaves_no_relay_entry_and_decode_errs_clearly()
         .iter()
         .map(|t| t.as_u64().unwrap() as u32)
         .collect();
-    let expires = now_ms() + 60_000;
+    let now = SystemTime::now().duration_since(UNIX_EPOCH).unwrap();
+    let expires = now.as_millis() as u64 + 60_000;
     let secret = Secret::new(KV_SECRET.as_bytes().to_vec()).unwrap();
     let signer = rngd_worker::HandleSigner::new(&secret.derive(b"rngd-pd worker kv handles"));
     params["kv_handle"] = serde_json::to_value(&handle).unwrap();
