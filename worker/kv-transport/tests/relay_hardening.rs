@@ -2,7 +2,7 @@
 //! (no secret, wrong secret, no handshake), slow-loris PUTs against the read
 //! deadline, the idle timeout, floods of connections, waiting GETs and empty
 //! PUTs against their caps, bad frames, and a black-holed relay against the
-//! client's deadlines. Each test ends with the relay holding nothing (from
+//! client's deadlines, replies nobody reads against the write deadline. Each test ends with the relay holding nothing (from
 //! STATS) and a normal push / pull working.
 
 mod common;
@@ -12,14 +12,14 @@ use std::time::{Duration, Instant};
 use common::freezer::Freezer;
 use common::{
     TestRelay, assert_clean_and_working, client_cfg, eventually, put_header, raw_frame, read_frame,
-    rejected, secret, ttl_cfg, wrong_secret,
+    rejected, rss_bytes, secret, ttl_cfg, wrong_secret,
 };
 use rngd_kv_transport::conformance::payload;
 use rngd_kv_transport::frame::{ErrCode, HEADER_LEN, Header, Op};
 use rngd_kv_transport::relay::{self, RelayConfig};
 use rngd_kv_transport::tcp::TcpTransport;
 use rngd_kv_transport::{KvError, KvTransport, TransportConfig};
-use tokio::io::AsyncReadExt;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
 /// Bound on every wait in these tests.
@@ -551,5 +551,49 @@ async fn secrets_do_not_show_in_debug_output() {
     let relay = TestRelay::start(cfg).await;
     let shown = format!("{:?}", relay.authed());
     assert!(!shown.contains("test-relay-secret"), "{shown}");
+    relay.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unread_replies_are_cut_at_the_write_deadline_with_memory_bounded() {
+    let relay = TestRelay::start(RelayConfig {
+        read_timeout: Duration::from_millis(300),
+        ..cfg()
+    })
+    .await;
+    // An 8 MiB blob, then 200 GETs of it on one connection whose replies are
+    // never read: 1.6 GiB of replies if the relay buffered them.
+    let t = relay.authed();
+    let h = t.push(payload("unread-big", 7, 1, 8 << 20)).await.unwrap();
+    let before = rss_bytes();
+    let mut s = relay.raw().await;
+    let key = h.request_id.clone();
+    for i in 0..200u32 {
+        let mut get = Header::new(Op::Get, i);
+        get.key_len = key.len() as u16;
+        get.index = 0;
+        get.arg = 100;
+        if s.write_all(&get.encode()).await.is_err() || s.write_all(key.as_bytes()).await.is_err() {
+            break; // already cut off
+        }
+    }
+    eventually(
+        &relay,
+        WITHIN,
+        "the unread connection cut at the write deadline",
+        |st| rejected(st, "write_timeout") >= 1,
+    )
+    .await;
+    let grown = rss_bytes().saturating_sub(before);
+    assert!(
+        grown < 128 << 20,
+        "RSS grew by {} MiB while replies went unread",
+        grown >> 20
+    );
+    drop(s);
+    // The blob is still there for a reader that reads.
+    assert_eq!(t.pull(&h, WITHIN).await.unwrap()[0].len(), 8 << 20);
+    t.release(&h).await.unwrap();
+    assert_clean_and_working(&relay, "unread").await;
     relay.stop().await;
 }

@@ -195,3 +195,14 @@ pub async fn assert_clean_and_working(relay: &TestRelay, tag: &str) {
     let s = relay.stats().await;
     assert_eq!((s.keys, s.blobs, s.bytes), (0, 0, 0), "{s:?}");
 }
+
+/// This process's resident set, bytes (`VmRSS`).
+pub fn rss_bytes() -> u64 {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap();
+    let kb: u64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap();
+    kb * 1024
+}
