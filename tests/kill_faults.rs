@@ -15,10 +15,11 @@
 //! Needs the model: `RNGD_PD_MODEL`, or the default cache filled by
 //! `rngd-pd model fetch`.
 
-use std::io::{BufRead, BufReader};
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::sync::mpsc;
+mod common;
+
+use std::process::Command;
+
+use common::{Proc, model};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use rngd_kv_transport::frame::{RelayStats, Secret};
@@ -29,123 +30,12 @@ use serde_json::{Value, json};
 /// Serializes the tests of this file: each starts model-loading processes.
 static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
-const STARTUP: Duration = Duration::from_secs(600);
 const TTL_S: &str = "1.5";
 const PULL_TIMEOUT_MS: u64 = 3000;
 /// Generous bound for anything that should happen within a TTL or a pull timeout.
 const BOUND: Duration = Duration::from_secs(30);
 /// The test deployment's KV secret.
 const KV_SECRET: &str = "kill-faults-test-secret-0123456789";
-
-fn model() -> PathBuf {
-    match rngd_engine::model_fetch::resolve(None) {
-        Ok(p) => p,
-        Err(e) => panic!(
-            "the kill-fault tests need the real model: {e} (run `rngd-pd model fetch` or set RNGD_PD_MODEL)"
-        ),
-    }
-}
-
-/// A child process killed on drop (SIGKILL also ends a stopped one).
-struct Proc {
-    name: String,
-    child: Child,
-    addr: String,
-    log: PathBuf,
-}
-
-impl Proc {
-    /// Starts `rngd-pd <args>` and waits for the stdout line starting with `prefix`.
-    fn start(name: &str, dir: &Path, args: &[&str], envs: &[(&str, String)], prefix: &str) -> Proc {
-        let log = dir.join(format!("{name}.log"));
-        let mut cmd = Command::new(env!("CARGO_BIN_EXE_rngd-pd"));
-        cmd.args(args)
-            .env("RUST_LOG", "info")
-            .env("NO_COLOR", "1")
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(std::fs::File::create(&log).unwrap());
-        for (k, v) in envs {
-            cmd.env(k, v);
-        }
-        let mut child = cmd
-            .spawn()
-            .unwrap_or_else(|e| panic!("spawning {name}: {e}"));
-        let stdout = child.stdout.take().unwrap();
-        let (tx, rx) = mpsc::channel();
-        let p = prefix.to_string();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines() {
-                let Ok(line) = line else { break };
-                if let Some(addr) = line.strip_prefix(&p) {
-                    let _ = tx.send(addr.trim().to_string());
-                }
-            }
-        });
-        let mut proc = Proc {
-            name: name.to_string(),
-            child,
-            addr: String::new(),
-            log,
-        };
-        match rx.recv_timeout(STARTUP) {
-            Ok(addr) => proc.addr = addr,
-            Err(_) => {
-                let status = proc.child.try_wait().ok().flatten();
-                panic!(
-                    "{name} did not print `{prefix}…` (exit status {status:?}); its log:\n{}",
-                    std::fs::read_to_string(&proc.log).unwrap_or_default()
-                );
-            }
-        }
-        proc
-    }
-
-    fn worker(name: &str, dir: &Path, role: &str, envs: &[(&str, String)]) -> Proc {
-        let mut p = Proc::start(
-            name,
-            dir,
-            &["worker", "--role", role, "--port", "0"],
-            envs,
-            "rngd-pd worker listening on http://",
-        );
-        p.addr = p.addr.trim_start_matches("http://").to_string();
-        p
-    }
-
-    fn url(&self, path: &str) -> String {
-        format!("http://{}{path}", self.addr)
-    }
-
-    fn signal(&self, sig: &str) {
-        let ok = Command::new("kill")
-            .args([sig, &self.child.id().to_string()])
-            .status()
-            .map(|s| s.success())
-            .unwrap_or(false);
-        assert!(ok, "kill {sig} {} ({}) failed", self.child.id(), self.name);
-    }
-
-    /// SIGKILL, no cleanup.
-    fn kill(mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-
-    fn log_text(&self) -> String {
-        std::fs::read_to_string(&self.log).unwrap_or_default()
-    }
-}
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-        if std::thread::panicking() {
-            eprintln!("--- log of {} ---\n{}", self.name, self.log_text());
-        }
-    }
-}
 
 /// A stopped relay is resumed when this goes (also when the test fails).
 struct Stopped<'a>(&'a Proc);

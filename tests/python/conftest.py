@@ -36,6 +36,28 @@ def worker_env(**extra):
     return dict(os.environ, AIRM_KV_TCP_SECRET=KV_SECRET, **extra)
 
 
+def start_worker(role, *extra, host="127.0.0.1", port=0):
+    """A real worker (the KV secret in its environment) on `host:port`
+    (port 0: any), ready (`/ready` 200); returns (proc, "host:port")."""
+    m = model_path()
+    if not os.path.isfile(m):
+        pytest.fail(f"model {m} not found: run `rngd-pd model fetch` or set RNGD_PD_MODEL")
+    p = Proc(f"{role} worker {host}", [rngd_bin(), "worker", "--role", role, "--host", host, "--port", str(port),
+                                       "--model", m, *extra], env=worker_env())
+    url = p.wait_line("rngd-pd worker listening on", 300)
+    if not url.startswith("http"):
+        url = "http://" + url
+    poll_ok(url + "/ready", 600, p)
+    return p, url.removeprefix("http://")
+
+
+def counter(addr, name):
+    """Sum of the samples of `name` (any labels) on a server's `/metrics`."""
+    text = requests.get(f"http://{addr}/metrics", timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name) and not line.startswith("#"))
+
+
 def model_path():
     m = os.environ.get("RNGD_PD_MODEL")
     if m:

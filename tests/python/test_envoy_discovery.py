@@ -29,7 +29,7 @@ import pathlib
 import pytest
 import requests
 
-from conftest import Proc, free_port, model_path, poll_ok, rngd_bin, worker_env
+from conftest import Proc, counter, free_port, model_path, poll_ok, start_worker
 from epp.helpers import ExtProc, envoy_binary, policy_module
 import kube_api
 from kube_api import KubeApi, PODS, POOLS
@@ -60,20 +60,6 @@ def port_free_on_all(ips) -> int:
     pytest.fail("no port free on all the loopback addresses")
 
 
-def start_worker(role: str, ip: str, port: int, *extra: str) -> Proc:
-    p = Proc(f"{role} worker {ip}", [rngd_bin(), "worker", "--role", role, "--host", ip, "--port", str(port),
-                                      "--model", model_path(), *extra], env=worker_env())
-    p.wait_line("rngd-pd worker listening on", 300)
-    poll_ok(f"http://{ip}:{port}/ready", 600, p)
-    return p
-
-
-def counter(addr: str, name: str) -> float:
-    text = requests.get(f"http://{addr}/metrics", timeout=10).text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith(name) and not line.startswith("#"))
-
-
 def gauge(text: str, sample: str) -> float | None:
     for line in text.splitlines():
         if line.startswith(sample + " "):
@@ -95,8 +81,8 @@ def cluster(tmp_path_factory, solo):
         c.port = port_free_on_all([PREFILL_IP, DECODE_IP, BOTH_IP])
         c.prefill, c.decode, c.both = (f"{ip}:{c.port}" for ip in (PREFILL_IP, DECODE_IP, BOTH_IP))
         c.solo = solo.removeprefix("http://")
-        procs.append(start_worker("prefill", PREFILL_IP, c.port))
-        procs.append(start_worker("decode", DECODE_IP, c.port, "--prefill-allow", c.prefill))
+        procs.append(start_worker("prefill", host=PREFILL_IP, port=c.port)[0])
+        procs.append(start_worker("decode", "--prefill-allow", c.prefill, host=DECODE_IP, port=c.port)[0])
         c.both_proc = None
 
         c.api.put(POOLS, kube_api.pool("demo", {"rngd-pd.io/pool": "demo"}, c.port))
@@ -194,7 +180,7 @@ def test_the_routes_follow_the_pods(cluster):
     assert after == before
 
     # A pod with role `both` appears: it serves whole requests.
-    c.both_proc = start_worker("solo", BOTH_IP, c.port)
+    c.both_proc, _ = start_worker("solo", host=BOTH_IP, port=c.port)
     c.api.put(PODS, kube_api.pod("demo-both-0", BOTH_IP, None, "demo"))
     wait_pool(c, 2, "both pod added")
     n = counter(c.both, "rngd_pd_worker_requests_total")

@@ -28,7 +28,7 @@ import pytest
 import requests
 
 from epp.helpers import ExtProc, envoy_binary, policy_module, teapot_module
-from conftest import Proc, free_port, model_path, poll_ok, rngd_bin, worker_env
+from conftest import Proc, counter, free_port, model_path, poll_ok, start_worker
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "deploy" / "envoy"))
@@ -39,23 +39,6 @@ LONG_PROMPT = (
     "The history of the printing press begins in the fifteenth century, when movable type changed how books "
     "were made, how ideas travelled between cities, and how ordinary people learned to read. Summarize it:"
 )
-
-
-def start_worker(role: str, *extra: str) -> tuple[Proc, str]:
-    m = model_path()
-    if not os.path.isfile(m):
-        pytest.fail(f"model {m} not found: run `rngd-pd model fetch` or set RNGD_PD_MODEL")
-    p = Proc(f"{role} worker", [rngd_bin(), "worker", "--role", role, "--port", "0", "--model", m, *extra], env=worker_env())
-    url = p.wait_line("rngd-pd worker listening on", 300)
-    if not url.startswith("http"):
-        url = "http://" + url
-    poll_ok(url + "/ready", 600, p)
-    return p, url.removeprefix("http://")
-
-
-def counter(addr: str, name: str) -> float:
-    text = requests.get(f"http://{addr}/metrics", timeout=10).text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name) and not line.startswith("#"))
 
 
 class Stack:
