@@ -258,14 +258,7 @@ async fn models_health_and_metrics() {
         .send()
         .await
         .unwrap();
-    let text = client()
-        .get(format!("{}/metrics", c.url))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let text = common::metrics(&c.url).await;
     use rngd_telemetry::names;
     for n in [
         names::GATEWAY_TTFT_SECONDS,

@@ -8,19 +8,10 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::{client, cluster};
+use common::{client, cluster, metrics, sample};
 use rngd_gateway::GatewayConfig;
 use serde_json::{Value, json};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-
-fn sample(text: &str, name: &str) -> f64 {
-    text.lines()
-        .find_map(|l| l.strip_prefix(name).and_then(|r| r.strip_prefix(' ')))
-        .unwrap_or_else(|| panic!("{name} missing:\n{text}"))
-        .trim()
-        .parse()
-        .unwrap()
-}
 
 #[tokio::test]
 async fn overload_is_429_with_retry_after_and_frees_every_slot() {
@@ -68,31 +59,22 @@ async fn overload_is_429_with_retry_after_and_frees_every_slot() {
         served >= 2 && rejected > 0,
         "served {served}, rejected {rejected}"
     );
-    let m = client()
-        .get(format!("{}/metrics", c.url))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
-    let counted = sample(
-        &m,
-        "rngd_pd_gateway_overload_rejections_total{reason=\"queue_full\"}",
-    ) + m
-        .lines()
-        .find_map(|l| {
-            l.strip_prefix("rngd_pd_gateway_overload_rejections_total{reason=\"queue_timeout\"} ")
-        })
-        .map(|v| v.trim().parse::<f64>().unwrap())
-        .unwrap_or(0.0);
+    let m = metrics(&c.url).await;
+    let reason = |r: &str| {
+        sample(
+            &m,
+            &format!("rngd_pd_gateway_overload_rejections_total{{reason=\"{r}\"}}"),
+        )
+    };
+    let counted = reason("queue_full").expect("queue_full rejections")
+        + reason("queue_timeout").unwrap_or(0.0);
     assert_eq!(counted, rejected as f64, "{m}");
     assert_eq!(
         sample(&m, "rngd_pd_gateway_in_flight"),
-        0.0,
+        Some(0.0),
         "every slot freed"
     );
-    assert_eq!(sample(&m, "rngd_pd_gateway_queued"), 0.0);
+    assert_eq!(sample(&m, "rngd_pd_gateway_queued"), Some(0.0));
     let r = client()
         .post(url)
         .json(&json!({"model": "fake-model", "prompt": "a b", "max_tokens": 2}))

@@ -372,3 +372,22 @@ pub async fn sse_events(resp: reqwest::Response) -> Vec<String> {
         .map(str::to_string)
         .collect()
 }
+
+/// The gateway's `/metrics` page.
+pub async fn metrics(url: &str) -> String {
+    client()
+        .get(format!("{url}/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap()
+}
+
+/// The value of one sample (`name` with its label set, if any), if present.
+pub fn sample(text: &str, name: &str) -> Option<f64> {
+    text.lines()
+        .find_map(|l| l.strip_prefix(name).and_then(|r| r.strip_prefix(' ')))
+        .map(|v| v.trim().parse().unwrap())
+}
