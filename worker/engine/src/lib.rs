@@ -15,6 +15,7 @@ use bytes::Bytes;
 pub use rngd_kv_wire::KvLayout;
 use tokio::sync::mpsc;
 
+pub mod chat_template;
 pub mod cpu;
 #[cfg(feature = "test-util")]
 pub mod fake;

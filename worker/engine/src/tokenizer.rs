@@ -24,23 +24,10 @@ use tokenizers::pre_tokenizers::sequence::Sequence;
 use tokenizers::{AddedToken, PreTokenizerWrapper};
 
 use crate::EngineError;
+pub use crate::chat_template::ChatTemplate;
 
 /// GGUF token type of control tokens (`<|im_start|>`, EOS, …).
 const TOKEN_TYPE_CONTROL: i32 = 3;
-
-/// How chats are rendered into a prompt.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum ChatTemplate {
-    /// `<|im_start|>role\ncontent<|im_end|>\n` per message, then
-    /// `<|im_start|>assistant\n`. `default_system` is inserted first when the
-    /// chat does not start with a system message.
-    ChatMl {
-        /// The template's default system prompt, if it has one.
-        default_system: Option<String>,
-    },
-    /// No chat template: `role: content\n` lines, then `assistant: `.
-    Plain,
-}
 
 /// Everything needed to build a [`Tokenizer`] without a file (see [`Tokenizer::from_parts`]).
 #[derive(Debug, Clone)]
@@ -378,15 +365,7 @@ impl Tokenizer {
             stop_ids.extend(id_of("<|im_end|>"));
         }
         stop_ids.extend(id_of("<|endoftext|>"));
-        let template = match (&chat_template, im_start) {
-            (Some(t), _) if t.contains("<|im_start|>") => ChatTemplate::ChatMl {
-                default_system: default_system_prompt(t),
-            },
-            (None, Some(_)) => ChatTemplate::ChatMl {
-                default_system: None,
-            },
-            _ => ChatTemplate::Plain,
-        };
+        let template = ChatTemplate::select(chat_template.as_deref(), im_start.is_some());
         Ok(Tokenizer {
             inner,
             model_name,
@@ -465,57 +444,8 @@ impl Tokenizer {
     /// Renders `(role, content)` messages with the model's template, ending with
     /// the assistant generation prompt.
     pub fn chat_prompt(&self, messages: &[(String, String)]) -> Result<String, EngineError> {
-        if messages.is_empty() {
-            return Err(EngineError::InvalidRequest(
-                "a chat needs at least one message".into(),
-            ));
-        }
-        let mut out = String::new();
-        match &self.template {
-            ChatTemplate::ChatMl { default_system } => {
-                if let Some(sys) = default_system
-                    && messages[0].0 != "system"
-                {
-                    out.push_str("<|im_start|>system\n");
-                    out.push_str(sys);
-                    out.push_str("<|im_end|>\n");
-                }
-                for (role, content) in messages {
-                    out.push_str("<|im_start|>");
-                    out.push_str(role);
-                    out.push('\n');
-                    out.push_str(content);
-                    out.push_str("<|im_end|>\n");
-                }
-                out.push_str("<|im_start|>assistant\n");
-            }
-            ChatTemplate::Plain => {
-                for (role, content) in messages {
-                    out.push_str(role);
-                    out.push_str(": ");
-                    out.push_str(content);
-                    out.push('\n');
-                }
-                out.push_str("assistant: ");
-            }
-        }
-        Ok(out)
+        self.template.render(messages)
     }
-}
-
-/// Finds the literal default system prompt of a ChatML Jinja template
-/// (`'<|im_start|>system\n…<|im_end|>` inside a string literal).
-fn default_system_prompt(template: &str) -> Option<String> {
-    let start_tag = "<|im_start|>system\n";
-    let at = template.find(start_tag)? + start_tag.len();
-    let rest = &template[at..];
-    let end = rest.find("<|im_end|>")?;
-    let text = &rest[..end];
-    // A template that inserts a variable here has no literal default.
-    if text.contains("{{") || text.contains('\'') || text.contains('"') || text.contains('+') {
-        return None;
-    }
-    Some(text.to_string())
 }
 
 /// Turns a stream of token ids into text pieces, holding back bytes of a UTF-8
