@@ -22,76 +22,16 @@ use std::path::Path;
 use candle_core::quantized::QMatMul;
 use candle_core::{Device, Module, Tensor};
 
+mod config;
+mod rope;
+
 use crate::EngineError;
 use crate::kv::{SeqCache, from_bf16};
 use crate::qgemm::{Pool, QWeights};
 use crate::tokenizer::Meta;
+pub(crate) use config::Config;
 use rayon::prelude::*;
-
-/// Shape of a Llama model.
-#[derive(Debug, Clone, PartialEq)]
-pub(crate) struct Config {
-    pub(crate) vocab: usize,
-    pub(crate) hidden: usize,
-    pub(crate) ffn: usize,
-    pub(crate) layers: usize,
-    pub(crate) heads: usize,
-    pub(crate) kv_heads: usize,
-    pub(crate) head_dim: usize,
-    pub(crate) rope_dims: usize,
-    pub(crate) rope_base: f32,
-    pub(crate) eps: f32,
-}
-
-impl Config {
-    /// Reads the `llama.*` metadata of a GGUF file.
-    pub(crate) fn from_meta(meta: &Meta<'_>) -> Result<Config, EngineError> {
-        let arch = meta.string("general.architecture")?;
-        if arch != "llama" {
-            return Err(meta.invalid(format!(
-                "architecture `{arch}` is not supported (only `llama` is)"
-            )));
-        }
-        let key = |k: &str| format!("{arch}.{k}");
-        let hidden = meta.uint(&key("embedding_length"))? as usize;
-        let heads = meta.uint(&key("attention.head_count"))? as usize;
-        let kv_heads = meta
-            .opt_uint(&key("attention.head_count_kv"))
-            .map(|x| x as usize)
-            .unwrap_or(heads);
-        if heads == 0
-            || kv_heads == 0
-            || !heads.is_multiple_of(kv_heads)
-            || !hidden.is_multiple_of(heads)
-        {
-            return Err(meta.invalid(format!(
-                "inconsistent attention shape: {heads} heads, {kv_heads} KV heads, hidden {hidden}"
-            )));
-        }
-        let head_dim = meta
-            .opt_uint(&key("attention.key_length"))
-            .map(|x| x as usize)
-            .unwrap_or(hidden / heads);
-        let rope_dims = meta
-            .opt_uint(&key("rope.dimension_count"))
-            .map(|x| x as usize)
-            .unwrap_or(head_dim);
-        Ok(Config {
-            vocab: 0, // filled from the embedding table
-            hidden,
-            ffn: meta.uint(&key("feed_forward_length"))? as usize,
-            layers: meta.uint(&key("block_count"))? as usize,
-            heads,
-            kv_heads,
-            head_dim,
-            rope_dims: rope_dims.min(head_dim) & !1,
-            rope_base: meta.opt_f32(&key("rope.freq_base")).unwrap_or(10_000.0),
-            eps: meta
-                .opt_f32(&key("attention.layer_norm_rms_epsilon"))
-                .unwrap_or(1e-5),
-        })
-    }
-}
+use rope::Rope;
 
 /// A projection `y = x · Wᵀ` with `W` `[out, inp]`.
 pub(crate) struct Linear {
@@ -146,9 +86,7 @@ pub(crate) struct Model {
     layers: Vec<Layer>,
     out_norm: Vec<f32>,
     lm_head: Linear,
-    /// `[positions, rope_dims / 2]`.
-    rope_cos: Vec<f32>,
-    rope_sin: Vec<f32>,
+    rope: Rope,
     max_pos: usize,
     /// Threads of the quantized matmuls.
     pool: Pool,
@@ -249,25 +187,21 @@ impl Model {
             None => Linear::new(&embed_t, false)?,
         };
         let embed = vec1(embed_t)?;
-        let half = cfg.rope_dims / 2;
-        let mut rope_cos = Vec::with_capacity(max_pos * half);
-        let mut rope_sin = Vec::with_capacity(max_pos * half);
-        for pos in 0..max_pos {
-            for i in 0..half {
-                let freq = (cfg.rope_base as f64).powf(-((2 * i) as f64) / cfg.rope_dims as f64);
-                let theta = pos as f64 * freq;
-                rope_cos.push(theta.cos() as f32);
-                rope_sin.push(theta.sin() as f32);
-            }
-        }
+        let freq_factors = get("rope_freqs.weight")?.map(vec1).transpose()?;
+        let rope = Rope::new(
+            cfg.rope_dims,
+            cfg.rope_base,
+            cfg.rope_freq_scale,
+            freq_factors.as_deref(),
+            max_pos,
+        )?;
         Ok(Model {
             cfg,
             embed,
             layers,
             out_norm,
             lm_head,
-            rope_cos,
-            rope_sin,
+            rope,
             max_pos,
             pool: Pool::new(candle_core::utils::get_num_threads())?,
         })
@@ -292,6 +226,14 @@ impl Model {
                 reason,
                 source: source.map(Box::new),
             };
+        let mut names: Vec<&String> = content.tensor_infos.keys().collect();
+        names.sort();
+        if let Some(name) = names
+            .iter()
+            .find(|n| !config::is_known_tensor(n, cfg.layers))
+        {
+            return Err(invalid(config::unknown_tensor_reason(name), None));
+        }
         let model = Model::build(
             cfg,
             |name| {
@@ -313,6 +255,17 @@ impl Model {
             EngineError::Other(reason) => invalid(reason, None),
             e => e,
         })?;
+        if let Some(n) = meta.opt_uint("llama.vocab_size")
+            && n as usize != model.cfg.vocab
+        {
+            return Err(invalid(
+                format!(
+                    "metadata key `llama.vocab_size` is {n} but the embedding table has {} rows",
+                    model.cfg.vocab
+                ),
+                None,
+            ));
+        }
         if model.cfg.vocab != tokenizer.vocab_size() {
             return Err(invalid(
                 format!(
@@ -339,21 +292,6 @@ impl Model {
         self.pool.threads()
     }
 
-    /// Applies RoPE (adjacent pairs, GGUF llama convention) to `n_heads` heads of `x` at `pos`.
-    fn rope(&self, x: &mut [f32], n_heads: usize, pos: usize) {
-        let half = self.cfg.rope_dims / 2;
-        let cos = &self.rope_cos[pos * half..(pos + 1) * half];
-        let sin = &self.rope_sin[pos * half..(pos + 1) * half];
-        for h in 0..n_heads {
-            let head = &mut x[h * self.cfg.head_dim..(h + 1) * self.cfg.head_dim];
-            for i in 0..half {
-                let (a, b) = (head[2 * i], head[2 * i + 1]);
-                head[2 * i] = a * cos[i] - b * sin[i];
-                head[2 * i + 1] = a * sin[i] + b * cos[i];
-            }
-        }
-    }
-
     /// One row of the fused Q/K/V output (`row`): its query with RoPE into
     /// `q`, its key with RoPE (in `k`) and its value into `cache` at `pos`.
     fn rope_and_store(
@@ -369,8 +307,8 @@ impl Model {
         let (qw, kw) = (c.heads * c.head_dim, c.kv_heads * c.head_dim);
         q.copy_from_slice(&row[..qw]);
         k.copy_from_slice(&row[qw..qw + kw]);
-        self.rope(q, c.heads, pos);
-        self.rope(k, c.kv_heads, pos);
+        self.rope.apply(q, c.heads, c.head_dim, pos);
+        self.rope.apply(k, c.kv_heads, c.head_dim, pos);
         cache.write(li, pos, k, &row[qw + kw..qw + 2 * kw]);
     }
 

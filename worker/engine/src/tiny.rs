@@ -76,10 +76,12 @@ pub fn tokenizer() -> Result<Tokenizer, EngineError> {
         model_name: "tiny-llama".into(),
         tokens,
         merges,
+        pre: crate::tokenizer::PreTokenizer::Smollm,
         token_types,
         eos_token_id: Some(TINY_IM_END),
         bos_token_id: None,
         add_bos: false,
+        add_eos: false,
         chat_template: None,
     })
 }
@@ -108,6 +110,7 @@ pub(crate) fn model(cfg: &TinyConfig, seq_len: usize) -> Result<Model, EngineErr
         head_dim,
         rope_dims: head_dim,
         rope_base: 10_000.0,
+        rope_freq_scale: 1.0,
         eps: 1e-5,
     };
     let d = cfg.hidden;

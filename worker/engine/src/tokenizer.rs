@@ -1,33 +1,54 @@
 //! The tokenizer of a GGUF model, built from its metadata alone.
 //!
 //! GGUF files of the `gpt2` tokenizer family carry a byte-level BPE vocabulary
-//! (`tokenizer.ggml.tokens`), its merges (`tokenizer.ggml.merges`) and token
-//! types (`tokenizer.ggml.token_type`, 3 = control). This module rebuilds that
-//! as a `tokenizers` BPE with the pre-tokenizer llama.cpp uses for such models:
-//! individual digits, then GPT-2 byte-level splitting without a prefix space.
-//! (candle's own GGUF tokenizer falls back to a byte-level pre-tokenizer that
-//! adds a prefix space, which gives wrong ids for `tokenizer.ggml.pre = "smollm"`.)
+//! (`tokenizer.ggml.tokens`), its merges (`tokenizer.ggml.merges`), token
+//! types (`tokenizer.ggml.token_type`) and the name of their pre-tokenizer
+//! (`tokenizer.ggml.pre`). This module rebuilds that as a `tokenizers` BPE
+//! with the pre-tokenizer llama.cpp uses for that name ([`PreTokenizer`]; an
+//! unknown name is a load error), and treats special tokens as llama.cpp does:
+//! control (3), user-defined (4) and unknown (2) tokens are matched whole in
+//! the text before BPE runs, BOS is prepended (and EOS appended) as
+//! `tokenizer.ggml.add_bos_token` / `add_eos_token` say, with the
+//! pre-tokenizer's default when the key is absent (true for `llama-bpe`).
 //!
 //! It also renders chats with the model's template (ChatML for models whose
 //! vocabulary has `<|im_start|>`), and turns generated tokens into text
 //! incrementally without splitting UTF-8 characters ([`StreamDecoder`]).
 
+mod gguf_meta;
+mod pre;
+
 use std::collections::{HashMap, HashSet};
 use std::path::Path;
 
 use candle_core::quantized::gguf_file;
+use tokenizers::AddedToken;
 use tokenizers::decoders::byte_level::ByteLevel as ByteLevelDecoder;
 use tokenizers::models::bpe::{BPE, Vocab};
-use tokenizers::pre_tokenizers::byte_level::ByteLevel;
-use tokenizers::pre_tokenizers::digits::Digits;
-use tokenizers::pre_tokenizers::sequence::Sequence;
-use tokenizers::{AddedToken, PreTokenizerWrapper};
 
 use crate::EngineError;
 pub use crate::chat_template::ChatTemplate;
+pub(crate) use gguf_meta::{Meta, read_gguf_header};
+pub use pre::PreTokenizer;
 
+/// GGUF token type of unknown tokens (`<unk>`).
+const TOKEN_TYPE_UNKNOWN: i32 = 2;
 /// GGUF token type of control tokens (`<|im_start|>`, EOS, …).
 const TOKEN_TYPE_CONTROL: i32 = 3;
+/// GGUF token type of user-defined tokens (added words, matched whole, shown as written).
+const TOKEN_TYPE_USER_DEFINED: i32 = 4;
+
+/// Control tokens that end a turn or the text, found by name as llama.cpp
+/// does (its end-of-generation set), besides the file's EOS/EOT/EOM ids.
+const END_OF_GENERATION: &[&str] = &[
+    "<|eot_id|>",
+    "<|eom_id|>",
+    "<|end_of_text|>",
+    "<|im_end|>",
+    "<|endoftext|>",
+    "<|end|>",
+    "<end_of_turn>",
+];
 
 /// Everything needed to build a [`Tokenizer`] without a file (see [`Tokenizer::from_parts`]).
 #[derive(Debug, Clone)]
@@ -38,6 +59,8 @@ pub struct TokenizerParts {
     pub tokens: Vec<String>,
     /// BPE merges, `"left right"`, highest priority first.
     pub merges: Vec<String>,
+    /// How text is split into words before BPE (`tokenizer.ggml.pre`).
+    pub pre: PreTokenizer,
     /// GGUF token types (same length as `tokens`, or empty = all normal).
     pub token_types: Vec<i32>,
     /// End-of-sequence token id.
@@ -46,6 +69,8 @@ pub struct TokenizerParts {
     pub bos_token_id: Option<u32>,
     /// Whether encoding prepends BOS.
     pub add_bos: bool,
+    /// Whether encoding appends EOS.
+    pub add_eos: bool,
     /// GGUF `tokenizer.chat_template`, if any.
     pub chat_template: Option<String>,
 }
@@ -60,6 +85,9 @@ pub struct Tokenizer {
     stop_ids: HashSet<u32>,
     bos: Option<u32>,
     add_bos: bool,
+    eos: Option<u32>,
+    add_eos: bool,
+    pre: PreTokenizer,
     template: ChatTemplate,
 }
 
@@ -79,121 +107,6 @@ fn tok_err(message: impl Into<String>) -> EngineError {
         source: None,
     }
 }
-
-/// Reads only the header and metadata of a GGUF file.
-pub(crate) fn read_gguf_header(
-    path: &Path,
-) -> Result<(gguf_file::Content, std::fs::File), EngineError> {
-    if !path.exists() {
-        return Err(EngineError::ModelNotFound {
-            path: path.to_path_buf(),
-        });
-    }
-    let mut file = std::fs::File::open(path).map_err(|source| EngineError::Io {
-        context: format!("opening {}", path.display()),
-        source,
-    })?;
-    let content =
-        gguf_file::Content::read(&mut file).map_err(|source| EngineError::InvalidModel {
-            path: path.to_path_buf(),
-            reason: "cannot parse the GGUF header".into(),
-            source: Some(Box::new(source)),
-        })?;
-    Ok((content, file))
-}
-
-/// Typed access to GGUF metadata with errors naming the key.
-pub(crate) struct Meta<'a> {
-    pub(crate) map: &'a HashMap<String, gguf_file::Value>,
-    pub(crate) path: &'a Path,
-}
-
-impl Meta<'_> {
-    pub(crate) fn invalid(&self, reason: String) -> EngineError {
-        EngineError::InvalidModel {
-            path: self.path.to_path_buf(),
-            reason,
-            source: None,
-        }
-    }
-
-    pub(crate) fn get(&self, key: &str) -> Result<&gguf_file::Value, EngineError> {
-        self.map
-            .get(key)
-            .ok_or_else(|| self.invalid(format!("metadata key `{key}` is missing")))
-    }
-
-    fn wrap<T>(&self, key: &str, r: candle_core::Result<T>) -> Result<T, EngineError> {
-        r.map_err(|source| EngineError::InvalidModel {
-            path: self.path.to_path_buf(),
-            reason: format!("metadata key `{key}` has an unexpected type"),
-            source: Some(Box::new(source)),
-        })
-    }
-
-    pub(crate) fn string(&self, key: &str) -> Result<String, EngineError> {
-        let v = self.get(key)?;
-        self.wrap(key, v.to_string().cloned())
-    }
-
-    pub(crate) fn opt_string(&self, key: &str) -> Option<String> {
-        self.map.get(key).and_then(|v| v.to_string().ok().cloned())
-    }
-
-    /// An unsigned integer of any width.
-    pub(crate) fn uint(&self, key: &str) -> Result<u64, EngineError> {
-        let v = self.get(key)?;
-        use gguf_file::Value as V;
-        let n = match v {
-            V::U8(x) => u64::from(*x),
-            V::U16(x) => u64::from(*x),
-            V::U32(x) => u64::from(*x),
-            V::U64(x) => *x,
-            V::I8(x) if *x >= 0 => *x as u64,
-            V::I16(x) if *x >= 0 => *x as u64,
-            V::I32(x) if *x >= 0 => *x as u64,
-            V::I64(x) if *x >= 0 => *x as u64,
-            _ => {
-                return Err(self.invalid(format!(
-                    "metadata key `{key}` is not a non-negative integer"
-                )));
-            }
-        };
-        Ok(n)
-    }
-
-    pub(crate) fn opt_uint(&self, key: &str) -> Option<u64> {
-        self.map.get(key).and_then(|_| self.uint(key).ok())
-    }
-
-    pub(crate) fn opt_f32(&self, key: &str) -> Option<f32> {
-        match self.map.get(key)? {
-            gguf_file::Value::F32(x) => Some(*x),
-            gguf_file::Value::F64(x) => Some(*x as f32),
-            _ => None,
-        }
-    }
-
-    pub(crate) fn opt_bool(&self, key: &str) -> Option<bool> {
-        self.map.get(key).and_then(|v| v.to_bool().ok())
-    }
-
-    fn string_array(&self, key: &str) -> Result<Vec<String>, EngineError> {
-        let v = self.get(key)?;
-        let items = self.wrap(key, v.to_vec())?;
-        items
-            .iter()
-            .map(|x| self.wrap(key, x.to_string().cloned()))
-            .collect()
-    }
-
-    fn int_array(&self, key: &str) -> Result<Vec<i32>, EngineError> {
-        let v = self.get(key)?;
-        let items = self.wrap(key, v.to_vec())?;
-        items.iter().map(|x| self.wrap(key, x.to_i32())).collect()
-    }
-}
-
 /// GPT-2's byte ↔ printable-character table: byte `b` is written as `char(table[b])`.
 pub(crate) fn bytes_to_unicode() -> [char; 256] {
     let mut table = ['\0'; 256];
@@ -231,6 +144,29 @@ impl Tokenizer {
                 "tokenizer model `{model}` is not supported (only the byte-level BPE `gpt2` family is)"
             )));
         }
+        let pre = match meta.opt_string("tokenizer.ggml.pre") {
+            Some(name) => PreTokenizer::from_gguf_name(&name).ok_or_else(|| {
+                meta.invalid(format!(
+                    "metadata key `tokenizer.ggml.pre` is `{name}`, a pre-tokenizer this engine \
+                     does not implement (it implements {})",
+                    pre::supported_names()
+                ))
+            })?,
+            None if map.contains_key("tokenizer.ggml.pre") => {
+                return Err(
+                    meta.invalid("metadata key `tokenizer.ggml.pre` is not a string".to_string())
+                );
+            }
+            // As llama.cpp: no name means its default splitting (it warns that
+            // quality may suffer; so do we).
+            None => {
+                tracing::warn!(
+                    path = %path.display(),
+                    "the GGUF has no `tokenizer.ggml.pre`: using the `default` pre-tokenizer, as llama.cpp does"
+                );
+                PreTokenizer::Default
+            }
+        };
         let tokens = meta.string_array("tokenizer.ggml.tokens")?;
         let merges = meta.string_array("tokenizer.ggml.merges")?;
         let token_types = if map.contains_key("tokenizer.ggml.token_type") {
@@ -259,22 +195,52 @@ impl Tokenizer {
             }
             _ => model_name,
         };
-        Self::from_parts(TokenizerParts {
+        let n_tokens = tokens.len();
+        let id = |key: &str| -> Result<Option<u32>, EngineError> {
+            match meta.opt_uint(key) {
+                Some(x) if (x as usize) < n_tokens => Ok(Some(x as u32)),
+                Some(x) => Err(meta.invalid(format!(
+                    "metadata key `{key}` is {x}, outside the vocabulary of {n_tokens}"
+                ))),
+                None => Ok(None),
+            }
+        };
+        let (bos_token_id, eos_token_id) = (
+            id("tokenizer.ggml.bos_token_id")?,
+            id("tokenizer.ggml.eos_token_id")?,
+        );
+        let add_bos = meta
+            .opt_bool("tokenizer.ggml.add_bos_token")
+            .unwrap_or(pre.default_add_bos());
+        let add_eos = meta
+            .opt_bool("tokenizer.ggml.add_eos_token")
+            .unwrap_or(false);
+        for (add, what, key) in [
+            (add_bos, bos_token_id, "bos"),
+            (add_eos, eos_token_id, "eos"),
+        ] {
+            if add && what.is_none() {
+                return Err(meta.invalid(format!(
+                    "tokenizer.ggml.add_{key}_token is true but `tokenizer.ggml.{key}_token_id` is missing"
+                )));
+            }
+        }
+        let mut tokenizer = Self::from_parts(TokenizerParts {
             model_name,
             tokens,
             merges,
+            pre,
             token_types,
-            eos_token_id: meta
-                .opt_uint("tokenizer.ggml.eos_token_id")
-                .map(|x| x as u32),
-            bos_token_id: meta
-                .opt_uint("tokenizer.ggml.bos_token_id")
-                .map(|x| x as u32),
-            add_bos: meta
-                .opt_bool("tokenizer.ggml.add_bos_token")
-                .unwrap_or(false),
+            eos_token_id,
+            bos_token_id,
+            add_bos,
+            add_eos,
             chat_template: meta.opt_string("tokenizer.chat_template"),
-        })
+        })?;
+        for key in ["tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"] {
+            tokenizer.stop_ids.extend(id(key)?);
+        }
+        Ok(tokenizer)
     }
 
     /// Builds a tokenizer from its parts (used by the in-process tiny model).
@@ -283,16 +249,19 @@ impl Tokenizer {
             model_name,
             tokens,
             merges,
+            pre,
             token_types,
             eos_token_id,
             bos_token_id,
             add_bos,
+            add_eos,
             chat_template,
         } = parts;
         if tokens.is_empty() {
             return Err(tok_err("the vocabulary is empty"));
         }
-        let is_control = |id: usize| token_types.get(id) == Some(&TOKEN_TYPE_CONTROL);
+        let ty = |id: usize| token_types.get(id).copied().unwrap_or(1);
+        let is_control = |id: usize| matches!(ty(id), TOKEN_TYPE_CONTROL | TOKEN_TYPE_UNKNOWN);
         let vocab: Vocab = tokens
             .iter()
             .enumerate()
@@ -312,25 +281,34 @@ impl Tokenizer {
             .collect::<Result<Vec<_>, _>>()?;
         let bpe = BPE::builder()
             .vocab_and_merges(vocab, merges)
+            .ignore_merges(pre.ignore_merges())
             .build()
             .map_err(|source| EngineError::Tokenizer {
                 message: "building the BPE model".into(),
                 source: Some(source),
             })?;
         let mut inner = tokenizers::Tokenizer::new(bpe);
-        let pre = Sequence::new(vec![
-            PreTokenizerWrapper::Digits(Digits::new(true)),
-            PreTokenizerWrapper::ByteLevel(ByteLevel::new(false, true, true)),
-        ]);
-        inner.with_pre_tokenizer(Some(pre));
+        inner.with_pre_tokenizer(Some(pre.build()?));
         inner.with_decoder(Some(ByteLevelDecoder::new(false, true, true)));
-        let specials: Vec<AddedToken> = tokens
-            .iter()
-            .enumerate()
-            .filter(|(i, _)| is_control(*i))
-            .map(|(_, t)| AddedToken::from(t.clone(), true))
-            .collect();
-        inner.add_special_tokens(&specials);
+        // Matched whole before the pre-tokenizer runs: control and unknown
+        // tokens as special (left out when decoding), user-defined ones as
+        // added words (decoded as written).
+        let added = |special: bool| -> Vec<AddedToken> {
+            tokens
+                .iter()
+                .enumerate()
+                .filter(|(i, _)| {
+                    if special {
+                        is_control(*i)
+                    } else {
+                        ty(*i) == TOKEN_TYPE_USER_DEFINED
+                    }
+                })
+                .map(|(_, t)| AddedToken::from(t.clone(), special))
+                .collect()
+        };
+        inner.add_special_tokens(&added(true));
+        inner.add_tokens(&added(false));
 
         let table = bytes_to_unicode();
         let mut inverse = HashMap::with_capacity(256);
@@ -343,6 +321,8 @@ impl Tokenizer {
             .map(|(i, t)| {
                 if is_control(i) {
                     Vec::new()
+                } else if ty(i) == TOKEN_TYPE_USER_DEFINED {
+                    t.as_bytes().to_vec()
                 } else {
                     // Characters outside the byte table (user-defined tokens) stand for themselves.
                     let mut out = Vec::with_capacity(t.len());
@@ -361,10 +341,12 @@ impl Tokenizer {
         let mut stop_ids = HashSet::new();
         stop_ids.extend(eos_token_id);
         let im_start = id_of("<|im_start|>");
-        if im_start.is_some() {
-            stop_ids.extend(id_of("<|im_end|>"));
-        }
-        stop_ids.extend(id_of("<|endoftext|>"));
+        stop_ids.extend(
+            END_OF_GENERATION
+                .iter()
+                .filter_map(|name| id_of(name))
+                .filter(|id| is_control(*id as usize) || token_types.is_empty()),
+        );
         let template = ChatTemplate::select(chat_template.as_deref(), im_start.is_some());
         Ok(Tokenizer {
             inner,
@@ -373,8 +355,26 @@ impl Tokenizer {
             stop_ids,
             bos: bos_token_id,
             add_bos,
+            eos: eos_token_id,
+            add_eos,
+            pre,
             template,
         })
+    }
+
+    /// The pre-tokenizer in use (from `tokenizer.ggml.pre`).
+    pub fn pre_tokenizer(&self) -> PreTokenizer {
+        self.pre
+    }
+
+    /// The BOS token id, if the model has one.
+    pub fn bos_id(&self) -> Option<u32> {
+        self.bos
+    }
+
+    /// Whether [`Tokenizer::encode`] prepends BOS.
+    pub fn adds_bos(&self) -> bool {
+        self.add_bos && self.bos.is_some()
     }
 
     /// The model's name (from GGUF `general.*` metadata).
@@ -392,13 +392,18 @@ impl Tokenizer {
         &self.template
     }
 
-    /// Token ids that end generation (EOS, `<|im_end|>` for ChatML models, `<|endoftext|>`).
+    /// Token ids that end generation: EOS, the file's EOT/EOM ids, and the
+    /// control tokens llama.cpp ends generation on by name (`<|eot_id|>`,
+    /// `<|eom_id|>`, `<|end_of_text|>`, `<|im_end|>`, `<|endoftext|>`, …).
     pub fn stop_ids(&self) -> &HashSet<u32> {
         &self.stop_ids
     }
 
-    /// Text → token ids. Control tokens written in the text (`<|im_start|>`) become
-    /// their ids; BOS is prepended only if the model asks for it.
+    /// Text → token ids, as llama.cpp's `llama_tokenize(text, add_special = true,
+    /// parse_special = true)`: special tokens written in the text
+    /// (`<|im_start|>`, `<|begin_of_text|>`) become their ids; BOS is prepended
+    /// and EOS appended only if the model asks for it (a text that starts with
+    /// the BOS token's text then starts with two BOS ids, as in llama.cpp).
     pub fn encode(&self, text: &str) -> Result<Vec<u32>, EngineError> {
         let enc = self
             .inner
@@ -412,6 +417,9 @@ impl Tokenizer {
             ids.extend(self.bos);
         }
         ids.extend_from_slice(enc.get_ids());
+        if self.add_eos {
+            ids.extend(self.eos);
+        }
         Ok(ids)
     }
 

@@ -1,12 +1,206 @@
 //! Tokenizer tests: llama.cpp's ids on the real model's metadata, round trips,
-//! chat rendering, and streaming detokenization.
+//! chat rendering, streaming detokenization, and the pre-tokenizer chosen by
+//! `tokenizer.ggml.pre` (the splits of each, an unknown name refused, BOS
+//! defaults, user-defined tokens) on copies of the real model's metadata.
+//! The full id battery against llama.cpp, SmolLM2 and Llama 3, is
+//! `tests/python/test_tokenizer_fidelity.py`.
 
 mod common;
 
-use rngd_engine::tokenizer::{StreamDecoder, Tokenizer};
+use std::path::{Path, PathBuf};
+
+use candle_core::quantized::gguf_file::{self, Value};
+use rngd_engine::tokenizer::{PreTokenizer, StreamDecoder, Tokenizer};
 
 fn real() -> Tokenizer {
     Tokenizer::from_gguf(&common::real_model()).expect("tokenizer from GGUF metadata")
+}
+
+/// The real model's metadata with `edit` applied, written as a GGUF file
+/// without tensors in `dir`.
+fn edited_metadata(dir: &Path, edit: impl FnOnce(&mut Vec<(String, Value)>)) -> PathBuf {
+    let mut f = std::fs::File::open(common::real_model()).unwrap();
+    let content = gguf_file::Content::read(&mut f).unwrap();
+    let mut kv: Vec<(String, Value)> = content.metadata.into_iter().collect();
+    kv.sort_by(|a, b| a.0.cmp(&b.0));
+    edit(&mut kv);
+    let path = dir.join("edited.gguf");
+    let mut out = std::fs::File::create(&path).unwrap();
+    let refs: Vec<(&str, &Value)> = kv.iter().map(|(k, v)| (k.as_str(), v)).collect();
+    gguf_file::write(&mut out, &refs, &[]).unwrap();
+    path
+}
+
+fn set(kv: &mut Vec<(String, Value)>, key: &str, value: Option<Value>) {
+    kv.retain(|(k, _)| k != key);
+    if let Some(v) = value {
+        kv.push((key.to_string(), v));
+    }
+}
+
+fn with_pre(dir: &Path, pre: Option<&str>) -> PathBuf {
+    edited_metadata(dir, |kv| {
+        set(
+            kv,
+            "tokenizer.ggml.pre",
+            pre.map(|p| Value::String(p.to_string())),
+        )
+    })
+}
+
+#[test]
+fn the_real_model_uses_the_smollm_pre_tokenizer() {
+    assert_eq!(real().pre_tokenizer(), PreTokenizer::Smollm);
+    assert!(!real().adds_bos(), "SmolLM2 sets add_bos_token false");
+}
+
+/// The words each pre-tokenizer makes of one text, worked out by hand from
+/// llama.cpp's expressions: Llama 3 keeps upper-case contractions, groups
+/// digits by three and keeps a newline run apart from the spaces after it;
+/// SmolLM2 splits every digit and knows only lower-case contractions.
+#[test]
+fn each_pre_tokenizer_splits_as_its_llama_cpp_expressions() {
+    let text = "I'M 12345 don't\n\n  x";
+    let got = |p: PreTokenizer| p.split(text).unwrap();
+    assert_eq!(
+        got(PreTokenizer::Llama3),
+        ["I", "'M", " ", "123", "45", " don", "'t", "\n\n", " ", " x"]
+    );
+    assert_eq!(
+        got(PreTokenizer::Smollm),
+        [
+            "I", "'", "M", " ", "1", "2", "3", "4", "5", " don", "'t", "\n\n ", " x"
+        ]
+    );
+    assert_eq!(
+        got(PreTokenizer::Gpt2),
+        ["I", "'", "M", " 12345", " don", "'t", "\n\n ", " x"]
+    );
+    // llama.cpp's default: punctuation runs first, then GPT-2's words, digit
+    // runs, three-digit groups.
+    assert_eq!(
+        got(PreTokenizer::Default),
+        [
+            "I", "'", "M", " ", "123", "45", " don", "'", "t", "\n\n ", " x"
+        ]
+    );
+    // Every split is a partition of the text.
+    for (_, p) in PreTokenizer::NAMES {
+        assert_eq!(got(*p).concat(), text, "{p:?}");
+    }
+}
+
+#[test]
+fn tokenizer_ggml_pre_chooses_the_pre_tokenizer() {
+    let dir = tempfile::tempdir().unwrap();
+    for (name, want) in PreTokenizer::NAMES {
+        let t = Tokenizer::from_gguf(&with_pre(dir.path(), Some(name))).unwrap();
+        assert_eq!(t.pre_tokenizer(), *want, "{name}");
+    }
+    // The choice reaches the ids: a newline run keeps the spaces after it
+    // (smollm: "\n\n " + " b") or not (llama-bpe: "\n\n" + " " + " b").
+    let smollm = Tokenizer::from_gguf(&with_pre(dir.path(), Some("smollm"))).unwrap();
+    let llama = Tokenizer::from_gguf(&with_pre(dir.path(), Some("llama-bpe"))).unwrap();
+    let text = "a\n\n  b";
+    assert_eq!(smollm.encode(text).unwrap(), real().encode(text).unwrap());
+    assert_eq!(smollm.encode(text).unwrap(), [81, 8866, 278]);
+    assert_eq!(llama.encode(text).unwrap(), [81, 1116, 216, 278]);
+}
+
+#[test]
+fn an_unknown_pre_tokenizer_is_a_load_error_naming_the_key_and_the_value() {
+    let dir = tempfile::tempdir().unwrap();
+    for name in ["qwen2", "deepseek-llm", "gpt2", ""] {
+        let err = Tokenizer::from_gguf(&with_pre(dir.path(), Some(name)))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("tokenizer.ggml.pre") && err.contains(&format!("`{name}`")),
+            "{err}"
+        );
+        assert!(err.contains("llama-bpe") && err.contains("smollm"), "{err}");
+    }
+    let err = Tokenizer::from_gguf(&edited_metadata(dir.path(), |kv| {
+        set(kv, "tokenizer.ggml.pre", Some(Value::U32(3)))
+    }))
+    .unwrap_err()
+    .to_string();
+    assert!(err.contains("tokenizer.ggml.pre"), "{err}");
+}
+
+#[test]
+fn no_pre_tokenizer_name_means_llama_cpp_s_default() {
+    let dir = tempfile::tempdir().unwrap();
+    let t = Tokenizer::from_gguf(&with_pre(dir.path(), None)).unwrap();
+    assert_eq!(t.pre_tokenizer(), PreTokenizer::Default);
+}
+
+#[test]
+fn bos_follows_add_bos_token_with_the_pre_tokenizer_s_default() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = |pre: &str, add_bos: Option<bool>| {
+        edited_metadata(dir.path(), |kv| {
+            set(kv, "tokenizer.ggml.pre", Some(Value::String(pre.into())));
+            set(kv, "tokenizer.ggml.add_bos_token", add_bos.map(Value::Bool));
+        })
+    };
+    let bos = 1; // SmolLM2's bos_token_id (<|im_start|>)
+    let first = |p: PathBuf| Tokenizer::from_gguf(&p).unwrap().encode("hi").unwrap()[0];
+    assert_eq!(
+        first(file("llama-bpe", None)),
+        bos,
+        "llama-bpe adds BOS by default"
+    );
+    assert_ne!(first(file("llama-bpe", Some(false))), bos);
+    assert_ne!(
+        first(file("smollm", None)),
+        bos,
+        "smollm does not by default"
+    );
+    assert_eq!(first(file("smollm", Some(true))), bos);
+    // add_bos without a BOS id is refused, naming the keys.
+    let err = Tokenizer::from_gguf(&edited_metadata(dir.path(), |kv| {
+        set(kv, "tokenizer.ggml.add_bos_token", Some(Value::Bool(true)));
+        set(kv, "tokenizer.ggml.bos_token_id", None);
+    }))
+    .unwrap_err()
+    .to_string();
+    assert!(err.contains("tokenizer.ggml.bos_token_id"), "{err}");
+}
+
+/// A user-defined token (type 4) is matched whole in text, like a control
+/// token, but decodes as written; control tokens decode to nothing.
+#[test]
+fn user_defined_tokens_are_matched_whole_and_decoded_as_written() {
+    let dir = tempfile::tempdir().unwrap();
+    let repo_name = 3u32; // `<repo_name>`, a control token in the file
+    let path = edited_metadata(dir.path(), |kv| {
+        let types = kv
+            .iter_mut()
+            .find(|(k, _)| k == "tokenizer.ggml.token_type")
+            .unwrap();
+        if let Value::Array(v) = &mut types.1 {
+            v[repo_name as usize] = Value::I32(4);
+        }
+    });
+    let user = Tokenizer::from_gguf(&path).unwrap();
+    let ids = user.encode("a<repo_name>b").unwrap();
+    assert!(ids.contains(&repo_name), "{ids:?}");
+    assert_eq!(user.decode(&ids).unwrap(), "a<repo_name>b");
+    assert_eq!(user.token_bytes(repo_name), b"<repo_name>");
+    let control = real();
+    let ids = control.encode("a<repo_name>b").unwrap();
+    assert!(ids.contains(&repo_name), "{ids:?}");
+    assert_eq!(control.decode(&ids).unwrap(), "ab");
+}
+
+#[test]
+fn stop_ids_are_llama_cpp_s_end_of_generation_tokens() {
+    let t = real();
+    // <|endoftext|> (0) and <|im_end|> (2, also the EOS id); not <|im_start|>.
+    let mut ids: Vec<u32> = t.stop_ids().iter().copied().collect();
+    ids.sort();
+    assert_eq!(ids, [0, 2]);
 }
 
 /// Ids produced by llama.cpp (llama-cpp-python 0.3.36, `tokenize(add_bos=False, special=True)`)
