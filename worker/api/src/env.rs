@@ -122,3 +122,12 @@ pub const AIRM_KV_RELAY_MAX_CONNECTIONS: &str = "AIRM_KV_RELAY_MAX_CONNECTIONS";
 pub const AIRM_KV_RELAY_MAX_WAITERS: &str = "AIRM_KV_RELAY_MAX_WAITERS";
 /// Relay: blobs held at most; default 65536.
 pub const AIRM_KV_RELAY_MAX_ENTRIES: &str = "AIRM_KV_RELAY_MAX_ENTRIES";
+/// `nixl-ucx`: directory holding the NIXL runtime (`libnixl_capi.so`, with
+/// `plugins/` beside it); default: the installed `nixl-cu12` wheel.
+pub const AIRM_KV_NIXL_LIB_DIR: &str = "AIRM_KV_NIXL_LIB_DIR";
+/// `nixl-ucx`: NIXL's plugin directory; default `plugins/` in the runtime's directory.
+pub const AIRM_KV_NIXL_PLUGIN_DIR: &str = "AIRM_KV_NIXL_PLUGIN_DIR";
+/// `nixl-ucx`: size of the registered host arena per process, MiB; default 1024.
+pub const AIRM_KV_UCX_POOL_MB: &str = "AIRM_KV_UCX_POOL_MB";
+/// `1`: the `nixl-ucx` transport logs size and SHA-256 of every blob.
+pub const AIRM_KV_UCX_LOG: &str = "AIRM_KV_UCX_LOG";

@@ -14,6 +14,8 @@ pub const DEFAULT_SHM_ROOT: &str = "/dev/shm/rngd_kv_cluster";
 pub const DEFAULT_TTL: Duration = Duration::from_secs(60);
 /// Default deadline of a `tcp` push, release or STATS.
 pub const DEFAULT_TCP_TIMEOUT: Duration = Duration::from_secs(30);
+/// Default size of the `nixl-ucx` arena, MiB.
+pub const DEFAULT_UCX_POOL_MB: usize = 1024;
 
 /// Configuration of the transports (one struct for all of them).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -38,6 +40,17 @@ pub struct TransportConfig {
     /// `tcp`: deadline of a push, release or STATS (`AIRM_KV_TCP_TIMEOUT_MS`,
     /// default 30 s); also bounds connecting and the handshake.
     pub tcp_timeout: Duration,
+    /// `nixl-ucx`: directory of the NIXL runtime (`AIRM_KV_NIXL_LIB_DIR`);
+    /// `None`: the installed `nixl-cu12` wheel, found through `python3`.
+    pub nixl_lib_dir: Option<PathBuf>,
+    /// `nixl-ucx`: NIXL's plugin directory (`AIRM_KV_NIXL_PLUGIN_DIR`);
+    /// `None`: `plugins/` in the runtime's directory.
+    pub nixl_plugin_dir: Option<PathBuf>,
+    /// `nixl-ucx`: size of the registered arena of this process, MiB
+    /// (`AIRM_KV_UCX_POOL_MB`, default 1024).
+    pub ucx_pool_mb: usize,
+    /// `nixl-ucx`: log size and SHA-256 of every blob (`AIRM_KV_UCX_LOG=1`).
+    pub ucx_log: bool,
 }
 
 impl Default for TransportConfig {
@@ -51,6 +64,10 @@ impl Default for TransportConfig {
             tcp_log: false,
             tcp_secret: None,
             tcp_timeout: DEFAULT_TCP_TIMEOUT,
+            nixl_lib_dir: None,
+            nixl_plugin_dir: None,
+            ucx_pool_mb: DEFAULT_UCX_POOL_MB,
+            ucx_log: false,
         }
     }
 }
@@ -83,6 +100,24 @@ impl TransportConfig {
         }
         if let Some(v) = lookup(env::AIRM_KV_TCP_TIMEOUT_MS) {
             cfg.tcp_timeout = parse_ms(env::AIRM_KV_TCP_TIMEOUT_MS, &v)?;
+        }
+        cfg.nixl_lib_dir = lookup(env::AIRM_KV_NIXL_LIB_DIR).map(PathBuf::from);
+        cfg.nixl_plugin_dir = lookup(env::AIRM_KV_NIXL_PLUGIN_DIR).map(PathBuf::from);
+        if let Some(v) = lookup(env::AIRM_KV_UCX_POOL_MB) {
+            cfg.ucx_pool_mb = match v.trim().parse::<usize>() {
+                Ok(mb) if (1..=1 << 20).contains(&mb) => mb,
+                _ => {
+                    return Err(KvError::Config {
+                        detail: format!(
+                            "{}={v:?}: expected a size in MiB (1 to 1048576)",
+                            env::AIRM_KV_UCX_POOL_MB
+                        ),
+                    });
+                }
+            };
+        }
+        if let Some(v) = lookup(env::AIRM_KV_UCX_LOG) {
+            cfg.ucx_log = parse_flag(env::AIRM_KV_UCX_LOG, &v)?;
         }
         cfg.tcp_secret = match (
             lookup(env::AIRM_KV_TCP_SECRET_FILE),
@@ -189,6 +224,9 @@ mod tests {
             (env::AIRM_KV_TCP_LOG, "1"),
             (env::AIRM_KV_TCP_SECRET, "worker-secret-0123456789\n"),
             (env::AIRM_KV_TCP_TIMEOUT_MS, "1500"),
+            (env::AIRM_KV_NIXL_LIB_DIR, "/opt/nixl/lib"),
+            (env::AIRM_KV_UCX_POOL_MB, "64"),
+            (env::AIRM_KV_UCX_LOG, "1"),
         ]
         .into();
         let cfg = TransportConfig::from_lookup(|k| vars.get(k).map(|v| v.to_string())).unwrap();
@@ -203,6 +241,9 @@ mod tests {
             Some(Secret::new(*b"worker-secret-0123456789").unwrap())
         );
         assert_eq!(cfg.tcp_timeout, Duration::from_millis(1500));
+        assert_eq!(cfg.nixl_lib_dir, Some(PathBuf::from("/opt/nixl/lib")));
+        assert_eq!(cfg.nixl_plugin_dir, None);
+        assert_eq!((cfg.ucx_pool_mb, cfg.ucx_log), (64, true));
         assert!(!format!("{cfg:?}").contains("worker-secret"), "{cfg:?}");
     }
 
@@ -260,5 +301,9 @@ mod tests {
             TransportConfig::from_lookup(|k| (k == env::AIRM_KV_TCP_CRC).then(|| "maybe".into()))
                 .unwrap_err();
         assert!(err.to_string().contains(env::AIRM_KV_TCP_CRC), "{err}");
+        let err =
+            TransportConfig::from_lookup(|k| (k == env::AIRM_KV_UCX_POOL_MB).then(|| "0".into()))
+                .unwrap_err();
+        assert!(err.to_string().contains(env::AIRM_KV_UCX_POOL_MB), "{err}");
     }
 }

@@ -7,6 +7,8 @@
 //! - [`shm`]: files in `/dev/shm`, published by rename and mapped with memmap2.
 //! - [`tcp`]: a client of the relay server ([`relay`], `rngd-pd relay`); [`frame`]
 //!   is the relay's binary protocol, which both ends build on.
+//! - `nixl`: the `nixl-ucx` transport (NIXL over UCX, one-sided READ of a
+//!   registered arena, descriptors through the relay); with the `nixl` feature.
 //! - `fake`: an in-memory transport for other crates' tests, and
 //!   `conformance`: the behaviour suite every transport must pass; both only
 //!   with the `test-util` feature.
@@ -24,6 +26,8 @@ pub mod conformance;
 #[cfg(feature = "test-util")]
 pub mod fake;
 pub mod frame;
+#[cfg(feature = "nixl")]
+pub mod nixl;
 pub mod registry;
 pub mod relay;
 pub mod shm;

@@ -1,7 +1,7 @@
 //! Transports selected by name.
 //!
-//! A new transport (e.g. `nixl-ucx`) is added by appending its name to
-//! [`KNOWN`] and one arm to [`by_name`].
+//! A new transport is added by appending its name to [`KNOWN`] and one arm
+//! to [`by_name`]. `nixl-ucx` is there with the `nixl` feature.
 
 use std::sync::Arc;
 
@@ -10,6 +10,10 @@ use rngd_api::env;
 use crate::{KvError, KvTransport, TransportConfig, shm::ShmTransport, tcp::TcpTransport};
 
 /// Names of the transports this build can create.
+#[cfg(feature = "nixl")]
+pub const KNOWN: &[&str] = &["shm", "tcp", "nixl-ucx"];
+/// Names of the transports this build can create.
+#[cfg(not(feature = "nixl"))]
 pub const KNOWN: &[&str] = &["shm", "tcp"];
 
 /// Default transport when `AIRM_KV_TRANSPORT` is unset.
@@ -32,6 +36,8 @@ pub fn by_name(name: &str, cfg: &TransportConfig) -> Result<Arc<dyn KvTransport>
     match name.trim() {
         "shm" => Ok(Arc::new(ShmTransport::new(cfg)?)),
         "tcp" => Ok(Arc::new(TcpTransport::new(cfg)?)),
+        #[cfg(feature = "nixl")]
+        "nixl-ucx" => Ok(Arc::new(crate::nixl::NixlUcxTransport::new(cfg)?)),
         other => Err(KvError::UnknownTransport {
             name: other.to_string(),
             known: KNOWN.join(", "),
