@@ -19,6 +19,10 @@ need=()
 command -v promtool >/dev/null 2>&1 || need+=(prometheus)
 command -v ip >/dev/null 2>&1 || need+=(iproute2)
 command -v npm >/dev/null 2>&1 || need+=(nodejs npm)
+# libclang and g++: the nixl-sys bindings (the nixl-ucx transport) run
+# bindgen and compile their C++ stubs at build time.
+ls /usr/lib/llvm-*/lib/libclang.so >/dev/null 2>&1 || need+=(libclang-dev)
+command -v g++ >/dev/null 2>&1 || need+=(g++)
 if [ ${#need[@]} -gt 0 ]; then
     export DEBIAN_FRONTEND=noninteractive
     apt-get update -qq

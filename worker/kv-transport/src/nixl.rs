@@ -31,11 +31,13 @@
 pub mod agent;
 pub mod arena;
 pub mod descriptor;
+mod housekeeping;
+mod relay_errors;
 pub mod runtime;
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, Weak};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -50,6 +52,8 @@ use crate::{
 use agent::Agent;
 use arena::{Arena, Extent};
 use descriptor::{Descriptor, Location};
+use housekeeping::housekeeping;
+use relay_errors::rename;
 
 /// Registry name.
 pub const NAME: &str = "nixl-ucx";
@@ -112,69 +116,6 @@ fn io_err(context: String, e: impl std::error::Error + Send + Sync + 'static) ->
         transport: NAME,
         context,
         source: std::io::Error::other(e),
-    }
-}
-
-/// An error of the relay client (named `tcp`) as this transport's.
-fn rename(e: KvError, request_id: &str) -> KvError {
-    let t = NAME;
-    match e {
-        KvError::NotFound { waited, .. } => KvError::NotFound {
-            transport: t,
-            request_id: request_id.to_string(),
-            waited,
-        },
-        KvError::Crc { source, .. } => KvError::Crc {
-            transport: t,
-            request_id: request_id.to_string(),
-            source,
-        },
-        KvError::Io {
-            context, source, ..
-        } => KvError::Io {
-            transport: t,
-            context: format!("KV relay: {context}"),
-            source,
-        },
-        KvError::ConnectionLost {
-            peer,
-            detail,
-            source,
-            ..
-        } => KvError::ConnectionLost {
-            transport: t,
-            peer,
-            detail: format!("KV relay (descriptors): {detail}"),
-            source,
-        },
-        KvError::Capacity { detail, source, .. } => KvError::Capacity {
-            transport: t,
-            detail: format!("KV relay: {detail}"),
-            source,
-        },
-        KvError::BadRequest { detail, .. } => KvError::BadRequest {
-            transport: t,
-            detail,
-        },
-        KvError::Protocol { peer, detail, .. } => KvError::Protocol {
-            transport: t,
-            peer,
-            detail,
-        },
-        KvError::Unauthorized { peer, detail, .. } => KvError::Unauthorized {
-            transport: t,
-            peer,
-            detail,
-        },
-        KvError::Timeout {
-            peer, op, after, ..
-        } => KvError::Timeout {
-            transport: t,
-            peer,
-            op,
-            after,
-        },
-        other => other,
     }
 }
 
@@ -295,59 +236,6 @@ impl NixlUcxTransport {
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
-}
-
-/// The thread that frees slots: on READ notifications, after the TTL, and
-/// returns quarantined extents. Ends with the transport.
-fn housekeeping(weak: Weak<Inner>) {
-    let Ok(mut map) = nixl_sys::NotificationMap::new() else {
-        tracing::error!("nixl-ucx: no notification map; slots are freed by TTL and release only");
-        return;
-    };
-    let mut last_sweep = Instant::now();
-    loop {
-        let Some(inner) = weak.upgrade() else { return };
-        if inner.stop.load(Ordering::Relaxed) {
-            return;
-        }
-        for (agent, msg) in inner.agent.notifications(&mut map) {
-            match descriptor::parse_free_notif(&msg) {
-                Some((key, slot, nonce)) => inner.free_slot(key, Some((slot, nonce)), "read"),
-                None => tracing::warn!(%agent, "nixl-ucx: unexpected notification"),
-            }
-        }
-        if last_sweep.elapsed() >= Duration::from_millis(20) {
-            last_sweep = Instant::now();
-            let now = Instant::now();
-            let expired: Vec<String> = lock(&inner.slots)
-                .iter()
-                .filter(|(_, s)| s.expires <= now)
-                .map(|(k, _)| k.clone())
-                .collect();
-            for k in expired {
-                inner.free_slot(&k, None, "ttl");
-            }
-            lock(&inner.quarantine).retain(|(until, _)| *until > now);
-        }
-        drop(inner);
-        std::thread::sleep(POLL);
-    }
-}
-
-impl Inner {
-    /// Frees the slot of `key` (only the one with `tag`, if given).
-    fn free_slot(&self, key: &str, tag: Option<(u64, u64)>, why: &'static str) {
-        let mut slots = lock(&self.slots);
-        let matches = match (slots.get(key), tag) {
-            (Some(s), Some((id, nonce))) => s.id == id && s.nonce == nonce,
-            (Some(_), None) => true,
-            (None, _) => false,
-        };
-        if matches {
-            slots.remove(key);
-            tracing::debug!(key, why, "nixl-ucx: slot freed");
-        }
-    }
 }
 
 impl Drop for Inner {
