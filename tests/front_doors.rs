@@ -9,7 +9,8 @@
 //! - `chat_prompt_tokens_agree_with_the_engine`: the same chat through the
 //!   gateway and the picker reaches the policy with the prompt-token count of
 //!   the engine's own tokenizer and chat template (the real SmolLM2 GGUF;
-//!   `rngd-pd model fetch` puts it in the cache, as `tests/run` does).
+//!   `rngd-pd model fetch` puts it in the cache, as `tests/run` does), with
+//!   the model's template and with a `--chat-template` file.
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -301,7 +302,40 @@ async fn same_verdicts_at_every_door() {
 async fn chat_prompt_tokens_agree_with_the_engine() {
     let model = rngd_engine::model_fetch::resolve(None)
         .expect("the default model is in the cache (`rngd-pd model fetch`)");
-    let tokenizer = rngd_engine::tokenizer::Tokenizer::from_gguf(&model).unwrap();
+    // The model's own template, then a `--chat-template` file (a Llama-3-style
+    // template that counts differently) with a `--served-model-name`.
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("llama3-style.jinja");
+    std::fs::write(
+        &file,
+        "{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m.role }}<|end_header_id|>\n\n\
+         {{ m.content | trim }}<|eot_id|>{% endfor %}<|start_header_id|>assistant<|end_header_id|>\n\n",
+    )
+    .unwrap();
+    let overridden = rngd_engine::tokenizer::TokenizerOverrides {
+        chat_template: Some(file),
+        served_model_name: Some("custom-served-name".into()),
+    };
+    let mut counts = Vec::new();
+    for overrides in [Default::default(), overridden] {
+        counts.push(tokens_agree(&model, overrides).await);
+    }
+    assert_ne!(
+        counts[0], counts[1],
+        "the override file is the template in use at every door"
+    );
+}
+
+/// Sends two chats through the gateway and the picker built with `overrides`;
+/// both must report the engine's count (same file, same overrides). Returns
+/// the counts.
+async fn tokens_agree(
+    model: &std::path::Path,
+    overrides: rngd_engine::tokenizer::TokenizerOverrides,
+) -> Vec<usize> {
+    let tokenizer = rngd_engine::tokenizer::Tokenizer::from_gguf(model)
+        .and_then(|t| t.with_overrides(&overrides))
+        .unwrap();
     // With a system message, and without one (the template then inserts
     // its default system prompt: a count of the bare ChatML would miss it).
     let with_system = vec![
@@ -311,7 +345,7 @@ async fn chat_prompt_tokens_agree_with_the_engine() {
         ("user", "And of Italy, with ünïcödé and emoji 🚀?"),
     ];
     let without_system = vec![("user", "Name three colours.")];
-    let d = doors(TokenizerChoice::Gguf(model)).await;
+    let d = doors(TokenizerChoice::Gguf(model.to_path_buf(), overrides)).await;
     let mut want = Vec::new();
     for messages in [&with_system, &without_system] {
         let pairs: Vec<(String, String)> = messages
@@ -355,6 +389,7 @@ async fn chat_prompt_tokens_agree_with_the_engine() {
         .map(|(_, c)| tokenizer.encode(c).unwrap().len())
         .sum();
     assert!(engine_count > bare, "{engine_count} vs {bare}");
+    want.into_iter().flatten().collect()
 }
 
 #[tokio::test]

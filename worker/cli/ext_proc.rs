@@ -55,9 +55,14 @@ pub struct Args {
     /// Policy plugin configuration (JSON file); default `{}`.
     #[arg(long, env = env::RNGD_PD_POLICY_CONFIG)]
     pub policy_config: Option<PathBuf>,
-    /// GGUF model whose tokenizer counts prompt tokens (default: `$RNGD_PD_MODEL`, then the cache).
+    /// GGUF model (or a directory holding exactly one) whose tokenizer and
+    /// chat template count prompt tokens (default: `$RNGD_PD_MODEL`, then the cache).
     #[arg(long)]
     pub model: Option<PathBuf>,
+    /// Jinja chat template file the workers render chats with instead of the
+    /// model's own (give the workers the same file).
+    #[arg(long, value_name = "FILE", conflicts_with = "no_tokenizer")]
+    pub chat_template: Option<PathBuf>,
     /// Do not count prompt tokens (the policy then cannot check the context length).
     #[arg(long)]
     pub no_tokenizer: bool,
@@ -113,7 +118,11 @@ fn options(args: &Args) -> anyhow::Result<Options> {
     } else {
         let path = rngd_engine::model_fetch::resolve(args.model.as_deref())
             .context("model for the tokenizer")?;
-        Some(TokenizerChoice::Gguf(path))
+        let overrides = rngd_pool::TokenizerOverrides {
+            chat_template: args.chat_template.clone(),
+            served_model_name: None,
+        };
+        Some(TokenizerChoice::Gguf(path, overrides))
     };
     Ok(Options {
         grpc: SocketAddr::new(args.host, args.grpc_port),
@@ -166,8 +175,8 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
             rngd_policy_host::check(module, config)
                 .with_context(|| format!("policy module {}", module.display()))?;
         }
-        if let Some(TokenizerChoice::Gguf(model)) = &opts.tokenizer {
-            rngd_pool::gguf_counter(model)?;
+        if let Some(TokenizerChoice::Gguf(model, overrides)) = &opts.tokenizer {
+            rngd_pool::gguf_counter_with(model, overrides)?;
         }
         opts.tls.start().context("TLS certificate")?;
         println!("ok");

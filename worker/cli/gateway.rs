@@ -43,11 +43,18 @@ pub struct Args {
     /// Plugin configuration of the policy (JSON file).
     #[arg(long, env = env::RNGD_PD_POLICY_CONFIG)]
     pub policy_config: Option<PathBuf>,
-    /// Model file (GGUF) whose tokenizer counts prompt tokens; default: the cached model.
+    /// Model file (GGUF), or a directory holding exactly one, whose tokenizer
+    /// and chat template count prompt tokens; default: the cached model.
     #[arg(long, env = env::RNGD_PD_MODEL)]
     pub model: Option<PathBuf>,
-    /// Extra accepted model name (alias); repeat for several.
-    #[arg(long = "served-model-name")]
+    /// Jinja chat template file the workers render chats with instead of the
+    /// model's own (give the workers the same file).
+    #[arg(long, value_name = "FILE")]
+    pub chat_template: Option<PathBuf>,
+    /// Model name to serve instead of the one from the file's metadata;
+    /// repeat for aliases: the first is the name in `/v1/models` and answers,
+    /// every one is accepted in requests.
+    #[arg(long = "served-model-name", value_name = "NAME")]
     pub served_model_name: Vec<String>,
     /// Bearer token of the policy admin API (every verb, GET included); unset = admin API off.
     #[arg(long, env = env::RNGD_PD_ADMIN_TOKEN, hide_env_values = true)]
@@ -171,13 +178,17 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         None => Vec::new(),
     };
     let model = rngd_engine::model_fetch::resolve(args.model.as_deref())?;
+    let overrides = rngd_pool::TokenizerOverrides {
+        chat_template: args.chat_template.clone(),
+        served_model_name: args.served_model_name.first().cloned(),
+    };
     if args.check {
         args.listen
             .parse::<std::net::SocketAddr>()
             .with_context(|| format!("--listen {}: expected HOST:PORT", args.listen))?;
         rngd_policy_host::check(&module, &policy_config)
             .with_context(|| format!("policy module {}", module.display()))?;
-        rngd_pool::gguf_counter(&model)?;
+        rngd_pool::gguf_counter_with(&model, &overrides)?;
         match &endpoints {
             SourceChoice::Kube(kube) => kube.check()?,
             SourceChoice::File { path, .. } => {
@@ -203,9 +214,9 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         },
         admin_token: args.admin_token.clone(),
         admin_listen: args.admin_listen,
-        tokenizer: TokenizerChoice::Gguf(model),
+        tokenizer: TokenizerChoice::Gguf(model, overrides),
         config: GatewayConfig {
-            model_aliases: args.served_model_name.clone(),
+            model_aliases: args.served_model_name.iter().skip(1).cloned().collect(),
             seq_len: args.seq_len,
             body_limit: args.body_limit,
             prefill_timeout: Duration::from_millis(args.prefill_timeout_ms),

@@ -37,9 +37,18 @@ pub struct Args {
     /// Port of the gateway's KPI endpoint (`airm_*`); unset = off.
     #[arg(long, env = env::AIRM_METRICS_PORT)]
     pub metrics_port: Option<u16>,
-    /// Model file (GGUF); default: the cached SmolLM2-135M-Instruct, fetched if missing.
+    /// Model file (GGUF), or a directory holding exactly one; default: the
+    /// cached SmolLM2-135M-Instruct, fetched if missing.
     #[arg(long, env = env::RNGD_PD_MODEL)]
     pub model: Option<PathBuf>,
+    /// Jinja chat template file instead of the model's own (passed to the
+    /// workers, the gateway and the picker alike).
+    #[arg(long, value_name = "FILE")]
+    pub chat_template: Option<PathBuf>,
+    /// Model name to serve instead of the one from the file's metadata
+    /// (passed to the workers and the gateway); repeat for aliases.
+    #[arg(long = "served-model-name", value_name = "NAME")]
+    pub served_model_name: Vec<String>,
     /// KV transport between prefill and decode: `shm` or `tcp`.
     #[arg(long, default_value = "shm")]
     pub kv_transport: String,
@@ -196,10 +205,10 @@ async fn wait_ready(
 
 fn ensure_model(model: Option<&Path>) -> anyhow::Result<PathBuf> {
     if let Some(p) = model {
-        if !p.is_file() {
+        if !p.exists() {
             bail!("model file {} does not exist", p.display());
         }
-        return Ok(p.to_path_buf());
+        return Ok(rngd_engine::model_fetch::resolve(Some(p))?);
     }
     let default = rngd_engine::model_fetch::default_model_path();
     if default.is_file() {
@@ -317,6 +326,19 @@ async fn bring_up(
 ) -> anyhow::Result<()> {
     let host = &args.host;
     let model_s = model.display().to_string();
+    // The same chat template and names for every child: the gateway and the
+    // picker count prompt tokens as the workers render them.
+    let mut model_flags: Vec<String> = Vec::new();
+    if let Some(t) = &args.chat_template {
+        if !t.is_file() {
+            bail!("chat template file {} does not exist", t.display());
+        }
+        model_flags.extend(["--chat-template".into(), t.display().to_string()]);
+    }
+    let mut name_flags: Vec<String> = Vec::new();
+    for n in &args.served_model_name {
+        name_flags.extend(["--served-model-name".into(), n.clone()]);
+    }
 
     // One secret for this stack: the relay admits only its workers, and the
     // decode worker takes only KV handles its prefill worker signed. Made
@@ -370,6 +392,7 @@ async fn bring_up(
         if let Some(t) = args.threads {
             a.extend(["--threads".into(), t.to_string()]);
         }
+        a.extend(model_flags.iter().chain(&name_flags).cloned());
         if let Some(prefill) = urls.first() {
             // The decode worker may orchestrate (`x-prefiller-host-port`, the
             // picker's PD route) on this stack's prefill worker only.
@@ -442,6 +465,7 @@ async fn bring_up(
         "--seq-len".into(),
         args.seq_len.to_string(),
     ];
+    g.extend(model_flags.iter().chain(&name_flags).cloned());
     if let Some(p) = args.metrics_port {
         g.extend([
             "--metrics-port".into(),
@@ -489,7 +513,7 @@ async fn bring_up(
         ];
         std::fs::write(&eps_file, serde_json::to_vec_pretty(&eps)?)
             .context("writing the endpoints file")?;
-        let e: Vec<String> = vec![
+        let mut e: Vec<String> = vec![
             "ext-proc".into(),
             "--host".into(),
             host.clone(),
@@ -511,6 +535,7 @@ async fn bring_up(
             "--model".into(),
             model_s.clone(),
         ];
+        e.extend(model_flags.iter().cloned());
         let (_, before) = start(
             stack,
             "ext-proc",

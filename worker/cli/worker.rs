@@ -63,9 +63,19 @@ pub struct Args {
     /// Default KV transport (`shm`, `tcp`); a request may name another.
     #[arg(long, env = env::AIRM_KV_TRANSPORT, default_value = "shm")]
     pub kv_transport: String,
-    /// GGUF model file; default: the model cache (`rngd-pd model fetch`).
+    /// GGUF model file, or a directory holding exactly one `.gguf`; default:
+    /// the model cache (`rngd-pd model fetch`).
     #[arg(long, env = env::RNGD_PD_MODEL)]
     pub model: Option<PathBuf>,
+    /// Jinja chat template file to render chats with instead of the model's
+    /// own `tokenizer.chat_template`.
+    #[arg(long, value_name = "FILE")]
+    pub chat_template: Option<PathBuf>,
+    /// Model name to serve (`/v1/models`, `model` in answers, the
+    /// `model_name` metric label) instead of the one from the file's metadata.
+    /// May be repeated as for the gateway; the worker serves the first.
+    #[arg(long = "served-model-name", value_name = "NAME")]
+    pub served_model_name: Vec<String>,
     /// Compiled context length S.
     #[arg(long, env = env::RNGD_PD_SEQ_LEN, default_value_t = 512)]
     pub seq_len: usize,
@@ -136,6 +146,8 @@ impl Args {
             port: self.port,
             kv_transport: self.kv_transport,
             model: self.model,
+            chat_template: self.chat_template,
+            served_model_name: self.served_model_name.into_iter().next(),
             seq_len: self.seq_len,
             batch: self.batch,
             threads: self.threads,
@@ -188,7 +200,12 @@ fn check_options(opts: &WorkerOptions) -> anyhow::Result<()> {
         rngd_kv_transport::TransportConfig::from_env().context("KV transport configuration")?;
     rngd_worker::kv_auth(opts.role, &kv)?;
     let model = rngd_engine::model_fetch::resolve(opts.model.as_deref())?;
+    let overrides = rngd_engine::tokenizer::TokenizerOverrides {
+        chat_template: opts.chat_template.clone(),
+        served_model_name: opts.served_model_name.clone(),
+    };
     rngd_engine::tokenizer::Tokenizer::from_gguf(&model)
+        .and_then(|t| t.with_overrides(&overrides))
         .with_context(|| format!("model {}", model.display()))?;
     Ok(())
 }

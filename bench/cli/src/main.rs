@@ -7,6 +7,7 @@
 //! `Options`; the library does the work. Each harness measures its baseline
 //! in the same run and, with `--json`, ends with one JSON line.
 
+mod chat_render;
 mod engine;
 mod epp;
 mod gateway;
@@ -36,6 +37,8 @@ enum Command {
     Gateway(gateway::Args),
     /// Latency Envoy + the endpoint picker add over Envoy routing directly.
     Epp(epp::Args),
+    /// Renders chats (JSON on stdin) with the engine's chat template, one JSON line each.
+    ChatRender(chat_render::Args),
     /// Open-loop replay of the Azure LLM inference trace against an OpenAI-compatible URL.
     Replay(replay::Args),
 }
@@ -71,6 +74,9 @@ fn main() -> anyhow::Result<()> {
             }
             Command::Epp(a) => {
                 rngd_bench_epp::run(a.into()).await?;
+            }
+            Command::ChatRender(a) => {
+                chat_render::run(a)?;
             }
             Command::Replay(a) => {
                 rngd_bench_replay::run(a.into()).await?;

@@ -28,7 +28,10 @@ use std::path::PathBuf;
 
 pub use load::{LoadSample, parse_load};
 pub use pick::{PickError, PickRequest, Picker, Policy, PolicyFailure};
-pub use prompt::{ApiKind, PrepareError, Prepared, PromptCounter, gguf_counter, prepare};
+pub use prompt::{
+    ApiKind, PrepareError, Prepared, PromptCounter, TokenizerOverrides, gguf_counter,
+    gguf_counter_with, prepare,
+};
 pub use scrape::{HttpFetcher, MetricsFetcher, ScrapedEndpoints};
 pub use source::{EndpointSource, FileEndpoints, StaticEndpoints, can_serve};
 pub use wiring::{PolicyChoice, ScrapeOptions, SourceChoice, TokenizerChoice};

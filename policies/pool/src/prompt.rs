@@ -9,6 +9,7 @@ use std::sync::Arc;
 
 use rngd_api::openai::{ChatCompletionRequest, CompletionRequest, Prompt, StreamOptions};
 use rngd_api::rules::{self, RuleError};
+pub use rngd_engine::tokenizer::TokenizerOverrides;
 
 use crate::{BoxError, PoolError};
 
@@ -43,8 +44,18 @@ impl PromptCounter for rngd_engine::tokenizer::Tokenizer {
 /// Loads the tokenizer of a GGUF model file as a counter (blocking: call it
 /// off the async threads).
 pub fn gguf_counter(path: &Path) -> Result<Arc<dyn PromptCounter>, PoolError> {
-    let t =
-        rngd_engine::tokenizer::Tokenizer::from_gguf(path).map_err(|e| PoolError::Tokenizer {
+    gguf_counter_with(path, &TokenizerOverrides::default())
+}
+
+/// [`gguf_counter`] with the user's `--chat-template` / `--served-model-name`
+/// applied, as the worker's engine applies them.
+pub fn gguf_counter_with(
+    path: &Path,
+    overrides: &TokenizerOverrides,
+) -> Result<Arc<dyn PromptCounter>, PoolError> {
+    let t = rngd_engine::tokenizer::Tokenizer::from_gguf(path)
+        .and_then(|t| t.with_overrides(overrides))
+        .map_err(|e| PoolError::Tokenizer {
             path: path.to_path_buf(),
             source: Box::new(e),
         })?;

@@ -15,7 +15,7 @@ use crate::pick::Policy;
 use crate::prompt::PromptCounter;
 use crate::scrape::{HttpFetcher, ScrapedEndpoints};
 use crate::source::{DEFAULT_FILE_POLL, EndpointSource, FileEndpoints, StaticEndpoints};
-use crate::{PoolError, gguf_counter};
+use crate::{PoolError, TokenizerOverrides, gguf_counter_with};
 
 /// Where the policy comes from.
 #[derive(Clone)]
@@ -96,8 +96,9 @@ impl PolicyChoice {
 /// Where the prompt counter comes from.
 #[derive(Clone)]
 pub enum TokenizerChoice {
-    /// A GGUF model file (metadata only is read).
-    Gguf(PathBuf),
+    /// A GGUF model file (metadata only is read), with the user's
+    /// `--chat-template` / `--served-model-name`.
+    Gguf(PathBuf, TokenizerOverrides),
     /// Any other implementation.
     Custom(Arc<dyn PromptCounter>),
 }
@@ -105,7 +106,7 @@ pub enum TokenizerChoice {
 impl std::fmt::Debug for TokenizerChoice {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            TokenizerChoice::Gguf(p) => f.debug_tuple("Gguf").field(p).finish(),
+            TokenizerChoice::Gguf(p, o) => f.debug_tuple("Gguf").field(p).field(o).finish(),
             TokenizerChoice::Custom(_) => f.write_str("Custom"),
         }
     }
@@ -115,10 +116,11 @@ impl TokenizerChoice {
     /// Loads the counter (off the async threads).
     pub async fn load(&self) -> Result<Arc<dyn PromptCounter>, PoolError> {
         match self {
-            TokenizerChoice::Gguf(path) => {
+            TokenizerChoice::Gguf(path, overrides) => {
                 let path = path.clone();
                 let p2 = path.clone();
-                tokio::task::spawn_blocking(move || gguf_counter(&p2))
+                let o = overrides.clone();
+                tokio::task::spawn_blocking(move || gguf_counter_with(&p2, &o))
                     .await
                     .map_err(|e| PoolError::Tokenizer {
                         path,
@@ -132,7 +134,7 @@ impl TokenizerChoice {
     /// The model file's stem (an accepted alias of the model name), if a file.
     pub fn file_stem(&self) -> Option<String> {
         match self {
-            TokenizerChoice::Gguf(p) => p.file_stem().and_then(|s| s.to_str()).map(String::from),
+            TokenizerChoice::Gguf(p, _) => p.file_stem().and_then(|s| s.to_str()).map(String::from),
             TokenizerChoice::Custom(_) => None,
         }
     }

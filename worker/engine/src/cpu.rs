@@ -48,6 +48,8 @@ pub struct CpuEngineOptions {
     /// Keep f32 copies of the weights and use them for prefill matmuls
     /// (faster prefill, ~4 bytes per parameter more memory); default true.
     pub dense_prefill: bool,
+    /// `--chat-template` / `--served-model-name`; default: the file's own.
+    pub tokenizer: crate::tokenizer::TokenizerOverrides,
 }
 
 impl CpuEngineOptions {
@@ -59,6 +61,7 @@ impl CpuEngineOptions {
             batch: 8,
             threads: None,
             dense_prefill: true,
+            tokenizer: Default::default(),
         }
     }
 }
@@ -129,6 +132,7 @@ impl CpuEngine {
         }
         let (mut model, tokenizer) =
             Model::load_gguf(&opts.model_path, opts.seq_len, opts.dense_prefill)?;
+        let tokenizer = tokenizer.with_overrides(&opts.tokenizer)?;
         let candle_threads = candle_core::utils::get_num_threads();
         if let Some(t) = opts.threads {
             model.set_threads(t)?;

@@ -47,6 +47,9 @@ pub enum EngineError {
         /// Where the model was looked for.
         path: std::path::PathBuf,
     },
+    /// `--model DIR` that does not hold exactly one `.gguf` file (the message lists them).
+    #[error("{0}")]
+    ModelDirectory(String),
     /// A file that is not a usable GGUF model.
     #[error("{path} is not a usable Llama GGUF model: {reason}")]
     InvalidModel {

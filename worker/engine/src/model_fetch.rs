@@ -155,8 +155,9 @@ pub fn default_model_path() -> PathBuf {
 }
 
 /// The model to load: `model` if given, else `$RNGD_PD_MODEL`, else the cached
-/// default. An error naming `rngd-pd model fetch` and `--model PATH` if that
-/// file does not exist.
+/// default. A directory stands for the one `.gguf` file in it (none or
+/// several is an error listing what is there). An error naming `rngd-pd model
+/// fetch` and `--model PATH` if the file does not exist.
 pub fn resolve(model: Option<&Path>) -> Result<PathBuf, EngineError> {
     let path = match model {
         Some(p) => p.to_path_buf(),
@@ -164,10 +165,53 @@ pub fn resolve(model: Option<&Path>) -> Result<PathBuf, EngineError> {
             .map(PathBuf::from)
             .unwrap_or_else(default_model_path),
     };
+    if path.is_dir() {
+        return gguf_in_dir(&path);
+    }
     if !path.is_file() {
         return Err(EngineError::ModelNotFound { path });
     }
     Ok(path)
+}
+
+/// The one `.gguf` file directly inside `dir`.
+fn gguf_in_dir(dir: &Path) -> Result<PathBuf, EngineError> {
+    let entries = std::fs::read_dir(dir).map_err(|source| EngineError::Io {
+        context: format!("listing the model directory {}", dir.display()),
+        source,
+    })?;
+    let mut found = Vec::new();
+    for e in entries {
+        let e = e.map_err(|source| EngineError::Io {
+            context: format!("listing the model directory {}", dir.display()),
+            source,
+        })?;
+        let p = e.path();
+        let is_gguf = p
+            .extension()
+            .is_some_and(|x| x.eq_ignore_ascii_case("gguf"));
+        if is_gguf && p.is_file() {
+            found.push(p);
+        }
+    }
+    found.sort();
+    match found.len() {
+        1 => Ok(found.remove(0)),
+        0 => Err(EngineError::ModelDirectory(format!(
+            "the model directory {} holds no .gguf file",
+            dir.display()
+        ))),
+        _ => Err(EngineError::ModelDirectory(format!(
+            "the model directory {} holds {} .gguf files ({}); pass --model with the file to serve",
+            dir.display(),
+            found.len(),
+            found
+                .iter()
+                .filter_map(|p| p.file_name().map(|n| n.to_string_lossy().into_owned()))
+                .collect::<Vec<_>>()
+                .join(", ")
+        ))),
+    }
 }
 
 /// SHA-256 of a file, as lowercase hex.

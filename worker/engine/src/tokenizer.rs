@@ -27,9 +27,9 @@ use tokenizers::decoders::byte_level::ByteLevel as ByteLevelDecoder;
 use tokenizers::models::bpe::{BPE, Vocab};
 
 use crate::EngineError;
-pub use crate::chat_template::ChatTemplate;
 pub(crate) use gguf_meta::{Meta, read_gguf_header};
 pub use pre::PreTokenizer;
+pub use crate::chat_template::{ChatTemplate, SpecialTokens};
 
 /// GGUF token type of unknown tokens (`<unk>`).
 const TOKEN_TYPE_UNKNOWN: i32 = 2;
@@ -75,6 +75,16 @@ pub struct TokenizerParts {
     pub chat_template: Option<String>,
 }
 
+/// What a user may change about a model's tokenizer (`--chat-template`,
+/// `--served-model-name`); the default changes nothing.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct TokenizerOverrides {
+    /// A Jinja chat template file to use instead of the model's own.
+    pub chat_template: Option<std::path::PathBuf>,
+    /// The model name to serve instead of the one from the file's metadata.
+    pub served_model_name: Option<String>,
+}
+
 /// A model's tokenizer and chat template.
 #[derive(Clone)]
 pub struct Tokenizer {
@@ -107,6 +117,7 @@ fn tok_err(message: impl Into<String>) -> EngineError {
         source: None,
     }
 }
+
 /// GPT-2's byte ↔ printable-character table: byte `b` is written as `char(table[b])`.
 pub(crate) fn bytes_to_unicode() -> [char; 256] {
     let mut table = ['\0'; 256];
@@ -347,7 +358,12 @@ impl Tokenizer {
                 .filter_map(|name| id_of(name))
                 .filter(|id| is_control(*id as usize) || token_types.is_empty()),
         );
-        let template = ChatTemplate::select(chat_template.as_deref(), im_start.is_some());
+        let specials = SpecialTokens {
+            bos: bos_token_id.and_then(|i| tokens.get(i as usize)).cloned(),
+            eos: eos_token_id.and_then(|i| tokens.get(i as usize)).cloned(),
+        };
+        let template =
+            ChatTemplate::for_model(chat_template.as_deref(), specials, im_start.is_some())?;
         Ok(Tokenizer {
             inner,
             model_name,
@@ -451,8 +467,50 @@ impl Tokenizer {
 
     /// Renders `(role, content)` messages with the model's template, ending with
     /// the assistant generation prompt.
+    ///
+    /// When the template prints `bos_token` first and [`Tokenizer::encode`]
+    /// prepends BOS itself, that leading BOS text is left out, so the prompt
+    /// encodes with one BOS (as vLLM tokenizes chats, without adding special
+    /// tokens to a template that has them).
     pub fn chat_prompt(&self, messages: &[(String, String)]) -> Result<String, EngineError> {
-        self.template.render(messages)
+        let mut text = self.template.render(messages)?;
+        if self.add_bos
+            && self.bos.is_some()
+            && let Some(bos) = &self.template.specials().bos
+            && text.starts_with(bos.as_str())
+        {
+            text.drain(..bos.len());
+        }
+        Ok(text)
+    }
+
+    /// Renders chats with the Jinja template in `path` instead of the model's
+    /// own (`--chat-template FILE`); a template that does not compile is an error.
+    pub fn with_chat_template_file(mut self, path: &Path) -> Result<Tokenizer, EngineError> {
+        self.template = self.template.with_file(path)?;
+        Ok(self)
+    }
+
+    /// Serves the model under `name` instead of the one its metadata gives
+    /// (`--served-model-name`); an empty name is an error.
+    pub fn with_model_name(mut self, name: &str) -> Result<Tokenizer, EngineError> {
+        if name.trim().is_empty() {
+            return Err(tok_err("the served model name must not be empty"));
+        }
+        self.model_name = name.to_string();
+        Ok(self)
+    }
+
+    /// Applies the user's choices ([`TokenizerOverrides`]) to the tokenizer of a model file.
+    pub fn with_overrides(self, o: &TokenizerOverrides) -> Result<Tokenizer, EngineError> {
+        let t = match &o.chat_template {
+            Some(p) => self.with_chat_template_file(p)?,
+            None => self,
+        };
+        match &o.served_model_name {
+            Some(n) => t.with_model_name(n),
+            None => Ok(t),
+        }
     }
 }
 

@@ -46,8 +46,15 @@ pub struct WorkerOptions {
     pub port: u16,
     /// Default KV transport (`shm`, `tcp`); a request may name another.
     pub kv_transport: String,
-    /// GGUF model file; default: the model cache (`rngd-pd model fetch`).
+    /// GGUF model file, or a directory holding exactly one; default: the
+    /// model cache (`rngd-pd model fetch`).
     pub model: Option<PathBuf>,
+    /// Jinja chat template file used instead of the model's own
+    /// `tokenizer.chat_template` (`--chat-template`).
+    pub chat_template: Option<PathBuf>,
+    /// Model name served in `/v1/models`, answers and metrics instead of the
+    /// one derived from the file's metadata (`--served-model-name`).
+    pub served_model_name: Option<String>,
     /// Compiled context length S.
     pub seq_len: usize,
     /// Decode streams stepped together.
@@ -92,6 +99,8 @@ impl Default for WorkerOptions {
             port: 0,
             kv_transport: "shm".into(),
             model: None,
+            chat_template: None,
+            served_model_name: None,
             seq_len: 512,
             batch: 8,
             threads: None,

@@ -364,6 +364,10 @@ pub async fn launch(
 async fn load_engine(args: &WorkerOptions) -> Result<Arc<dyn Engine>, WorkerError> {
     let model = args.model.clone();
     let (seq_len, batch, threads) = (args.seq_len, args.batch, args.threads);
+    let overrides = rngd_engine::tokenizer::TokenizerOverrides {
+        chat_template: args.chat_template.clone(),
+        served_model_name: args.served_model_name.clone(),
+    };
     tokio::task::spawn_blocking(
         move || -> Result<Arc<dyn Engine>, Box<rngd_engine::EngineError>> {
             let path = rngd_engine::model_fetch::resolve(model.as_deref()).map_err(Box::new)?;
@@ -371,6 +375,7 @@ async fn load_engine(args: &WorkerOptions) -> Result<Arc<dyn Engine>, WorkerErro
             opts.seq_len = seq_len;
             opts.batch = batch;
             opts.threads = threads;
+            opts.tokenizer = overrides;
             let engine: Arc<dyn Engine> =
                 rngd_engine::cpu::CpuEngine::load(opts).map_err(Box::new)?;
             Ok(engine)
