@@ -258,3 +258,63 @@ def test_a_template_that_does_not_compile_is_refused_at_load(tmp_path):
         )
         assert p.returncode != 0
         assert needle in p.stderr and "bad.jinja" in p.stderr, p.stderr
+
+
+def test_a_worker_serves_the_override_template_and_name(tmp_path):
+    """`rngd-pd worker --chat-template F --served-model-name N`: the chat's
+    prompt tokens are those of F's rendering, N is the name served, and a chat
+    the template refuses is a 400 carrying the template's message."""
+    import requests
+
+    from conftest import start_worker
+
+    f = tmp_path / "llama31-style.jinja"
+    f.write_text(LLAMA31_STYLE)
+    chat = CHATS[2]
+    [want] = ours(model_path(), [chat], chat_template=f)
+    proc, addr = start_worker("solo", "--chat-template", str(f), "--served-model-name", "my-smol")
+    try:
+        models = requests.get(f"http://{addr}/v1/models", timeout=30).json()
+        assert [m["id"] for m in models["data"]] == ["my-smol"]
+        r = requests.post(
+            f"http://{addr}/v1/chat/completions",
+            json={"model": "my-smol", "messages": chat, "max_tokens": 1, "temperature": 0},
+            timeout=120,
+        )
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["model"] == "my-smol"
+        assert body["usage"]["prompt_tokens"] == len(want["ids"])
+        r = requests.post(
+            f"http://{addr}/v1/chat/completions",
+            json={"model": "my-smol", "messages": [msg("user", "a"), msg("user", "b")], "max_tokens": 1},
+            timeout=120,
+        )
+        assert r.status_code == 400, r.text
+        assert "Conversation roles must alternate" in r.json()["error"]["message"]
+    finally:
+        proc.stop()
+
+
+def test_model_directory_and_bad_template_at_worker_check(tmp_path):
+    """`--model DIR` takes the one .gguf in it (several: an error naming them);
+    a template that does not compile fails `--check`, naming the file."""
+    from conftest import rngd_bin
+
+    m = model_path()
+    d = tmp_path / "models"
+    d.mkdir()
+    os.symlink(m, d / "only.gguf")
+
+    def check(*args):
+        return subprocess.run([rngd_bin(), "worker", "--check", *args], capture_output=True, text=True, timeout=120)
+
+    ok = check("--model", str(d))
+    assert ok.returncode == 0 and ok.stdout.strip() == "ok", ok.stderr
+    os.symlink(m, d / "other.gguf")
+    two = check("--model", str(d))
+    assert two.returncode != 0 and "only.gguf" in two.stderr and "other.gguf" in two.stderr, two.stderr
+    bad = tmp_path / "broken.jinja"
+    bad.write_text("{% if messages %}")
+    p = check("--model", m, "--chat-template", str(bad))
+    assert p.returncode != 0 and "broken.jinja" in p.stderr and "does not compile" in p.stderr, p.stderr
