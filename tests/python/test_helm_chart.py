@@ -669,3 +669,39 @@ def test_prefill_workers_take_prefill_only_requests_from_the_pod_network_only():
     assert not any(a.startswith("--front-door-allow") for a in container(render(), "demo-decode")["args"])
     pre = container(render({"prefill": {"frontDoorAllow": ["10.244.0.0/16"]}}), "demo-prefill")
     assert "--front-door-allow=10.244.0.0/16" in pre["args"]
+
+
+def test_cross_node_nixl_ucx_renders_the_transport_env_and_arena():
+    def env_of(objs, name):
+        return {e["name"]: e.get("value") for e in container(objs, name)["env"]}
+
+    default = env_of(render(), "demo-decode")
+    assert default["AIRM_KV_TRANSPORT"] == "tcp"
+    assert "AIRM_KV_UCX_POOL_MB" not in default and "UCX_TLS" not in default
+    objs = render(
+        {
+            "kvTransport": {
+                "crossNode": "nixl-ucx",
+                "nixl": {
+                    "poolMb": 2048,
+                    "ucxTls": "rc,ud,sm,self",
+                    "ucxNetDevices": "mlx5_0:1",
+                    "libDir": "/opt/nixl/lib/x86_64-linux-gnu",
+                },
+            }
+        }
+    )
+    for name in ("demo-prefill", "demo-decode"):
+        env = env_of(objs, name)
+        assert env["AIRM_KV_TRANSPORT"] == "nixl-ucx"
+        assert env["AIRM_KV_UCX_POOL_MB"] == "2048"
+        assert env["UCX_TLS"] == "rc,ud,sm,self"
+        assert env["UCX_NET_DEVICES"] == "mlx5_0:1"
+        assert env["AIRM_KV_NIXL_LIB_DIR"] == "/opt/nixl/lib/x86_64-linux-gnu"
+        assert env["AIRM_KV_UCX_LOG"] == "0"
+        assert env["AIRM_KV_TCP_ADDR"] == "demo-relay:7070", "descriptors go through the relay"
+        assert "AIRM_KV_NIXL_PLUGIN_DIR" not in env
+        pod = objs[("Deployment", name)]["spec"]["template"]["metadata"]
+        assert "nixl-ucx" in pod["annotations"]["rngd-pd.io/transports"]
+    err = render_error({"kvTransport": {"crossNode": "nixl-ucx"}, "relay": {"enabled": False}})
+    assert "relay.enabled" in err
