@@ -205,3 +205,148 @@ fn a_missing_runtime_is_named_at_startup() {
         .to_string();
     assert!(err.contains("AIRM_KV_TCP_ADDR"), "{err}");
 }
+
+const PEER: &str = env!("CARGO_BIN_EXE_rngd-kv-peer");
+const PEER_SECRET: &str = "test-relay-secret-0123456789abcdef";
+
+/// `rngd-kv-peer push --transport nixl-ucx` against `relay`: the child
+/// (holding its slot until stdin closes) and the handle it printed.
+fn peer_push(relay: &TestRelay, id: &str) -> (std::process::Child, KvHandle) {
+    use std::io::BufRead;
+    let mut child = std::process::Command::new(PEER)
+        .args([
+            "push",
+            "--transport",
+            "nixl-ucx",
+            "--addr",
+            &relay.addr.to_string(),
+        ])
+        .args([
+            "--id",
+            id,
+            "--seed",
+            "5",
+            "--blobs",
+            "8",
+            "--blob-len",
+            "65536",
+        ])
+        .args(["--pool-mb", "16", "--ttl-ms", &TTL.as_millis().to_string()])
+        .env("AIRM_KV_TCP_SECRET", PEER_SECRET)
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .expect("starting rngd-kv-peer");
+    let mut line = String::new();
+    std::io::BufReader::new(child.stdout.as_mut().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    let handle =
+        serde_json::from_str(line.trim()).unwrap_or_else(|e| panic!("peer printed {line:?}: {e}"));
+    (child, handle)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prefill_killed_after_publishing_is_a_clear_error_and_nothing_leaks() {
+    let relay = TestRelay::start(ttl_cfg(TTL)).await;
+    assert_eq!(
+        common::secret(),
+        rngd_kv_transport::relay::Secret::parse(PEER_SECRET).unwrap()
+    );
+    let decode = side(&relay);
+    // Control: a live prefill process is read byte-exact over UCX.
+    let (mut live, handle) = peer_push(&relay, "peer-live");
+    let got = decode.pull(&handle, Duration::from_secs(10)).await.unwrap();
+    assert_eq!(got, conformance::payload("peer-live", 5, 8, 65536).blobs);
+    decode.release(&handle).await.unwrap();
+    drop(live.stdin.take());
+    let out = live.wait_with_output().unwrap();
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout).trim(),
+        "slots 0",
+        "the READ freed the slot"
+    );
+    // SIGKILLed after publishing: its descriptor is in the relay, its arena gone.
+    let (mut dead, handle) = peer_push(&relay, "peer-killed");
+    dead.kill().unwrap();
+    dead.wait().unwrap();
+    let started = Instant::now();
+    let err = decode
+        .pull(&handle, Duration::from_secs(2))
+        .await
+        .expect_err("the prefill process is gone");
+    assert!(err.to_string().contains("nixl-ucx"), "{err}");
+    assert!(
+        matches!(
+            err,
+            KvError::ConnectionLost { .. } | KvError::Timeout { .. }
+        ),
+        "{err}"
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(15),
+        "error after {:?}",
+        started.elapsed()
+    );
+    decode.release(&handle).await.unwrap();
+    // The decode side keeps nothing (its extent comes back after the quarantine).
+    tokio::time::sleep(rngd_kv_transport::nixl::QUARANTINE + Duration::from_millis(100)).await;
+    assert_eq!(decode.held(), 0);
+    tokio::time::sleep(TTL * 2).await;
+    assert_eq!(
+        busy(&relay.stats().await),
+        0,
+        "the relay holds nothing after the TTL"
+    );
+    relay.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_decode_killed_before_its_read_leaks_no_prefill_slot_after_the_ttl() {
+    let relay = TestRelay::start(ttl_cfg(TTL)).await;
+    let prefill = side(&relay);
+    let handle = prefill
+        .push(conformance::payload("decode-killed", 9, 4, 100_000))
+        .await
+        .unwrap();
+    assert_eq!(prefill.slots(), 1);
+    // A decode process waiting for a descriptor (before any READ), SIGKILLed.
+    let mut waiting = handle.clone();
+    waiting.request_id = "decode-killed-late".into();
+    let mut decode = std::process::Command::new(PEER)
+        .args([
+            "pull",
+            "--transport",
+            "nixl-ucx",
+            "--addr",
+            &relay.addr.to_string(),
+        ])
+        .args(["--seed", "9", "--pool-mb", "16", "--timeout-ms", "30000"])
+        .args(["--handle", &serde_json::to_string(&waiting).unwrap()])
+        .env("AIRM_KV_TCP_SECRET", PEER_SECRET)
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    decode.kill().unwrap();
+    decode.wait().unwrap();
+    let started = Instant::now();
+    while prefill.held() > 0 || busy(&relay.stats().await) > 0 {
+        assert!(
+            started.elapsed() < TTL + Duration::from_secs(10),
+            "prefill holds {} slots, relay {} objects after the TTL",
+            prefill.held(),
+            busy(&relay.stats().await)
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let err = side(&relay)
+        .pull(&handle, Duration::from_millis(200))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(err, KvError::NotFound { .. }) && err.to_string().contains("nixl-ucx"),
+        "{err}"
+    );
+    relay.stop().await;
+}

@@ -2,7 +2,7 @@
 //! `test-util` feature, which the crate's own tests enable). The across-nodes
 //! test (`tests/netns.rs`) runs it inside network namespaces with
 //! `ip netns exec` to play the relay, the prefill side (push) and the decode
-//! side (pull) of the `tcp` transport.
+//! side (pull) of the `tcp` and `nixl-ucx` transports.
 //!
 //! - `relay [--listen HOST:PORT]` (default `0.0.0.0:0`): prints
 //!   `relay listening on ADDR`, serves until stdin closes;
@@ -13,6 +13,13 @@
 //!   pulls, checks the bytes against the pattern, releases, prints
 //!   `ok BYTES`; exits 1 on any error.
 //!
+//! `push` and `pull` take `--transport tcp|nixl-ucx` (default `tcp`).
+//! With `nixl-ucx` the pusher must stay up until the puller has READ its
+//! slot: after the handle it keeps running until stdin closes, then prints
+//! `slots N` (the slots it still holds) and exits. `--ttl-ms` sets the slot
+//! TTL, `--pool-mb` the arena; the relay secret comes from
+//! `AIRM_KV_TCP_SECRET` if set.
+//!
 //! Flags are `--name value` or `--name=value`; a usage error exits 2.
 
 use std::collections::HashMap;
@@ -20,6 +27,7 @@ use std::process::ExitCode;
 use std::str::FromStr;
 use std::time::Duration;
 
+use rngd_kv_transport::nixl::NixlUcxTransport;
 use rngd_kv_transport::{
     KvHandle, KvTransport, TransportConfig, conformance, relay, tcp::TcpTransport,
 };
@@ -30,8 +38,8 @@ rngd-kv-peer: test tool: relay / push / pull peer of the tcp KV transport
 
 usage:
   rngd-kv-peer relay [--listen HOST:PORT]
-  rngd-kv-peer push --addr A --id R --seed S [--blobs N] [--blob-len L]
-  rngd-kv-peer pull --addr A --handle JSON --seed S [--timeout-ms T]";
+  rngd-kv-peer push --addr A --id R --seed S [--blobs N] [--blob-len L] [--transport T] [--ttl-ms T] [--pool-mb M]
+  rngd-kv-peer pull --addr A --handle JSON --seed S [--timeout-ms T] [--transport T] [--pool-mb M]";
 
 enum Cmd {
     /// Run a relay until stdin closes.
@@ -43,6 +51,7 @@ enum Cmd {
         seed: u64,
         blobs: usize,
         blob_len: usize,
+        opts: Opts,
     },
     /// Pull a request, check it byte-exact against the pattern, release it.
     Pull {
@@ -50,7 +59,52 @@ enum Cmd {
         handle: String,
         seed: u64,
         timeout_ms: u64,
+        opts: Opts,
     },
+}
+
+/// Transport choice and its settings.
+struct Opts {
+    transport: String,
+    ttl_ms: u64,
+    pool_mb: usize,
+}
+
+impl Opts {
+    fn parse(f: &Flags) -> Result<Opts, String> {
+        Ok(Opts {
+            transport: f.string("transport").unwrap_or_else(|_| "tcp".into()),
+            ttl_ms: f.number("ttl-ms", Some(60_000))?,
+            pool_mb: f.number("pool-mb", Some(256))?,
+        })
+    }
+
+    /// The transport (and, for `nixl-ucx`, the concrete one for its counters).
+    fn make(
+        &self,
+        addr: String,
+    ) -> Result<(std::sync::Arc<dyn KvTransport>, Option<NixlUcxTransport>), String> {
+        let cfg = TransportConfig {
+            tcp_ttl: Duration::from_millis(self.ttl_ms),
+            ucx_pool_mb: self.pool_mb,
+            tcp_secret: std::env::var("AIRM_KV_TCP_SECRET")
+                .ok()
+                .map(|s| relay::Secret::parse(&s).map_err(|e| e.to_string()))
+                .transpose()?,
+            ..TransportConfig::default()
+        };
+        match self.transport.as_str() {
+            "tcp" => Ok((
+                std::sync::Arc::new(TcpTransport::connect_to(addr, &cfg)),
+                None,
+            )),
+            "nixl-ucx" => {
+                let n = NixlUcxTransport::with_relay(addr, &cfg).map_err(|e| e.to_string())?;
+                Ok((std::sync::Arc::new(n.clone()), Some(n)))
+            }
+            other => Err(format!("unknown transport `{other}`")),
+        }
+    }
 }
 
 /// The `--name value` flags after the subcommand.
@@ -109,22 +163,46 @@ fn parse(args: &[String]) -> Result<Cmd, String> {
             })
         }
         "push" => {
-            let f = Flags::parse(rest, &["addr", "id", "seed", "blobs", "blob-len"])?;
+            let f = Flags::parse(
+                rest,
+                &[
+                    "addr",
+                    "id",
+                    "seed",
+                    "blobs",
+                    "blob-len",
+                    "transport",
+                    "ttl-ms",
+                    "pool-mb",
+                ],
+            )?;
             Ok(Cmd::Push {
                 addr: f.string("addr")?,
                 id: f.string("id")?,
                 seed: f.number("seed", None)?,
                 blobs: f.number("blobs", Some(64))?,
                 blob_len: f.number("blob-len", Some(1 << 20))?,
+                opts: Opts::parse(&f)?,
             })
         }
         "pull" => {
-            let f = Flags::parse(rest, &["addr", "handle", "seed", "timeout-ms"])?;
+            let f = Flags::parse(
+                rest,
+                &[
+                    "addr",
+                    "handle",
+                    "seed",
+                    "timeout-ms",
+                    "transport",
+                    "pool-mb",
+                ],
+            )?;
             Ok(Cmd::Pull {
                 addr: f.string("addr")?,
                 handle: f.string("handle")?,
                 seed: f.number("seed", None)?,
                 timeout_ms: f.number("timeout-ms", Some(30_000))?,
+                opts: Opts::parse(&f)?,
             })
         }
         other => Err(format!("unknown subcommand `{other}`")),
@@ -176,8 +254,9 @@ async fn run(cmd: Cmd) -> Result<(), String> {
             seed,
             blobs,
             blob_len,
+            opts,
         } => {
-            let t = TcpTransport::connect_to(addr, &TransportConfig::default());
+            let (t, nixl) = opts.make(addr)?;
             let handle = t
                 .push(conformance::payload(&id, seed, blobs, blob_len))
                 .await
@@ -186,6 +265,13 @@ async fn run(cmd: Cmd) -> Result<(), String> {
                 "{}",
                 serde_json::to_string(&handle).map_err(|e| e.to_string())?
             );
+            if opts.transport == "nixl-ucx" {
+                use std::io::Write;
+                let _ = std::io::stdout().flush();
+                let mut sink = Vec::new();
+                let _ = tokio::io::stdin().read_to_end(&mut sink).await;
+                println!("slots {}", nixl.map_or(0, |n| n.slots()));
+            }
             Ok(())
         }
         Cmd::Pull {
@@ -193,10 +279,11 @@ async fn run(cmd: Cmd) -> Result<(), String> {
             handle,
             seed,
             timeout_ms,
+            opts,
         } => {
             let handle: KvHandle =
                 serde_json::from_str(&handle).map_err(|e| format!("bad handle JSON: {e}"))?;
-            let t = TcpTransport::connect_to(addr, &TransportConfig::default());
+            let (t, _) = opts.make(addr)?;
             let got = t
                 .pull(&handle, Duration::from_millis(timeout_ms))
                 .await
