@@ -155,17 +155,22 @@ def llama3_vocab(path=None):
     by_rank = sorted(ranks.items(), key=lambda kv: kv[1])
     tokens = [to_gguf_text(t) for t, _ in by_rank]
     types = [int(gguf.TokenType.NORMAL)] * len(tokens)
-    specials = SPECIAL_TOKENS + [
-        f"<|reserved_special_token_{2 + i}|>" for i in range(NUM_SPECIAL - len(SPECIAL_TOKENS))
-    ]
+    specials = special_tokens()
     tokens += specials
     types += [int(gguf.TokenType.CONTROL)] * len(specials)
     return tokens, types, merges_from_ranks(ranks)
 
 
+def special_tokens():
+    """All 256 special tokens in id order (after the 128,000 ranked ones)."""
+    return SPECIAL_TOKENS + [
+        f"<|reserved_special_token_{2 + i}|>" for i in range(NUM_SPECIAL - len(SPECIAL_TOKENS))
+    ]
+
+
 def special_id(name):
     """Id of a Llama 3 special token, e.g. `<|begin_of_text|>` → 128000."""
-    return 128000 + SPECIAL_TOKENS.index(name)
+    return 128000 + special_tokens().index(name)
 
 
 def llama3_rope_factors(head_dim, base, *, factor, low_freq_factor, high_freq_factor, orig_ctx):
@@ -224,11 +229,16 @@ def build(
     orig_ctx=64,
     context_length=512,
     tied=False,
+    rope_scaling=True,
     weights="f16",
     logit_scale=0.5,
     name="Llama-3.1-tiny-random",
 ):
-    """Writes the GGUF to `path` and returns `path`. Same arguments, same bytes."""
+    """Writes the GGUF to `path` and returns `path`. Same arguments, same bytes.
+
+    `tied`: no `output.weight` (the head is the embedding table). `rope_scaling`
+    False: no `rope_freqs.weight` (plain RoPE; the weights are the same as with
+    it for the same seed)."""
     head_dim = hidden // heads
     if hidden % heads or heads % kv_heads:
         raise ValueError(f"inconsistent shape: hidden {hidden}, heads {heads}, kv_heads {kv_heads}")
@@ -278,7 +288,8 @@ def build(
         high_freq_factor=high_freq_factor,
         orig_ctx=orig_ctx,
     )
-    w.add_tensor("rope_freqs.weight", factors)
+    if rope_scaling:
+        w.add_tensor("rope_freqs.weight", factors)
     inv = 1.0 / math.sqrt(hidden)
     for i in range(layers):
         p = f"blk.{i}."

@@ -14,6 +14,7 @@ mod gateway;
 mod kv;
 mod policy;
 mod replay;
+mod tokenize;
 
 use clap::{Parser, Subcommand};
 
@@ -41,6 +42,8 @@ enum Command {
     ChatRender(chat_render::Args),
     /// Open-loop replay of the Azure LLM inference trace against an OpenAI-compatible URL.
     Replay(replay::Args),
+    /// The engine tokenizer's ids of texts (one JSON line), for the tokenizer fidelity test.
+    Tokenize(tokenize::Args),
 }
 
 fn init_tracing() {
@@ -80,6 +83,9 @@ fn main() -> anyhow::Result<()> {
             }
             Command::Replay(a) => {
                 rngd_bench_replay::run(a.into()).await?;
+            }
+            Command::Tokenize(a) => {
+                tokenize::run(a)?;
             }
         }
         Ok(())
