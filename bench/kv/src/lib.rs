@@ -4,7 +4,10 @@
 //! transport (push on one client, pull on another, release), `--in-flight`
 //! at a time, and in the same run measures the baseline on the same bytes:
 //! a plain memcpy into fresh memory for `shm`, a raw loopback TCP stream into
-//! fresh memory for `tcp` (with an in-process relay). Rounds of baseline and
+//! fresh memory for `tcp` (with an in-process relay) and `nixl-ucx` (two
+//! agents in this process, UCX between them; its descriptors through the same
+//! in-process relay), which also measures the `tcp` transport in the same
+//! rounds (`ratio_vs_tcp`). Rounds of baseline and
 //! transport alternate; the report gives medians over rounds. Gb/s are
 //! gigabits (10⁹ bit) of KV payload per second of wall time.
 
@@ -14,6 +17,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
+use rngd_kv_transport::nixl::NixlUcxTransport;
 use rngd_kv_transport::relay::{self, RelayConfig};
 use rngd_kv_transport::tcp::TcpTransport;
 use rngd_kv_transport::{KvError, KvPayload, KvTransport, TransportConfig, conformance, registry};
@@ -25,7 +29,7 @@ use tokio::net::{TcpListener, TcpStream};
 /// What to run (the flags of `rngd-pd-bench kv`).
 #[derive(Debug, Clone)]
 pub struct Options {
-    /// Transport to measure: `shm` or `tcp`. Default `shm`.
+    /// Transport to measure: `shm`, `tcp` or `nixl-ucx`. Default `shm`.
     pub transport: String,
     /// Requests in flight at once. Default 8.
     pub in_flight: usize,
@@ -81,6 +85,13 @@ pub struct Report {
     pub crc: bool,
     /// Every checked request came back byte-exact.
     pub byte_exact: bool,
+    /// `nixl-ucx` only: median throughput of the `tcp` transport measured in
+    /// the same rounds (same relay, same requests), Gb/s.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tcp_gbps_median: Option<f64>,
+    /// `nixl-ucx` only: `gbps_median / tcp_gbps_median`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ratio_vs_tcp: Option<f64>,
 }
 
 /// Errors of the benchmark.
@@ -315,6 +326,8 @@ pub async fn run(args: Options) -> Result<Report, Error> {
     let bytes_per_request = layout.request_bytes() as u64;
     let shm_dir;
     let mut relay_stop = None;
+    // With nixl-ucx: a tcp pair on the same relay, measured in the same rounds.
+    let mut tcp_too: Option<(Arc<dyn KvTransport>, Arc<dyn KvTransport>)> = None;
     let (a, b, baseline): (Arc<dyn KvTransport>, Arc<dyn KvTransport>, &str) =
         match args.transport.as_str() {
             "shm" => {
@@ -332,7 +345,7 @@ pub async fn run(args: Options) -> Result<Report, Error> {
                     "memcpy",
                 )
             }
-            "tcp" => {
+            "tcp" | "nixl-ucx" => {
                 let listener = TcpListener::bind("127.0.0.1:0")
                     .await
                     .map_err(io("binding the relay"))?;
@@ -350,17 +363,32 @@ pub async fn run(args: Options) -> Result<Report, Error> {
                 let cfg = TransportConfig {
                     tcp_addr: Some(addr.to_string()),
                     tcp_crc: !args.no_crc,
+                    // Room for every request in flight (pushed and being read).
+                    ucx_pool_mb: ((args.in_flight as u64 + 2) * bytes_per_request).div_ceil(1 << 20)
+                        as usize,
                     ..TransportConfig::default()
                 };
-                (
-                    Arc::new(TcpTransport::connect_to(addr.to_string(), &cfg)),
-                    Arc::new(TcpTransport::connect_to(addr.to_string(), &cfg)),
-                    "raw_tcp_loopback",
-                )
+                let tcp_pair = || -> (Arc<dyn KvTransport>, Arc<dyn KvTransport>) {
+                    (
+                        Arc::new(TcpTransport::connect_to(addr.to_string(), &cfg)),
+                        Arc::new(TcpTransport::connect_to(addr.to_string(), &cfg)),
+                    )
+                };
+                if args.transport == "tcp" {
+                    let (a, b) = tcp_pair();
+                    (a, b, "raw_tcp_loopback")
+                } else {
+                    tcp_too = Some(tcp_pair());
+                    (
+                        Arc::new(NixlUcxTransport::with_relay(addr.to_string(), &cfg)?),
+                        Arc::new(NixlUcxTransport::with_relay(addr.to_string(), &cfg)?),
+                        "raw_tcp_loopback",
+                    )
+                }
             }
             other => {
                 return Err(Error::Args(format!(
-                    "--transport {other}: this benchmark measures shm or tcp"
+                    "--transport {other}: this benchmark measures shm, tcp or nixl-ucx"
                 )));
             }
         };
@@ -375,8 +403,12 @@ pub async fn run(args: Options) -> Result<Report, Error> {
     );
     let (mut t_gbps, mut b_gbps, mut t_lat, mut b_lat) = (vec![], vec![], vec![], vec![]);
     let mut byte_exact = true;
+    let mut tcp_gbps = vec![];
     // Warm-up: one request each way (page cache, connections, allocator).
     let _ = transport_pass(a.clone(), b.clone(), blobs.clone(), 1, 1, usize::MAX).await?;
+    if let Some((ta, tb)) = &tcp_too {
+        let _ = transport_pass(ta.clone(), tb.clone(), blobs.clone(), 1, 1, usize::MAX).await?;
+    }
     for round in 0..args.rounds {
         let base = if args.transport == "shm" {
             memcpy_pass(blobs.clone(), args.requests, args.in_flight).await?
@@ -393,6 +425,21 @@ pub async fn run(args: Options) -> Result<Report, Error> {
         )
         .await?;
         byte_exact &= exact;
+        if let Some((ta, tb)) = &tcp_too {
+            let (tp, texact) = transport_pass(
+                ta.clone(),
+                tb.clone(),
+                blobs.clone(),
+                args.requests,
+                args.in_flight,
+                round,
+            )
+            .await?;
+            byte_exact &= texact;
+            let g = tp.gbps(bytes_per_request, args.requests);
+            println!("round {round}: tcp (same relay) {g:.2} Gb/s");
+            tcp_gbps.push(g);
+        }
         let (tg, bg) = (
             pass.gbps(bytes_per_request, args.requests),
             base.gbps(bytes_per_request, args.requests),
@@ -415,6 +462,7 @@ pub async fn run(args: Options) -> Result<Report, Error> {
     }
     let gbps_median = median(&mut t_gbps);
     let baseline_gbps_median = median(&mut b_gbps);
+    let tcp_gbps_median = tcp_too.is_some().then(|| median(&mut tcp_gbps));
     let report = Report {
         transport: args.transport.clone(),
         bytes_per_request,
@@ -429,7 +477,17 @@ pub async fn run(args: Options) -> Result<Report, Error> {
         baseline_ms_per_request_median: median(&mut b_lat),
         crc: args.transport == "shm" || !args.no_crc,
         byte_exact,
+        tcp_gbps_median,
+        ratio_vs_tcp: tcp_gbps_median.map(|t| gbps_median / t),
     };
+    if let Some(r) = report.ratio_vs_tcp {
+        println!(
+            "{}: {:.2}x the tcp transport ({:.2} Gb/s) in the same run",
+            report.transport,
+            r,
+            tcp_gbps_median.unwrap_or(0.0)
+        );
+    }
     println!(
         "{}: {:.2} Gb/s median, {baseline} {:.2} Gb/s, ratio {:.2}, {:.1} ms/request median, byte-exact {}",
         report.transport,

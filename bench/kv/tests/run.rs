@@ -33,6 +33,23 @@ async fn tcp_run_reports_byte_exact_figures() {
     assert!(r.ms_per_request_median > 0.0);
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nixl_ucx_run_reports_byte_exact_figures_and_tcp_from_the_same_run() {
+    let r = run(args("nixl-ucx")).await.unwrap();
+    assert_eq!(r.transport, "nixl-ucx");
+    assert_eq!(r.baseline, "raw_tcp_loopback");
+    assert!(r.byte_exact, "nixl-ucx and tcp both byte-exact");
+    let tcp = r.tcp_gbps_median.expect("tcp measured in the same run");
+    assert!(tcp > 0.0 && r.gbps_median > 0.0);
+    let ratio = r.ratio_vs_tcp.expect("ratio_vs_tcp");
+    assert!((ratio - r.gbps_median / tcp).abs() < 1e-9);
+    let tcp_only = run(args("tcp")).await.unwrap();
+    assert!(
+        tcp_only.ratio_vs_tcp.is_none(),
+        "only nixl-ucx compares with tcp"
+    );
+}
+
 #[tokio::test]
 async fn unknown_transport_is_an_argument_error() {
     let err = run(args("pigeon")).await.unwrap_err();
