@@ -3,7 +3,7 @@
 /// Flags of `rngd-pd-bench kv`.
 #[derive(Debug, Clone, clap::Args)]
 pub struct Args {
-    /// Transport to measure: `shm` or `tcp`.
+    /// Transport to measure: `shm`, `tcp` or `nixl-ucx` (which also measures `tcp`).
     #[arg(long, default_value = "shm")]
     pub transport: String,
     /// Requests in flight at once.
