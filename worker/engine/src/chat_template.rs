@@ -374,16 +374,21 @@ fn referenced_names(source: &str) -> (Vec<String>, Vec<String>) {
             rest = &tail[1..];
             continue;
         };
-        let (tokens, after) = tag_tokens(&tail[2..], close);
+        let (mut tokens, after) = tag_tokens(&tail[2..], close);
         rest = after;
+        // Whitespace control (`{%-`, `{%+`) is not part of the tag's words.
+        if matches!(tokens.first().map(String::as_str), Some("-" | "+")) {
+            tokens.remove(0);
+        }
         if close == "%}" && tokens.first().map(String::as_str) == Some("raw") {
             rest = rest.find("endraw").map_or("", |e| &rest[e..]);
             continue;
         }
-        if close == "%}" && tokens.first().map(String::as_str) == Some("filter") {
-            if let Some(n) = tokens.get(1).filter(|t| is_ident(t)) {
-                filters.push(n.clone());
-            }
+        if close == "%}"
+            && tokens.first().map(String::as_str) == Some("filter")
+            && let Some(n) = tokens.get(1).filter(|t| is_ident(t))
+        {
+            filters.push(n.clone());
         }
         for (i, t) in tokens.iter().enumerate() {
             if t == "|" {
@@ -462,9 +467,10 @@ mod tests {
     fn names_in_tags_are_found_and_strings_skipped() {
         let (f, t) = referenced_names(
             "{{ x | trim }}{% if y is not defined %}'| nope'{% endif %}\
-             {{ '| also not' ~ z|tojson(indent=2) }}{# | comment #}{% filter upper %}a{% endfilter %}",
+             {{ '| also not' ~ z|tojson(indent=2) }}{# | comment #}{% filter upper %}a{% endfilter %}\
+             {%- filter lower -%}b{% endfilter %}{%- raw %}{{ x | not_a_use }}{% endraw %}",
         );
-        assert_eq!(f, ["tojson", "trim", "upper"]);
+        assert_eq!(f, ["lower", "tojson", "trim", "upper"]);
         assert_eq!(t, ["defined"]);
     }
 }
