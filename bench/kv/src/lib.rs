@@ -314,6 +314,9 @@ async fn transport_pass(
     Ok((pass, exact))
 }
 
+/// A pushing and a pulling client.
+type Pair = (Arc<dyn KvTransport>, Arc<dyn KvTransport>);
+
 /// Runs the benchmark and prints human lines (and with `--json` a last JSON line).
 pub async fn run(args: Options) -> Result<Report, Error> {
     if args.in_flight == 0 || args.requests == 0 || args.rounds == 0 {
@@ -327,7 +330,7 @@ pub async fn run(args: Options) -> Result<Report, Error> {
     let shm_dir;
     let mut relay_stop = None;
     // With nixl-ucx: a tcp pair on the same relay, measured in the same rounds.
-    let mut tcp_too: Option<(Arc<dyn KvTransport>, Arc<dyn KvTransport>)> = None;
+    let mut tcp_too: Option<Pair> = None;
     let (a, b, baseline): (Arc<dyn KvTransport>, Arc<dyn KvTransport>, &str) =
         match args.transport.as_str() {
             "shm" => {
@@ -368,7 +371,7 @@ pub async fn run(args: Options) -> Result<Report, Error> {
                         as usize,
                     ..TransportConfig::default()
                 };
-                let tcp_pair = || -> (Arc<dyn KvTransport>, Arc<dyn KvTransport>) {
+                let tcp_pair = || -> Pair {
                     (
                         Arc::new(TcpTransport::connect_to(addr.to_string(), &cfg)),
                         Arc::new(TcpTransport::connect_to(addr.to_string(), &cfg)),

@@ -88,6 +88,29 @@ impl Runtime {
     }
 }
 
+/// The version string of the UCX library at `ucp` (`ucp_get_version_string`),
+/// if it loads and has the symbol.
+pub fn ucx_version(ucp: &Path) -> Option<String> {
+    let c = CString::new(ucp.as_os_str().as_bytes()).ok()?;
+    let sym = CString::new("ucp_get_version_string").ok()?;
+    // SAFETY: FFI with valid NUL-terminated strings; the library stays
+    // loaded (never closed), and `ucp_get_version_string` takes no
+    // arguments and returns a static NUL-terminated string.
+    unsafe {
+        let h = libc::dlopen(c.as_ptr(), libc::RTLD_NOW | libc::RTLD_LOCAL);
+        if h.is_null() {
+            return None;
+        }
+        let f = libc::dlsym(h, sym.as_ptr());
+        if f.is_null() {
+            return None;
+        }
+        let f: extern "C" fn() -> *const libc::c_char = std::mem::transmute(f);
+        let v = f();
+        (!v.is_null()).then(|| CStr::from_ptr(v).to_string_lossy().into_owned())
+    }
+}
+
 fn missing(detail: String) -> KvError {
     KvError::Config {
         detail: format!("transport `nixl-ucx`: {detail}"),
