@@ -12,6 +12,7 @@ mod engine;
 mod epp;
 mod gateway;
 mod kv;
+mod logits;
 mod policy;
 mod replay;
 mod tokenize;
@@ -38,6 +39,8 @@ enum Command {
     Gateway(gateway::Args),
     /// Latency Envoy + the endpoint picker add over Envoy routing directly.
     Epp(epp::Args),
+    /// The CPU engine's raw logits at every position (prefill or decode path), as .npy.
+    Logits(logits::Args),
     /// Renders chats (JSON on stdin) with the engine's chat template, one JSON line each.
     ChatRender(chat_render::Args),
     /// Open-loop replay of the Azure LLM inference trace against an OpenAI-compatible URL.
@@ -77,6 +80,9 @@ fn main() -> anyhow::Result<()> {
             }
             Command::Epp(a) => {
                 rngd_bench_epp::run(a.into()).await?;
+            }
+            Command::Logits(a) => {
+                logits::run(a)?;
             }
             Command::ChatRender(a) => {
                 chat_render::run(a)?;

@@ -20,6 +20,7 @@ pub mod cpu;
 #[cfg(feature = "test-util")]
 pub mod fake;
 pub(crate) mod kv;
+pub mod logits;
 pub(crate) mod model;
 pub mod model_fetch;
 pub(crate) mod qgemm;
