@@ -6,6 +6,10 @@
 //!   a real gateway, a real picker and a real worker server (on the
 //!   `EchoEngine` test double, behind the native default policy); every door
 //!   must give the same verdict (status and `param`).
+//! - `every_openai_request_field_is_honoured_or_refused_by_name`: every
+//!   field of OpenAI's completion and chat request schemas (and vLLM's
+//!   sampling extensions), at a non-default value, at every door: honoured
+//!   (200) or a 400 naming it, never silently ignored.
 //! - `chat_prompt_tokens_agree_with_the_engine`: the same chat through the
 //!   gateway and the picker reaches the policy with the prompt-token count of
 //!   the engine's own tokenizer and chat template (the real SmolLM2 GGUF;
@@ -196,35 +200,88 @@ const COMPLETIONS: &[(&str, u16, Option<&str>)] = &[
     (r#"{"model":"echo","prompt":"#, 400, None),
     (r#"[1,2]"#, 400, None),
     (r#"{"model":"echo","prompt":5}"#, 400, None),
-    // Defined by the API, not implemented: refused by name, not ignored.
+    // Served now (they used to be refused): honoured, not ignored.
     (
-        r#"{"model":"echo","prompt":"hi","presence_penalty":0.5}"#,
-        400,
-        Some("presence_penalty"),
+        r#"{"model":"echo","prompt":"hi","max_tokens":2,"presence_penalty":0.5,"frequency_penalty":-1,"repetition_penalty":1.2}"#,
+        200,
+        None,
     ),
     (
-        r#"{"model":"echo","prompt":"hi","logprobs":2}"#,
+        r#"{"model":"echo","prompt":"hi","max_tokens":2,"logprobs":2}"#,
+        200,
+        None,
+    ),
+    (
+        r#"{"model":"echo","prompt":"hi","max_tokens":2,"echo":true}"#,
+        200,
+        None,
+    ),
+    (
+        r#"{"model":"echo","prompt":"hi","max_tokens":2,"logit_bias":{"1":5}}"#,
+        200,
+        None,
+    ),
+    (
+        r#"{"model":"echo","prompt":"hi","max_tokens":2,"top_k":-1,"min_p":0.1,"seed":-3,"min_tokens":1,"ignore_eos":true,"stop_token_ids":[3]}"#,
+        200,
+        None,
+    ),
+    // Their ranges.
+    (
+        r#"{"model":"echo","prompt":"hi","logprobs":21}"#,
         400,
         Some("logprobs"),
     ),
     (
-        r#"{"model":"echo","prompt":"hi","echo":true}"#,
+        r#"{"model":"echo","prompt":"hi","logprobs":1,"echo":true}"#,
         400,
         Some("echo"),
     ),
+    (
+        r#"{"model":"echo","prompt":"hi","presence_penalty":2.5}"#,
+        400,
+        Some("presence_penalty"),
+    ),
+    (
+        r#"{"model":"echo","prompt":"hi","logit_bias":{"1":101}}"#,
+        400,
+        Some("logit_bias"),
+    ),
+    (
+        r#"{"model":"echo","prompt":"hi","top_k":-2}"#,
+        400,
+        Some("top_k"),
+    ),
+    (
+        r#"{"model":"echo","prompt":"hi","max_tokens":2,"min_tokens":3}"#,
+        400,
+        Some("min_tokens"),
+    ),
+    // Defined by the API, not implemented: refused by name, not ignored.
     (
         r#"{"model":"echo","prompt":"hi","best_of":3}"#,
         400,
         Some("best_of"),
     ),
     (
-        r#"{"model":"echo","prompt":"hi","logit_bias":{"1":5}}"#,
+        r#"{"model":"echo","prompt":"hi","suffix":"x"}"#,
         400,
-        Some("logit_bias"),
+        Some("suffix"),
+    ),
+    (
+        r#"{"model":"echo","prompt":"hi","prompt_logprobs":1}"#,
+        400,
+        Some("prompt_logprobs"),
+    ),
+    // In no schema: refused by name too.
+    (
+        r#"{"model":"echo","prompt":"hi","temprature":1}"#,
+        400,
+        Some("temprature"),
     ),
     // ... and accepted at their "off" value.
     (
-        r#"{"model":"echo","prompt":"hi","max_tokens":2,"presence_penalty":0,"logprobs":null,"echo":false,"user":"u"}"#,
+        r#"{"model":"echo","prompt":"hi","max_tokens":2,"best_of":1,"suffix":"","logprobs":null,"echo":false,"user":"u"}"#,
         200,
         None,
     ),
@@ -242,9 +299,29 @@ const CHATS: &[(&str, u16, Option<&str>)] = &[
         Some("response_format"),
     ),
     (
-        r#"{"model":"echo","messages":[{"role":"user","content":"hi"}],"logprobs":true}"#,
+        r#"{"model":"echo","messages":[{"role":"user","content":"hi"}],"max_tokens":2,"logprobs":true,"top_logprobs":3}"#,
+        200,
+        None,
+    ),
+    (
+        r#"{"model":"echo","messages":[{"role":"user","content":"hi"}],"top_logprobs":3}"#,
         400,
-        Some("logprobs"),
+        Some("top_logprobs"),
+    ),
+    (
+        r#"{"model":"echo","messages":[{"role":"user","content":"hi"}],"logprobs":true,"top_logprobs":21}"#,
+        400,
+        Some("top_logprobs"),
+    ),
+    (
+        r#"{"model":"echo","messages":[{"role":"user","content":"hi"}],"store":true}"#,
+        400,
+        Some("store"),
+    ),
+    (
+        r#"{"model":"echo","messages":[{"role":"user","content":"hi"}],"prompt":"x"}"#,
+        400,
+        Some("prompt"),
     ),
     (
         r#"{"model":"echo","messages":[{"role":"user","content":"hi"}],"max_tokens":2}"#,
@@ -295,6 +372,152 @@ async fn same_verdicts_at_every_door() {
         assert_eq!(g, want, "gateway, body {body}");
         assert_eq!(w, want, "worker, body {body}");
         assert_eq!(p, want, "picker, body {body}");
+    }
+}
+
+/// Every field of OpenAI's `CreateCompletionRequest` (from the published
+/// OpenAI API schema, besides `model` and `prompt`), a non-default value of
+/// it, and whether it is honoured (200) or refused with a 400 naming it;
+/// then vLLM's sampling extensions.
+const COMPLETION_SCHEMA: &[(&str, &str, bool)] = &[
+    ("best_of", r#""best_of":2"#, false),
+    ("echo", r#""echo":true"#, true),
+    ("frequency_penalty", r#""frequency_penalty":0.5"#, true),
+    ("logit_bias", r#""logit_bias":{"7":3}"#, true),
+    ("logprobs", r#""logprobs":2"#, true),
+    ("max_tokens", r#""max_tokens":3"#, true),
+    ("n", r#""n":2"#, false),
+    ("presence_penalty", r#""presence_penalty":0.5"#, true),
+    ("seed", r#""seed":5"#, true),
+    ("stop", r#""stop":["x"]"#, true),
+    ("stream", r#""stream":true"#, true),
+    (
+        "stream_options",
+        r#""stream":true,"stream_options":{"include_usage":true}"#,
+        true,
+    ),
+    ("suffix", r#""suffix":"x""#, false),
+    ("temperature", r#""temperature":0.5"#, true),
+    ("top_p", r#""top_p":0.5"#, true),
+    ("user", r#""user":"u""#, true),
+    // vLLM's.
+    ("top_k", r#""top_k":5"#, true),
+    ("min_p", r#""min_p":0.1"#, true),
+    ("repetition_penalty", r#""repetition_penalty":1.1"#, true),
+    ("min_tokens", r#""min_tokens":1"#, true),
+    ("ignore_eos", r#""ignore_eos":true"#, true),
+    ("stop_token_ids", r#""stop_token_ids":[9]"#, true),
+    ("prompt_logprobs", r#""prompt_logprobs":1"#, false),
+    ("use_beam_search", r#""use_beam_search":true"#, false),
+    ("guided_json", r#""guided_json":{}"#, false),
+    (
+        "response_format",
+        r#""response_format":{"type":"json_object"}"#,
+        false,
+    ),
+];
+
+/// The same for OpenAI's `CreateChatCompletionRequest` (besides `model` and
+/// `messages`).
+const CHAT_SCHEMA: &[(&str, &str, bool)] = &[
+    (
+        "audio",
+        r#""audio":{"voice":"alloy","format":"wav"}"#,
+        false,
+    ),
+    ("frequency_penalty", r#""frequency_penalty":0.5"#, true),
+    ("function_call", r#""function_call":"auto""#, false),
+    ("functions", r#""functions":[{"name":"f"}]"#, false),
+    ("logit_bias", r#""logit_bias":{"7":3}"#, true),
+    ("logprobs", r#""logprobs":true"#, true),
+    (
+        "max_completion_tokens",
+        r#""max_completion_tokens":3"#,
+        true,
+    ),
+    ("max_tokens", r#""max_tokens":3"#, true),
+    ("metadata", r#""metadata":{"k":"v"}"#, false),
+    ("modalities", r#""modalities":["text","audio"]"#, false),
+    ("n", r#""n":2"#, false),
+    (
+        "parallel_tool_calls",
+        r#""parallel_tool_calls":false"#,
+        true,
+    ),
+    (
+        "prediction",
+        r#""prediction":{"type":"content","content":"x"}"#,
+        false,
+    ),
+    ("presence_penalty", r#""presence_penalty":0.5"#, true),
+    ("prompt_cache_key", r#""prompt_cache_key":"k""#, true),
+    ("reasoning_effort", r#""reasoning_effort":"low""#, false),
+    (
+        "response_format",
+        r#""response_format":{"type":"json_object"}"#,
+        false,
+    ),
+    ("safety_identifier", r#""safety_identifier":"s""#, true),
+    ("seed", r#""seed":-5"#, true),
+    ("service_tier", r#""service_tier":"flex""#, false),
+    ("stop", r#""stop":"x""#, true),
+    ("store", r#""store":true"#, false),
+    ("stream", r#""stream":true"#, true),
+    (
+        "stream_options",
+        r#""stream":true,"stream_options":{"include_usage":true}"#,
+        true,
+    ),
+    ("temperature", r#""temperature":0.5"#, true),
+    ("tool_choice", r#""tool_choice":"auto""#, false),
+    (
+        "tools",
+        r#""tools":[{"type":"function","function":{"name":"f"}}]"#,
+        false,
+    ),
+    ("top_logprobs", r#""logprobs":true,"top_logprobs":2"#, true),
+    ("top_p", r#""top_p":0.5"#, true),
+    ("user", r#""user":"u""#, true),
+    ("verbosity", r#""verbosity":"low""#, false),
+    ("web_search_options", r#""web_search_options":{}"#, false),
+];
+
+#[tokio::test]
+async fn every_openai_request_field_is_honoured_or_refused_by_name() {
+    let d = doors(TokenizerChoice::Custom(Arc::new(ByteCounter))).await;
+    let gw = format!("http://{}", d.gateway.addr);
+    for (path, base, table) in [
+        (
+            "/v1/completions",
+            r#"{"model":"echo","prompt":"hi","#,
+            COMPLETION_SCHEMA,
+        ),
+        (
+            "/v1/chat/completions",
+            r#"{"model":"echo","messages":[{"role":"user","content":"hi"}],"#,
+            CHAT_SCHEMA,
+        ),
+    ] {
+        for &(field, fragment, honoured) in table {
+            // Two tokens unless the field sets the length itself.
+            let len = if fragment.contains("max_tokens") {
+                ""
+            } else {
+                r#","max_tokens":2"#
+            };
+            let body: &'static str = Box::leak(format!("{base}{fragment}{len}}}").into_boxed_str());
+            let want = if honoured {
+                (200, None)
+            } else {
+                (400, Some(field.to_string()))
+            };
+            let g = http_verdict(format!("{gw}{path}"), body).await;
+            let w = http_verdict(format!("{}{path}", d.worker.url()), body).await;
+            let p = picker_verdict(&d.picker, path, body).await;
+            assert_eq!(g, want, "gateway, {field}: {body}");
+            assert_eq!(w, want, "worker, {field}: {body}");
+            assert_eq!(p, want, "picker, {field}: {body}");
+        }
     }
 }
 

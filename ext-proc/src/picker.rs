@@ -99,7 +99,7 @@ fn reject(e: PrepareOrPick) -> LocalResponse {
 /// A broken request rule as a 400 with its `param` and code.
 pub fn rule_response(r: &RuleError) -> LocalResponse {
     let mut body = ErrorBody::new("invalid_request_error", r.message.clone());
-    if let Some(p) = r.param {
+    if let Some(p) = r.param_name() {
         body = body.with_param(p);
     }
     if let Some(c) = r.code {

@@ -247,7 +247,7 @@ impl ApiError {
             }
             ApiError::Rule(r) => {
                 let mut b = ErrorBody::new(kind, r.message.clone());
-                if let Some(p) = r.param {
+                if let Some(p) = r.param_name() {
                     b = b.with_param(p);
                 }
                 if let Some(c) = r.code {

@@ -8,7 +8,8 @@
 use crate::openai::CompletionRequest;
 use crate::openai::{
     ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
-    ChatCompletionResponse, ChatDelta, ChatResponseMessage, CompletionResponse, Prompt, Usage,
+    ChatCompletionResponse, ChatDelta, ChatLogprobs, ChatResponseMessage, ChoiceLogprobs,
+    CompletionResponse, Prompt, Usage,
 };
 use crate::rules;
 
@@ -37,7 +38,9 @@ pub fn max_tokens(req: &ChatCompletionRequest, prompt_tokens: usize, seq_len: Op
 
 /// The completion request a chat becomes: `prompt` is the chat rendered with
 /// the model's template (`prompt_tokens` long), `max_tokens` is set by
-/// [`max_tokens`], every other sampling and streaming field is the chat's.
+/// [`max_tokens`], `logprobs: true` + `top_logprobs: N` become
+/// `chat_logprobs: N` (the answer's log-probabilities in the chat format),
+/// every other sampling and streaming field is the chat's.
 pub fn to_completion(
     req: &ChatCompletionRequest,
     prompt: String,
@@ -50,7 +53,19 @@ pub fn to_completion(
         model: req.model.clone(),
         prompt: Prompt::Text(prompt),
         sampling,
+        logprobs: None,
+        echo: None,
+        chat_logprobs: (req.logprobs == Some(true)).then(|| req.top_logprobs.unwrap_or(0)),
         kv_transfer_params: None,
+    }
+}
+
+/// A completion choice's log-probabilities as a chat's (the chat format is
+/// what a chat's completion asks for; the legacy format has no place there).
+fn chat_logprobs(l: Option<ChoiceLogprobs>) -> Option<ChatLogprobs> {
+    match l {
+        Some(ChoiceLogprobs::Chat(c)) => Some(c),
+        Some(ChoiceLogprobs::Completion(_)) | None => None,
     }
 }
 
@@ -60,9 +75,14 @@ impl ChatCompletionResponse {
     /// `usage` (zero when absent) and `timings` carried over.
     pub fn from_completion(c: CompletionResponse) -> Self {
         let choice = c.choices.into_iter().next();
-        let (content, finish_reason) = match choice {
-            Some(ch) => (ch.text, ch.finish_reason),
-            None => (String::new(), None),
+        let (content, finish_reason, logprobs, stop_reason) = match choice {
+            Some(ch) => (
+                ch.text,
+                ch.finish_reason,
+                chat_logprobs(ch.logprobs),
+                ch.stop_reason,
+            ),
+            None => (String::new(), None, None, None),
         };
         ChatCompletionResponse {
             id: c.id,
@@ -75,7 +95,9 @@ impl ChatCompletionResponse {
                     role: ASSISTANT.into(),
                     content,
                 },
+                logprobs,
                 finish_reason,
+                stop_reason,
             }],
             usage: c.usage.unwrap_or_default(),
             timings: c.timings,
@@ -133,12 +155,15 @@ impl ChatChunker {
                             role: Some(ASSISTANT.into()),
                             content: Some(String::new()),
                         },
+                        logprobs: None,
                         finish_reason: None,
+                        stop_reason: None,
                     }],
                     None,
                 ));
             }
-            if !choice.text.is_empty() || choice.finish_reason.is_some() {
+            let logprobs = chat_logprobs(choice.logprobs.clone());
+            if !choice.text.is_empty() || choice.finish_reason.is_some() || logprobs.is_some() {
                 out.push(self.chunk(
                     vec![ChatChunkChoice {
                         index: 0,
@@ -146,7 +171,9 @@ impl ChatChunker {
                             role: None,
                             content: (!choice.text.is_empty()).then(|| choice.text.clone()),
                         },
+                        logprobs,
                         finish_reason: choice.finish_reason.clone(),
+                        stop_reason: choice.stop_reason.clone(),
                     }],
                     None,
                 ));
@@ -177,6 +204,7 @@ mod tests {
                 text: text.into(),
                 logprobs: None,
                 finish_reason: finish.map(String::from),
+                stop_reason: None,
                 token_ids: Some(vec![1]),
             }],
             usage,
@@ -238,6 +266,8 @@ mod tests {
             model: "m".into(),
             messages: Vec::new(),
             max_completion_tokens: None,
+            logprobs: None,
+            top_logprobs: None,
             sampling: SamplingFields::default(),
         };
         assert_eq!(max_tokens(&req, 9, Some(100)), 91);

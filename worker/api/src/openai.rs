@@ -1,11 +1,12 @@
 //! OpenAI-compatible request, response and error bodies (`/v1/completions`,
 //! `/v1/chat/completions`, `/v1/models`), shared by the gateway and the workers.
 //!
-//! Fields of the OpenAI and vLLM schemas that this server does not implement
-//! are refused by name unless they carry their "off" value
-//! (`rules::UNSUPPORTED`, checked by `rules::parse_body` at every door);
-//! other fields without a meaning for serving (`user`, `metadata`, …) are
-//! accepted and ignored.
+//! Every field a request may carry is listed in `rules::fields` (checked by
+//! `rules::parse_body` at every door): served, accepted only at its "off"
+//! value (a 400 naming it otherwise), or informational (`user`, …). A field
+//! in no list is a 400 naming it: nothing is silently ignored.
+
+use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
@@ -65,12 +66,37 @@ pub struct SamplingFields {
     /// Nucleus sampling mass.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub top_p: Option<f32>,
-    /// Top-k sampling (vLLM extension); 0 or absent = off.
+    /// Top-k sampling (vLLM extension); -1, 0 or absent = off.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub top_k: Option<u32>,
-    /// Seed for sampling.
+    pub top_k: Option<i64>,
+    /// Min-p sampling (vLLM extension), `[0, 1]`; 0 = off.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub seed: Option<u64>,
+    pub min_p: Option<f32>,
+    /// Seed for sampling, any int64 (a negative one is taken as its
+    /// two's-complement `u64`); absent: a fresh random seed per request.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub seed: Option<i64>,
+    /// OpenAI presence penalty, `[-2, 2]`, over the generated tokens.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub presence_penalty: Option<f32>,
+    /// OpenAI frequency penalty, `[-2, 2]`, over the generated tokens.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub frequency_penalty: Option<f32>,
+    /// vLLM/HF repetition penalty, `(0, 2]`, over prompt + generated tokens.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub repetition_penalty: Option<f32>,
+    /// Token id (a decimal string) → bias added to its logit, `[-100, 100]`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub logit_bias: Option<BTreeMap<String, f32>>,
+    /// Stop tokens are masked until this many tokens were generated (vLLM).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub min_tokens: Option<u32>,
+    /// The model's own stop tokens do not stop the generation (vLLM).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ignore_eos: Option<bool>,
+    /// More token ids that stop the generation (vLLM).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stop_token_ids: Option<Vec<u32>>,
     /// Stop sequences.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub stop: Option<Stop>,
@@ -95,6 +121,18 @@ pub struct CompletionRequest {
     /// Sampling and streaming fields.
     #[serde(flatten)]
     pub sampling: SamplingFields,
+    /// Log-probabilities of each generated token with this many
+    /// alternatives, 0..=20 (the legacy completions format).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub logprobs: Option<u32>,
+    /// Prepend the prompt to the answer's text.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub echo: Option<bool>,
+    /// rngd-pd extension, set by a front door for a chat it serves as a
+    /// completion: log-probabilities with this many alternatives, in the chat
+    /// format (`{"content": [...]}`), so the answer turns back into a chat.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub chat_logprobs: Option<u32>,
     /// PD protocol parameters (vLLM `kv_transfer_params`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub kv_transfer_params: Option<KvTransferParams>,
@@ -161,6 +199,12 @@ pub struct ChatCompletionRequest {
     /// Newer name of `max_tokens`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_completion_tokens: Option<u32>,
+    /// Answer each token's log-probability.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub logprobs: Option<bool>,
+    /// With `logprobs`: this many alternatives per token, 0..=20.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub top_logprobs: Option<u32>,
     /// Sampling and streaming fields.
     #[serde(flatten)]
     pub sampling: SamplingFields,
@@ -221,13 +265,73 @@ pub struct CompletionChoice {
     pub index: u32,
     /// Generated text (in a stream: this chunk's text).
     pub text: String,
-    /// Always null (log probabilities are not served).
-    pub logprobs: Option<serde_json::Value>,
+    /// The tokens' log-probabilities when asked for (else null).
+    pub logprobs: Option<ChoiceLogprobs>,
     /// `stop`, `length`, or null while streaming.
     pub finish_reason: Option<String>,
+    /// vLLM's `stop_reason`: the stop token id or stop string that ended the
+    /// generation (absent for EOS and length).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stop_reason: Option<serde_json::Value>,
     /// Generated token ids (extension; lets clients and tests compare tokens exactly).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub token_ids: Option<Vec<u32>>,
+}
+
+/// `logprobs` of a completion choice: the legacy completions format, or the
+/// chat format when the request was a chat (`chat_logprobs`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum ChoiceLogprobs {
+    /// `{"content": [...]}`.
+    Chat(ChatLogprobs),
+    /// `{"tokens", "token_logprobs", "top_logprobs", "text_offset"}`.
+    Completion(CompletionLogprobs),
+}
+
+/// OpenAI's legacy completions `logprobs`: one entry per generated token.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct CompletionLogprobs {
+    /// Each token's text.
+    pub tokens: Vec<String>,
+    /// Each token's log-probability.
+    pub token_logprobs: Vec<Option<f32>>,
+    /// Each token's top alternatives, text → log-probability (an
+    /// alternative whose text repeats a likelier one's is listed once).
+    pub top_logprobs: Vec<Option<BTreeMap<String, f32>>>,
+    /// Where each token's text starts in `text` (bytes, UTF-8).
+    pub text_offset: Vec<u32>,
+}
+
+/// OpenAI's chat `logprobs`.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct ChatLogprobs {
+    /// One entry per generated token.
+    pub content: Vec<ChatTokenLogprob>,
+}
+
+/// One token of chat `logprobs.content`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ChatTokenLogprob {
+    /// The token's text.
+    pub token: String,
+    /// Its log-probability.
+    pub logprob: f32,
+    /// The UTF-8 bytes of `token`.
+    pub bytes: Option<Vec<u8>>,
+    /// The most likely tokens at this position, most likely first.
+    pub top_logprobs: Vec<ChatTopLogprob>,
+}
+
+/// One alternative of [`ChatTokenLogprob::top_logprobs`].
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ChatTopLogprob {
+    /// The token's text.
+    pub token: String,
+    /// Its log-probability.
+    pub logprob: f32,
+    /// The UTF-8 bytes of `token`.
+    pub bytes: Option<Vec<u8>>,
 }
 
 /// Body of a completion response, or one streamed chunk (`object` differs only in chat).
@@ -270,8 +374,13 @@ pub struct ChatChoice {
     pub index: u32,
     /// The message.
     pub message: ChatResponseMessage,
+    /// The tokens' log-probabilities when asked for (else null).
+    pub logprobs: Option<ChatLogprobs>,
     /// `stop` or `length`.
     pub finish_reason: Option<String>,
+    /// vLLM's `stop_reason` (see [`CompletionChoice::stop_reason`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stop_reason: Option<serde_json::Value>,
 }
 
 /// Body of a chat completion response.
@@ -312,8 +421,14 @@ pub struct ChatChunkChoice {
     pub index: u32,
     /// New content.
     pub delta: ChatDelta,
+    /// This chunk's tokens' log-probabilities, when asked for.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub logprobs: Option<ChatLogprobs>,
     /// Set on the last chunk.
     pub finish_reason: Option<String>,
+    /// vLLM's `stop_reason`, on the last chunk.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stop_reason: Option<serde_json::Value>,
 }
 
 /// A streamed chat chunk (`chat.completion.chunk`).

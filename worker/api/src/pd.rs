@@ -44,6 +44,16 @@ pub struct KvTransferParams {
     /// Until when the handle is valid, Unix ms (signed with it).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub kv_handle_expires_ms: Option<u64>,
+    /// The sampling seed the prefill used (prefill response, decode request):
+    /// the client's `seed` as a `u64`, or the fresh random seed the prefill
+    /// worker chose for a request without one. Signed with the handle, so the
+    /// decode continues the same random stream.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub seed: Option<u64>,
+    /// Log-probabilities of `first_token`, when the request asked for them
+    /// (prefill response, decode request; signed with the handle).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub first_token_logprobs: Option<TokenLogprobs>,
     /// Prefill compute time, ms (prefill response).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub prefill_ms: Option<f64>,
@@ -59,4 +69,16 @@ pub struct KvTransferParams {
     /// vLLM field: port of the remote side (informational).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub remote_port: Option<u16>,
+}
+
+/// The log-probability of one generated token and its most likely
+/// alternatives, as the engine computes them (log-softmax of the raw logits):
+/// `{"logprob": -0.25, "top": [[id, logprob], ...]}`, `top` descending.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct TokenLogprobs {
+    /// Log-probability of the chosen token.
+    pub logprob: f32,
+    /// The top alternatives (token id, log-probability), most likely first.
+    #[serde(default)]
+    pub top: Vec<(u32, f32)>,
 }

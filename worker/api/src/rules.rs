@@ -4,6 +4,8 @@
 //!
 //! - [`parse_body`]: JSON body → typed request, with the messages clients see.
 //! - [`check_sampling`], [`check_completion`], [`check_chat`]: field rules.
+//! - [`fields`]: the fields each request may carry (served, only "off", or
+//!   informational); any other is refused by name.
 //! - [`DEFAULT_MAX_TOKENS`], [`max_tokens_or_default`]: the completion default.
 //! - [`sanitize_request_id`]: which client `x-request-id` values are kept.
 //! - [`Role`]: what a worker does (prefill, decode, solo).
@@ -11,10 +13,14 @@
 
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
-use crate::openai::{ChatCompletionRequest, CompletionRequest, Prompt, SamplingFields};
+pub mod fields;
+mod sampling;
+
+pub use sampling::{MAX_LOGPROBS, check_sampling, logit_bias, seed_bits, top_k};
+
+use crate::openai::{ChatCompletionRequest, CompletionRequest, Prompt};
 
 /// `max_tokens` of a completion that sets none (OpenAI's default).
 pub const DEFAULT_MAX_TOKENS: u32 = 16;
@@ -32,8 +38,12 @@ pub const CHAT_ROLES: [&str; 5] = ["system", "user", "assistant", "tool", "devel
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("{message}")]
 pub struct RuleError {
-    /// The offending parameter (`None` for a body that is not a request at all).
+    /// The offending parameter (`None` for a body that is not a request at
+    /// all, or when it is an unknown field: then `field`).
     pub param: Option<&'static str>,
+    /// The offending field when it is none of the API's (its name as sent,
+    /// at most 64 characters).
+    pub field: Option<String>,
     /// Machine-readable code, where one is defined (`empty_body`,
     /// `invalid_json`, `missing_model`, `invalid_request`).
     pub code: Option<&'static str>,
@@ -46,14 +56,27 @@ impl RuleError {
     pub fn param(param: &'static str, message: impl Into<String>) -> Self {
         RuleError {
             param: Some(param),
+            field: None,
             code: None,
             message: message.into(),
         }
     }
 
+    /// The `param` of the error body: the parameter, or the unknown field.
+    pub fn param_name(&self) -> Option<&str> {
+        self.param.or(self.field.as_deref())
+    }
+
+    /// Sets the unknown field's name.
+    pub(crate) fn naming(mut self, field: String) -> Self {
+        self.field = Some(field);
+        self
+    }
+
     fn body(code: &'static str, message: impl Into<String>) -> Self {
         RuleError {
             param: None,
+            field: None,
             code: Some(code),
             message: message.into(),
         }
@@ -64,7 +87,10 @@ impl RuleError {
 /// (`empty_body`), malformed JSON or not an object (`invalid_json`), no
 /// non-empty string `model` (`missing_model`, param `model`), wrongly typed
 /// fields (`invalid_request`).
-pub fn parse_body<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, RuleError> {
+/// Every field is checked against the request type's table
+/// ([`fields::Body::FIELDS`]): unknown (`unknown_parameter`) or not at its
+/// "off" value (`unsupported_parameter`), each naming the field.
+pub fn parse_body<T: fields::Body>(bytes: &[u8]) -> Result<T, RuleError> {
     if bytes.iter().all(u8::is_ascii_whitespace) {
         return Err(RuleError::body(
             "empty_body",
@@ -84,167 +110,17 @@ pub fn parse_body<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, RuleError> {
         _ => {
             return Err(RuleError {
                 param: Some("model"),
+                field: None,
                 code: Some("missing_model"),
                 message: "the request has no \"model\" (a non-empty string)".into(),
             });
         }
     }
-    check_unsupported(obj)?;
+    if let Some(table) = T::FIELDS {
+        fields::check(obj, table)?;
+    }
     serde_json::from_value(value)
         .map_err(|e| RuleError::body("invalid_request", format!("invalid request: {e}")))
-}
-
-/// Is this value the parameter's "off" setting?
-type Off = fn(&serde_json::Value) -> bool;
-
-fn null(v: &serde_json::Value) -> bool {
-    v.is_null()
-}
-fn falsy(v: &serde_json::Value) -> bool {
-    v.is_null() || v == &serde_json::Value::Bool(false)
-}
-fn zero(v: &serde_json::Value) -> bool {
-    v.is_null() || v.as_f64() == Some(0.0)
-}
-fn one(v: &serde_json::Value) -> bool {
-    v.is_null() || v.as_f64() == Some(1.0)
-}
-fn empty(v: &serde_json::Value) -> bool {
-    match v {
-        serde_json::Value::Null => true,
-        serde_json::Value::String(s) => s.is_empty(),
-        serde_json::Value::Array(a) => a.is_empty(),
-        serde_json::Value::Object(o) => o.is_empty(),
-        _ => false,
-    }
-}
-fn no_tool(v: &serde_json::Value) -> bool {
-    v.is_null() || v.as_str() == Some("none")
-}
-fn text_format(v: &serde_json::Value) -> bool {
-    v.is_null() || v.get("type").and_then(|t| t.as_str()) == Some("text")
-}
-
-/// Parameters of the OpenAI and vLLM request schemas this server does not
-/// implement, with the value that means "off": accepted only at that value
-/// (clients send some of them explicitly), anything else is a 400 naming the
-/// parameter, never silently ignored.
-pub const UNSUPPORTED: &[(&str, &str)] = &[
-    ("best_of", "1"),
-    ("echo", "false"),
-    ("suffix", "empty"),
-    ("logprobs", "null or false"),
-    ("top_logprobs", "0"),
-    ("prompt_logprobs", "null"),
-    ("presence_penalty", "0"),
-    ("frequency_penalty", "0"),
-    ("repetition_penalty", "1"),
-    ("logit_bias", "empty"),
-    ("min_tokens", "0"),
-    ("min_p", "0"),
-    ("ignore_eos", "false"),
-    ("stop_token_ids", "empty"),
-    ("use_beam_search", "false"),
-    ("tools", "empty"),
-    ("functions", "empty"),
-    ("tool_choice", "\"none\""),
-    ("function_call", "\"none\""),
-    ("response_format", "{\"type\": \"text\"}"),
-    ("guided_json", "null"),
-    ("guided_regex", "null"),
-    ("guided_choice", "null"),
-    ("guided_grammar", "null"),
-    ("audio", "null"),
-    ("modalities", "null"),
-    ("prediction", "null"),
-];
-
-/// The "off" test of each [`UNSUPPORTED`] parameter, in the same order.
-const OFF: &[Off] = &[
-    one,
-    falsy,
-    empty,
-    falsy,
-    zero,
-    null,
-    zero,
-    zero,
-    one,
-    empty,
-    zero,
-    zero,
-    falsy,
-    empty,
-    falsy,
-    empty,
-    empty,
-    no_tool,
-    no_tool,
-    text_format,
-    null,
-    null,
-    null,
-    null,
-    null,
-    null,
-    null,
-];
-
-fn check_unsupported(obj: &serde_json::Map<String, serde_json::Value>) -> Result<(), RuleError> {
-    for ((name, off), is_off) in UNSUPPORTED.iter().zip(OFF) {
-        if let Some(v) = obj.get(*name)
-            && !is_off(v)
-        {
-            return Err(RuleError {
-                param: Some(name),
-                code: Some("unsupported_parameter"),
-                message: format!(
-                    "`{name}` is not supported by this server; only its default ({off}) is accepted"
-                ),
-            });
-        }
-    }
-    Ok(())
-}
-
-/// The sampling rules shared by completions and chat.
-pub fn check_sampling(s: &SamplingFields) -> Result<(), RuleError> {
-    if let Some(n) = s.n
-        && n != 1
-    {
-        return Err(RuleError::param(
-            "n",
-            format!("n = {n} is not supported; only n = 1 is served"),
-        ));
-    }
-    if s.max_tokens == Some(0) {
-        return Err(RuleError::param(
-            "max_tokens",
-            "max_tokens must be at least 1",
-        ));
-    }
-    if let Some(t) = s.temperature
-        && !(t.is_finite() && (0.0..=MAX_TEMPERATURE).contains(&t))
-    {
-        return Err(RuleError::param(
-            "temperature",
-            format!("temperature {t} is outside [0, {MAX_TEMPERATURE}]"),
-        ));
-    }
-    if let Some(p) = s.top_p
-        && !(p > 0.0 && p <= 1.0)
-    {
-        return Err(RuleError::param(
-            "top_p",
-            format!("top_p {p} is outside (0, 1]"),
-        ));
-    }
-    if let Some(stop) = &s.stop
-        && stop.to_vec().iter().any(String::is_empty)
-    {
-        return Err(RuleError::param("stop", "stop sequences must not be empty"));
-    }
-    Ok(())
 }
 
 /// `max_tokens` as given, or [`DEFAULT_MAX_TOKENS`].
@@ -282,6 +158,21 @@ pub fn single_prompt(prompt: &Prompt) -> Result<Prompt, RuleError> {
 pub fn check_completion(req: &CompletionRequest) -> Result<(), RuleError> {
     check_sampling(&req.sampling)?;
     single_prompt(&req.prompt)?;
+    sampling::check_min_tokens(
+        &req.sampling,
+        "max_tokens",
+        max_tokens_or_default(req.sampling.max_tokens),
+    )?;
+    sampling::check_logprobs(req.logprobs, "logprobs")?;
+    sampling::check_logprobs(req.chat_logprobs, "chat_logprobs")?;
+    if req.echo == Some(true) && req.logprobs.is_some() {
+        return Err(RuleError {
+            param: Some("echo"),
+            field: None,
+            code: Some("unsupported_parameter"),
+            message: "`echo` with `logprobs` needs the prompt's log-probabilities, which this server does not compute; send one or the other".into(),
+        });
+    }
     Ok(())
 }
 
@@ -314,6 +205,21 @@ pub fn chat_messages(req: &ChatCompletionRequest) -> Result<Vec<(String, String)
 /// Every rule of a chat request.
 pub fn check_chat(req: &ChatCompletionRequest) -> Result<(), RuleError> {
     check_sampling(&req.sampling)?;
+    sampling::check_logprobs(req.top_logprobs, "top_logprobs")?;
+    if req.top_logprobs.unwrap_or(0) > 0 && req.logprobs != Some(true) {
+        return Err(RuleError::param(
+            "top_logprobs",
+            "top_logprobs needs \"logprobs\": true",
+        ));
+    }
+    if let Some(m) = req.max_completion_tokens.or(req.sampling.max_tokens) {
+        let name = if req.max_completion_tokens.is_some() {
+            "max_completion_tokens"
+        } else {
+            "max_tokens"
+        };
+        sampling::check_min_tokens(&req.sampling, name, m)?;
+    }
     if req.max_completion_tokens == Some(0) {
         return Err(RuleError::param(
             "max_completion_tokens",
@@ -452,77 +358,6 @@ mod tests {
                 (Some("model"), Some("missing_model")),
                 "{body}"
             );
-        }
-    }
-
-    #[test]
-    fn unsupported_parameters_are_refused_by_name_and_accepted_when_off() {
-        assert_eq!(UNSUPPORTED.len(), OFF.len());
-        let on: &[(&str, &str)] = &[
-            ("best_of", "2"),
-            ("echo", "true"),
-            ("suffix", "\"x\""),
-            ("logprobs", "1"),
-            ("logprobs", "true"),
-            ("top_logprobs", "3"),
-            ("prompt_logprobs", "1"),
-            ("presence_penalty", "0.5"),
-            ("frequency_penalty", "-1"),
-            ("repetition_penalty", "1.2"),
-            ("logit_bias", "{\"50256\": -100}"),
-            ("min_tokens", "4"),
-            ("min_p", "0.1"),
-            ("ignore_eos", "true"),
-            ("stop_token_ids", "[2]"),
-            ("use_beam_search", "true"),
-            ("tools", "[{\"type\":\"function\"}]"),
-            ("functions", "[{}]"),
-            ("tool_choice", "\"auto\""),
-            ("function_call", "\"auto\""),
-            ("response_format", "{\"type\":\"json_object\"}"),
-            ("guided_json", "{}"),
-            ("guided_regex", "\"a+\""),
-            ("guided_choice", "[\"a\"]"),
-            ("guided_grammar", "\"g\""),
-            ("audio", "{}"),
-            ("modalities", "[\"audio\"]"),
-            ("prediction", "{}"),
-        ];
-        for (name, value) in on {
-            let body = format!(r#"{{"model":"m","prompt":"x","{name}":{value}}}"#);
-            let e = completion(&body).unwrap_err();
-            assert_eq!(
-                (e.param, e.code),
-                (Some(*name), Some("unsupported_parameter")),
-                "{body}"
-            );
-        }
-        // Every listed parameter has a refused value above.
-        for (name, _) in UNSUPPORTED {
-            assert!(on.iter().any(|(n, _)| n == name), "{name} untested");
-        }
-        let off: &[(&str, &str)] = &[
-            ("best_of", "1"),
-            ("echo", "false"),
-            ("suffix", "\"\""),
-            ("logprobs", "null"),
-            ("logprobs", "false"),
-            ("top_logprobs", "0"),
-            ("presence_penalty", "0"),
-            ("frequency_penalty", "0.0"),
-            ("repetition_penalty", "1.0"),
-            ("logit_bias", "{}"),
-            ("min_tokens", "0"),
-            ("ignore_eos", "false"),
-            ("stop_token_ids", "[]"),
-            ("tools", "[]"),
-            ("tool_choice", "\"none\""),
-            ("response_format", "{\"type\":\"text\"}"),
-            ("user", "\"someone\""),
-        ];
-        for (name, value) in off {
-            let body = format!(r#"{{"model":"m","prompt":"x","{name}":{value}}}"#);
-            assert!(completion(&body).is_ok(), "{body}");
         }
     }
 

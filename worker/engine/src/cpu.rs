@@ -23,9 +23,12 @@ use rngd_kv_wire::{Dtype, KvLayout};
 use tokio::sync::{mpsc, oneshot};
 
 use crate::kv::SeqCache;
+use stream::Stream;
+
+mod stream;
 use crate::model::{Model, SeqStep};
-use crate::sampling::{StopScanner, sample};
-use crate::tokenizer::{StreamDecoder, Tokenizer};
+use crate::sampling::{History, sample};
+use crate::tokenizer::Tokenizer;
 use crate::{
     Engine, EngineError, FinishReason, GenEvent, ModelInfo, Prefilled, SamplingParams,
     check_context,
@@ -78,6 +81,8 @@ struct PrefillJob {
 }
 
 struct DecodeJob {
+    /// The prompt (the penalties' history; empty when none is on).
+    prompt: Vec<u32>,
     prefilled: Prefilled,
     params: SamplingParams,
     tx: mpsc::Sender<GenEvent>,
@@ -311,7 +316,13 @@ impl Engine for CpuEngine {
         }
         // Room for every event, so the scheduler never waits on a slow reader.
         let (tx, rx) = mpsc::channel(params.max_tokens + 2);
+        let penalised = params.repetition_penalty != 1.0;
         let job = DecodeJob {
+            prompt: if penalised {
+                prompt.to_vec()
+            } else {
+                Vec::new()
+            },
             prefilled,
             params: params.clone(),
             tx,
@@ -330,91 +341,6 @@ impl Engine for CpuEngine {
 
     fn kv_usage(&self) -> f64 {
         self.running() as f64 / self.batch as f64
-    }
-}
-
-/// One decoding stream in a slot.
-struct Stream {
-    tx: mpsc::Sender<GenEvent>,
-    params: SamplingParams,
-    /// Token to feed next.
-    last: u32,
-    /// Tokens sampled so far (the next one has this index).
-    sampled: u64,
-    /// Token events sent or pending.
-    emitted: usize,
-    decoder: StreamDecoder,
-    stops: StopScanner,
-    /// The newest token event, held while its text may still change.
-    pending: Option<(u32, String)>,
-}
-
-impl Stream {
-    /// Sends an event; false if the receiver is gone.
-    fn send(&self, ev: GenEvent) -> bool {
-        self.tx.try_send(ev).is_ok()
-    }
-
-    /// Handles a sampled token; returns false when the stream is over (finished or cancelled).
-    fn on_token(&mut self, tok: &Tokenizer, id: u32) -> bool {
-        self.sampled += 1;
-        if tok.stop_ids().contains(&id) {
-            return self.finish(tok, FinishReason::Stop);
-        }
-        let piece = self.decoder.push(tok, id);
-        let scanned = self.stops.push(&piece);
-        let mut text = scanned.text;
-        if let Some((pid, mut ptext)) = self.pending.take() {
-            ptext.push_str(&text);
-            text = String::new();
-            if !self.send(GenEvent::Token {
-                id: pid,
-                text: ptext,
-            }) {
-                return false;
-            }
-        }
-        self.emitted += 1;
-        if scanned.stopped {
-            if !self.send(GenEvent::Token { id, text }) {
-                return false;
-            }
-            return self.finish(tok, FinishReason::Stop);
-        }
-        if self.decoder.is_holding() || self.stops.is_holding() {
-            self.pending = Some((id, text));
-        } else if !self.send(GenEvent::Token { id, text }) {
-            return false;
-        }
-        if self.emitted >= self.params.max_tokens {
-            return self.finish(tok, FinishReason::Length);
-        }
-        true
-    }
-
-    /// Flushes held text and sends `Done`. Always returns false (the stream is over).
-    fn finish(&mut self, _tok: &Tokenizer, reason: FinishReason) -> bool {
-        let tail = self.decoder.finish();
-        let scanned = self.stops.push(&tail);
-        let mut text = scanned.text;
-        let mut reason = reason;
-        if scanned.stopped {
-            reason = FinishReason::Stop;
-        } else {
-            text.push_str(&self.stops.finish());
-        }
-        if let Some((pid, mut ptext)) = self.pending.take() {
-            ptext.push_str(&text);
-            self.send(GenEvent::Token {
-                id: pid,
-                text: ptext,
-            });
-        }
-        self.send(GenEvent::Done {
-            finish_reason: reason,
-            completion_tokens: self.emitted,
-        });
-        false
     }
 }
 
@@ -491,9 +417,11 @@ impl Scheduler {
                 dense,
             )
             .map(|logits| {
-                let first_token = sample(&logits, &job.params, 0);
+                let history = History::new(&job.prompt, &job.params, self.tokenizer.stop_ids());
+                let first = sample(&logits, &job.params, 0, &history);
                 Prefilled {
-                    first_token,
+                    first_token: first.id,
+                    first_logprobs: first.logprobs,
                     kv: cache.export(),
                     elapsed: started.elapsed(),
                 }
@@ -523,22 +451,18 @@ impl Scheduler {
             let _ = job.tx.try_send(GenEvent::Error(e.to_string()));
             return;
         }
-        let mut stream = Stream {
-            tx: job.tx,
-            last: job.prefilled.first_token,
-            stops: StopScanner::new(&job.params.stop),
-            params: job.params,
-            sampled: 0,
-            emitted: 0,
-            decoder: StreamDecoder::default(),
-            pending: None,
-        };
+        let first = job.prefilled.first_token;
+        let mut stream = Stream::new(job.tx, job.params, &job.prompt, first, &self.tokenizer);
         if stream.params.max_tokens == 0 {
-            stream.finish(&self.tokenizer, FinishReason::Length);
+            stream.finish(FinishReason::Length, None);
             return;
         }
         // The first token (index 0) came from the prefill.
-        if stream.on_token(&self.tokenizer, job.prefilled.first_token) {
+        let sampled = crate::sampling::Sampled {
+            id: first,
+            logprobs: job.prefilled.first_logprobs,
+        };
+        if stream.on_token(&self.tokenizer, sampled) {
             self.slots[slot] = Some(stream);
         }
     }
@@ -547,7 +471,7 @@ impl Scheduler {
     fn step(&mut self) {
         // Cancel streams whose client is gone.
         for s in self.slots.iter_mut() {
-            if s.as_ref().is_some_and(|st| st.tx.is_closed()) {
+            if s.as_ref().is_some_and(Stream::is_closed) {
                 tracing::debug!("decode stream cancelled: receiver dropped");
                 *s = None;
             }
@@ -584,9 +508,8 @@ impl Scheduler {
                     let Some(stream) = self.slots[*i].as_mut() else {
                         continue;
                     };
-                    let id = sample(logits, &stream.params, stream.sampled);
-                    stream.last = id;
-                    if !stream.on_token(&self.tokenizer, id) {
+                    let s = sample(logits, &stream.params, stream.sampled, &stream.history);
+                    if !stream.on_token(&self.tokenizer, s) {
                         self.slots[*i] = None;
                     }
                 }

@@ -11,7 +11,9 @@
 //!   check it received the cache of *its* prompt;
 //! - `decode`: checks the cache against the prompt (an [`GenEvent::Error`] if it
 //!   does not match), then streams token `i` = `prompt[i % len]` until
-//!   `max_tokens` (finish `Length`) or a stop sequence (finish `Stop`).
+//!   `max_tokens` (finish `Length`) or a stop sequence (finish `Stop`);
+//!   sampling parameters other than `max_tokens`, `stop` and `logprobs` are
+//!   ignored, and asked-for log-probabilities say the echoed token is certain.
 
 use std::time::{Duration, Instant};
 
@@ -22,7 +24,7 @@ use tokio::sync::mpsc;
 use crate::sampling::StopScanner;
 use crate::{
     Engine, EngineError, FinishReason, GenEvent, KvCache, ModelInfo, Prefilled, SamplingParams,
-    check_context,
+    StopReason, TokenLogprobs, check_context,
 };
 
 /// TEST FAKE engine: echoes the prompt; see the module docs.
@@ -82,6 +84,22 @@ impl EchoEngine {
     }
 }
 
+/// The fake's log-probabilities: the echoed token is certain (log p = 0),
+/// and it is the only alternative listed.
+fn certain(id: u32, params: &SamplingParams) -> Option<TokenLogprobs> {
+    params.logprobs.map(|n| TokenLogprobs {
+        logprob: 0.0,
+        top: if n > 0 { vec![(id, 0.0)] } else { Vec::new() },
+    })
+}
+
+fn stop_reason(finish: FinishReason, stops: &StopScanner) -> Option<StopReason> {
+    match finish {
+        FinishReason::Stop => stops.matched().map(|m| StopReason::Text(m.into())),
+        FinishReason::Length => None,
+    }
+}
+
 #[async_trait::async_trait]
 impl Engine for EchoEngine {
     fn info(&self) -> &ModelInfo {
@@ -116,6 +134,7 @@ impl Engine for EchoEngine {
         let started = Instant::now();
         Ok(Prefilled {
             first_token: prompt[0],
+            first_logprobs: certain(prompt[0], params),
             kv: self.cache_for(prompt),
             elapsed: started.elapsed(),
         })
@@ -136,6 +155,7 @@ impl Engine for EchoEngine {
             return Ok(rx);
         }
         let prompt = prompt.to_vec();
+        let params = params.clone();
         let max = params.max_tokens;
         let mut stops = StopScanner::new(&params.stop);
         let delay = self.token_delay;
@@ -150,7 +170,12 @@ impl Engine for EchoEngine {
             while n < max {
                 let (id, s) = emit(n, &mut stops);
                 n += 1;
-                let _ = tx.try_send(GenEvent::Token { id, text: s.text });
+                let logprobs = certain(id, &params);
+                let _ = tx.try_send(GenEvent::Token {
+                    id,
+                    text: s.text,
+                    logprobs,
+                });
                 if s.stopped {
                     finish = FinishReason::Stop;
                     break;
@@ -159,6 +184,7 @@ impl Engine for EchoEngine {
             let _ = tx.try_send(GenEvent::Done {
                 finish_reason: finish,
                 completion_tokens: n,
+                stop_reason: stop_reason(finish, &stops),
             });
         } else {
             tokio::spawn(async move {
@@ -166,7 +192,13 @@ impl Engine for EchoEngine {
                     tokio::time::sleep(delay).await;
                     let (id, s) = emit(n, &mut stops);
                     n += 1;
-                    if tx.send(GenEvent::Token { id, text: s.text }).await.is_err() {
+                    let logprobs = certain(id, &params);
+                    let ev = GenEvent::Token {
+                        id,
+                        text: s.text,
+                        logprobs,
+                    };
+                    if tx.send(ev).await.is_err() {
                         return;
                     }
                     if s.stopped {
@@ -178,6 +210,7 @@ impl Engine for EchoEngine {
                     .send(GenEvent::Done {
                         finish_reason: finish,
                         completion_tokens: n,
+                        stop_reason: stop_reason(finish, &stops),
                     })
                     .await;
             });

@@ -12,6 +12,7 @@
 use std::time::Duration;
 
 use bytes::Bytes;
+pub use rngd_api::pd::TokenLogprobs;
 pub use rngd_kv_wire::KvLayout;
 use tokio::sync::mpsc;
 
@@ -123,7 +124,8 @@ pub struct ModelInfo {
     pub vocab_size: usize,
 }
 
-/// How to pick tokens and when to stop.
+/// How to pick tokens and when to stop (`sampling` has the order the
+/// processors run in).
 #[derive(Debug, Clone, PartialEq)]
 pub struct SamplingParams {
     /// Tokens to generate at most (the first token counts).
@@ -134,10 +136,30 @@ pub struct SamplingParams {
     pub top_k: usize,
     /// Top-p (1.0 = off).
     pub top_p: f32,
+    /// Min-p: drop tokens below this fraction of the top probability (0 = off).
+    pub min_p: f32,
     /// Seed; sampling of step `i` depends only on (seed, i), wherever it runs.
     pub seed: u64,
     /// Stop sequences (not included in the output).
     pub stop: Vec<String>,
+    /// Subtracted once from the logit of every token already generated (0 = off).
+    pub presence_penalty: f32,
+    /// Subtracted per occurrence from the logit of generated tokens (0 = off).
+    pub frequency_penalty: f32,
+    /// Over prompt + output: a positive logit divided, a negative one
+    /// multiplied by it (1 = off).
+    pub repetition_penalty: f32,
+    /// Added to the logits of these token ids.
+    pub logit_bias: Vec<(u32, f32)>,
+    /// The stop tokens are masked until this many tokens were generated.
+    pub min_tokens: usize,
+    /// The model's own stop tokens (EOS, `<|im_end|>`, …) do not stop.
+    pub ignore_eos: bool,
+    /// More token ids that stop the generation (not emitted).
+    pub stop_token_ids: Vec<u32>,
+    /// Log-probabilities of each generated token with this many top
+    /// alternatives (`Some(0)`: the chosen token's only; `None`: off).
+    pub logprobs: Option<usize>,
 }
 
 /// One request's KV cache in the wire layout (bf16 blobs, `K0, V0, K1, V1, …`).
@@ -156,10 +178,22 @@ pub struct KvCache {
 pub struct Prefilled {
     /// The first generated token.
     pub first_token: u32,
+    /// Its log-probabilities, when `SamplingParams::logprobs` asked for them.
+    pub first_logprobs: Option<TokenLogprobs>,
     /// The cache of the prompt.
     pub kv: KvCache,
     /// Compute time.
     pub elapsed: Duration,
+}
+
+/// Which stop ended a generation (vLLM's `stop_reason`); the model's own
+/// EOS has none.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum StopReason {
+    /// A token of `stop_token_ids`.
+    Token(u32),
+    /// A stop sequence.
+    Text(String),
 }
 
 /// Why generation ended.
@@ -180,6 +214,8 @@ pub enum GenEvent {
         id: u32,
         /// New text.
         text: String,
+        /// Its log-probabilities, when asked for.
+        logprobs: Option<TokenLogprobs>,
     },
     /// The end.
     Done {
@@ -187,6 +223,8 @@ pub enum GenEvent {
         finish_reason: FinishReason,
         /// Tokens generated.
         completion_tokens: usize,
+        /// The stop token or sequence that ended it, if one did.
+        stop_reason: Option<StopReason>,
     },
     /// A failure mid-stream.
     Error(String),
@@ -235,15 +273,24 @@ pub trait Engine: Send + Sync + 'static {
 }
 
 impl Default for SamplingParams {
-    /// Greedy, 16 tokens, no top-k/top-p, seed 0, no stop sequences.
+    /// Greedy, 16 tokens, every processor off, seed 0, no stops, no logprobs.
     fn default() -> Self {
         SamplingParams {
             max_tokens: 16,
             temperature: 0.0,
             top_k: 0,
             top_p: 1.0,
+            min_p: 0.0,
             seed: 0,
             stop: Vec::new(),
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
+            repetition_penalty: 1.0,
+            logit_bias: Vec::new(),
+            min_tokens: 0,
+            ignore_eos: false,
+            stop_token_ids: Vec::new(),
+            logprobs: None,
         }
     }
 }

@@ -73,6 +73,7 @@ async fn pd_split_matches_a_single_instance_on_the_real_model() {
         let pre = prefill_engine.prefill(p, &params).await.unwrap();
         shipped.push(Prefilled {
             first_token: pre.first_token,
+            first_logprobs: pre.first_logprobs.clone(),
             kv: through_the_wire(&pre.kv),
             elapsed: pre.elapsed,
         });
@@ -138,6 +139,7 @@ async fn sampling_with_a_seed_is_the_same_split_or_not() {
         top_p: 0.95,
         seed: 1234,
         stop: vec![],
+        ..SamplingParams::default()
     };
     let s = solo(&*a, &p, &params).await.unwrap();
     let pre = a.prefill(&p, &params).await.unwrap();

@@ -99,6 +99,7 @@ async fn seeded_sampling_is_the_same_split_or_batched() {
         top_p: 0.9,
         seed: 77,
         stop: vec![],
+        ..SamplingParams::default()
     };
     let s = solo(&*one, &p, &params).await.unwrap();
     let pre = one.prefill(&p, &params).await.unwrap();

@@ -287,7 +287,7 @@ impl ApiError {
             }
             ApiError::Rule(r) => {
                 let mut b = body;
-                if let Some(p) = r.param {
+                if let Some(p) = r.param_name() {
                     b = b.with_param(p);
                 }
                 if let Some(c) = r.code {

@@ -1,7 +1,9 @@
 //! Unforgeable KV handles. A prefill worker names each cache it pushes with a
 //! fresh 128-bit random key ([`new_kv_key`], never derived from a client's
 //! request id) and signs what it hands out: the handle, the first token, the
-//! prompt's token ids (as SHA-256) and an expiry, with HMAC-SHA256 under a key
+//! prompt's token ids (as SHA-256), an expiry and the sampling [`Claims`]
+//! (the seed the decode continues with, the first token's log-probabilities),
+//! with HMAC-SHA256 under a key
 //! derived from the deployment's KV secret ([`HandleSigner`]). A decode worker
 //! pulls nothing before [`HandleSigner::verify`] and [`check_shape`] pass: a
 //! handle it cannot verify, an expired one, a prompt that is not the one
@@ -15,6 +17,7 @@ use std::fmt;
 
 use ring::hmac;
 use ring::rand::{SecureRandom, SystemRandom};
+use rngd_api::pd::TokenLogprobs;
 use rngd_kv_wire::{KvHandle, KvLayout};
 use serde::Serialize;
 
@@ -48,6 +51,32 @@ pub enum HandleError {
     /// The handle does not describe this model's cache.
     #[error("the kv_handle does not match this worker's model: {0}")]
     Shape(String),
+    /// The request asks for log-probabilities the prefill did not send.
+    #[error(
+        "the request asks for logprobs but kv_transfer_params carries no first_token_logprobs (the prefill was asked without them)"
+    )]
+    NoFirstLogprobs,
+}
+
+/// What the prefill decided about sampling, signed with the handle so a
+/// decode continues exactly where it left off.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Claims<'a> {
+    /// The seed of the request's random stream.
+    pub seed: Option<u64>,
+    /// The first token's log-probabilities.
+    pub first_token_logprobs: Option<&'a TokenLogprobs>,
+}
+
+/// A fresh sampling seed from the system generator (a request without
+/// `seed` gets one, so two such requests draw different streams).
+pub fn random_seed() -> u64 {
+    let mut b = [0u8; 8];
+    // The system RNG failing is not recoverable.
+    SystemRandom::new()
+        .fill(&mut b)
+        .expect("the system random number generator works");
+    u64::from_le_bytes(b)
 }
 
 /// A fresh KV key: 128 random bits as 32 lower-case hex digits.
@@ -80,16 +109,27 @@ fn unhex(s: &str) -> Option<Vec<u8>> {
         .collect()
 }
 
-/// What is signed.
+/// What is signed (the claims only when present: a handle without them
+/// signs as before they existed).
 #[derive(Serialize)]
 struct Signed<'a> {
     handle: &'a KvHandle,
     first_token: u32,
     prompt_sha256: String,
     expires_ms: u64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    seed: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    first_token_logprobs: Option<&'a TokenLogprobs>,
 }
 
-fn message(handle: &KvHandle, first_token: u32, prompt: &[u32], expires_ms: u64) -> Vec<u8> {
+fn message(
+    handle: &KvHandle,
+    first_token: u32,
+    prompt: &[u32],
+    expires_ms: u64,
+    claims: &Claims<'_>,
+) -> Vec<u8> {
     let mut ids = Vec::with_capacity(prompt.len() * 4);
     for t in prompt {
         ids.extend_from_slice(&t.to_le_bytes());
@@ -100,6 +140,8 @@ fn message(handle: &KvHandle, first_token: u32, prompt: &[u32], expires_ms: u64)
         first_token,
         prompt_sha256: hex(digest.as_ref()),
         expires_ms,
+        seed: claims.seed,
+        first_token_logprobs: claims.first_token_logprobs,
     };
     let mut m = DOMAIN.to_vec();
     // Serializing plain structs, strings and numbers cannot fail.
@@ -140,7 +182,20 @@ impl HandleSigner {
         prompt: &[u32],
         expires_ms: u64,
     ) -> String {
-        hex(hmac::sign(&self.key, &message(handle, first_token, prompt, expires_ms)).as_ref())
+        self.sign_with(handle, first_token, prompt, expires_ms, &Claims::default())
+    }
+
+    /// [`HandleSigner::sign`] with the sampling claims.
+    pub fn sign_with(
+        &self,
+        handle: &KvHandle,
+        first_token: u32,
+        prompt: &[u32],
+        expires_ms: u64,
+        claims: &Claims<'_>,
+    ) -> String {
+        let m = message(handle, first_token, prompt, expires_ms, claims);
+        hex(hmac::sign(&self.key, &m).as_ref())
     }
 
     /// Checks a signature (constant time) and the expiry against `now_ms`.
@@ -153,13 +208,32 @@ impl HandleSigner {
         signature: &str,
         now_ms: u64,
     ) -> Result<(), HandleError> {
-        let tag = unhex(signature).ok_or(HandleError::BadSignature)?;
-        hmac::verify(
-            &self.key,
-            &message(handle, first_token, prompt, expires_ms),
-            &tag,
+        self.verify_with(
+            handle,
+            first_token,
+            prompt,
+            expires_ms,
+            &Claims::default(),
+            signature,
+            now_ms,
         )
-        .map_err(|_| HandleError::BadSignature)?;
+    }
+
+    /// [`HandleSigner::verify`] with the sampling claims.
+    #[allow(clippy::too_many_arguments)]
+    pub fn verify_with(
+        &self,
+        handle: &KvHandle,
+        first_token: u32,
+        prompt: &[u32],
+        expires_ms: u64,
+        claims: &Claims<'_>,
+        signature: &str,
+        now_ms: u64,
+    ) -> Result<(), HandleError> {
+        let tag = unhex(signature).ok_or(HandleError::BadSignature)?;
+        let m = message(handle, first_token, prompt, expires_ms, claims);
+        hmac::verify(&self.key, &m, &tag).map_err(|_| HandleError::BadSignature)?;
         if now_ms > expires_ms.saturating_add(CLOCK_SKEW_MS) {
             return Err(HandleError::Expired {
                 ago_ms: now_ms - expires_ms,
@@ -300,6 +374,49 @@ mod tests {
                 Err(HandleError::BadSignature)
             );
         }
+    }
+
+    #[test]
+    fn the_claims_are_signed_too() {
+        let s = HandleSigner::new(b"deployment-secret-0123456789");
+        let h = handle();
+        let lp = TokenLogprobs {
+            logprob: -0.5,
+            top: vec![(3, -0.5), (9, -1.25)],
+        };
+        let claims = Claims {
+            seed: Some(u64::MAX),
+            first_token_logprobs: Some(&lp),
+        };
+        let sig = s.sign_with(&h, 3, &[1, 2, 3], 10_000, &claims);
+        s.verify_with(&h, 3, &[1, 2, 3], 10_000, &claims, &sig, 9_000)
+            .unwrap();
+        let other_lp = TokenLogprobs {
+            logprob: -0.25,
+            ..lp.clone()
+        };
+        for changed in [
+            Claims {
+                seed: Some(1),
+                ..claims
+            },
+            Claims {
+                first_token_logprobs: Some(&other_lp),
+                ..claims
+            },
+            Claims::default(),
+        ] {
+            assert_eq!(
+                s.verify_with(&h, 3, &[1, 2, 3], 10_000, &changed, &sig, 9_000),
+                Err(HandleError::BadSignature)
+            );
+        }
+        // Without claims, a signature is the one `sign` makes.
+        assert_eq!(
+            s.sign_with(&h, 3, &[1], 5, &Claims::default()),
+            s.sign(&h, 3, &[1], 5)
+        );
+        assert_ne!(random_seed(), random_seed());
     }
 
     #[test]

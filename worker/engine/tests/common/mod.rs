@@ -35,13 +35,14 @@ pub async fn collect(mut rx: tokio::sync::mpsc::Receiver<GenEvent>) -> Output {
     };
     while let Some(ev) = rx.recv().await {
         match ev {
-            GenEvent::Token { id, text } => {
+            GenEvent::Token { id, text, .. } => {
                 out.ids.push(id);
                 out.text.push_str(&text);
             }
             GenEvent::Done {
                 finish_reason,
                 completion_tokens,
+                ..
             } => {
                 out.finish = Some(finish_reason);
                 out.completion_tokens = completion_tokens;

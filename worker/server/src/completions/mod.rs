@@ -9,9 +9,11 @@
 //! - [`pd`]: the three PD modes (prefill for a remote decode, decode from a
 //!   pulled KV, orchestration of a prefill peer);
 //! - [`respond`]: a generation stream as a JSON body or as SSE, in the
-//!   completion or the chat format.
+//!   completion or the chat format;
+//! - [`logprobs`]: the engine's log-probabilities in either API's format.
 
 mod chat;
+mod logprobs;
 mod pd;
 mod respond;
 
@@ -26,12 +28,13 @@ use axum::http::{Extensions, HeaderMap, HeaderValue};
 use axum::response::{IntoResponse, Response};
 use rngd_api::Role;
 use rngd_api::headers;
-use rngd_api::openai::{CompletionRequest, Prompt, SamplingFields, Timings};
-use rngd_api::rules;
-use rngd_engine::{Engine, SamplingParams};
+use rngd_api::openai::{CompletionRequest, Prompt, Timings};
+use rngd_api::rules::{self, RuleError};
+use rngd_engine::{Engine, ModelInfo, SamplingParams};
 use tracing::Instrument;
 
 use crate::error::ApiError;
+use crate::handles::random_seed;
 use crate::state::WorkerState;
 use pd::{Call, decode_remote, orchestrate, prefill_for_remote};
 use respond::{Api, Meta, respond};
@@ -264,18 +267,19 @@ async fn handle(
     }
     tracing::info!(mode = "local");
     let prompt = prompt_ids(&engine, &req.prompt).await?;
-    let sp = sampling(&req.sampling, &prompt, engine.info().seq_len)?;
+    let seed = client_seed(&req).unwrap_or_else(random_seed);
+    let sp = sampling(&req, &prompt, engine.info(), seed)?;
     let rx = engine.generate(&prompt, &sp).await?;
     state.metrics().prefills.inc();
     let meta = Meta::new(
         api,
-        &*engine,
+        &engine,
         &req,
+        &prompt,
         request_id,
-        prompt.len(),
         started,
         Timings::default(),
-    );
+    )?;
     respond(state.clone(), meta, rx, req.sampling.stream).await
 }
 
@@ -321,30 +325,65 @@ pub(super) fn check_vocab(ids: &[u32], vocab: usize) -> Result<(), ApiError> {
     }
 }
 
-/// Sampling parameters of a request; the context-length check happens here,
-/// before any work. Without `seed`, the seed is a hash of the prompt tokens, so
-/// that a prefill worker, a decode worker and a solo worker agree on it.
+/// The client's seed as the engine's `u64` (negative: two's complement).
+pub(super) fn client_seed(req: &CompletionRequest) -> Option<u64> {
+    req.sampling.seed.map(rules::seed_bits)
+}
+
+/// Sampling parameters of a request with its `seed` resolved (the client's,
+/// the prefill's, or a fresh random one: `docs/pd-protocol.md`); the
+/// context-length check and the vocabulary checks of `logit_bias` and
+/// `stop_token_ids` happen here, before any work.
 pub(super) fn sampling(
-    f: &SamplingFields,
+    req: &CompletionRequest,
     prompt: &[u32],
-    seq_len: usize,
+    info: &ModelInfo,
+    seed: u64,
 ) -> Result<SamplingParams, ApiError> {
+    let f = &req.sampling;
     rules::check_sampling(f)?;
     let max_tokens = rules::max_tokens_or_default(f.max_tokens) as usize;
-    rngd_engine::check_context(prompt.len(), max_tokens, seq_len)?;
-    let temperature = f.temperature.unwrap_or(1.0);
-    let top_p = f.top_p.unwrap_or(1.0);
-    let seed = f.seed.unwrap_or_else(|| {
-        prompt.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, t| {
-            (h ^ u64::from(*t)).wrapping_mul(0x0100_0000_01b3)
-        })
-    });
+    rngd_engine::check_context(prompt.len(), max_tokens, info.seq_len)?;
+    let vocab = info.vocab_size;
+    let logit_bias = rules::logit_bias(f)?;
+    if let Some((id, _)) = logit_bias.iter().find(|(id, _)| *id as usize >= vocab) {
+        return Err(RuleError::param(
+            "logit_bias",
+            format!("logit_bias token id {id} is outside the vocabulary (size {vocab})"),
+        )
+        .into());
+    }
+    let stop_token_ids = f.stop_token_ids.clone().unwrap_or_default();
+    if let Some(id) = stop_token_ids.iter().find(|id| **id as usize >= vocab) {
+        return Err(RuleError::param(
+            "stop_token_ids",
+            format!("stop_token_ids: {id} is outside the vocabulary (size {vocab})"),
+        )
+        .into());
+    }
+    let min_tokens = f.min_tokens.unwrap_or(0) as usize;
+    if min_tokens > max_tokens {
+        return Err(RuleError::param(
+            "min_tokens",
+            format!("min_tokens {min_tokens} is more than max_tokens {max_tokens}"),
+        )
+        .into());
+    }
     Ok(SamplingParams {
         max_tokens,
-        temperature,
-        top_k: f.top_k.unwrap_or(0) as usize,
-        top_p,
+        temperature: f.temperature.unwrap_or(1.0),
+        top_k: rules::top_k(f),
+        top_p: f.top_p.unwrap_or(1.0),
+        min_p: f.min_p.unwrap_or(0.0),
         seed,
         stop: f.stop.as_ref().map(|s| s.to_vec()).unwrap_or_default(),
+        presence_penalty: f.presence_penalty.unwrap_or(0.0),
+        frequency_penalty: f.frequency_penalty.unwrap_or(0.0),
+        repetition_penalty: f.repetition_penalty.unwrap_or(1.0),
+        logit_bias,
+        min_tokens,
+        ignore_eos: f.ignore_eos.unwrap_or(false),
+        stop_token_ids,
+        logprobs: req.chat_logprobs.or(req.logprobs).map(|n| n as usize),
     })
 }

@@ -13,10 +13,10 @@ use rngd_engine::{Engine, KvCache, Prefilled};
 use rngd_kv_transport::KvPayload;
 
 use super::respond::{Api, Meta, respond};
-use super::{check_vocab, prompt_ids, sampling};
+use super::{check_vocab, client_seed, prompt_ids, sampling};
 use crate::allow::PeerAddr;
 use crate::error::ApiError;
-use crate::handles::{HandleError, KvAuth, check_shape, new_kv_key};
+use crate::handles::{Claims, HandleError, KvAuth, check_shape, new_kv_key, random_seed};
 use crate::state::WorkerState;
 
 /// Extra time the worker gives a transport's own pull timeout before giving up itself.
@@ -37,7 +37,9 @@ pub(super) async fn prefill_for_remote(
         ));
     }
     let prompt = prompt_ids(engine, &req.prompt).await?;
-    let sp = sampling(&req.sampling, &prompt, engine.info().seq_len)?;
+    // The decode continues this seed's stream: the client's, or a fresh one.
+    let seed = client_seed(req).unwrap_or_else(random_seed);
+    let sp = sampling(req, &prompt, engine.info(), seed)?;
     let transport =
         state
             .transports()
@@ -54,6 +56,7 @@ pub(super) async fn prefill_for_remote(
     m.prefills.inc();
     m.prefill_seconds.observe(pre.elapsed.as_secs_f64());
     let first = pre.first_token;
+    let first_logprobs = pre.first_logprobs.clone();
     let t0 = Instant::now();
     // The cache's name: 128 random bits, never the client's request id (two
     // requests with one id must not share, and nobody may guess it).
@@ -83,8 +86,12 @@ pub(super) async fn prefill_for_remote(
     );
     let text = engine.detokenize(&[first])?;
     let expires_ms = unix_ms().saturating_add(state.config().handle_ttl.as_millis() as u64);
+    let claims = Claims {
+        seed: Some(seed),
+        first_token_logprobs: first_logprobs.as_ref(),
+    };
     let signature = match &state.config().kv_auth {
-        KvAuth::Signed(s) => Some(s.sign(&handle, first, &prompt, expires_ms)),
+        KvAuth::Signed(s) => Some(s.sign_with(&handle, first, &prompt, expires_ms, &claims)),
         KvAuth::Insecure | KvAuth::Off => None,
     };
     let total = ms(started.elapsed());
@@ -99,6 +106,7 @@ pub(super) async fn prefill_for_remote(
             text,
             logprobs: None,
             finish_reason: Some("length".into()),
+            stop_reason: None,
             token_ids: Some(vec![first]),
         }],
         usage: Some(Usage::new(prompt_tokens as u32, 1)),
@@ -109,6 +117,8 @@ pub(super) async fn prefill_for_remote(
             kv_handle_expires_ms: Some(expires_ms),
             first_token: Some(first),
             prompt_token_ids: Some(prompt),
+            seed: Some(seed),
+            first_token_logprobs: first_logprobs,
             prefill_ms: Some(prefill_ms),
             kv_save_ms: Some(kv_save_ms),
             remote_engine_id: state.config().node.clone(),
@@ -188,10 +198,22 @@ pub(super) async fn decode_remote(
             let expires = params
                 .kv_handle_expires_ms
                 .ok_or(HandleError::BadSignature)?;
-            signer.verify(&handle, first, &prompt, expires, sig, unix_ms())?;
+            let claims = Claims {
+                seed: params.seed,
+                first_token_logprobs: params.first_token_logprobs.as_ref(),
+            };
+            signer.verify_with(&handle, first, &prompt, expires, &claims, sig, unix_ms())?;
         }
     }
-    let sp = sampling(&req.sampling, &prompt, engine.info().seq_len)?;
+    // The prefill's seed (signed) continues its stream.
+    let seed = params
+        .seed
+        .or_else(|| client_seed(req))
+        .unwrap_or_else(random_seed);
+    let sp = sampling(req, &prompt, engine.info(), seed)?;
+    if sp.logprobs.is_some() && params.first_token_logprobs.is_none() {
+        return Err(HandleError::NoFirstLogprobs.into());
+    }
     let transport = state
         .transports()
         .get(Some(&handle.transport))
@@ -234,6 +256,7 @@ pub(super) async fn decode_remote(
     );
     let prefilled = Prefilled {
         first_token: first,
+        first_logprobs: params.first_token_logprobs.clone(),
         kv: KvCache {
             layout: handle.layout,
             tokens: handle.tokens,
@@ -249,15 +272,7 @@ pub(super) async fn decode_remote(
         kv_transfer_ms: Some(params.kv_save_ms.unwrap_or(0.0) + kv_load_ms),
         ..Timings::default()
     };
-    let meta = Meta::new(
-        api,
-        &**engine,
-        req,
-        request_id,
-        prompt.len(),
-        started,
-        timings,
-    );
+    let meta = Meta::new(api, engine, req, &prompt, request_id, started, timings)?;
     respond(state.clone(), meta, rx, req.sampling.stream).await
 }
 

@@ -4,6 +4,7 @@
 //! or in the chat format for a chat ([`Api::Chat`], through `rngd_api::chat`).
 
 use std::convert::Infallible;
+use std::sync::Arc;
 use std::time::Instant;
 
 use axum::response::sse::{Event, Sse};
@@ -12,14 +13,15 @@ use futures::StreamExt;
 use rngd_api::chat::ChatChunker;
 use rngd_api::openai::{
     ChatCompletionResponse, CompletionChoice, CompletionRequest, CompletionResponse, ErrorBody,
-    Timings, Usage,
+    Prompt, Timings, Usage,
 };
 use rngd_api::rules::{ms, unix_now};
-use rngd_engine::{Engine, FinishReason, GenEvent};
+use rngd_engine::{Engine, FinishReason, GenEvent, StopReason};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tracing::Instrument;
 
+use super::logprobs::{Builder, Format};
 use crate::error::ApiError;
 use crate::state::WorkerState;
 
@@ -36,6 +38,11 @@ pub(crate) enum Api {
 /// What every chunk or body of one response shares.
 pub(super) struct Meta {
     api: Api,
+    engine: Arc<dyn Engine>,
+    /// The log-probabilities' format, when asked for.
+    logprobs: Option<Format>,
+    /// The prompt's text, with `echo`.
+    echo: Option<String>,
     id: String,
     model: String,
     created: u64,
@@ -46,17 +53,34 @@ pub(super) struct Meta {
 }
 
 impl Meta {
+    /// The response's shared parts; `prompt`: the prompt's token ids.
+    #[allow(clippy::too_many_arguments)]
     pub(super) fn new(
         api: Api,
-        engine: &dyn Engine,
+        engine: &Arc<dyn Engine>,
         req: &CompletionRequest,
+        prompt: &[u32],
         request_id: &str,
-        prompt_tokens: usize,
         started: Instant,
         timings: Timings,
-    ) -> Self {
-        Meta {
+    ) -> Result<Self, ApiError> {
+        let echo = match (req.echo, &req.prompt) {
+            (Some(true), Prompt::Text(t)) => Some(t.clone()),
+            (Some(true), Prompt::TextBatch(v)) if v.len() == 1 => Some(v[0].clone()),
+            (Some(true), _) => Some(engine.detokenize(prompt)?),
+            _ => None,
+        };
+        let logprobs = if req.chat_logprobs.is_some() {
+            Some(Format::Chat)
+        } else {
+            req.logprobs.map(|_| Format::Completion)
+        };
+        let prompt_tokens = prompt.len();
+        Ok(Meta {
             api,
+            engine: Arc::clone(engine),
+            logprobs,
+            echo,
             id: match api {
                 Api::Completion => format!("cmpl-{request_id}"),
                 Api::Chat => format!("chatcmpl-{request_id}"),
@@ -71,7 +95,14 @@ impl Meta {
                 .stream_options
                 .as_ref()
                 .is_some_and(|o| o.include_usage),
-        }
+        })
+    }
+
+    /// A log-probability builder, when the request asked for them.
+    fn builder(&self) -> Option<Builder> {
+        let offset = self.echo.as_ref().map_or(0, |e| e.chars().count());
+        self.logprobs
+            .map(|f| Builder::new(Arc::clone(&self.engine), f, offset))
     }
 
     fn chunk(&self, choices: Vec<CompletionChoice>) -> CompletionResponse {
@@ -135,6 +166,14 @@ fn finish_str(f: FinishReason) -> String {
     }
 }
 
+/// vLLM's `stop_reason`: the stop token id or the stop string.
+fn stop_json(s: Option<StopReason>) -> Option<serde_json::Value> {
+    match s? {
+        StopReason::Token(id) => Some(id.into()),
+        StopReason::Text(t) => Some(t.into()),
+    }
+}
+
 /// Turns a generation stream into a JSON body or an SSE stream.
 pub(super) async fn respond(
     state: WorkerState,
@@ -143,20 +182,34 @@ pub(super) async fn respond(
     stream: bool,
 ) -> Result<Response, ApiError> {
     if !stream {
-        let (mut text, mut ids) = (String::new(), Vec::new());
+        let (mut text, mut ids) = (meta.echo.clone().unwrap_or_default(), Vec::new());
         let (mut first, mut last) = (None, None);
-        let mut finish = None;
+        let (mut finish, mut stop) = (None, None);
+        let mut builder = meta.builder();
+        let mut logprobs = builder.as_ref().map(Builder::empty);
         while let Some(ev) = rx.recv().await {
             match ev {
-                GenEvent::Token { id, text: t } => {
+                GenEvent::Token {
+                    id,
+                    text: t,
+                    logprobs: lp,
+                } => {
                     let now = Instant::now();
                     first.get_or_insert(now);
                     last = Some(now);
                     ids.push(id);
+                    if let (Some(b), Some(out), Some(lp)) = (&mut builder, &mut logprobs, &lp) {
+                        b.push(out, id, &t, lp);
+                    }
                     text.push_str(&t);
                 }
-                GenEvent::Done { finish_reason, .. } => {
+                GenEvent::Done {
+                    finish_reason,
+                    stop_reason,
+                    ..
+                } => {
                     finish = Some(finish_reason);
+                    stop = stop_json(stop_reason);
                     break;
                 }
                 GenEvent::Error(m) => {
@@ -173,8 +226,9 @@ pub(super) async fn respond(
         let mut body = meta.chunk(vec![CompletionChoice {
             index: 0,
             text,
-            logprobs: None,
+            logprobs,
             finish_reason: Some(finish_str(finish)),
+            stop_reason: stop,
             token_ids: Some(ids),
         }]);
         body.usage = Some(Usage::new(meta.prompt_tokens as u32, n));
@@ -205,28 +259,61 @@ pub(super) async fn respond(
                 }
             };
             let (mut first, mut last, mut n) = (None, None, 0usize);
+            let mut builder = meta.builder();
+            if let Some(echo) = &meta.echo {
+                // The prompt first, as its own chunk (no token ids: it is not generated).
+                let c = meta.chunk(vec![CompletionChoice {
+                    index: 0,
+                    text: echo.clone(),
+                    logprobs: None,
+                    finish_reason: None,
+                    stop_reason: None,
+                    token_ids: None,
+                }]);
+                if tx.send(send(&c)).await.is_err() {
+                    return;
+                }
+            }
             while let Some(ev) = rx.recv().await {
                 let (events, end) = match ev {
-                    GenEvent::Token { id, text } => {
+                    GenEvent::Token {
+                        id,
+                        text,
+                        logprobs: lp,
+                    } => {
                         let now = Instant::now();
                         first.get_or_insert(now);
                         last = Some(now);
                         n += 1;
+                        let logprobs = match (&mut builder, &lp) {
+                            (Some(b), Some(lp)) => {
+                                let mut out = b.empty();
+                                b.push(&mut out, id, &text, lp);
+                                Some(out)
+                            }
+                            _ => None,
+                        };
                         let c = meta.chunk(vec![CompletionChoice {
                             index: 0,
                             text,
-                            logprobs: None,
+                            logprobs,
                             finish_reason: None,
+                            stop_reason: None,
                             token_ids: Some(vec![id]),
                         }]);
                         (render(&c), false)
                     }
-                    GenEvent::Done { finish_reason, .. } => {
+                    GenEvent::Done {
+                        finish_reason,
+                        stop_reason,
+                        ..
+                    } => {
                         let mut c = meta.chunk(vec![CompletionChoice {
                             index: 0,
                             text: String::new(),
                             logprobs: None,
                             finish_reason: Some(finish_str(finish_reason)),
+                            stop_reason: stop_json(stop_reason),
                             token_ids: None,
                         }]);
                         c.timings = Some(meta.finish_timings(first, last, n, &state));
