@@ -200,8 +200,7 @@ fn a_missing_runtime_is_named_at_startup() {
     }
     // Without a relay address: named too.
     let err = NixlUcxTransport::new(&TransportConfig::default())
-        .err()
-        .expect("no relay, no transport")
+        .expect_err("no relay, no transport")
         .to_string();
     assert!(err.contains("AIRM_KV_TCP_ADDR"), "{err}");
 }
