@@ -27,9 +27,9 @@ use tokenizers::decoders::byte_level::ByteLevel as ByteLevelDecoder;
 use tokenizers::models::bpe::{BPE, Vocab};
 
 use crate::EngineError;
+pub use crate::chat_template::{ChatTemplate, SpecialTokens};
 pub(crate) use gguf_meta::{Meta, read_gguf_header};
 pub use pre::PreTokenizer;
-pub use crate::chat_template::{ChatTemplate, SpecialTokens};
 
 /// GGUF token type of unknown tokens (`<unk>`).
 const TOKEN_TYPE_UNKNOWN: i32 = 2;

@@ -53,8 +53,12 @@ fn random(shape: &[usize], seed: u64, scale: f32) -> Tensor {
     Tensor::from_vec(data, shape, &Device::Cpu).unwrap()
 }
 
+/// Metadata entries and named tensors of a GGUF file.
+type Meta = Vec<(String, Value)>;
+type Tensors = Vec<(String, Tensor)>;
+
 /// The metadata and tensors of a one-layer random Llama.
-fn parts(tied: bool) -> (Vec<(String, Value)>, Vec<(String, Tensor)>) {
+fn parts(tied: bool) -> (Meta, Tensors) {
     let (tokens, types) = vocab();
     let n_vocab = tokens.len();
     let s = |x: &str| Value::String(x.into());
@@ -187,7 +191,7 @@ async fn greedy(e: &CpuEngine, n: usize) -> Vec<u32> {
 }
 
 /// Loads `meta`/`tensors` after `edit`; the error's text.
-fn refusal(edit: impl FnOnce(&mut Vec<(String, Value)>, &mut Vec<(String, Tensor)>)) -> String {
+fn refusal(edit: impl FnOnce(&mut Meta, &mut Tensors)) -> String {
     let dir = tempfile::tempdir().unwrap();
     let (mut meta, mut tensors) = parts(false);
     edit(&mut meta, &mut tensors);
@@ -196,7 +200,7 @@ fn refusal(edit: impl FnOnce(&mut Vec<(String, Value)>, &mut Vec<(String, Tensor
     err.to_string()
 }
 
-fn set(meta: &mut Vec<(String, Value)>, key: &str, v: Value) {
+fn set(meta: &mut Meta, key: &str, v: Value) {
     meta.retain(|(k, _)| k != key);
     meta.push((key.into(), v));
 }
