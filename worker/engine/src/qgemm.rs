@@ -16,8 +16,19 @@
 //! per-(block, row) correction `-128 · Σ q` that turns the offset weights'
 //! dot product back into the exact integer `Σ q_w · q_a`.
 //!
+//! Blocks whose values are exactly `d · q + m` with `q` in `0..=15` (a GGUF
+//! Q4_1 block as it dequantizes: found by [`offset_block`], which checks
+//! every value) are not re-quantized: the kernel gets those `q`, `d` and
+//! `m`, so it sees the file's weights exactly. `m` is kept per (panel,
+//! block) apart from the panel (weights with no such block have none); its
+//! term is `m · d_a · Σ q_a`, the quantized activations' sum, so the block
+//! is `Σ w · â` with `â` the 8-bit activations (the same product ggml's
+//! Q4_1 × Q8_1 forms; an exact f32 `Σ a` there measured worse: larger KL to
+//! the float64 reference, `tests/python/test_numerics.py`).
+//!
 //! Per (row, column) every path computes, block after block in order,
-//! `acc = fma(float(Σ q_w q_a), d_w · d_a, acc)`: one fixed sequence of f32
+//! `acc = fma(float(Σ q_w q_a), d_w · d_a, acc)`, then, when the weights have
+//! offsets, `acc = fma(m_w, Σ a, acc)`: one fixed sequence of f32
 //! operations that does not depend on the batch size, the row's place in the
 //! batch or the thread split (threads split panels, never `k`). The AVX-512
 //! VNNI, AVX2 and scalar paths compute it bit-identically (tested).
@@ -53,6 +64,12 @@ struct PanelBlock {
     d: [f32; PANEL],
 }
 
+/// The offsets `m` of one block of a panel's 16 columns (zero for blocks
+/// quantized by the Q8_0 rule).
+#[derive(Clone, Copy, Debug, PartialEq)]
+#[repr(C, align(64))]
+struct MinBlock([f32; PANEL]);
+
 const EMPTY_BLOCK: PanelBlock = PanelBlock {
     q: [[128; 64]; BLOCK / 4],
     d: [0.0; PANEL],
@@ -78,6 +95,39 @@ fn quantize_block(x: &[f32; BLOCK], q: &mut [i8; BLOCK]) -> f32 {
     d
 }
 
+/// A block that is exactly `d · q + m` (`q` in `0..=15`, each value computed
+/// as `(q as f32) · d + m`, how GGUF Q4_1 dequantizes): `(d, m)`, with `q`
+/// written. `None` when no such `d` reproduces every value bit for bit.
+fn offset_block(x: &[f32; BLOCK], q: &mut [i8; BLOCK]) -> Option<(f32, f32)> {
+    let lo = x.iter().fold(f32::INFINITY, |a, v| a.min(*v));
+    let hi = x.iter().fold(f32::NEG_INFINITY, |a, v| a.max(*v));
+    if !lo.is_finite() || !hi.is_finite() {
+        return None;
+    }
+    if lo == hi {
+        *q = [0; BLOCK];
+        return Some((0.0, lo));
+    }
+    // The block's top value is `15 · d + lo` rounded, so `d` is within a
+    // few ulps of this quotient; each candidate is checked value by value.
+    let base = ((hi - lo) / 15.0).to_bits();
+    for delta in [0i32, 1, -1, 2, -2, 3, -3] {
+        let d = f32::from_bits(base.wrapping_add_signed(delta));
+        if !(d > 0.0 && d.is_finite()) {
+            continue;
+        }
+        let fits = x.iter().zip(q.iter_mut()).all(|(v, q)| {
+            let r = ((v - lo) / d).round();
+            *q = r as i8;
+            (0.0..=15.0).contains(&r) && r * d + lo == *v
+        });
+        if fits {
+            return Some((d, lo));
+        }
+    }
+    None
+}
+
 /// Block `b` of `x`, zero-padded past its end.
 #[inline(always)]
 fn block_of<'a>(x: &'a [f32], b: usize, buf: &'a mut [f32; BLOCK]) -> &'a [f32; BLOCK] {
@@ -101,6 +151,8 @@ pub(crate) struct QWeights {
     blocks: usize,
     /// `[panel][block]`; columns past `n` are zero.
     panels: Vec<PanelBlock>,
+    /// `[panel][block]` offsets; empty when every block has `m = 0`.
+    mins: Vec<MinBlock>,
 }
 
 impl std::fmt::Debug for QWeights {
@@ -113,7 +165,9 @@ impl std::fmt::Debug for QWeights {
 }
 
 impl QWeights {
-    /// Quantizes row-major f32 weights `[n, k]`.
+    /// Quantizes row-major f32 weights `[n, k]`: blocks that are exactly
+    /// Q4_1 values are kept exactly ([`offset_block`]), the others get the
+    /// Q8_0 rule.
     pub(crate) fn quantize(w: &[f32], n: usize, k: usize) -> Result<QWeights, EngineError> {
         if k == 0 || w.len() != n * k {
             return Err(EngineError::Other(format!(
@@ -123,13 +177,18 @@ impl QWeights {
         }
         let blocks = k.div_ceil(BLOCK);
         let mut panels = vec![EMPTY_BLOCK; n.div_ceil(PANEL) * blocks];
+        let mut mins = vec![MinBlock([0.0; PANEL]); panels.len()];
         let mut buf = [0f32; BLOCK];
         let mut q = [0i8; BLOCK];
         for (col, row) in w.chunks_exact(k).enumerate() {
             let (p, c) = (col / PANEL, col % PANEL);
             for b in 0..blocks {
                 let pb = &mut panels[p * blocks + b];
-                pb.d[c] = quantize_block(block_of(row, b, &mut buf), &mut q);
+                let x = block_of(row, b, &mut buf);
+                (pb.d[c], mins[p * blocks + b].0[c]) = match offset_block(x, &mut q) {
+                    Some(dm) => dm,
+                    None => (quantize_block(x, &mut q), 0.0),
+                };
                 for (j, four) in q.chunks_exact(4).enumerate() {
                     for (t, v) in four.iter().enumerate() {
                         pb.q[j][4 * c + t] = (*v as u8).wrapping_add(128);
@@ -137,11 +196,15 @@ impl QWeights {
                 }
             }
         }
+        if mins.iter().all(|m| m.0.iter().all(|v| *v == 0.0)) {
+            mins = Vec::new();
+        }
         Ok(QWeights {
             n,
             k,
             blocks,
             panels,
+            mins,
         })
     }
 
@@ -161,7 +224,7 @@ impl QWeights {
         if rows == 0 || self.n == 0 {
             return out;
         }
-        let acts = QActs::quantize(x, rows, self.k);
+        let acts = QActs::quantize(x, rows, self.k, !self.mins.is_empty());
         // Each part: a range of panels and, per row, its slice of the output.
         let ranges = panel_chunks(self.panel_count(), pool.threads);
         let mut parts: Vec<(Range<usize>, Vec<&mut [f32]>)> = ranges
@@ -265,22 +328,26 @@ struct QActs {
     scales: Vec<f32>,
     /// `-128 · Σ q` of each (block, row): the offset weights' excess.
     corr: Vec<i32>,
+    /// `d · Σ q` of each (block, row), the quantized block's sum, when asked
+    /// for (weights with offsets `m`); else empty.
+    sums: Vec<f32>,
 }
 
 impl QActs {
-    /// Quantizes `rows` rows of `x` (`[rows, k]`).
-    fn quantize(x: &[f32], rows: usize, k: usize) -> QActs {
+    /// Quantizes `rows` rows of `x` (`[rows, k]`), with the blocks' sums
+    /// if `sums`.
+    fn quantize(x: &[f32], rows: usize, k: usize, sums: bool) -> QActs {
         #[cfg(target_arch = "x86_64")]
         if has_fma() {
             // SAFETY: the CPU has AVX2 and FMA (detected just above).
-            return unsafe { x86::quantize_acts(x, rows, k) };
+            return unsafe { x86::quantize_acts(x, rows, k, sums) };
         }
-        QActs::quantize_impl(x, rows, k)
+        QActs::quantize_impl(x, rows, k, sums)
     }
 
     /// The scalar path.
-    fn quantize_impl(x: &[f32], rows: usize, k: usize) -> QActs {
-        QActs::quantize_with(x, rows, k, |block, q| {
+    fn quantize_impl(x: &[f32], rows: usize, k: usize, sums: bool) -> QActs {
+        QActs::quantize_with(x, rows, k, sums, |block, q| {
             let d = quantize_block(block, q);
             (d, q.iter().map(|v| i32::from(*v)).sum())
         })
@@ -292,6 +359,7 @@ impl QActs {
         x: &[f32],
         rows: usize,
         k: usize,
+        sums: bool,
         mut block: impl FnMut(&[f32; BLOCK], &mut [i8; BLOCK]) -> (f32, i32),
     ) -> QActs {
         let blocks = k.div_ceil(BLOCK);
@@ -301,6 +369,11 @@ impl QActs {
             quants: vec![[0; BLOCK]; rows * blocks],
             scales: vec![0.0; rows * blocks],
             corr: vec![0; rows * blocks],
+            sums: if sums {
+                vec![0.0; rows * blocks]
+            } else {
+                Vec::new()
+            },
         };
         let mut buf = [0f32; BLOCK];
         for (r, row) in x.chunks_exact(k).enumerate() {
@@ -309,6 +382,10 @@ impl QActs {
                 let (d, sum) = block(block_of(row, b, &mut buf), &mut acts.quants[i]);
                 acts.scales[i] = d;
                 acts.corr[i] = -128 * sum;
+                if sums {
+                    // |Σ q| ≤ 32 · 127: exact in f32.
+                    acts.sums[i] = d * sum as f32;
+                }
             }
         }
         acts
@@ -324,6 +401,7 @@ fn tile_scalar<const R: usize>(
     outs: &mut [&mut [f32]],
 ) {
     let p0 = panels.start;
+    let has_min = !w.mins.is_empty();
     for p in panels {
         let mut acc = [[0f32; PANEL]; R];
         for b in 0..w.blocks {
@@ -340,6 +418,9 @@ fn tile_scalar<const R: usize>(
                         }
                     }
                     *acc = (dot as f32).mul_add(pb.d[c] * da, *acc);
+                    if has_min {
+                        *acc = w.mins[p * w.blocks + b].0[c].mul_add(a.sums[i], *acc);
+                    }
                 }
             }
         }
@@ -408,15 +489,15 @@ mod x86 {
     use std::arch::x86_64::*;
     use std::ops::Range;
 
-    use super::{BLOCK, PANEL, PanelBlock, QActs, QWeights};
+    use super::{BLOCK, MinBlock, PANEL, PanelBlock, QActs, QWeights};
 
     /// Activation quantization with AVX2: the same values as the scalar
     /// [`super::quantize_block`] for finite inputs (the maximum is
     /// order-independent; `round` is computed as LLVM lowers it, truncating
     /// `t + copysign(0.5 - 2⁻²⁵, t)`, which is exact).
     #[target_feature(enable = "avx2,fma")]
-    pub(super) fn quantize_acts(x: &[f32], rows: usize, k: usize) -> QActs {
-        QActs::quantize_with(x, rows, k, |block, q| quantize_block_avx2(block, q))
+    pub(super) fn quantize_acts(x: &[f32], rows: usize, k: usize, sums: bool) -> QActs {
+        QActs::quantize_with(x, rows, k, sums, |block, q| quantize_block_avx2(block, q))
     }
 
     /// One block: returns the scale and `Σ q`, writes `q`.
@@ -500,6 +581,8 @@ mod x86 {
         let nb = w.blocks;
         let rows = a.rows;
         let last = w.panels.as_ptr_range().end;
+        // Offsets: `[panel][block]` like the panels, or none.
+        let has_min = !w.mins.is_empty();
         for p in panels.clone() {
             // Bounds of all pointer arithmetic below: panel `p` exists, so its
             // `nb` blocks are in `w.panels`; activation index `b·rows + row0 +
@@ -524,6 +607,13 @@ mod x86 {
                 }
                 // SAFETY: as above; the 16 scales are 64 aligned bytes.
                 let wd = unsafe { _mm512_load_ps((*blk).d.as_ptr()) };
+                let wm = if has_min {
+                    let m: &MinBlock = &w.mins[p * nb + b];
+                    // SAFETY: a MinBlock is 16 floats, 64-aligned.
+                    unsafe { _mm512_load_ps(m.0.as_ptr()) }
+                } else {
+                    _mm512_setzero_ps()
+                };
                 let i0 = b * rows + row0;
                 for (r, acc) in acc.iter_mut().enumerate() {
                     // SAFETY: index i0 + r is in bounds (see above).
@@ -542,6 +632,9 @@ mod x86 {
                     }
                     let s = _mm512_mul_ps(wd, _mm512_set1_ps(da));
                     *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), s, *acc);
+                    if has_min {
+                        *acc = _mm512_fmadd_ps(wm, _mm512_set1_ps(a.sums[i0 + r]), *acc);
+                    }
                 }
             }
             let at = (p - panels.start) * PANEL;
@@ -568,6 +661,7 @@ mod x86 {
         let rows = a.rows;
         let flip = _mm256_set1_epi8(0x80u8 as i8);
         let ones = _mm256_set1_epi16(1);
+        let has_min = !w.mins.is_empty();
         for p in panels.clone() {
             // SAFETY: as in `tile_avx512`.
             let wp = unsafe { w.panels.as_ptr().add(p * nb) };
@@ -606,6 +700,13 @@ mod x86 {
                         let wd = unsafe { _mm256_load_ps(blk.d.as_ptr().add(8 * h)) };
                         let s = _mm256_mul_ps(wd, _mm256_set1_ps(da));
                         acc[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[h]), s, acc[h]);
+                        if has_min {
+                            let m: &MinBlock = &w.mins[p * nb + b];
+                            // SAFETY: a MinBlock is 16 floats, 64-aligned; half `h` is 8.
+                            let wm = unsafe { _mm256_load_ps(m.0.as_ptr().add(8 * h)) };
+                            let sum = _mm256_set1_ps(a.sums[i0 + r]);
+                            acc[h] = _mm256_fmadd_ps(wm, sum, acc[h]);
+                        }
                     }
                 }
             }
@@ -702,24 +803,50 @@ mod tests {
             .collect()
     }
 
-    /// Column `c` of the weights, dequantized, in value order (padded to whole blocks).
-    fn weight_column(w: &QWeights, c: usize) -> Vec<f64> {
+    /// Pseudo-random weights made of Q4_1 blocks as GGUF dequantizes them:
+    /// `(q as f32) · d + m`, `d` and `m` f16-like (11 significant bits). A
+    /// block may straddle two columns when `k` is not a multiple of 32.
+    fn q4_1_values(n: usize, seed: u64) -> Vec<f32> {
+        let r = random(n + 2 * n.div_ceil(BLOCK), seed);
+        let f16ish = |v: f32| f32::from_bits(v.to_bits() & !0x1FFF);
+        let mut out = Vec::with_capacity(n);
+        for (b, block) in r[..n].chunks(BLOCK).enumerate() {
+            let d = f16ish(0.01 + 0.02 * r[n + 2 * b].abs());
+            let m = f16ish(-8.0 * d * (1.0 + 0.1 * r[n + 2 * b + 1]));
+            // Each block has its minimum (q = 0) and maximum (q = 15), as the
+            // Q4_1 rule (d = (max - min) / 15, m = min) gives.
+            out.extend(block.iter().enumerate().map(|(i, v)| {
+                let q = match i {
+                    0 => 0.0,
+                    1 => 15.0,
+                    _ => ((v + 1.0) * 7.99).floor(),
+                };
+                q * d + m
+            }));
+        }
+        out
+    }
+
+    /// Column `c` of the weights as the kernel sees them: `(q · d, m)` per
+    /// value in order (padded to whole blocks).
+    fn weight_column(w: &QWeights, c: usize) -> Vec<(f64, f64)> {
         let (p, cc) = (c / PANEL, c % PANEL);
         let mut out = Vec::new();
         for b in 0..w.blocks {
             let pb = &w.panels[p * w.blocks + b];
+            let m = w.mins.get(p * w.blocks + b).map_or(0.0, |m| m.0[cc]);
             for i in 0..BLOCK {
                 let q = (pb.q[i / 4][4 * cc + i % 4] ^ 0x80) as i8;
-                out.push(f64::from(q) * f64::from(pb.d[cc]));
+                out.push((f64::from(q) * f64::from(pb.d[cc]), f64::from(m)));
             }
         }
         out
     }
 
     /// The exact value the kernel approximates: dequantized weights and
-    /// activations, f64 dot products.
+    /// activations, f64 dot products; the offsets' term with the quantized sums.
     fn reference(w: &QWeights, x: &[f32], rows: usize) -> Vec<f64> {
-        let acts = QActs::quantize(x, rows, w.k);
+        let acts = QActs::quantize(x, rows, w.k, !w.mins.is_empty());
         let mut out = vec![0f64; rows * w.n];
         for r in 0..rows {
             let mut ad = Vec::new();
@@ -737,7 +864,13 @@ mod tests {
             }
             for c in 0..w.n {
                 let wd = weight_column(w, c);
-                out[r * w.n + c] = wd.iter().zip(&ad).map(|(a, b)| a * b).sum();
+                let mut v: f64 = wd.iter().zip(&ad).map(|((a, _), b)| a * b).sum();
+                if !w.mins.is_empty() {
+                    for b in 0..acts.blocks {
+                        v += wd[b * BLOCK].1 * f64::from(acts.sums[b * rows + r]);
+                    }
+                }
+                out[r * w.n + c] = v;
             }
         }
         out
@@ -749,8 +882,9 @@ mod tests {
         let wf = random(n * k, 7);
         let w = QWeights::quantize(&wf, n, k).unwrap();
         assert_eq!((w.blocks, w.panel_count()), (4, 2));
+        assert!(w.mins.is_empty(), "random weights are not Q4_1 blocks");
         for c in 0..n {
-            let col = weight_column(&w, c);
+            let col: Vec<f64> = weight_column(&w, c).iter().map(|v| v.0).collect();
             // Padding past k is zero.
             assert!(col[k..].iter().all(|v| *v == 0.0));
             let d = w.panels[(c / PANEL) * w.blocks].d[c % PANEL];
@@ -763,8 +897,47 @@ mod tests {
         }
         // Columns past n in the last panel are zero weights.
         for c in n..2 * PANEL {
-            assert!(weight_column(&w, c).iter().all(|v| *v == 0.0));
+            assert!(weight_column(&w, c).iter().all(|v| v.0 == 0.0));
         }
+    }
+
+    /// Q4_1 blocks are kept exactly: `q · d + m` gives back every value bit
+    /// for bit; a block off the 16-level grid falls back to the Q8_0 rule.
+    #[test]
+    fn q4_1_blocks_are_kept_exactly() {
+        let (n, k) = (19, 96);
+        let mut wf = q4_1_values(n * k, 11);
+        // Column 3's second block: one value off the grid.
+        wf[3 * k + 40] += 1e-4;
+        let w = QWeights::quantize(&wf, n, k).unwrap();
+        assert!(!w.mins.is_empty());
+        for c in 0..n {
+            let col = weight_column(&w, c);
+            for (i, (qd, m)) in col[..k].iter().enumerate() {
+                let exact = f64::from(wf[c * k + i]);
+                if c == 3 && i / BLOCK == 1 {
+                    assert_eq!(*m, 0.0);
+                    let step = f64::from(w.panels[i / BLOCK].d[3]);
+                    assert!((qd - exact).abs() <= 0.5 * step + 1e-7);
+                } else {
+                    let d = f64::from(w.panels[(c / PANEL) * w.blocks + i / BLOCK].d[c % PANEL]);
+                    let q = (qd / d).round();
+                    assert!((0.0..=15.0).contains(&q), "c={c} i={i}: q {q}");
+                    let (d, m) = (d as f32, *m as f32);
+                    assert_eq!(q as f32 * d + m, wf[c * k + i], "c={c} i={i}");
+                }
+            }
+        }
+        // The detection itself is bit-exact: q · d + m gives every value.
+        let mut q = [0i8; BLOCK];
+        for block in wf.chunks_exact(BLOCK).take(20) {
+            let x: &[f32; BLOCK] = block.try_into().unwrap();
+            if let Some((d, m)) = offset_block(x, &mut q) {
+                assert!(x.iter().zip(&q).all(|(v, q)| f32::from(*q) * d + m == *v));
+            }
+        }
+        // A constant block is exact too (d = 0).
+        assert_eq!(offset_block(&[0.375; BLOCK], &mut q), Some((0.0, 0.375)));
     }
 
     #[test]
@@ -777,27 +950,28 @@ mod tests {
             (100, 19, 2),
             (448, 21, 5),
         ] {
-            let wf = random(n * k, k as u64);
-            let x = random(rows * k, n as u64 + 1);
-            let w = QWeights::quantize(&wf, n, k).unwrap();
-            let want = reference(&w, &x, rows);
-            for isa in Isa::available() {
-                let got = w.matmul_with(isa, &x, rows, &pool);
-                for (i, (g, e)) in got.iter().zip(&want).enumerate() {
-                    assert!(
-                        (f64::from(*g) - e).abs() <= 1e-4 * (1.0 + e.abs()),
-                        "{isa:?} k={k} n={n} [{i}]: {g} vs {e}"
-                    );
-                }
-                // And close to the unquantized product (8-bit quantization error).
-                for r in 0..rows {
-                    for c in 0..n {
-                        let exact: f32 = (0..k).map(|i| wf[c * k + i] * x[r * k + i]).sum();
-                        let g = got[r * n + c];
+            for wf in [random(n * k, k as u64), q4_1_values(n * k, k as u64)] {
+                let x = random(rows * k, n as u64 + 1);
+                let w = QWeights::quantize(&wf, n, k).unwrap();
+                let want = reference(&w, &x, rows);
+                for isa in Isa::available() {
+                    let got = w.matmul_with(isa, &x, rows, &pool);
+                    for (i, (g, e)) in got.iter().zip(&want).enumerate() {
                         assert!(
-                            (g - exact).abs() < 0.02 * (k as f32).sqrt(),
-                            "{g} vs {exact}"
+                            (f64::from(*g) - e).abs() <= 1e-4 * (1.0 + e.abs()),
+                            "{isa:?} k={k} n={n} [{i}]: {g} vs {e}"
                         );
+                    }
+                    // And close to the unquantized product (8-bit quantization error).
+                    for r in 0..rows {
+                        for c in 0..n {
+                            let exact: f32 = (0..k).map(|i| wf[c * k + i] * x[r * k + i]).sum();
+                            let g = got[r * n + c];
+                            assert!(
+                                (g - exact).abs() < 0.02 * (k as f32).sqrt(),
+                                "{g} vs {exact}"
+                            );
+                        }
                     }
                 }
             }
@@ -807,8 +981,22 @@ mod tests {
     #[test]
     fn every_path_and_batch_size_gives_the_same_bits() {
         let pools = [Pool::new(1).unwrap(), Pool::new(2).unwrap()];
-        for (k, n) in [(64, 37), (576, 131), (1536, 45), (448, 17), (100, 300)] {
-            let w = QWeights::quantize(&random(n * k, 3 * k as u64), n, k).unwrap();
+        for (k, n, q4) in [
+            (64, 37, false),
+            (576, 131, false),
+            (1536, 45, false),
+            (448, 17, false),
+            (100, 300, false),
+            (576, 131, true),
+            (1536, 45, true),
+        ] {
+            let wf = if q4 {
+                q4_1_values(n * k, 3 * k as u64)
+            } else {
+                random(n * k, 3 * k as u64)
+            };
+            let w = QWeights::quantize(&wf, n, k).unwrap();
+            assert_eq!(w.mins.is_empty(), !q4);
             let x = random(11 * k, 5);
             let all = w.matmul_with(Isa::Scalar, &x, 11, &pools[0]);
             for isa in Isa::available() {
@@ -842,12 +1030,15 @@ mod tests {
         x.extend(random(24, 4).iter().map(|v| v * 1e30));
         let (rows, k) = (4, 8 * 32 + 3);
         x.resize(rows * k, 0.25);
-        let want = QActs::quantize_impl(&x, rows, k);
+        let want = QActs::quantize_impl(&x, rows, k, true);
         assert_eq!(&want.quants[0][..8], &[127, 1, 2, 3, -1, -3, 127, -127]);
-        let got = QActs::quantize(&x, rows, k);
+        let got = QActs::quantize(&x, rows, k, true);
         assert_eq!(got.quants, want.quants);
         assert_eq!(got.scales, want.scales);
         assert_eq!(got.corr, want.corr);
+        assert_eq!(got.sums, want.sums);
+        assert_eq!(want.sums.len(), rows * want.blocks);
+        assert!(QActs::quantize(&x, rows, k, false).sums.is_empty());
     }
 
     #[test]
@@ -890,7 +1081,7 @@ mod tests {
                 let x = random(rows * 576, 3);
                 let t0 = std::time::Instant::now();
                 for _ in 0..5000 {
-                    std::hint::black_box(QActs::quantize(&x, rows, 576));
+                    std::hint::black_box(QActs::quantize(&x, rows, 576, false));
                 }
                 let ns = t0.elapsed().as_secs_f64() * 1e9 / 5000.0 / (576.0 * rows as f64);
                 println!("quantize rows {rows}: {ns:.2} ns per value");
