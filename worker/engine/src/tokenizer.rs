@@ -152,7 +152,7 @@ impl Tokenizer {
         let model = meta.string("tokenizer.ggml.model")?;
         if model != "gpt2" {
             return Err(meta.invalid(format!(
-                "tokenizer model `{model}` is not supported (only the byte-level BPE `gpt2` family is)"
+                "metadata key `tokenizer.ggml.model` is `{model}`: not supported (only the byte-level BPE `gpt2` family is)"
             )));
         }
         let pre = match meta.opt_string("tokenizer.ggml.pre") {

@@ -250,6 +250,20 @@ fn an_unsupported_architecture_is_refused_by_name() {
 }
 
 #[test]
+fn a_vocabulary_other_than_byte_level_bpe_is_refused_by_name() {
+    let err = refusal(|m, _| set(m, "tokenizer.ggml.model", Value::String("llama".into())));
+    assert!(
+        err.contains("tokenizer.ggml.model") && err.contains("`llama`"),
+        "{err}"
+    );
+    let err = refusal(|m, _| set(m, "tokenizer.ggml.pre", Value::String("qwen2".into())));
+    assert!(
+        err.contains("tokenizer.ggml.pre") && err.contains("`qwen2`"),
+        "{err}"
+    );
+}
+
+#[test]
 fn unimplemented_rope_scalings_are_refused_and_linear_is_read() {
     for kind in ["yarn", "longrope", "llama3"] {
         let err = refusal(|m, _| set(m, "llama.rope.scaling.type", Value::String(kind.into())));
