@@ -230,6 +230,7 @@ def build(
     context_length=512,
     tied=False,
     rope_scaling=True,
+    pre="llama-bpe",
     weights="f16",
     logit_scale=0.5,
     name="Llama-3.1-tiny-random",
@@ -238,7 +239,8 @@ def build(
 
     `tied`: no `output.weight` (the head is the embedding table). `rope_scaling`
     False: no `rope_freqs.weight` (plain RoPE; the weights are the same as with
-    it for the same seed)."""
+    it for the same seed). `pre`: the `tokenizer.ggml.pre` written (tests of
+    the refusal of unknown names)."""
     head_dim = hidden // heads
     if hidden % heads or heads % kv_heads:
         raise ValueError(f"inconsistent shape: hidden {hidden}, heads {heads}, kv_heads {kv_heads}")
@@ -264,7 +266,7 @@ def build(
     w.add_file_type({"f32": 0, "f16": 1, "q8_0": 7}[weights])
 
     w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("llama-bpe")
+    w.add_tokenizer_pre(pre)
     w.add_token_list(tokens)
     w.add_token_types(types)
     w.add_token_merges(merges)
