@@ -150,6 +150,8 @@ pub enum ApiError {
         message: String,
         /// Its error code, if any.
         code: Option<String>,
+        /// Its error's `param`, if any (passed on with a client error).
+        param: Option<String>,
     },
     /// A worker did not answer in time → 504.
     #[error("{stage} worker {address} timed out after {after_ms} ms")]
@@ -295,13 +297,17 @@ impl ApiError {
                 status: up,
                 message,
                 code,
+                param,
             } => {
                 if self.status().is_client_error() {
-                    let b = ErrorBody::new(kind, message.clone());
-                    match code {
-                        Some(c) => b.with_code(c),
-                        None => b,
+                    let mut b = ErrorBody::new(kind, message.clone());
+                    if let Some(c) = code {
+                        b = b.with_code(c);
                     }
+                    if let Some(p) = param {
+                        b = b.with_param(p);
+                    }
+                    b
                 } else {
                     ErrorBody::new(
                         kind,
@@ -444,15 +450,18 @@ mod tests {
             status: 400,
             message: "bad temperature".into(),
             code: None,
+            param: Some("temperature".into()),
         };
         assert_eq!(e.status(), 400);
         assert_eq!(e.body().error.message, "bad temperature");
+        assert_eq!(e.body().error.param.as_deref(), Some("temperature"));
         let e = ApiError::UpstreamStatus {
             stage: Stage::Prefill,
             address: "a:1".into(),
             status: 500,
             message: "boom".into(),
             code: None,
+            param: None,
         };
         assert_eq!(e.status(), 502);
         assert!(e.body().error.message.contains("prefill stage failed"));

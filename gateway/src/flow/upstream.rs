@@ -58,13 +58,14 @@ pub(super) async fn send(
         .ok()
         .and_then(|r| r.ok())
         .unwrap_or_default();
-    let (message, code) = match serde_json::from_slice::<ErrorBody>(&bytes) {
-        Ok(b) => (b.error.message, b.error.code),
+    let (message, code, param) = match serde_json::from_slice::<ErrorBody>(&bytes) {
+        Ok(b) => (b.error.message, b.error.code, b.error.param),
         Err(_) => (
             String::from_utf8_lossy(&bytes)
                 .chars()
                 .take(500)
                 .collect::<String>(),
+            None,
             None,
         ),
     };
@@ -74,6 +75,7 @@ pub(super) async fn send(
         status,
         message,
         code,
+        param,
     })
 }
 

@@ -330,6 +330,32 @@ pub(super) fn client_seed(req: &CompletionRequest) -> Option<u64> {
     req.sampling.seed.map(rules::seed_bits)
 }
 
+/// The parameters that name token ids, checked against the vocabulary:
+/// `logit_bias` (returned as pairs) and `stop_token_ids`.
+pub(super) fn token_params(
+    req: &CompletionRequest,
+    vocab: usize,
+) -> Result<Vec<(u32, f32)>, ApiError> {
+    let f = &req.sampling;
+    let logit_bias = rules::logit_bias(f)?;
+    if let Some((id, _)) = logit_bias.iter().find(|(id, _)| *id as usize >= vocab) {
+        return Err(RuleError::param(
+            "logit_bias",
+            format!("logit_bias token id {id} is outside the vocabulary (size {vocab})"),
+        )
+        .into());
+    }
+    let stops = f.stop_token_ids.as_deref().unwrap_or_default();
+    if let Some(id) = stops.iter().find(|id| **id as usize >= vocab) {
+        return Err(RuleError::param(
+            "stop_token_ids",
+            format!("stop_token_ids: {id} is outside the vocabulary (size {vocab})"),
+        )
+        .into());
+    }
+    Ok(logit_bias)
+}
+
 /// Sampling parameters of a request with its `seed` resolved (the client's,
 /// the prefill's, or a fresh random one: `docs/pd-protocol.md`); the
 /// context-length check and the vocabulary checks of `logit_bias` and
@@ -344,23 +370,8 @@ pub(super) fn sampling(
     rules::check_sampling(f)?;
     let max_tokens = rules::max_tokens_or_default(f.max_tokens) as usize;
     rngd_engine::check_context(prompt.len(), max_tokens, info.seq_len)?;
-    let vocab = info.vocab_size;
-    let logit_bias = rules::logit_bias(f)?;
-    if let Some((id, _)) = logit_bias.iter().find(|(id, _)| *id as usize >= vocab) {
-        return Err(RuleError::param(
-            "logit_bias",
-            format!("logit_bias token id {id} is outside the vocabulary (size {vocab})"),
-        )
-        .into());
-    }
+    let logit_bias = token_params(req, info.vocab_size)?;
     let stop_token_ids = f.stop_token_ids.clone().unwrap_or_default();
-    if let Some(id) = stop_token_ids.iter().find(|id| **id as usize >= vocab) {
-        return Err(RuleError::param(
-            "stop_token_ids",
-            format!("stop_token_ids: {id} is outside the vocabulary (size {vocab})"),
-        )
-        .into());
-    }
     let min_tokens = f.min_tokens.unwrap_or(0) as usize;
     if min_tokens > max_tokens {
         return Err(RuleError::param(

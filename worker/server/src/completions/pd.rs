@@ -13,7 +13,7 @@ use rngd_engine::{Engine, KvCache, Prefilled};
 use rngd_kv_transport::KvPayload;
 
 use super::respond::{Api, Meta, respond};
-use super::{check_vocab, client_seed, prompt_ids, sampling};
+use super::{check_vocab, client_seed, prompt_ids, sampling, token_params};
 use crate::allow::PeerAddr;
 use crate::error::ApiError;
 use crate::handles::{Claims, HandleError, KvAuth, check_shape, new_kv_key, random_seed};
@@ -285,8 +285,13 @@ pub(super) async fn orchestrate(
     transport: Option<String>,
 ) -> Result<Response, ApiError> {
     let Call {
-        state, request_id, ..
+        state,
+        engine,
+        request_id,
+        ..
     } = call;
+    // Refused here, as a whole request would be, before the peer prefills.
+    token_params(req, engine.info().vocab_size)?;
     // The peer prefills a completion (a chat arrives here already rendered).
     let mut pre = req.clone();
     pre.sampling.stream = false;

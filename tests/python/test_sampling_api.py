@@ -1,0 +1,290 @@
+"""Sampling parameters and log-probabilities through the real `openai` client,
+against the gateway on the PD path (`rngd-pd up`: prefill worker → KV → decode
+worker) and against a solo worker, on the real model.
+
+The PD answer must equal the solo answer token for token and logprob for
+logprob, exactly: both compute the same logits (the prefill's first token and
+its log-probabilities travel signed in `kv_transfer_params`, the decode
+continues the same seed and applies the penalties over the same prompt ids).
+"""
+
+import math
+
+import openai
+import pytest
+import requests
+
+from conftest import start_stack
+
+# Long enough (> the default policy's 32-token threshold) to be disaggregated.
+PROMPT = (
+    "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg "
+    "combined movable metal type, oil-based inks and a wooden press adapted from wine making. "
+    "Within a few decades, printing shops had spread across Europe, and the cost of books fell"
+)
+QUESTION = (
+    "Explain in two sentences why the printing press changed how knowledge spread in Europe, "
+    "mentioning books, cost and literacy, and say which century it happened in."
+)
+# SmolLM2's `<|im_end|>` (its EOS).
+EOS = 2
+# The served model's name (the gateway refuses others with 404), set by `pd`.
+MODEL = []
+
+
+@pytest.fixture(scope="module")
+def pd():
+    """`rngd-pd up` on the shm transport (the gateway drives PD)."""
+    s = start_stack("shm")
+    MODEL[:] = [s.model]
+    yield s
+    assert s.proc.stop() == 0
+
+
+def gw(pd):
+    return openai.OpenAI(base_url=pd.gateway + "/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+def solo_client(solo):
+    return openai.OpenAI(base_url=solo + "/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+def prefills(pd):
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in requests.get(pd.prefill + "/metrics", timeout=10).text.splitlines()
+        if line.startswith("rngd_pd_worker_prefills_total")
+    )
+
+
+def both(pd, solo, call):
+    """`call(client)` through the gateway (checked to run PD) and on the solo worker."""
+    before = prefills(pd)
+    a = call(gw(pd))
+    assert prefills(pd) == before + 1, "the gateway request was not prefilled remotely"
+    b = call(solo_client(solo))
+    return a, b
+
+
+def complete(c, **kw):
+    return c.completions.create(model=MODEL[0], prompt=PROMPT, **kw)
+
+
+def lp_of(choice):
+    lp = choice.logprobs
+    return (lp.tokens, lp.token_logprobs, lp.top_logprobs, lp.text_offset)
+
+
+def test_completion_logprobs_pd_equals_solo(pd, solo):
+    a, b = both(pd, solo, lambda c: complete(c, max_tokens=12, temperature=1.0, seed=11, logprobs=5))
+    ca, cb = a.choices[0], b.choices[0]
+    assert ca.model_extra["token_ids"] == cb.model_extra["token_ids"]
+    assert ca.text == cb.text
+    assert lp_of(ca) == lp_of(cb), "PD and solo logprobs differ"
+    tokens, token_lps, tops, offsets = lp_of(ca)
+    assert len(tokens) == len(token_lps) == len(tops) == len(offsets) == 12
+    assert "".join(tokens) == ca.text
+    assert offsets == [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+    for tok, lp, top in zip(tokens, token_lps, tops):
+        assert lp <= 0.0
+        # The chosen token plus the top 5 (a repeated text listed once).
+        assert tok in top and top[tok] == lp and 1 <= len(top) <= 6
+        # A distribution: the listed probabilities sum to at most 1.
+        assert sum(math.exp(v) for v in top.values()) <= 1.0 + 1e-5
+
+
+def test_greedy_logprobs_pick_the_most_likely_token(pd, solo):
+    a, b = both(pd, solo, lambda c: complete(c, max_tokens=8, temperature=0, logprobs=3))
+    assert lp_of(a.choices[0]) == lp_of(b.choices[0])
+    _, token_lps, tops, _ = lp_of(a.choices[0])
+    for lp, top in zip(token_lps, tops):
+        assert lp == max(top.values())
+
+
+def stream_parts(stream):
+    text, ids, lps, finish = "", [], [], None
+    for chunk in stream:
+        if not chunk.choices:
+            continue
+        ch = chunk.choices[0]
+        text += ch.text
+        ids += ch.model_extra.get("token_ids") or []
+        if ch.logprobs is not None:
+            lps.append(lp_of(ch))
+        finish = ch.finish_reason or finish
+    return text, ids, lps, finish
+
+
+def test_streamed_completion_logprobs_equal_the_whole_answer(pd, solo):
+    kw = dict(max_tokens=10, temperature=0.8, seed=5, logprobs=2)
+    whole = complete(solo_client(solo), **kw).choices[0]
+    a, b = both(pd, solo, lambda c: stream_parts(complete(c, stream=True, **kw)))
+    assert a == b
+    text, ids, lps, finish = a
+    assert (text, ids, finish) == (whole.text, whole.model_extra["token_ids"], whole.finish_reason)
+    # Each chunk carries its own token's logprobs; together they are the whole answer's.
+    assert len(lps) == 10
+    tokens, token_lps, tops, offsets = lp_of(whole)
+    assert [p[0][0] for p in lps] == tokens
+    assert [p[1][0] for p in lps] == token_lps
+    assert [p[2][0] for p in lps] == tops
+    assert [p[3][0] for p in lps] == offsets
+
+
+def chat(c, **kw):
+    return c.chat.completions.create(model=MODEL[0], messages=[{"role": "user", "content": QUESTION}], **kw)
+
+
+def content_of(lp):
+    return [(t.token, t.logprob, t.bytes, [(x.token, x.logprob, x.bytes) for x in t.top_logprobs]) for t in lp.content]
+
+
+def test_chat_logprobs_pd_equals_solo(pd, solo):
+    kw = dict(max_tokens=10, temperature=0.7, seed=3, logprobs=True, top_logprobs=4)
+    a, b = both(pd, solo, lambda c: chat(c, **kw))
+    ca, cb = a.choices[0], b.choices[0]
+    assert ca.message.content == cb.message.content
+    assert content_of(ca.logprobs) == content_of(cb.logprobs)
+    assert len(ca.logprobs.content) == 10
+    for t in ca.logprobs.content:
+        assert t.bytes == list(t.token.encode("utf-8"))
+        assert len(t.top_logprobs) == 4
+        assert [x.logprob for x in t.top_logprobs] == sorted((x.logprob for x in t.top_logprobs), reverse=True)
+        assert t.logprob <= t.top_logprobs[0].logprob
+    # Without top_logprobs: the chosen tokens only.
+    plain = chat(gw(pd), max_tokens=4, temperature=0, logprobs=True).choices[0].logprobs.content
+    assert len(plain) == 4 and all(t.top_logprobs == [] for t in plain)
+    # Not asked: null.
+    assert chat(gw(pd), max_tokens=2, temperature=0).choices[0].logprobs is None
+
+
+def test_streamed_chat_logprobs_pd_equals_solo(pd, solo):
+    kw = dict(max_tokens=8, temperature=0.7, seed=3, logprobs=True, top_logprobs=2, stream=True)
+
+    def run(c):
+        text, lps = "", []
+        for chunk in chat(c, **kw):
+            for ch in chunk.choices:
+                text += ch.delta.content or ""
+                if ch.logprobs is not None:
+                    lps += content_of(ch.logprobs)
+        return text, lps
+
+    a, b = both(pd, solo, run)
+    assert a == b
+    whole = chat(solo_client(solo), **{**kw, "stream": False}).choices[0]
+    assert a == (whole.message.content, content_of(whole.logprobs))
+
+
+def test_a_seed_reproduces_on_pd_and_solo(pd, solo):
+    kw = dict(max_tokens=16, temperature=1.0, seed=1234)
+    a, b = both(pd, solo, lambda c: complete(c, **kw))
+    again = complete(gw(pd), **kw)
+    assert a.choices[0].text == b.choices[0].text == again.choices[0].text
+    # A negative seed is an int64 like any other (two's complement), reproducible too.
+    n1 = complete(gw(pd), max_tokens=16, temperature=1.0, seed=-7).choices[0].text
+    n2 = complete(solo_client(solo), max_tokens=16, temperature=1.0, seed=-7).choices[0].text
+    assert n1 == n2
+
+
+def test_without_a_seed_each_request_draws_afresh(pd, solo):
+    # With no seed, every request gets a fresh random seed (the prefill worker
+    # chooses it). The bound: at temperature 1 with no other processor the
+    # sampling distribution is the raw one, so the probability that another
+    # independent request reproduces the first answer exactly is
+    # P = exp(sum of its token logprobs). With 4 more requests, the chance
+    # that all of them reproduce it is P**4; the test asserts that this bound
+    # is below 1e-6 before relying on "at least one differs".
+    for c in (gw(pd), solo_client(solo)):
+        first = complete(c, max_tokens=16, temperature=1.0, logprobs=0).choices[0]
+        p_same = math.exp(sum(first.logprobs.token_logprobs))
+        assert p_same**4 < 1e-6, f"the prompt is too predictable for this test (P = {p_same})"
+        others = [complete(c, max_tokens=16, temperature=1.0).choices[0].text for _ in range(4)]
+        assert any(t != first.text for t in others), "five unseeded requests gave the same text"
+
+
+def test_penalties_pd_equal_solo_and_change_the_text(pd, solo):
+    kw = dict(max_tokens=24, temperature=0)
+    pen = dict(
+        frequency_penalty=1.5,
+        presence_penalty=1.0,
+        extra_body={"repetition_penalty": 1.3, "top_k": -1, "min_p": 0.05},
+    )
+    a, b = both(pd, solo, lambda c: complete(c, **kw, **pen))
+    assert a.choices[0].model_extra["token_ids"] == b.choices[0].model_extra["token_ids"]
+    plain = complete(solo_client(solo), **kw).choices[0]
+    assert a.choices[0].model_extra["token_ids"] != plain.model_extra["token_ids"]
+    # The frequency penalty discourages repeats: fewer repeated tokens than without.
+    ids = a.choices[0].model_extra["token_ids"]
+    plain_ids = plain.model_extra["token_ids"]
+    assert len(ids) - len(set(ids)) <= len(plain_ids) - len(set(plain_ids))
+
+
+def test_logit_bias_ignore_eos_and_min_tokens(pd, solo):
+    # EOS made certain: the generation stops at once ...
+    forced = {str(EOS): 100}
+    a, b = both(pd, solo, lambda c: complete(c, max_tokens=6, temperature=0, logit_bias=forced))
+    for r in (a, b):
+        assert (r.choices[0].finish_reason, r.usage.completion_tokens) == ("stop", 0)
+    # ... unless ignore_eos: it runs to max_tokens, EOS emitted each time.
+    a, b = both(
+        pd, solo, lambda c: complete(c, max_tokens=6, temperature=0, logit_bias=forced, extra_body={"ignore_eos": True})
+    )
+    for r in (a, b):
+        assert r.choices[0].finish_reason == "length"
+        assert r.choices[0].model_extra["token_ids"] == [EOS] * 6
+    # min_tokens masks EOS for the first 4 tokens, then it stops.
+    a, b = both(
+        pd, solo, lambda c: complete(c, max_tokens=10, temperature=0, logit_bias=forced, extra_body={"min_tokens": 4})
+    )
+    assert a.choices[0].model_extra["token_ids"] == b.choices[0].model_extra["token_ids"]
+    assert (a.choices[0].finish_reason, a.usage.completion_tokens) == ("stop", 4)
+
+
+def test_stop_token_ids_and_stop_reason(pd, solo):
+    base = complete(solo_client(solo), max_tokens=12, temperature=0).choices[0].model_extra["token_ids"]
+    stop_id = base[5]
+    cut = base.index(stop_id)
+    a, b = both(pd, solo, lambda c: complete(c, max_tokens=12, temperature=0, extra_body={"stop_token_ids": [stop_id]}))
+    for r in (a, b):
+        ch = r.choices[0]
+        assert ch.model_extra["token_ids"] == base[:cut]
+        assert (ch.finish_reason, ch.model_extra["stop_reason"]) == ("stop", stop_id)
+    # A stop string names itself.
+    text = complete(solo_client(solo), max_tokens=12, temperature=0).choices[0].text
+    word = text.split()[2]
+    r = complete(gw(pd), max_tokens=12, temperature=0, stop=[word]).choices[0]
+    assert (r.finish_reason, r.model_extra["stop_reason"]) == ("stop", word)
+
+
+def test_echo_prepends_the_prompt(pd, solo):
+    a, b = both(pd, solo, lambda c: complete(c, max_tokens=6, temperature=0, echo=True))
+    plain = complete(solo_client(solo), max_tokens=6, temperature=0).choices[0].text
+    for r in (a, b):
+        assert r.choices[0].text == PROMPT + plain
+    text, _, _, _ = stream_parts(complete(gw(pd), max_tokens=6, temperature=0, echo=True, stream=True))
+    assert text == PROMPT + plain
+
+
+@pytest.mark.parametrize(
+    "kw,param",
+    [
+        (dict(logprobs=21), "logprobs"),
+        (dict(logprobs=1, echo=True), "echo"),
+        (dict(logit_bias={"999999": 1}), "logit_bias"),
+        (dict(logit_bias={"5": 101}), "logit_bias"),
+        (dict(n=2), "n"),
+        (dict(best_of=2), "best_of"),
+        (dict(extra_body={"stop_token_ids": [10**9]}), "stop_token_ids"),
+        (dict(extra_body={"top_k": -2}), "top_k"),
+        (dict(extra_body={"prompt_logprobs": 1}), "prompt_logprobs"),
+        (dict(extra_body={"temperatur": 1}), "temperatur"),
+    ],
+)
+def test_refused_parameters_name_the_param(pd, solo, kw, param):
+    for c in (gw(pd), solo_client(solo)):
+        with pytest.raises(openai.BadRequestError) as e:
+            complete(c, max_tokens=2, **kw)
+        assert e.value.status_code == 400
+        body = e.value.response.json()["error"]
+        assert body["param"] == param, body
