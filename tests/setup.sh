@@ -13,6 +13,12 @@ rustup target add wasm32-unknown-unknown wasm32-wasip1 >/dev/null
 # Python packages, pinned to the versions the suite was written against.
 "$PY" -m pip install --quiet --disable-pip-version-check -r "$(dirname "$0")/python/requirements.txt"
 
+# The NIXL runtime of the nixl-ucx transport: the wheel bundles libnixl,
+# libnixl_capi, the UCX plugin and UCX. Only its shared libraries are used
+# (none links torch or CUDA), so its Python dependencies (torch and the CUDA
+# wheels, several GB) are not installed.
+"$PY" -m pip install --quiet --disable-pip-version-check --no-deps nixl-cu12==1.5.1
+
 # Debian packages: promtool (metrics exposition checks), ip (network
 # namespaces), npm (for binaryen below).
 need=()
