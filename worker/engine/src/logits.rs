@@ -218,9 +218,15 @@ mod tests {
         assert_eq!(pre.len(), dec.len());
         assert_eq!(&pre[..v], &dec[..v]);
         let scale = pre.iter().fold(0f32, |m, x| m.max(x.abs()));
-        let err = pre.iter().zip(&dec).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+        let err = pre
+            .iter()
+            .zip(&dec)
+            .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
         assert!(err > 0.0, "the dense and int8 paths are different kernels");
-        assert!(err < 0.05 * scale, "max error {err} against logits up to {scale}");
+        assert!(
+            err < 0.05 * scale,
+            "max error {err} against logits up to {scale}"
+        );
     }
 
     #[test]
