@@ -172,7 +172,7 @@ def start_stack(transport):
         raise
 
 
-@pytest.fixture(scope="session", params=["shm", "tcp"])
+@pytest.fixture(scope="session", params=["shm", "tcp", "nixl-ucx"])
 def stack(request):
     """`rngd-pd up` with the given KV transport; stopped (and checked clean) at the end."""
     s = start_stack(request.param)

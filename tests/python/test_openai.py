@@ -1,5 +1,5 @@
 """The real `openai` client against `rngd-pd up` (prefill worker + decode worker +
-KV relay + gateway, CPU backend, real model), over both KV transports.
+KV relay + gateway, CPU backend, real model), over each KV transport (shm, tcp, nixl-ucx).
 
 Greedy outputs through the PD stack must equal a solo worker's for the same
 prompt, token for token.

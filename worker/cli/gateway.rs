@@ -66,8 +66,9 @@ pub struct Args {
     /// Compiled context length of the workers given by URL.
     #[arg(long, env = env::RNGD_PD_SEQ_LEN, default_value_t = 512)]
     pub seq_len: u32,
-    /// KV transports the workers given by URL support.
-    #[arg(long = "worker-transport", default_values_t = ["shm".to_string(), "tcp".to_string()])]
+    /// KV transports the workers given by URL support; default: every
+    /// transport this build has (`rngd_kv_transport::registry::KNOWN`).
+    #[arg(long = "worker-transport", default_values_t = rngd_kv_transport::registry::KNOWN.iter().map(|t| t.to_string()))]
     pub worker_transports: Vec<String>,
     /// Port of the separate KPI endpoint (`airm_*` gauges); unset = off.
     #[arg(long, env = env::AIRM_METRICS_PORT)]

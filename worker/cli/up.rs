@@ -49,7 +49,10 @@ pub struct Args {
     /// (passed to the workers and the gateway); repeat for aliases.
     #[arg(long = "served-model-name", value_name = "NAME")]
     pub served_model_name: Vec<String>,
-    /// KV transport between prefill and decode: `shm` or `tcp`.
+    /// KV transport between prefill and decode: one of this build's
+    /// transports (`shm`, `tcp`, `nixl-ucx`; `rngd-pd kv doctor` shows what
+    /// each would use here). The relay runs whichever is chosen: `tcp`
+    /// carries the KV through it, `nixl-ucx` its descriptors.
     #[arg(long, default_value = "shm")]
     pub kv_transport: String,
     /// Policy module (`.wasm`); default: the `pd_default` guest built by `policies/build.sh`.
@@ -258,9 +261,11 @@ async fn build_default_policy() -> anyhow::Result<PathBuf> {
 
 /// Runs the subcommand.
 pub async fn run(args: Args) -> anyhow::Result<()> {
-    if !matches!(args.kv_transport.as_str(), "shm" | "tcp") {
+    let known = rngd_kv_transport::registry::KNOWN;
+    if !known.contains(&args.kv_transport.as_str()) {
         bail!(
-            "--kv-transport must be shm or tcp, not {}",
+            "--kv-transport must be one of {}, not {}",
+            known.join(", "),
             args.kv_transport
         );
     }
