@@ -19,6 +19,7 @@ mod common;
 
 use std::process::Command;
 
+use common::http::{ids, metric};
 use common::{Proc, model};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -194,15 +195,6 @@ fn decode_body(params: Value) -> Value {
     dec
 }
 
-fn ids(v: &Value) -> Vec<u64> {
-    v["choices"][0]["token_ids"]
-        .as_array()
-        .unwrap_or_else(|| panic!("no token_ids in {v}"))
-        .iter()
-        .map(|t| t.as_u64().unwrap())
-        .collect()
-}
-
 /// A normal PD request; its tokens.
 async fn pd(prefill: &Proc, decode: &Proc, rid: &str) -> Vec<u64> {
     let params = push(prefill, &format!("{rid}-prefill")).await;
@@ -210,21 +202,6 @@ async fn pd(prefill: &Proc, decode: &Proc, rid: &str) -> Vec<u64> {
     let t = ids(&got);
     assert!(!t.is_empty(), "{got}");
     t
-}
-
-async fn metric(w: &Proc, name: &str) -> f64 {
-    let text = reqwest::get(w.url("/metrics"))
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
-    text.lines()
-        .find_map(|l| l.strip_prefix(name).and_then(|r| r.strip_prefix(' ')))
-        .unwrap_or_else(|| panic!("{name} missing from {}'s metrics:\n{text}", w.name))
-        .trim()
-        .parse()
-        .unwrap()
 }
 
 /// No engine slot stays taken on `w` (polled: a slot is freed as its request ends).
@@ -453,7 +430,13 @@ async fn prefill_killed_mid_push_leaves_no_relay_entry_and_decode_errs_clearly()
     let signer = rngd_worker::HandleSigner::new(&secret.derive(b"rngd-pd worker kv handles"));
     params["kv_handle"] = serde_json::to_value(&handle).unwrap();
     params["kv_handle_expires_ms"] = json!(expires);
-    params["kv_handle_signature"] = json!(signer.sign(&handle, first_token, &prompt, expires));
+    // The control answer's seed is signed with it (no logprobs were asked).
+    let claims = rngd_worker::handles::Claims {
+        seed: params["seed"].as_u64(),
+        first_token_logprobs: None,
+    };
+    params["kv_handle_signature"] =
+        json!(signer.sign_with(&handle, first_token, &prompt, expires, &claims));
     let rid = "decode-of-a-dead-push";
     let started = Instant::now();
     let (status, text) = tokio::time::timeout(

@@ -11,6 +11,7 @@ mod common;
 
 use std::process::Command;
 
+use common::http::{complete, ids, metric, post, request, streamed_ids};
 use common::{Proc, model};
 use std::time::{Duration, Instant};
 
@@ -81,53 +82,6 @@ const PROMPTS: &[&str] = &[
     "Write a story about the sea.\n",
     "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
 ];
-
-fn request(prompt: &str) -> Value {
-    json!({"model": "smollm2", "prompt": prompt, "max_tokens": 12, "temperature": 0})
-}
-
-async fn post(url: &str, body: &Value, headers: &[(&str, &str)]) -> (u16, String) {
-    let mut req = reqwest::Client::new().post(url).json(body);
-    for (k, v) in headers {
-        req = req.header(*k, *v);
-    }
-    let resp = req
-        .send()
-        .await
-        .unwrap_or_else(|e| panic!("POST {url}: {e}"));
-    let status = resp.status().as_u16();
-    (status, resp.text().await.unwrap())
-}
-
-async fn complete(w: &Proc, body: &Value, headers: &[(&str, &str)]) -> Value {
-    let (status, text) = post(&w.url("/v1/completions"), body, headers).await;
-    assert_eq!(status, 200, "{} answered {status}: {text}", w.name);
-    serde_json::from_str(&text).unwrap()
-}
-
-fn ids(v: &Value) -> Vec<u64> {
-    v["choices"][0]["token_ids"]
-        .as_array()
-        .unwrap_or_else(|| panic!("no token_ids in {v}"))
-        .iter()
-        .map(|t| t.as_u64().unwrap())
-        .collect()
-}
-
-async fn metric(w: &Proc, name: &str) -> f64 {
-    let text = reqwest::get(w.url("/metrics"))
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
-    text.lines()
-        .find_map(|l| l.strip_prefix(name).and_then(|r| r.strip_prefix(' ')))
-        .unwrap_or_else(|| panic!("{name} missing from {}'s metrics:\n{text}", w.name))
-        .trim()
-        .parse()
-        .unwrap()
-}
 
 /// Reference tokens from a solo worker (stopped afterwards to save memory).
 async fn solo_tokens(env: &Env) -> Vec<Vec<u64>> {
@@ -226,20 +180,7 @@ async fn pd_matches_solo(transport: &str) {
     )
     .await;
     assert_eq!(status, 200, "{body}");
-    assert!(body.ends_with("data: [DONE]\n\n"), "{body}");
-    let streamed: Vec<u64> = body
-        .split("\n\n")
-        .filter_map(|e| e.strip_prefix("data: "))
-        .filter(|d| *d != "[DONE]")
-        .flat_map(|d| {
-            let v: Value = serde_json::from_str(d).unwrap();
-            v["choices"][0]["token_ids"]
-                .as_array()
-                .cloned()
-                .unwrap_or_default()
-        })
-        .map(|t| t.as_u64().unwrap())
-        .collect();
+    let streamed = streamed_ids(&body);
     assert_eq!(streamed, want[0]);
 
     let n = (2 * PROMPTS.len() + 1) as f64;

@@ -19,14 +19,13 @@
 
 mod common;
 
-use std::io::{BufRead, BufReader};
 use std::path::Path;
 use std::process::{Command, Stdio};
-use std::sync::mpsc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use common::{Proc, STARTUP, model};
-use serde_json::{Value, json};
+use common::http::{complete, ids, metric, post, request, streamed_ids};
+use common::{Proc, model};
+use serde_json::json;
 
 const TTL_S: &str = "5";
 const KV_SECRET: &str = "worker-pd-netns-test-secret-0123456789";
@@ -109,62 +108,6 @@ fn configure(ns: Option<&str>, dev: &str, cidr: &str) {
     must(ip(&[pre.as_slice(), &["link", "set", dev, "up"]].concat()));
 }
 
-/// `ip netns exec NS rngd-pd <args>`, ready on the stdout line starting with
-/// `prefix` (as [`Proc::start`]; `ip netns exec` execs, so the pid is the
-/// worker's and drop kills it).
-fn start_in(
-    ns: &str,
-    name: &str,
-    dir: &Path,
-    args: &[&str],
-    envs: &[(&str, String)],
-    prefix: &str,
-) -> Proc {
-    let log = dir.join(format!("{name}.log"));
-    let mut cmd = Command::new("ip");
-    cmd.args(["netns", "exec", ns, env!("CARGO_BIN_EXE_rngd-pd")])
-        .args(args)
-        .env("RUST_LOG", "info")
-        .env("NO_COLOR", "1")
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(std::fs::File::create(&log).unwrap());
-    for (k, v) in envs {
-        cmd.env(k, v);
-    }
-    let mut child = cmd
-        .spawn()
-        .unwrap_or_else(|e| panic!("spawning {name} in {ns}: {e}"));
-    let stdout = child.stdout.take().unwrap();
-    let (tx, rx) = mpsc::channel();
-    let p = prefix.to_string();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stdout).lines() {
-            let Ok(line) = line else { break };
-            if let Some(addr) = line.strip_prefix(&p) {
-                let _ = tx.send(addr.trim().to_string());
-            }
-        }
-    });
-    let mut proc = Proc {
-        name: name.to_string(),
-        child,
-        addr: String::new(),
-        log,
-    };
-    match rx.recv_timeout(STARTUP) {
-        Ok(addr) => proc.addr = addr.trim_start_matches("http://").to_string(),
-        Err(_) => {
-            let status = proc.child.try_wait().ok().flatten();
-            panic!(
-                "{name} (in {ns}) did not print `{prefix}…` (exit status {status:?}); its log:\n{}",
-                std::fs::read_to_string(&proc.log).unwrap_or_default()
-            );
-        }
-    }
-    proc
-}
-
 fn base_envs(dir: &Path) -> Vec<(&'static str, String)> {
     vec![
         ("RNGD_PD_MODEL", model().display().to_string()),
@@ -180,59 +123,6 @@ fn base_envs(dir: &Path) -> Vec<(&'static str, String)> {
             dir.join("no-checkpoint").display().to_string(),
         ),
     ]
-}
-
-fn request(prompt: &str) -> Value {
-    json!({"model": "smollm2", "prompt": prompt, "max_tokens": 12, "temperature": 0})
-}
-
-fn client() -> reqwest::Client {
-    reqwest::Client::builder().no_proxy().build().unwrap()
-}
-
-async fn post(url: &str, body: &Value, headers: &[(&str, &str)]) -> (u16, String) {
-    let mut req = client().post(url).json(body);
-    for (k, v) in headers {
-        req = req.header(*k, *v);
-    }
-    let resp = req
-        .send()
-        .await
-        .unwrap_or_else(|e| panic!("POST {url}: {e}"));
-    let status = resp.status().as_u16();
-    (status, resp.text().await.unwrap())
-}
-
-async fn complete(w: &Proc, body: &Value, headers: &[(&str, &str)]) -> Value {
-    let (status, text) = post(&w.url("/v1/completions"), body, headers).await;
-    assert_eq!(status, 200, "{} answered {status}: {text}", w.name);
-    serde_json::from_str(&text).unwrap()
-}
-
-fn ids(v: &Value) -> Vec<u64> {
-    v["choices"][0]["token_ids"]
-        .as_array()
-        .unwrap_or_else(|| panic!("no token_ids in {v}"))
-        .iter()
-        .map(|t| t.as_u64().unwrap())
-        .collect()
-}
-
-async fn metric(w: &Proc, name: &str) -> f64 {
-    let text = client()
-        .get(w.url("/metrics"))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
-    text.lines()
-        .find_map(|l| l.strip_prefix(name).and_then(|r| r.strip_prefix(' ')))
-        .unwrap_or_else(|| panic!("{name} missing from {}'s metrics:\n{text}", w.name))
-        .trim()
-        .parse()
-        .unwrap()
 }
 
 /// SHA-256s of the nixl-ucx KV blobs a worker logged in direction `dir`.
@@ -298,7 +188,7 @@ async fn pd_over_nixl_ucx_across_network_namespaces_matches_solo() {
     }
     solo.kill();
 
-    let relay = start_in(
+    let relay = Proc::start_in_netns(
         &na,
         "relay",
         dir.path(),
@@ -318,7 +208,7 @@ async fn pd_over_nixl_ucx_across_network_namespaces_matches_solo() {
     penvs.push(("UCX_NET_DEVICES", ab.clone()));
     // The slot frees are debug lines.
     penvs.push(("RUST_LOG", "info,rngd_kv_transport::nixl=debug".to_string()));
-    let prefill = start_in(
+    let prefill = Proc::start_in_netns(
         &na,
         "prefill",
         dir.path(),
@@ -336,7 +226,7 @@ async fn pd_over_nixl_ucx_across_network_namespaces_matches_solo() {
     denvs.push(("RNGD_PD_HOST", b_front.clone()));
     denvs.push(("RNGD_PD_PREFILL_ALLOW", prefill.addr.clone()));
     denvs.push(("UCX_NET_DEVICES", ba.clone()));
-    let decode = start_in(
+    let decode = Proc::start_in_netns(
         &nb,
         "decode",
         dir.path(),
@@ -380,20 +270,7 @@ async fn pd_over_nixl_ucx_across_network_namespaces_matches_solo() {
     )
     .await;
     assert_eq!(status, 200, "{body}");
-    assert!(body.ends_with("data: [DONE]\n\n"), "{body}");
-    let streamed: Vec<u64> = body
-        .split("\n\n")
-        .filter_map(|e| e.strip_prefix("data: "))
-        .filter(|d| *d != "[DONE]")
-        .flat_map(|d| {
-            let v: Value = serde_json::from_str(d).unwrap();
-            v["choices"][0]["token_ids"]
-                .as_array()
-                .cloned()
-                .unwrap_or_default()
-        })
-        .map(|t| t.as_u64().unwrap())
-        .collect();
+    let streamed = streamed_ids(&body);
     assert_eq!(
         streamed, want[0],
         "nixl-ucx across namespaces: streamed tokens differ"

@@ -13,8 +13,9 @@ mod common;
 
 use std::process::Command;
 
+use common::http::{complete, ids, metric, post, request, streamed_ids};
 use common::{Proc, model};
-use serde_json::{Value, json};
+use serde_json::json;
 
 const TTL_S: &str = "5";
 const KV_SECRET: &str = "worker-pd-nixl-test-secret-0123456789";
@@ -41,53 +42,6 @@ fn base_envs(dir: &std::path::Path) -> Vec<(&'static str, String)> {
             dir.join("no-checkpoint").display().to_string(),
         ),
     ]
-}
-
-fn request(prompt: &str) -> Value {
-    json!({"model": "smollm2", "prompt": prompt, "max_tokens": 12, "temperature": 0})
-}
-
-async fn post(url: &str, body: &Value, headers: &[(&str, &str)]) -> (u16, String) {
-    let mut req = reqwest::Client::new().post(url).json(body);
-    for (k, v) in headers {
-        req = req.header(*k, *v);
-    }
-    let resp = req
-        .send()
-        .await
-        .unwrap_or_else(|e| panic!("POST {url}: {e}"));
-    let status = resp.status().as_u16();
-    (status, resp.text().await.unwrap())
-}
-
-async fn complete(w: &Proc, body: &Value, headers: &[(&str, &str)]) -> Value {
-    let (status, text) = post(&w.url("/v1/completions"), body, headers).await;
-    assert_eq!(status, 200, "{} answered {status}: {text}", w.name);
-    serde_json::from_str(&text).unwrap()
-}
-
-fn ids(v: &Value) -> Vec<u64> {
-    v["choices"][0]["token_ids"]
-        .as_array()
-        .unwrap_or_else(|| panic!("no token_ids in {v}"))
-        .iter()
-        .map(|t| t.as_u64().unwrap())
-        .collect()
-}
-
-async fn metric(w: &Proc, name: &str) -> f64 {
-    let text = reqwest::get(w.url("/metrics"))
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
-    text.lines()
-        .find_map(|l| l.strip_prefix(name).and_then(|r| r.strip_prefix(' ')))
-        .unwrap_or_else(|| panic!("{name} missing from {}'s metrics:\n{text}", w.name))
-        .trim()
-        .parse()
-        .unwrap()
 }
 
 #[tokio::test]
@@ -166,20 +120,7 @@ async fn pd_over_nixl_ucx_matches_solo() {
     )
     .await;
     assert_eq!(status, 200, "{body}");
-    assert!(body.ends_with("data: [DONE]\n\n"), "{body}");
-    let streamed: Vec<u64> = body
-        .split("\n\n")
-        .filter_map(|e| e.strip_prefix("data: "))
-        .filter(|d| *d != "[DONE]")
-        .flat_map(|d| {
-            let v: Value = serde_json::from_str(d).unwrap();
-            v["choices"][0]["token_ids"]
-                .as_array()
-                .cloned()
-                .unwrap_or_default()
-        })
-        .map(|t| t.as_u64().unwrap())
-        .collect();
+    let streamed = streamed_ids(&body);
     assert_eq!(streamed, want[0], "nixl-ucx: streamed tokens differ");
 
     let n = (2 * PROMPTS.len() + 1) as f64;

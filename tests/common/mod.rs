@@ -1,7 +1,10 @@
 //! What the root tests that start real `rngd-pd` processes share: the model
 //! they need and [`Proc`], a child process started and awaited by its ready
-//! line, killed on drop (its log printed when the test failed).
+//! line, killed on drop (its log printed when the test failed); [`http`], the
+//! requests they send.
 #![allow(dead_code)]
+
+pub mod http;
 
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
@@ -43,10 +46,38 @@ impl Proc {
         envs: &[(&str, String)],
         prefix: &str,
     ) -> Proc {
-        let log = dir.join(format!("{name}.log"));
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_rngd-pd"));
-        cmd.args(args)
-            .env("RUST_LOG", "info")
+        cmd.args(args);
+        Proc::launch(name, dir, cmd, envs, prefix)
+    }
+
+    /// Starts `rngd-pd <args>` inside the network namespace `ns`
+    /// (`ip netns exec`, which execs the binary: the pid is the worker's).
+    pub fn start_in_netns(
+        ns: &str,
+        name: &str,
+        dir: &Path,
+        args: &[&str],
+        envs: &[(&str, String)],
+        prefix: &str,
+    ) -> Proc {
+        let mut cmd = Command::new("ip");
+        cmd.args(["netns", "exec", ns, env!("CARGO_BIN_EXE_rngd-pd")])
+            .args(args);
+        Proc::launch(name, dir, cmd, envs, prefix)
+    }
+
+    /// Runs `cmd` with `envs`, its stderr in `dir/<name>.log`, and waits for
+    /// the stdout line starting with `prefix`; what follows it is `addr`.
+    fn launch(
+        name: &str,
+        dir: &Path,
+        mut cmd: Command,
+        envs: &[(&str, String)],
+        prefix: &str,
+    ) -> Proc {
+        let log = dir.join(format!("{name}.log"));
+        cmd.env("RUST_LOG", "info")
             .env("NO_COLOR", "1")
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
