@@ -140,7 +140,9 @@ async fn bad_bodies_get_400_and_close_the_stream() {
 async fn one_megabyte_body_is_resent_in_chunks_of_at_most_62000() {
     let h = harness(default_endpoints(), false).await;
     let filler = "a ".repeat(500_000);
-    let body = format!(r#"{{"model":"m","prompt":"x","pad":"{filler}"}}"#).into_bytes();
+    // The filler rides in `user`, a field every door accepts and ignores by
+    // design (an unknown field would be a 400).
+    let body = format!(r#"{{"model":"m","prompt":"x","user":"{filler}"}}"#).into_bytes();
     assert!(body.len() > 1_000_000);
     let mut msgs = vec![post_headers(BodySendMode::FullDuplexStreamed)];
     let pieces: Vec<&[u8]> = body.chunks(16 * 1024).collect();

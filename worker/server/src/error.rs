@@ -72,8 +72,9 @@ pub enum ApiError {
     #[error("the model is still loading; retry when GET /ready answers 200")]
     NotReady,
     /// A KV handle that cannot be verified or does not fit the model: nothing
-    /// was pulled or deleted.
-    #[error("kv_transfer_params: {0}")]
+    /// was pulled or deleted. The cause (the message's second part) says
+    /// what is wrong.
+    #[error("kv_transfer_params")]
     BadHandle(#[from] crate::handles::HandleError),
     /// A PD request this worker does not take from this client or without a
     /// KV secret.

@@ -147,6 +147,12 @@ async fn forged_and_altered_handles_are_refused_before_any_pull() {
             "{what}: {}",
             body.error.message
         );
+        assert_eq!(
+            body.error.message.matches(needle).count(),
+            1,
+            "{what}: the cause is said once: {}",
+            body.error.message
+        );
         assert_eq!(mem.held(), 1, "{what}: nothing deleted");
     }
     assert_eq!(kv_loads(&d).await, loads, "nothing pulled");
