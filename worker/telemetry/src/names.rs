@@ -137,3 +137,15 @@ pub const GATEWAY_OVERLOAD_REJECTIONS_TOTAL: &str = "rngd_pd_gateway_overload_re
 pub const WORKER_OVERLOAD_REJECTIONS_TOTAL: &str = "rngd_pd_worker_overload_rejections_total";
 /// Worker requests admitted to the engine and not finished (gauge).
 pub const WORKER_IN_FLIGHT: &str = "rngd_pd_worker_in_flight";
+
+// Endpoint picker: admission and body budget (the picker's bounded work; the
+// admission code is `rngd_pool::admission`, shared with the gateway).
+/// Picker requests in their request phase (headers to the pick) (gauge).
+pub const EPP_IN_FLIGHT: &str = "rngd_pd_epp_in_flight";
+/// Picker requests waiting for a slot (gauge).
+pub const EPP_QUEUED: &str = "rngd_pd_epp_queued";
+/// Picker requests answered 429 for load, by `reason` (`queue_full`,
+/// `queue_timeout`, `body_budget`) (counter).
+pub const EPP_OVERLOAD_REJECTIONS_TOTAL: &str = "rngd_pd_epp_overload_rejections_total";
+/// Request body bytes the picker holds or has reserved (gauge).
+pub const EPP_BODY_BYTES_IN_FLIGHT: &str = "rngd_pd_epp_body_bytes_in_flight";
