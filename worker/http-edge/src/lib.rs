@@ -1,0 +1,140 @@
+//! The HTTP edge every rngd-pd HTTP server shares (the gateway's public and
+//! KPI listeners, the worker), written once:
+//!
+//! - [`serve`]: the accept loop with the listener limits of [`Options`]: a
+//!   header-read timeout, an idle keep-alive timeout, a connection cap (the
+//!   excess accepted and closed at once), `TCP_NODELAY` on every socket, a
+//!   polite close after a response that left a body unread (the rest drained,
+//!   bounded), and graceful shutdown;
+//! - [`read_body`] / [`LimitedBody`]: a request body read under a byte limit
+//!   and a deadline, against the listener's in-flight body-byte budget
+//!   ([`BodyBudget`], checked before anything is buffered); the failures are
+//!   [`BodyError`], answered with the OpenAI error body;
+//! - [`hold_until_sent`]: a response whose body holds a guard (an admission
+//!   slot, an engine slot) until it is sent or dropped;
+//! - [`shutdown_signal`]: SIGINT / SIGTERM.
+//!
+//! `docs/gateway.md` ("Listener limits") describes the limits and their
+//! defaults.
+
+mod body;
+mod hold;
+mod serve;
+
+use std::time::Duration;
+
+pub use body::{
+    BodyBudget, BodyError, BodyLimits, Buffered, HasBodyLimits, LimitedBody, read_body,
+};
+pub use hold::{Held, hold_until_sent};
+pub use serve::{EdgeStats, Served, serve};
+
+/// Default of [`Options::header_timeout`]: 10 s.
+pub const DEFAULT_HEADER_TIMEOUT: Duration = Duration::from_secs(10);
+/// Default of [`Options::idle_timeout`]: 5 s.
+pub const DEFAULT_IDLE_TIMEOUT: Duration = Duration::from_secs(5);
+/// Default of [`Options::max_connections`].
+pub const DEFAULT_MAX_CONNECTIONS: usize = 4096;
+/// Default of [`Options::max_inflight_body_bytes`]: 64 MiB.
+pub const DEFAULT_MAX_INFLIGHT_BODY_BYTES: usize = 64 << 20;
+/// Default of [`Options::linger_bytes`]: 16 MiB.
+pub const DEFAULT_LINGER_BYTES: usize = 16 << 20;
+/// Default of [`Options::linger_timeout`]: 5 s.
+pub const DEFAULT_LINGER_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// The limits of one listener.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Options {
+    /// Time a connection has to deliver a request's complete header block:
+    /// from the accept for the first request; on a kept-alive connection
+    /// from the end of the previous response. Then the connection is closed
+    /// (no response). Default 10 s.
+    pub header_timeout: Duration,
+    /// Time a kept-alive connection may sit with no request in flight before
+    /// it is closed (at most [`Options::header_timeout`] in effect, as that
+    /// runs from the end of each response too). Default 5 s.
+    pub idle_timeout: Duration,
+    /// Connections served at once; a connection beyond them is accepted and
+    /// closed at once (the client sees the connection closed before any
+    /// response). Default 4096.
+    pub max_connections: usize,
+    /// Bytes of request bodies being read at once on this listener (each
+    /// body's `Content-Length` is reserved before it is read, a chunked body
+    /// grows its reservation chunk by chunk). A body that does not fit is
+    /// refused before it is buffered: 503 with `Retry-After`. Default 64 MiB.
+    pub max_inflight_body_bytes: usize,
+    /// After a response that left the request body unread (413, 408, 503),
+    /// the connection is closed politely: bytes still arriving are read and
+    /// discarded, at most this many, so the client reads the answer instead
+    /// of a reset. Default 16 MiB.
+    pub linger_bytes: usize,
+    /// ... and for at most this long. Default 5 s.
+    pub linger_timeout: Duration,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Options {
+            header_timeout: DEFAULT_HEADER_TIMEOUT,
+            idle_timeout: DEFAULT_IDLE_TIMEOUT,
+            max_connections: DEFAULT_MAX_CONNECTIONS,
+            max_inflight_body_bytes: DEFAULT_MAX_INFLIGHT_BODY_BYTES,
+            linger_bytes: DEFAULT_LINGER_BYTES,
+            linger_timeout: DEFAULT_LINGER_TIMEOUT,
+        }
+    }
+}
+
+/// Errors of the edge outside a request.
+#[derive(Debug, thiserror::Error)]
+pub enum EdgeError {
+    /// An option that cannot work.
+    #[error("listener options: {0}")]
+    Options(String),
+    /// Reading the listener's bound address failed.
+    #[error("listener address")]
+    Address(#[source] std::io::Error),
+}
+
+impl Options {
+    /// Checks the options: every timeout and cap must be above zero.
+    pub fn check(&self) -> Result<(), EdgeError> {
+        let zero = [
+            ("header timeout", self.header_timeout.is_zero()),
+            ("idle timeout", self.idle_timeout.is_zero()),
+            ("max connections", self.max_connections == 0),
+            (
+                "max in-flight body bytes",
+                self.max_inflight_body_bytes == 0,
+            ),
+        ];
+        match zero.iter().find(|(_, z)| *z) {
+            Some((name, _)) => Err(EdgeError::Options(format!("{name} must be above 0"))),
+            None => Ok(()),
+        }
+    }
+}
+
+/// Resolves on Ctrl-C or SIGTERM.
+pub async fn shutdown_signal() {
+    let ctrl_c = tokio::signal::ctrl_c();
+    #[cfg(unix)]
+    {
+        let mut term =
+            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+                Ok(s) => s,
+                Err(_) => {
+                    let _ = ctrl_c.await;
+                    return;
+                }
+            };
+        tokio::select! {
+            _ = ctrl_c => {}
+            _ = term.recv() => {}
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = ctrl_c.await;
+    }
+}
