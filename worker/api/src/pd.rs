@@ -9,7 +9,19 @@
 //! 3. The orchestrator sends the original request, with those params, to the
 //!    decode worker, which pulls the cache, releases it and continues from it.
 //!
+//! The orchestrator's half (steps 1 and 3, and the one verdict on a prefill
+//! answer) is written once, in [`handoff`], for every orchestrator: the
+//! gateway's two-step flow and a decode worker serving
+//! `x-prefiller-host-port`.
+//!
 //! See `docs/pd-protocol.md`.
+
+mod handoff;
+
+pub use handoff::{
+    HandleState, Handoff, KvReleaseAnswer, PdAnswerError, decode_request_from, prefill_request,
+    release_request,
+};
 
 use rngd_kv_wire::KvHandle;
 use serde::{Deserialize, Serialize};
@@ -60,6 +72,13 @@ pub struct KvTransferParams {
     /// KV push time, ms (prefill response).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub kv_save_ms: Option<f64>,
+    /// rngd-pd extension, on a decode request (with `do_remote_prefill` and
+    /// the signed handle): generate nothing, release the handle's KV without
+    /// pulling it, and refuse any later decode of it. An orchestrator whose
+    /// client went away after the prefill sends this
+    /// ([`release_request`]); the answer is a [`KvReleaseAnswer`].
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub release_only: bool,
     /// vLLM field: engine id of the remote side (informational).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub remote_engine_id: Option<String>,
