@@ -76,6 +76,15 @@ pub enum ApiError {
     /// what is wrong.
     #[error("kv_transfer_params")]
     BadHandle(#[from] crate::handles::HandleError),
+    /// A handle whose KV this worker already consumed (a decode pulled it)
+    /// or released (`release_only`): refused at once, nothing pulled → 410.
+    #[error("{}", handle_used(*.state, *.ago_ms))]
+    KvHandleUsed {
+        /// `Consumed` or `Released`.
+        state: rngd_api::pd::HandleState,
+        /// How long ago, ms.
+        ago_ms: u64,
+    },
     /// A PD request this worker does not take from this client or without a
     /// KV secret.
     #[error("{0}")]
@@ -198,6 +207,17 @@ pub const PREFILLER_NOT_ALLOWED_CODE: &str = "prefiller_not_allowed";
 /// Error code of a 400 for a malformed `x-prefiller-host-port` entry.
 pub const PREFILLER_MALFORMED_CODE: &str = "invalid_prefiller_host_port";
 
+fn handle_used(state: rngd_api::pd::HandleState, ago_ms: u64) -> String {
+    match state {
+        rngd_api::pd::HandleState::Released => format!(
+            "the kv_handle's KV was released without a decode {ago_ms} ms ago (its orchestrator gave the request up); nothing was pulled"
+        ),
+        _ => format!(
+            "the kv_handle's KV was already consumed by a decode on this worker {ago_ms} ms ago (a handle serves one decode); nothing was pulled"
+        ),
+    }
+}
+
 fn prefill_refusal(e: &crate::allow::PickError) -> String {
     use crate::allow::PickError;
     let h = rngd_api::headers::PREFILLER_HOST_PORT;
@@ -240,6 +260,7 @@ impl ApiError {
             ApiError::UnknownTransport { .. } => StatusCode::BAD_REQUEST,
             ApiError::NotReady => StatusCode::SERVICE_UNAVAILABLE,
             ApiError::BadHandle(_) => StatusCode::BAD_REQUEST,
+            ApiError::KvHandleUsed { .. } => StatusCode::GONE,
             ApiError::PdRefused(_) => StatusCode::FORBIDDEN,
             ApiError::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             ApiError::Overloaded { .. } => StatusCode::TOO_MANY_REQUESTS,
@@ -306,6 +327,11 @@ impl ApiError {
             ApiError::BadHandle(_) => body
                 .with_code("invalid_kv_handle")
                 .with_param("kv_transfer_params"),
+            ApiError::KvHandleUsed { state, .. } => {
+                ErrorBody::new("invalid_request_error", self.message())
+                    .with_code(&format!("kv_handle_{}", state.as_str()))
+                    .with_param("kv_transfer_params")
+            }
             ApiError::PdRefused(_) => body
                 .with_code("pd_not_allowed")
                 .with_param("kv_transfer_params"),

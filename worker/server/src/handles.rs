@@ -12,6 +12,14 @@
 //!
 //! The message signed is the canonical JSON of [`Signed`] after a domain
 //! prefix; both sides run this code, so the encoding is fixed by it.
+//!
+//! A handle is good for one decode: [`UsedHandles`] (in [`used`]) remembers
+//! the handles a decode worker consumed or released, so a second decode of
+//! one is refused at once.
+
+mod used;
+
+pub use used::{USED_HANDLES_CAP, Used, UsedHandles};
 
 use std::fmt;
 

@@ -11,7 +11,7 @@
 use std::time::Duration;
 
 use rngd_api::headers;
-use rngd_api::openai::{CompletionRequest, CompletionResponse, ErrorBody};
+use rngd_api::openai::{CompletionRequest, ErrorBody};
 
 use crate::allow::PeerAddr;
 use crate::error::ApiError;
@@ -28,14 +28,17 @@ pub const PEER_CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 /// Sends a prefill request to another worker (environment edge: the network).
 #[async_trait::async_trait]
 pub trait PrefillPeer: Send + Sync + 'static {
-    /// POSTs `body` to `http://{peer}/v1/completions` and returns the parsed answer.
+    /// POSTs `body` to `http://{peer}/v1/completions` and returns the body
+    /// of a 2xx answer as received; the caller judges it
+    /// (`rngd_api::pd::decode_request_from`, the one verdict every
+    /// orchestrator gives).
     async fn prefill(
         &self,
         peer: &PeerAddr,
         request_id: &str,
         body: &CompletionRequest,
         timeout: Duration,
-    ) -> Result<CompletionResponse, ApiError>;
+    ) -> Result<Vec<u8>, ApiError>;
 }
 
 /// [`PrefillPeer`] over HTTP with reqwest (no redirects, no proxy, bounded).
@@ -82,7 +85,7 @@ impl PrefillPeer for HttpPrefillPeer {
         request_id: &str,
         body: &CompletionRequest,
         timeout: Duration,
-    ) -> Result<CompletionResponse, ApiError> {
+    ) -> Result<Vec<u8>, ApiError> {
         let name = peer.to_string();
         let peer_err = |stage: &'static str, detail: String, source: Option<reqwest::Error>| {
             ApiError::PrefillPeer {
@@ -161,18 +164,7 @@ impl PrefillPeer for HttpPrefillPeer {
                 };
                 return Err(peer_err("status", detail, None));
             }
-            serde_json::from_slice::<CompletionResponse>(&bytes).map_err(|e| {
-                // serde's message may quote the body: only the position is kept.
-                peer_err(
-                    "parse",
-                    format!(
-                        "the answer is not a completion response (line {}, column {})",
-                        e.line(),
-                        e.column()
-                    ),
-                    None,
-                )
-            })
+            Ok(bytes)
         };
         match tokio::time::timeout(timeout, call).await {
             Ok(Err(ApiError::PrefillPeer {

@@ -102,6 +102,7 @@ struct Inner {
     transports: Transports,
     metrics: WorkerMetrics,
     peer: Arc<dyn PrefillPeer>,
+    used_handles: crate::handles::UsedHandles,
 }
 
 /// Cheaply clonable handle on a worker's state (the axum state).
@@ -137,6 +138,7 @@ impl WorkerState {
             transports,
             metrics: WorkerMetrics::new().map_err(WorkerError::Metrics)?,
             peer,
+            used_handles: crate::handles::UsedHandles::default(),
         })))
     }
 
@@ -183,6 +185,12 @@ impl WorkerState {
     /// The prefill-peer client.
     pub fn peer(&self) -> &dyn PrefillPeer {
         &*self.0.peer
+    }
+
+    /// The KV handles this worker consumed or released (a second decode of
+    /// one is refused at once).
+    pub fn used_handles(&self) -> &crate::handles::UsedHandles {
+        &self.0.used_handles
     }
 }
 

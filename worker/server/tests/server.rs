@@ -83,9 +83,13 @@ async fn pd_round_trip_matches_solo_and_releases_the_kv() {
     assert_eq!(sample(&m, "rngd_pd_worker_kv_save_seconds_count"), 1.0);
     assert_eq!(sample(&m, "rngd_pd_worker_kv_loads_total"), 0.0);
 
-    // A second decode with the same (released) handle cannot find the cache.
+    // A second decode with the same handle is refused at once (a handle
+    // serves one decode; its KV is gone): 410, nothing pulled.
     let (status, body) = error(&decode, &dec_req, &[]).await;
-    assert!(status == 504 || status == 502, "{status} {body:?}");
+    assert_eq!(status, 410, "{body:?}");
+    assert_eq!(body.error.code.as_deref(), Some("kv_handle_consumed"));
+    let m = metrics(&decode).await;
+    assert_eq!(sample(&m, "rngd_pd_worker_kv_loads_total"), 1.0);
 }
 
 #[tokio::test]

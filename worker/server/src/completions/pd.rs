@@ -1,22 +1,28 @@
 //! The three PD modes of a completion: prefill for a remote decode (push the
 //! KV, answer with the handle), decode from a pulled KV (nothing
-//! re-prefilled), and the llm-d sidecar's orchestration of a prefill peer.
+//! re-prefilled; a handle serves one decode, and a `release_only` request
+//! releases it without one), and the llm-d sidecar's orchestration of a
+//! prefill peer (the handoff itself is `rngd_api::pd`'s, shared with the
+//! gateway).
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use axum::response::{IntoResponse, Response};
 use rngd_api::openai::{CompletionChoice, CompletionRequest, CompletionResponse, Timings, Usage};
-use rngd_api::pd::KvTransferParams;
+use rngd_api::pd::{self, KvReleaseAnswer, KvTransferParams};
 use rngd_api::rules::{ms, unix_now};
 use rngd_engine::{Engine, KvCache, Prefilled};
-use rngd_kv_transport::KvPayload;
+use rngd_kv_transport::{KvPayload, KvTransport};
+use rngd_kv_wire::KvHandle;
 
 use super::respond::{Api, Meta, respond};
 use super::{check_vocab, client_seed, prompt_ids, sampling, token_params};
 use crate::allow::PeerAddr;
 use crate::error::ApiError;
-use crate::handles::{Claims, HandleError, KvAuth, check_shape, new_kv_key, random_seed};
+use crate::handles::{
+    CLOCK_SKEW_MS, Claims, HandleError, KvAuth, check_shape, new_kv_key, random_seed,
+};
 use crate::state::WorkerState;
 
 /// Extra time the worker gives a transport's own pull timeout before giving up itself.
@@ -157,7 +163,10 @@ pub(super) struct Call<'a> {
     pub(super) started: Instant,
 }
 
-/// Decode half of the PD protocol: pull (nothing is re-prefilled), release, continue.
+/// Decode half of the PD protocol: check the handle, take it (a handle serves
+/// one decode: one already consumed or released is a 410 at once), pull
+/// (nothing is re-prefilled), release, continue. With `release_only`: check
+/// the handle, release its KV without pulling, answer [`KvReleaseAnswer`].
 pub(super) async fn decode_remote(
     call: Call<'_>,
     req: &CompletionRequest,
@@ -183,13 +192,18 @@ pub(super) async fn decode_remote(
     // Nothing is pulled (or deleted) before the handle is known to be ours
     // and to fit this model.
     check_shape(&handle, &engine.info().kv_layout, prompt.len())?;
-    match &state.config().kv_auth {
+    let now = unix_ms();
+    // How long the record of this handle's use must last: until the handle
+    // itself is refused as expired.
+    let used_until = match &state.config().kv_auth {
         KvAuth::Off => {
             return Err(ApiError::PdRefused(
                 "this worker has no KV secret (AIRM_KV_TCP_SECRET / AIRM_KV_TCP_SECRET_FILE): it takes no remote prefill".into(),
             ));
         }
-        KvAuth::Insecure => {}
+        KvAuth::Insecure => now
+            .saturating_add(state.config().handle_ttl.as_millis() as u64)
+            .saturating_add(CLOCK_SKEW_MS),
         KvAuth::Signed(signer) => {
             let sig = params
                 .kv_handle_signature
@@ -202,8 +216,19 @@ pub(super) async fn decode_remote(
                 seed: params.seed,
                 first_token_logprobs: params.first_token_logprobs.as_ref(),
             };
-            signer.verify_with(&handle, first, &prompt, expires, &claims, sig, unix_ms())?;
+            signer.verify_with(&handle, first, &prompt, expires, &claims, sig, now)?;
+            expires.saturating_add(CLOCK_SKEW_MS)
         }
+    };
+    let transport = state
+        .transports()
+        .get(Some(&handle.transport))
+        .map_err(|source| ApiError::UnknownTransport {
+            name: handle.transport.clone(),
+            source: Box::new(source),
+        })?;
+    if params.release_only {
+        return release_only(state, transport, handle, used_until, now).await;
     }
     // The prefill's seed (signed) continues its stream.
     let seed = params
@@ -214,19 +239,23 @@ pub(super) async fn decode_remote(
     if sp.logprobs.is_some() && params.first_token_logprobs.is_none() {
         return Err(HandleError::NoFirstLogprobs.into());
     }
-    let transport = state
-        .transports()
-        .get(Some(&handle.transport))
-        .map_err(|source| ApiError::UnknownTransport {
-            name: handle.transport.clone(),
-            source: Box::new(source),
+    // Taken before the pull: a second decode of this handle (a retry, an
+    // orchestrator's re-send) is refused now instead of waiting the pull
+    // timeout for a KV that is gone.
+    state
+        .used_handles()
+        .take(&handle.request_id, used_until, now)
+        .map_err(|u| ApiError::KvHandleUsed {
+            state: u.state,
+            ago_ms: u.ago_ms,
         })?;
     let timeout = state.config().kv_pull_timeout;
     let t0 = Instant::now();
+    // Released after the pull, failed or not, and also if this request is
+    // dropped while pulling (its client went away).
+    let release = ReleaseOnDrop::new(transport.clone(), handle.clone());
     let pulled = tokio::time::timeout(timeout + PULL_GRACE, transport.pull(&handle, timeout)).await;
-    if let Err(e) = transport.release(&handle).await {
-        tracing::warn!(transport = transport.name(), error = %e, "KV release failed; the transport's TTL will free it");
-    }
+    release.now().await;
     let blobs = match pulled {
         Err(_) => {
             return Err(ApiError::KvPullTimeout {
@@ -276,8 +305,76 @@ pub(super) async fn decode_remote(
     respond(state.clone(), meta, rx, req.sampling.stream).await
 }
 
+/// `release_only`: the orchestrator gave the request up after the prefill.
+/// The KV is released without a pull (again, if a decode had taken it: one
+/// dropped mid-pull may not have), and the handle is refused from now on.
+async fn release_only(
+    state: &WorkerState,
+    transport: Arc<dyn KvTransport>,
+    handle: KvHandle,
+    used_until: u64,
+    now: u64,
+) -> Result<Response, ApiError> {
+    let previous = state
+        .used_handles()
+        .release(&handle.request_id, used_until, now);
+    if let Err(e) = transport.release(&handle).await {
+        tracing::warn!(transport = transport.name(), error = %e, "KV release failed; the transport's TTL will free it");
+    }
+    tracing::info!(
+        transport = transport.name(),
+        previous = previous.as_str(),
+        "KV released without a decode"
+    );
+    let answer = KvReleaseAnswer {
+        object: "kv_release".into(),
+        kv_key: handle.request_id,
+        previous_state: previous,
+    };
+    Ok(axum::Json(answer).into_response())
+}
+
+/// Releases a handle's KV: [`ReleaseOnDrop::now`], or in the background if
+/// dropped first (the request was cancelled mid-pull).
+struct ReleaseOnDrop {
+    armed: Option<(Arc<dyn KvTransport>, KvHandle)>,
+}
+
+impl ReleaseOnDrop {
+    fn new(transport: Arc<dyn KvTransport>, handle: KvHandle) -> Self {
+        ReleaseOnDrop {
+            armed: Some((transport, handle)),
+        }
+    }
+
+    async fn now(mut self) {
+        if let Some((t, h)) = self.armed.take()
+            && let Err(e) = t.release(&h).await
+        {
+            tracing::warn!(transport = t.name(), error = %e, "KV release failed; the transport's TTL will free it");
+        }
+    }
+}
+
+impl Drop for ReleaseOnDrop {
+    fn drop(&mut self) {
+        let Some((t, h)) = self.armed.take() else {
+            return;
+        };
+        let Ok(rt) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        rt.spawn(async move {
+            if let Err(e) = t.release(&h).await {
+                tracing::warn!(transport = t.name(), error = %e, "KV release after a cancelled pull failed; the transport's TTL will free it");
+            }
+        });
+    }
+}
+
 /// llm-d routing-sidecar behaviour: prefill on `peer` (admitted by the
-/// allowlist), then decode here.
+/// allowlist), then decode here. The prefill request and the verdict on the
+/// answer are `rngd_api::pd`'s, the gateway's own.
 pub(super) async fn orchestrate(
     call: Call<'_>,
     req: &CompletionRequest,
@@ -293,28 +390,17 @@ pub(super) async fn orchestrate(
     // Refused here, as a whole request would be, before the peer prefills.
     token_params(req, engine.info().vocab_size)?;
     // The peer prefills a completion (a chat arrives here already rendered).
-    let mut pre = req.clone();
-    pre.sampling.stream = false;
-    pre.sampling.stream_options = None;
-    pre.kv_transfer_params = Some(KvTransferParams {
-        do_remote_decode: true,
-        kv_transport: transport,
-        ..KvTransferParams::default()
-    });
+    let pre = pd::prefill_request(req, transport);
     let answer = state
         .peer()
         .prefill(peer, request_id, &pre, state.config().prefill_timeout)
         .await?;
-    let params = answer
-        .kv_transfer_params
-        .filter(|p| p.do_remote_prefill && p.kv_handle.is_some())
-        .ok_or_else(|| ApiError::PrefillPeer {
-            peer: peer.to_string(),
-            request_id: request_id.to_string(),
-            stage: "parse",
-            detail: "the answer carries no kv_transfer_params with do_remote_prefill and kv_handle"
-                .into(),
-            source: None,
-        })?;
-    decode_remote(call, req, params).await
+    let handoff = pd::decode_request_from(req, &answer).map_err(|e| ApiError::PrefillPeer {
+        peer: peer.to_string(),
+        request_id: request_id.to_string(),
+        stage: "parse",
+        detail: e.to_string(),
+        source: None,
+    })?;
+    decode_remote(call, &handoff.request, handoff.params).await
 }
