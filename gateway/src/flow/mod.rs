@@ -1,12 +1,24 @@
 //! One request's journey: policy → prefill (PD protocol) → decode, streamed
 //! through as it arrives, with ids and model rewritten and timings added.
 //!
+//! The PD handoff (the prefill request, the verdict on its answer, the
+//! decode request) is `rngd_api::pd`'s, the same a decode worker uses for
+//! `x-prefiller-host-port`.
+//!
 //! Cancellation: the response stream owns the upstream decode stream, so a
 //! client that goes away drops it and the decode worker sees its connection
 //! close (and cancels). Between a successful prefill and the decode worker's
-//! answer, a [`KvGuard`] is armed: if the request is abandoned there, it sends
-//! the decode worker the handle with `max_tokens = 1` in the background so the
-//! worker pulls and releases the KV instead of leaving it to the TTL.
+//! answer, a [`KvGuard`] is armed: if the request is abandoned there (or the
+//! decode fails), it sends the decode worker a `release_only` request for the
+//! handle in the background, so the worker releases the KV without pulling it
+//! and refuses any later decode of it. No decode is ever sent for a cache
+//! nobody will read.
+//!
+//! What reaches a worker is the request body and `x-request-id`, no header
+//! of the client's: a client-sent `x-gateway-destination-endpoint*` or
+//! `x-prefiller-host-port` reaches no worker (and `rngd_pool::pick` drops
+//! them before the policy reads the request; the gateway gives it no subset
+//! hint).
 //!
 //! - this module: the flow itself (policy → prefill → decode);
 //! - [`upstream`]: calls to the workers (timeouts, status mapping, the [`KvGuard`]);
@@ -23,7 +35,7 @@ use std::time::Instant;
 use axum::http::{HeaderMap, HeaderValue, header};
 use axum::response::{IntoResponse, Response};
 use rngd_api::openai::CompletionResponse;
-use rngd_api::pd::KvTransferParams;
+use rngd_api::pd::{self, KvTransferParams};
 use rngd_api::rules::unix_now;
 use rngd_pool::{ApiKind, PickError, PickRequest};
 use tracing::Instrument;
@@ -32,7 +44,7 @@ use crate::error::{ApiError, Stage};
 use crate::state::Gateway;
 use respond::{Ctx, full_response};
 use stream::stream_response;
-use upstream::{KvGuard, call_json, read_with_timeout, send};
+use upstream::{KvGuard, call_bytes, read_with_timeout, send};
 
 /// A validated request ([`rngd_pool::prepare`]) and where it arrived.
 #[derive(Debug, Clone)]
@@ -121,15 +133,8 @@ async fn run_inner(
     let mut prefill_info: Option<(KvTransferParams, Instant)> = None;
     let mut guard = KvGuard::disarmed();
     if let Some(prefill) = &route.prefill {
-        let mut req = p.request.upstream.clone();
-        req.sampling.stream = false;
-        req.sampling.stream_options = None;
-        req.kv_transfer_params = Some(KvTransferParams {
-            do_remote_decode: true,
-            kv_transport: route.kv_transport.clone(),
-            ..Default::default()
-        });
-        let resp: CompletionResponse = call_json(
+        let req = pd::prefill_request(&p.request.upstream, route.kv_transport.clone());
+        let answer = call_bytes(
             &gw,
             Stage::Prefill,
             prefill,
@@ -138,27 +143,17 @@ async fn run_inner(
             gw.config.prefill_timeout,
         )
         .await?;
-        let Some(mut params) = resp.kv_transfer_params else {
-            return Err(ApiError::Upstream {
+        let handoff = pd::decode_request_from(&p.request.upstream, &answer).map_err(|e| {
+            ApiError::Upstream {
                 stage: Stage::Prefill,
                 address: prefill.clone(),
-                detail: "its response has no kv_transfer_params".into(),
+                detail: e.to_string(),
                 source: None,
-            });
-        };
-        if params.kv_handle.is_none() {
-            return Err(ApiError::Upstream {
-                stage: Stage::Prefill,
-                address: prefill.clone(),
-                detail: "its kv_transfer_params have no kv_handle".into(),
-                source: None,
-            });
-        }
-        params.do_remote_decode = false;
-        params.do_remote_prefill = true;
-        decode_req.kv_transfer_params = Some(params.clone());
-        guard = KvGuard::arm(&gw, &route.decode, &decode_req, &rid);
-        prefill_info = Some((params, Instant::now()));
+            }
+        })?;
+        guard = KvGuard::arm(&gw, &route.decode, &handoff.request, &rid);
+        decode_req = handoff.request;
+        prefill_info = Some((handoff.params, Instant::now()));
     }
 
     // Decode.
@@ -172,7 +167,9 @@ async fn run_inner(
         gw.config.decode_timeout,
     )
     .await;
-    // The decode worker answered (or refused): the KV is its business now.
+    // The decode worker answered: it pulled the KV (a streamed answer starts
+    // after the pull, a whole one after the decode). A refusal or a failure
+    // leaves the guard armed: the KV is released when this returns.
     if resp.is_ok() {
         guard.disarm();
     }

@@ -1,11 +1,15 @@
 //! Calls to the workers: one POST with its deadline, the body read within
 //! what is left of it, an error status turned into [`ApiError`], and the
 //! [`KvGuard`] that releases an abandoned request's KV.
+//!
+//! A worker gets the JSON body and `x-request-id`, and no header of the
+//! client's (so none of the steering headers a client may send).
 
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use rngd_api::openai::{CompletionRequest, ErrorBody};
+use rngd_api::pd::KvReleaseAnswer;
 
 use crate::error::{ApiError, Stage};
 use crate::state::Gateway;
@@ -101,27 +105,28 @@ pub(super) async fn read_with_timeout(
     }
 }
 
-pub(super) async fn call_json<T: serde::de::DeserializeOwned>(
+/// POSTs `req` and reads the whole answer of a success within `timeout`.
+pub(super) async fn call_bytes(
     gw: &Gateway,
     stage: Stage,
     address: &str,
     req: &CompletionRequest,
     rid: &str,
     timeout: Duration,
-) -> Result<T, ApiError> {
+) -> Result<Bytes, ApiError> {
     let started = Instant::now();
     let resp = send(gw, stage, address, req, rid, timeout).await?;
     let left = timeout.saturating_sub(started.elapsed());
-    let bytes = read_with_timeout(stage, address, resp, left).await?;
-    serde_json::from_slice(&bytes).map_err(|e| ApiError::Upstream {
-        stage,
-        address: address.to_string(),
-        detail: "its response is not a completion".into(),
-        source: Some(Box::new(e)),
-    })
+    read_with_timeout(stage, address, resp, left).await
 }
 
-/// Releases an abandoned request's KV (see the module docs).
+/// How long the background release of an abandoned request's KV may take.
+const RELEASE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Releases an abandoned request's KV (see the module docs of `flow`): on
+/// drop while armed, a `release_only` request for the handle
+/// (`rngd_api::pd::release_request`) goes to the decode worker in the
+/// background. It never decodes, so it takes a slot only for the release.
 pub(super) struct KvGuard {
     armed: Option<(reqwest::Client, String, CompletionRequest, String)>,
 }
@@ -131,12 +136,18 @@ impl KvGuard {
         KvGuard { armed: None }
     }
 
-    pub(super) fn arm(gw: &Gateway, decode: &str, req: &CompletionRequest, rid: &str) -> Self {
+    /// Armed for the decode request `decode_req` (with its handle) to `decode`.
+    pub(super) fn arm(
+        gw: &Gateway,
+        decode: &str,
+        decode_req: &CompletionRequest,
+        rid: &str,
+    ) -> Self {
         KvGuard {
             armed: Some((
                 gw.client.clone(),
                 decode.to_string(),
-                req.clone(),
+                rngd_api::pd::release_request(decode_req),
                 rid.to_string(),
             )),
         }
@@ -149,26 +160,32 @@ impl KvGuard {
 
 impl Drop for KvGuard {
     fn drop(&mut self) {
-        let Some((client, address, mut req, rid)) = self.armed.take() else {
+        let Some((client, address, req, rid)) = self.armed.take() else {
             return;
         };
         let Ok(rt) = tokio::runtime::Handle::try_current() else {
             return;
         };
-        req.sampling.max_tokens = Some(1);
-        req.sampling.stream = false;
-        req.sampling.stream_options = None;
-        tracing::info!(request = %rid, decode = %address, "request abandoned after prefill: asking the decode worker to release its KV");
+        tracing::info!(request = %rid, decode = %address, "request given up after its prefill: asking the decode worker to release its KV");
         rt.spawn(async move {
-            let fut = client
-                .post(format!("http://{address}/v1/completions"))
-                .header(rngd_api::headers::REQUEST_ID, &rid)
-                .json(&req)
-                .send();
-            match tokio::time::timeout(Duration::from_secs(30), fut).await {
-                Ok(Ok(r)) => {
-                    let _ = r.bytes().await;
+            let fut = async {
+                let r = client
+                    .post(format!("http://{address}/v1/completions"))
+                    .header(rngd_api::headers::REQUEST_ID, &rid)
+                    .json(&req)
+                    .send()
+                    .await?;
+                let status = r.status();
+                Ok::<_, reqwest::Error>((status, r.bytes().await?))
+            };
+            match tokio::time::timeout(RELEASE_TIMEOUT, fut).await {
+                Ok(Ok((status, body))) if status.is_success() => {
+                    let previous = serde_json::from_slice::<KvReleaseAnswer>(&body)
+                        .map(|a| a.previous_state.as_str())
+                        .unwrap_or("unknown");
+                    tracing::debug!(request = %rid, previous, "KV released");
                 }
+                Ok(Ok((status, _))) => tracing::warn!(request = %rid, %status, "KV release refused; the transport TTL will reclaim it"),
                 Ok(Err(e)) => tracing::warn!(request = %rid, error = %e, "KV release call failed; the transport TTL will reclaim it"),
                 Err(_) => tracing::warn!(request = %rid, "KV release call timed out; the transport TTL will reclaim it"),
             }

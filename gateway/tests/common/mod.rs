@@ -50,6 +50,8 @@ pub struct Tap {
     pub last_request: Mutex<Option<CompletionRequest>>,
     /// Whether any request carried `x-prefiller-host-port`.
     pub saw_prefiller_header: AtomicBool,
+    /// The header names of every completion request, in order.
+    pub header_names: Mutex<Vec<String>>,
     /// Streamed answers the gateway is reading now.
     pub active_streams: AtomicUsize,
     /// Streamed answers the gateway dropped before their end.
@@ -117,6 +119,10 @@ async fn tap(State(t): State<Arc<Tap>>, req: Request) -> Response {
         {
             t.saw_prefiller_header.store(true, Ordering::SeqCst);
         }
+        t.header_names
+            .lock()
+            .unwrap()
+            .extend(parts.headers.keys().map(|k| k.as_str().to_string()));
         *t.last_request.lock().unwrap() = serde_json::from_slice(&bytes).ok();
         let mode = *t.mode.lock().unwrap();
         match mode {

@@ -1,0 +1,314 @@
+//! PD faults at the gateway (rows of the fault suite: what the client saw,
+//! what was left, whether a normal request still works):
+//!
+//! - non-streamed PD requests abandoned after their prefill, over and over,
+//!   against a decode worker with 4 slots: no slot stays taken, no KV stays
+//!   in the transport, no decode is re-sent (nothing pulled twice), and a
+//!   normal request afterwards is served (not 429);
+//! - a bad prefill answer gets one verdict (`rngd_api::pd::decode_request_from`)
+//!   through the gateway's two-step flow and through a decode worker's
+//!   `x-prefiller-host-port` path alike;
+//! - client-sent steering headers reach neither a worker nor the policy.
+//!
+//! Real worker servers (`rngd_worker::serve`, echo engine) over an in-memory
+//! transport that counts its pulls, on 127.0.0.1:0.
+
+mod common;
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use axum::Router;
+use axum::extract::State;
+use axum::response::IntoResponse;
+use bytes::Bytes;
+use common::{FAKE_TOKENIZER, LONG, TestPolicy, client, cluster};
+use rngd_engine::fake::EchoEngine;
+use rngd_gateway::{Gateway, GatewayConfig};
+use rngd_kv_transport::fake::MemoryTransport;
+use rngd_kv_transport::{KvError, KvPayload, KvTransport};
+use rngd_kv_wire::KvHandle;
+use rngd_policy_core::Role;
+use rngd_pool::StaticEndpoints;
+use rngd_pool::source as endpoints;
+use rngd_worker::{RunningWorker, Transports, WorkerConfig};
+use serde_json::{Value, json};
+
+/// The in-memory transport, counting pulls.
+#[derive(Default)]
+struct Counting {
+    mem: MemoryTransport,
+    pulls: AtomicUsize,
+}
+
+#[async_trait::async_trait]
+impl KvTransport for Counting {
+    fn name(&self) -> &'static str {
+        self.mem.name()
+    }
+    async fn push(&self, payload: KvPayload) -> Result<KvHandle, KvError> {
+        self.mem.push(payload).await
+    }
+    async fn pull(&self, handle: &KvHandle, timeout: Duration) -> Result<Vec<Bytes>, KvError> {
+        self.pulls.fetch_add(1, Ordering::SeqCst);
+        self.mem.pull(handle, timeout).await
+    }
+    async fn release(&self, handle: &KvHandle) -> Result<(), KvError> {
+        self.mem.release(handle).await
+    }
+}
+
+async fn worker(
+    role: Role,
+    kv: &Arc<Counting>,
+    token_delay: Duration,
+    tweak: impl FnOnce(&mut WorkerConfig),
+) -> RunningWorker {
+    let mut config = WorkerConfig::new(role).with_kv_secret(b"test-kv-secret-0123456789abcdef");
+    tweak(&mut config);
+    let engine = Arc::new(EchoEngine::new(512).with_token_delay(token_delay));
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let t: Arc<dyn KvTransport> = kv.clone();
+    rngd_worker::serve(l, engine, Transports::fixed(vec![t]), config)
+        .await
+        .unwrap()
+}
+
+/// A gateway routing over `prefill` and `decode` (addresses) with the
+/// default policy's logic (prompts of 4+ words are disaggregated).
+async fn gateway(prefill: String, decode: String) -> String {
+    let transports = ["memory".to_string()];
+    let eps = vec![
+        endpoints::local_endpoint(prefill, Role::Prefill, 512, &transports),
+        endpoints::local_endpoint(decode, Role::Decode, 512, &transports),
+    ];
+    let gw = Gateway::new(
+        GatewayConfig::default(),
+        rngd_pool::Picker::new(TestPolicy::new(4), StaticEndpoints::new(eps)),
+        Arc::new(FAKE_TOKENIZER),
+    )
+    .unwrap();
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", l.local_addr().unwrap());
+    let app = rngd_gateway::router(gw);
+    tokio::spawn(async move { axum::serve(l, app).await.unwrap() });
+    url
+}
+
+async fn wait_for(limit: Duration, what: &str, mut done: impl AsyncFnMut() -> bool) {
+    let start = Instant::now();
+    while !done().await {
+        assert!(start.elapsed() < limit, "{what}: not within {limit:?}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test]
+async fn abandoned_pd_requests_leave_no_slot_taken() {
+    let kv = Arc::new(Counting::default());
+    let p = worker(Role::Prefill, &kv, Duration::ZERO, |_| {}).await;
+    // Few slots, the default 30 s pull timeout, decodes of 200 tokens that
+    // take 4 s: every request below is abandoned while its decode runs.
+    let d = worker(Role::Decode, &kv, Duration::from_millis(20), |c| {
+        c.max_in_flight = 4
+    })
+    .await;
+    let url = gateway(p.addr.to_string(), d.addr.to_string()).await;
+    let impatient = reqwest::Client::builder()
+        .timeout(Duration::from_millis(250))
+        .build()
+        .unwrap();
+    let body = json!({"model": "fake-model", "prompt": LONG, "max_tokens": 200});
+    // 20 abandons, two at a time.
+    for _ in 0..10 {
+        let send = || {
+            impatient
+                .post(format!("{url}/v1/completions"))
+                .json(&body)
+                .send()
+        };
+        let (a, b) = tokio::join!(send(), send());
+        for r in [a, b] {
+            let e = r.expect_err("the client gives up before the answer");
+            assert!(e.is_timeout(), "{e}");
+        }
+    }
+    // What was left: no slot taken (a re-sent decode would hold one for the
+    // 30 s pull timeout), no KV.
+    let s = d.state.clone();
+    wait_for(Duration::from_secs(5), "slots and KV freed", async || {
+        s.metrics().in_flight.get() == 0.0 && kv.mem.held() == 0
+    })
+    .await;
+    assert_eq!(p.state.metrics().prefills.get(), 20);
+    assert_eq!(
+        kv.pulls.load(Ordering::SeqCst),
+        20,
+        "one pull per request: no decode was re-sent"
+    );
+    // A normal request is served.
+    let r = client()
+        .post(format!("{url}/v1/completions"))
+        .json(&json!({"model": "fake-model", "prompt": LONG, "max_tokens": 3}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200, "{}", r.text().await.unwrap());
+    let m = common::metrics(&d.url()).await;
+    assert_eq!(
+        common::sample(&m, "rngd_pd_worker_overload_rejections_total"),
+        Some(0.0)
+    );
+    assert_eq!(
+        common::sample(&m, "rngd_pd_worker_requests_total{status=\"410\"}"),
+        None,
+        "no decode of a used handle was sent"
+    );
+    assert_eq!(kv.mem.held(), 0);
+}
+
+/// A prefill worker that answers whatever the test sets.
+async fn fake_prefill(answer: Arc<Mutex<Vec<u8>>>) -> String {
+    async fn reply(State(a): State<Arc<Mutex<Vec<u8>>>>) -> axum::response::Response {
+        let body = a.lock().unwrap().clone();
+        ([("content-type", "application/json")], body).into_response()
+    }
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap().to_string();
+    let app = Router::new().fallback(reply).with_state(answer);
+    tokio::spawn(async move { axum::serve(l, app).await.unwrap() });
+    addr
+}
+
+fn answer(params: Value) -> Vec<u8> {
+    let mut a = json!({
+        "id": "cmpl-x", "object": "text_completion", "created": 1, "model": "echo",
+        "choices": [{"index": 0, "text": "o", "token_ids": [111], "finish_reason": "length", "logprobs": null}],
+    });
+    if !params.is_null() {
+        a["kv_transfer_params"] = params;
+    }
+    serde_json::to_vec(&a).unwrap()
+}
+
+#[tokio::test]
+async fn a_bad_prefill_answer_has_one_verdict_at_both_orchestrators() {
+    let kv = Arc::new(Counting::default());
+    let body = Arc::new(Mutex::new(Vec::new()));
+    let fake = fake_prefill(body.clone()).await;
+    let allow = fake.clone();
+    let d = worker(Role::Decode, &kv, Duration::ZERO, move |c| {
+        c.prefill_allow = allow.parse().unwrap()
+    })
+    .await;
+    let url = gateway(fake.clone(), d.addr.to_string()).await;
+    let handle = json!({
+        "request_id": "0123456789abcdef0123456789abcdef", "transport": "memory",
+        "location": "memory", "tokens": 3, "blobs": [],
+        "layout": {"layers": 1, "kv_heads": 1, "head_dim": 4, "seq_len": 8, "dtype": "bf16"}
+    });
+    let rows: Vec<(&str, Vec<u8>)> = vec![
+        ("not JSON", b"<html>oops</html>".to_vec()),
+        ("no kv_transfer_params", answer(Value::Null)),
+        (
+            "missing flag",
+            answer(json!({"kv_handle": handle, "first_token": 111})),
+        ),
+        (
+            "missing handle",
+            answer(json!({"do_remote_prefill": true, "first_token": 111})),
+        ),
+        (
+            "flag of the wrong type",
+            answer(json!({"do_remote_prefill": "yes", "kv_handle": handle, "first_token": 111})),
+        ),
+        (
+            "handle of the wrong type",
+            answer(json!({"do_remote_prefill": true, "kv_handle": [1, 2], "first_token": 111})),
+        ),
+    ];
+    let original: rngd_api::openai::CompletionRequest =
+        serde_json::from_value(json!({"model": "echo", "prompt": LONG})).unwrap();
+    for (what, bad) in rows {
+        let verdict = rngd_api::pd::decode_request_from(&original, &bad)
+            .expect_err(what)
+            .to_string();
+        *body.lock().unwrap() = bad;
+        let req = json!({"model": "fake-model", "prompt": LONG, "max_tokens": 3});
+        // Through the gateway's two-step flow.
+        let r = client()
+            .post(format!("{url}/v1/completions"))
+            .json(&req)
+            .send()
+            .await
+            .unwrap();
+        let gw_msg = common::error_of(r, 502).await;
+        // Through the decode worker's x-prefiller-host-port path.
+        let r = client()
+            .post(format!("{}/v1/completions", d.url()))
+            .header("x-prefiller-host-port", &fake)
+            .json(&json!({"model": "echo", "prompt": LONG, "max_tokens": 3}))
+            .send()
+            .await
+            .unwrap();
+        let worker_msg = common::error_of(r, 502).await;
+        for (door, msg) in [("gateway", &gw_msg), ("worker", &worker_msg)] {
+            assert!(
+                msg.contains(&verdict),
+                "{what} at the {door}: {msg:?} lacks {verdict:?}"
+            );
+        }
+    }
+    // Nothing was pulled, and the decode worker still serves.
+    assert_eq!(kv.pulls.load(Ordering::SeqCst), 0);
+    let r = client()
+        .post(format!("{}/v1/completions", d.url()))
+        .json(&json!({"model": "echo", "prompt": LONG, "max_tokens": 3}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+}
+
+#[tokio::test]
+async fn client_steering_headers_reach_no_worker_and_no_policy() {
+    let c = cluster(GatewayConfig::default(), Duration::ZERO).await;
+    let steering = [
+        ("x-gateway-destination-endpoint", "127.0.0.1:9"),
+        ("x-gateway-destination-endpoint-subset", "127.0.0.1:9"),
+        ("x-prefiller-host-port", "127.0.0.1:9"),
+        ("x-rngd-pd-kv-transport", "carrier-pigeon"),
+    ];
+    for (prompt, stream) in [(LONG, false), (LONG, true), ("hi", false)] {
+        let mut r = client().post(format!("{}/v1/completions", c.url)).json(
+            &json!({"model": "fake-model", "prompt": prompt, "max_tokens": 3, "stream": stream}),
+        );
+        for (k, v) in steering {
+            r = r.header(k, v);
+        }
+        let resp = r.send().await.unwrap();
+        assert_eq!(resp.status(), 200, "{prompt:?}");
+        resp.bytes().await.unwrap();
+    }
+    // Routed as without the headers: the long prompts prefilled remotely,
+    // the short one on the decode worker.
+    assert_eq!(c.prefills(), 2);
+    assert_eq!(c.decodes(), 2);
+    assert_eq!(c.local_prefills(), 1);
+    for (name, tap) in [("prefill", &c.prefill), ("decode", &c.decode)] {
+        let seen = tap.header_names.lock().unwrap().clone();
+        assert!(!seen.is_empty(), "{name} saw no request");
+        for (k, _) in steering {
+            assert!(!seen.iter().any(|h| h == k), "{name} worker got {k}");
+        }
+    }
+    for req in c.policy.seen.lock().unwrap().iter() {
+        for (k, _) in steering {
+            assert!(
+                !req.headers.iter().any(|(h, _)| h.eq_ignore_ascii_case(k)),
+                "the policy saw {k}"
+            );
+        }
+    }
+}
