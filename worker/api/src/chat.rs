@@ -22,14 +22,18 @@ pub const CHUNK_OBJECT: &str = "chat.completion.chunk";
 /// The role of every answer.
 pub const ASSISTANT: &str = "assistant";
 
+/// The tokens a chat asks to generate at most: `max_completion_tokens`,
+/// else `max_tokens` (the precedence of OpenAI and vLLM, and of every door
+/// and the policy); `None` when it names neither.
+pub fn requested_max_tokens(req: &ChatCompletionRequest) -> Option<u32> {
+    req.max_completion_tokens.or(req.sampling.max_tokens)
+}
+
 /// Tokens a chat may generate: `max_completion_tokens`, else `max_tokens`,
 /// else until the context is full (`seq_len - prompt_tokens`, at least 1;
 /// OpenAI's chat default), or the completion default when `seq_len` is unknown.
 pub fn max_tokens(req: &ChatCompletionRequest, prompt_tokens: usize, seq_len: Option<u32>) -> u32 {
-    match (
-        req.max_completion_tokens.or(req.sampling.max_tokens),
-        seq_len,
-    ) {
+    match (requested_max_tokens(req), seq_len) {
         (Some(m), _) => m,
         (None, Some(s)) => (s as usize).saturating_sub(prompt_tokens).max(1) as u32,
         (None, None) => rules::DEFAULT_MAX_TOKENS,

@@ -7,6 +7,8 @@
 //! - [`fields`]: the fields each request may carry (served, only "off", or
 //!   informational); any other is refused by name.
 //! - [`DEFAULT_MAX_TOKENS`], [`max_tokens_or_default`]: the completion default.
+//! - [`prompt_too_long`]: the context-length refusal of a prompt too long to
+//!   be worth tokenizing.
 //! - [`sanitize_request_id`]: which client `x-request-id` values are kept.
 //! - [`Role`]: what a worker does (prefill, decode, solo).
 //! - [`unix_now`], [`ms`]: the clock helpers every response builder uses.
@@ -18,7 +20,10 @@ use serde::{Deserialize, Serialize};
 pub mod fields;
 mod sampling;
 
-pub use sampling::{MAX_LOGPROBS, check_sampling, logit_bias, seed_bits, top_k};
+pub use sampling::{
+    MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_STOP, MAX_STOP_BYTES, MAX_STOP_TOKEN_IDS, check_sampling,
+    logit_bias, seed_bits, top_k,
+};
 
 use crate::openai::{ChatCompletionRequest, CompletionRequest, Prompt};
 
@@ -121,6 +126,30 @@ pub fn parse_body<T: fields::Body>(bytes: &[u8]) -> Result<T, RuleError> {
     }
     serde_json::from_value(value)
         .map_err(|e| RuleError::body("invalid_request", format!("invalid request: {e}")))
+}
+
+/// The context-length refusal of a prompt whose size alone proves it cannot
+/// fit, found before (or while) tokenizing it: `at_least` is a proven lower
+/// bound on its tokens (from its bytes and the tokenizer's longest token, or
+/// from a tokenized prefix); `max_tokens` as asked for, `None` when not known
+/// (then at least 1 token must fit). Same code, `param` and message family as the
+/// refusal of a counted prompt (`openai::context_length_message`).
+pub fn prompt_too_long(at_least: usize, max_tokens: Option<usize>, seq_len: usize) -> RuleError {
+    RuleError {
+        param: Some("max_tokens"),
+        field: None,
+        code: Some(crate::openai::CONTEXT_LENGTH_CODE),
+        message: match max_tokens {
+            Some(m) => format!(
+                "prompt (at least {at_least} tokens) + max_tokens ({m}) = at least {} exceeds the compiled context length of {seq_len} tokens",
+                at_least.saturating_add(m)
+            ),
+            None => format!(
+                "prompt (at least {at_least} tokens) + max_tokens (at least 1) = at least {} exceeds the compiled context length of {seq_len} tokens",
+                at_least.saturating_add(1)
+            ),
+        },
+    }
 }
 
 /// `max_tokens` as given, or [`DEFAULT_MAX_TOKENS`].

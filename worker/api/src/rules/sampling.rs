@@ -8,6 +8,73 @@ use crate::openai::SamplingFields;
 /// Most log-probability alternatives a request may ask for (vLLM's bound).
 pub const MAX_LOGPROBS: u32 = 20;
 
+/// Most `stop` sequences a request may give (OpenAI allows 4, vLLM sets no
+/// bound; stop matching runs on the engine's scheduler thread for every
+/// generated token, so the list is bounded).
+pub const MAX_STOP: usize = 64;
+
+/// Longest `stop` sequence, in bytes.
+pub const MAX_STOP_BYTES: usize = 256;
+
+/// Most `stop_token_ids` a request may give (vLLM sets no bound).
+pub const MAX_STOP_TOKEN_IDS: usize = 1024;
+
+/// Most `logit_bias` entries a request may give (OpenAI documents 300).
+pub const MAX_LOGIT_BIAS: usize = 1024;
+
+/// The list fields' caps ([`MAX_STOP`], [`MAX_STOP_BYTES`],
+/// [`MAX_STOP_TOKEN_IDS`], [`MAX_LOGIT_BIAS`]): an over-cap list is a 400
+/// naming its field.
+fn check_lists(s: &SamplingFields) -> Result<(), RuleError> {
+    if let Some(stop) = &s.stop {
+        let stop = stop.to_vec();
+        if stop.len() > MAX_STOP {
+            return Err(RuleError::param(
+                "stop",
+                format!(
+                    "stop has {} sequences; at most {MAX_STOP} are served",
+                    stop.len()
+                ),
+            ));
+        }
+        if let Some(long) = stop.iter().find(|x| x.len() > MAX_STOP_BYTES) {
+            return Err(RuleError::param(
+                "stop",
+                format!(
+                    "a stop sequence is {} bytes long; at most {MAX_STOP_BYTES} are served",
+                    long.len()
+                ),
+            ));
+        }
+        if stop.iter().any(String::is_empty) {
+            return Err(RuleError::param("stop", "stop sequences must not be empty"));
+        }
+    }
+    if let Some(ids) = &s.stop_token_ids
+        && ids.len() > MAX_STOP_TOKEN_IDS
+    {
+        return Err(RuleError::param(
+            "stop_token_ids",
+            format!(
+                "stop_token_ids has {} entries; at most {MAX_STOP_TOKEN_IDS} are served",
+                ids.len()
+            ),
+        ));
+    }
+    if let Some(map) = &s.logit_bias
+        && map.len() > MAX_LOGIT_BIAS
+    {
+        return Err(RuleError::param(
+            "logit_bias",
+            format!(
+                "logit_bias has {} entries; at most {MAX_LOGIT_BIAS} are served",
+                map.len()
+            ),
+        ));
+    }
+    Ok(())
+}
+
 fn range(
     name: &'static str,
     v: Option<f32>,
@@ -58,11 +125,7 @@ pub fn check_sampling(s: &SamplingFields) -> Result<(), RuleError> {
             format!("top_k {k} is not -1 (off), 0 (off) or a positive count"),
         ));
     }
-    if let Some(stop) = &s.stop
-        && stop.to_vec().iter().any(String::is_empty)
-    {
-        return Err(RuleError::param("stop", "stop sequences must not be empty"));
-    }
+    check_lists(s)?;
     logit_bias(s)?;
     Ok(())
 }
@@ -182,5 +245,38 @@ mod tests {
         assert_eq!(seed_bits(-1), u64::MAX);
         assert_eq!(seed_bits(i64::MIN), 1 << 63);
         assert_eq!(seed_bits(7), 7);
+    }
+
+    #[test]
+    fn list_fields_are_capped_by_name() {
+        let stops = |n: usize, len: usize| {
+            let v: Vec<String> = (0..n).map(|_| "x".repeat(len)).collect();
+            serde_json::json!({ "stop": v }).to_string()
+        };
+        let ids = |n: usize| serde_json::json!({ "stop_token_ids": vec![1u32; n] }).to_string();
+        let bias = |n: usize| {
+            let m: serde_json::Map<String, serde_json::Value> =
+                (0..n).map(|i| (i.to_string(), 1.into())).collect();
+            serde_json::json!({ "logit_bias": m }).to_string()
+        };
+        for (json, param) in [
+            (stops(MAX_STOP + 1, 1), "stop"),
+            (stops(1, MAX_STOP_BYTES + 1), "stop"),
+            (ids(MAX_STOP_TOKEN_IDS + 1), "stop_token_ids"),
+            (bias(MAX_LOGIT_BIAS + 1), "logit_bias"),
+        ] {
+            assert_eq!(
+                check_sampling(&fields(&json)).unwrap_err().param,
+                Some(param),
+                "{json}"
+            );
+        }
+        for json in [
+            stops(MAX_STOP, MAX_STOP_BYTES),
+            ids(MAX_STOP_TOKEN_IDS),
+            bias(MAX_LOGIT_BIAS),
+        ] {
+            assert!(check_sampling(&fields(&json)).is_ok());
+        }
     }
 }
