@@ -98,14 +98,7 @@ fn reject(e: PrepareOrPick) -> LocalResponse {
 
 /// A broken request rule as a 400 with its `param` and code.
 pub fn rule_response(r: &RuleError) -> LocalResponse {
-    let mut body = ErrorBody::new("invalid_request_error", r.message.clone());
-    if let Some(p) = r.param_name() {
-        body = body.with_param(p);
-    }
-    if let Some(c) = r.code {
-        body = body.with_code(c);
-    }
-    json_response(400, &body)
+    json_response(400, &ErrorBody::from(r))
 }
 
 enum PrepareOrPick {

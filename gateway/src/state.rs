@@ -39,6 +39,10 @@ pub struct GatewayConfig {
     pub queue_timeout: Duration,
     /// Time a client has to send its whole body; then a 408.
     pub body_timeout: Duration,
+    /// The limits of the gateway's listeners (header and idle timeouts,
+    /// connection cap, in-flight body bytes; `docs/gateway.md`, "Listener
+    /// limits").
+    pub edge: rngd_http_edge::Options,
 }
 
 impl Default for GatewayConfig {
@@ -55,6 +59,7 @@ impl Default for GatewayConfig {
             max_queued: 1024,
             queue_timeout: Duration::from_secs(5),
             body_timeout: Duration::from_secs(30),
+            edge: rngd_http_edge::Options::default(),
         }
     }
 }

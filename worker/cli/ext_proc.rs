@@ -213,7 +213,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     drop(out);
     tokio::select! {
         r = launched.wait() => r?,
-        _ = crate::gateway::shutdown_signal() => tracing::info!("stopping"),
+        _ = rngd_http_edge::shutdown_signal() => tracing::info!("stopping"),
     }
     Ok(())
 }

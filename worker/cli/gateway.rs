@@ -101,6 +101,9 @@ pub struct Args {
     /// Time a client has to send its whole body, ms; then 408.
     #[arg(long, default_value_t = 30_000)]
     pub body_timeout_ms: u64,
+    /// The listener limits.
+    #[command(flatten)]
+    pub listener: ListenerArgs,
     /// Worker `/metrics` scrape period, ms.
     #[arg(long, default_value_t = 50)]
     pub scrape_interval_ms: u64,
@@ -184,6 +187,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         served_model_name: args.served_model_name.first().cloned(),
     };
     if args.check {
+        args.listener.options().check()?;
         args.listen
             .parse::<std::net::SocketAddr>()
             .with_context(|| format!("--listen {}: expected HOST:PORT", args.listen))?;
@@ -227,6 +231,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
             max_queued: args.max_queued,
             queue_timeout: Duration::from_millis(args.queue_timeout_ms),
             body_timeout: Duration::from_millis(args.body_timeout_ms),
+            edge: args.listener.options(),
             ..GatewayConfig::default()
         },
         scrape: ScrapeOptions {
@@ -243,33 +248,48 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     println!("rngd-pd gateway model {}", launched.gateway.model_name());
     use std::io::Write;
     let _ = std::io::stdout().flush();
-    shutdown_signal().await;
+    rngd_http_edge::shutdown_signal().await;
     tracing::info!("gateway stopping");
     launched.shutdown();
     launched.join().await?;
     Ok(())
 }
 
-/// Resolves on Ctrl-C or SIGTERM.
-pub async fn shutdown_signal() {
-    let ctrl_c = tokio::signal::ctrl_c();
-    #[cfg(unix)]
-    {
-        let mut term =
-            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-                Ok(s) => s,
-                Err(_) => {
-                    let _ = ctrl_c.await;
-                    return;
-                }
-            };
-        tokio::select! {
-            _ = ctrl_c => {}
-            _ = term.recv() => {}
+/// The listener limits, one flag name per meaning in every subcommand that
+/// serves HTTP (`gateway`, `worker`); the defaults are
+/// [`rngd_http_edge::Options`]'s (`docs/gateway.md`, "Listener limits").
+#[derive(Debug, Clone, clap::Args)]
+pub struct ListenerArgs {
+    /// Time a connection has to send a request's complete header block, ms
+    /// (from the accept, or from the end of the previous response on a
+    /// kept-alive connection); then it is closed.
+    #[arg(long, default_value_t = rngd_http_edge::DEFAULT_HEADER_TIMEOUT.as_millis() as u64)]
+    pub header_timeout_ms: u64,
+    /// Time a kept-alive connection may sit with no request in flight, ms;
+    /// then it is closed.
+    #[arg(long, default_value_t = rngd_http_edge::DEFAULT_IDLE_TIMEOUT.as_millis() as u64)]
+    pub idle_timeout_ms: u64,
+    /// Connections served at once per listener; one more is accepted and
+    /// closed at once.
+    #[arg(long, default_value_t = rngd_http_edge::DEFAULT_MAX_CONNECTIONS)]
+    pub max_connections: usize,
+    /// Bytes of request bodies being read at once per listener (each body's
+    /// Content-Length reserved before it is read); a body that does not fit
+    /// is a 503 with `Retry-After` before anything is buffered.
+    #[arg(long, default_value_t = rngd_http_edge::DEFAULT_MAX_INFLIGHT_BODY_BYTES)]
+    pub max_inflight_body_bytes: usize,
+}
+
+impl ListenerArgs {
+    /// The flags as the edge's options (the polite-close bounds keep their
+    /// defaults).
+    pub fn options(&self) -> rngd_http_edge::Options {
+        rngd_http_edge::Options {
+            header_timeout: Duration::from_millis(self.header_timeout_ms),
+            idle_timeout: Duration::from_millis(self.idle_timeout_ms),
+            max_connections: self.max_connections,
+            max_inflight_body_bytes: self.max_inflight_body_bytes,
+            ..rngd_http_edge::Options::default()
         }
-    }
-    #[cfg(not(unix))]
-    {
-        let _ = ctrl_c.await;
     }
 }

@@ -96,7 +96,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     }
     let launched = relay::launch(args.into()).await?;
     println!("relay listening on {}", launched.addr);
-    crate::gateway::shutdown_signal().await;
+    rngd_http_edge::shutdown_signal().await;
     launched.shutdown();
     launched.join().await?;
     Ok(())

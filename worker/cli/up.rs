@@ -296,7 +296,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         Ok(()) => {
             let mut exited = None;
             tokio::select! {
-                _ = crate::gateway::shutdown_signal() => eprintln!("rngd-pd up: stopping"),
+                _ = rngd_http_edge::shutdown_signal() => eprintln!("rngd-pd up: stopping"),
                 name = watch_children(&mut stack) => exited = Some(name),
             }
             match exited {

@@ -121,6 +121,9 @@ pub struct Args {
     /// their pulled KV held); one more is a 429 with `Retry-After`, never a wait.
     #[arg(long, default_value_t = rngd_worker::state::DEFAULT_MAX_IN_FLIGHT)]
     pub max_in_flight: usize,
+    /// The listener limits (the same flags as the gateway's).
+    #[command(flatten)]
+    pub listener: crate::gateway::ListenerArgs,
     /// Validate the flags and files (backend, model, KV transport
     /// configuration) and exit: 0 and `ok`, or a clear error.
     #[arg(long)]
@@ -162,6 +165,7 @@ impl Args {
             body_limit: self.body_limit,
             body_timeout_ms: self.body_timeout_ms,
             max_in_flight: self.max_in_flight,
+            edge: self.listener.options(),
         }
     }
 }
@@ -175,7 +179,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         println!("ok");
         return Ok(());
     }
-    rngd_worker::launch(opts, crate::gateway::shutdown_signal()).await?;
+    rngd_worker::launch(opts, rngd_http_edge::shutdown_signal()).await?;
     Ok(())
 }
 
@@ -186,6 +190,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
 fn check_options(opts: &WorkerOptions) -> anyhow::Result<()> {
     use anyhow::Context;
     rngd_worker::check_backend(opts.backend)?;
+    opts.edge.check()?;
     anyhow::ensure!(
         opts.seq_len > 0 && opts.batch > 0,
         "--seq-len and --batch must be at least 1"

@@ -323,6 +323,7 @@ pub async fn cluster(config: GatewayConfig, token_delay: Duration) -> Cluster {
         "decode worker not scraped healthy"
     );
     let policy = TestPolicy::new(4);
+    let edge = config.edge.clone();
     let gw = Gateway::new(
         config,
         rngd_pool::Picker::new(policy.clone(), table),
@@ -332,7 +333,8 @@ pub async fn cluster(config: GatewayConfig, token_delay: Duration) -> Cluster {
     let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}", l.local_addr().unwrap());
     let app = rngd_gateway::router(gw.clone());
-    tokio::spawn(async move { axum::serve(l, app).await.unwrap() });
+    // Served as `rngd-pd gateway` serves it: under the listener limits.
+    tokio::spawn(rngd_gateway::serve(l, app, edge, std::future::pending()));
     Cluster {
         url,
         gw,

@@ -352,14 +352,22 @@ pub async fn serve(
     }
     let app = admin_router_with(runtime, options);
     let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+    // Under the listener limits every rngd-pd HTTP listener has
+    // (`rngd_http_edge`, defaults).
+    let served = rngd_http_edge::serve(
+        listener,
+        app,
+        rngd_http_edge::Options::default(),
+        async move {
+            let _ = rx.await;
+        },
+    );
     let task = tokio::spawn(async move {
-        let served = axum::serve(listener, app)
-            .with_graceful_shutdown(async move {
-                let _ = rx.await;
-            })
-            .await;
-        if let Err(e) = served {
-            tracing::error!(error = %e, "policy admin API listener failed");
+        match served {
+            Ok(s) => {
+                let _ = s.done.await;
+            }
+            Err(e) => tracing::error!(error = %e, "policy admin API listener failed"),
         }
     });
     tracing::info!(%addr, "policy admin API listening");

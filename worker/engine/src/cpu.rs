@@ -261,6 +261,14 @@ impl Engine for CpuEngine {
         self.tokenizer.encode(text)
     }
 
+    fn tokenize_within(
+        &self,
+        text: &str,
+        limit: usize,
+    ) -> Result<crate::tokenizer::Within, EngineError> {
+        self.tokenizer.encode_within(text, limit)
+    }
+
     fn detokenize(&self, ids: &[u32]) -> Result<String, EngineError> {
         self.tokenizer.decode(ids)
     }

@@ -237,6 +237,24 @@ pub trait Engine: Send + Sync + 'static {
     fn info(&self) -> &ModelInfo;
     /// Text → token ids (no BOS unless the model's tokenizer adds one).
     fn tokenize(&self, text: &str) -> Result<Vec<u32>, EngineError>;
+    /// [`Engine::tokenize`] for a text of use only with at most `limit`
+    /// tokens: a backend with a tokenizer bound refuses a longer text without
+    /// tokenizing it whole ([`tokenizer::Tokenizer::encode_within`]); this
+    /// default tokenizes it and compares.
+    fn tokenize_within(
+        &self,
+        text: &str,
+        limit: usize,
+    ) -> Result<tokenizer::Within, EngineError> {
+        let ids = self.tokenize(text)?;
+        Ok(match ids.len() {
+            n if n > limit => tokenizer::Within::TooLong {
+                at_least: n,
+                tokenized_bytes: text.len(),
+            },
+            _ => tokenizer::Within::Ids(ids),
+        })
+    }
     /// Token ids → text.
     fn detokenize(&self, ids: &[u32]) -> Result<String, EngineError>;
     /// Renders a chat (role, content) with the model's template, ready to tokenize.

@@ -15,6 +15,7 @@
 //! vocabulary has `<|im_start|>`), and turns generated tokens into text
 //! incrementally without splitting UTF-8 characters ([`StreamDecoder`]).
 
+mod bound;
 mod gguf_meta;
 mod pre;
 
@@ -29,6 +30,7 @@ use tokenizers::models::bpe::{BPE, Vocab};
 use crate::EngineError;
 pub use crate::chat_template::{ChatTemplate, SpecialTokens};
 pub(crate) use gguf_meta::{Meta, read_gguf_header};
+pub use bound::{PREFIX_BYTES_PER_TOKEN, PREFIX_MARGIN_TOKENS, Within};
 pub use pre::PreTokenizer;
 
 /// GGUF token type of unknown tokens (`<unk>`).
@@ -92,6 +94,10 @@ pub struct Tokenizer {
     model_name: String,
     /// Bytes each token stands for (empty for control tokens).
     token_bytes: Vec<Vec<u8>>,
+    /// The longest text one token stands for (`bound`), if bounded.
+    max_token_bytes: Option<usize>,
+    /// GGUF `{general.architecture}.context_length`, if the file has it.
+    context_length: Option<u32>,
     stop_ids: HashSet<u32>,
     bos: Option<u32>,
     add_bos: bool,
@@ -251,6 +257,10 @@ impl Tokenizer {
         for key in ["tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"] {
             tokenizer.stop_ids.extend(id(key)?);
         }
+        tokenizer.context_length = meta
+            .opt_string("general.architecture")
+            .and_then(|a| meta.opt_uint(&format!("{a}.context_length")))
+            .and_then(|n| u32::try_from(n).ok());
         Ok(tokenizer)
     }
 
@@ -346,7 +356,10 @@ impl Tokenizer {
                     out
                 }
             })
-            .collect();
+            .collect::<Vec<Vec<u8>>>();
+        let max_token_bytes = bound::longest_token(&tokens, &token_bytes, |i| {
+            is_control(i) || ty(i) == TOKEN_TYPE_USER_DEFINED
+        });
 
         let id_of = |s: &str| tokens.iter().position(|t| t == s).map(|i| i as u32);
         let mut stop_ids = HashSet::new();
@@ -368,6 +381,8 @@ impl Tokenizer {
             inner,
             model_name,
             token_bytes,
+            max_token_bytes,
+            context_length: None,
             stop_ids,
             bos: bos_token_id,
             add_bos,

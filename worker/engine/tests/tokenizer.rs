@@ -10,7 +10,9 @@ mod common;
 use std::path::{Path, PathBuf};
 
 use candle_core::quantized::gguf_file::{self, Value};
-use rngd_engine::tokenizer::{PreTokenizer, StreamDecoder, Tokenizer};
+use rngd_engine::tokenizer::{
+    PREFIX_BYTES_PER_TOKEN, PREFIX_MARGIN_TOKENS, PreTokenizer, StreamDecoder, Tokenizer, Within,
+};
 
 fn real() -> Tokenizer {
     Tokenizer::from_gguf(&common::real_model()).expect("tokenizer from GGUF metadata")
@@ -323,4 +325,126 @@ fn from_gguf_reads_only_metadata_and_rejects_garbage() {
     std::fs::write(&bad, [0u8; 64]).unwrap();
     let err = Tokenizer::from_gguf(&bad).unwrap_err().to_string();
     assert!(err.contains("x.gguf"), "{err}");
+}
+
+/// Texts of every kind the pre-tokenizers treat differently: prose, code,
+/// digit runs, whitespace runs, newlines, special tokens, multi-byte text.
+fn varied_texts() -> Vec<String> {
+    let prose = "The quick brown fox jumps over the lazy dog; it's 12345 o'clock.\n\n";
+    let code =
+        "fn main() {\n    let x: Vec<u32> = (0..100).collect();\n\tprintln!(\"{x:?}\");\n}\n";
+    let special = "<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n";
+    let unicode = "ünïcödé 漢字かな 🚀🚀 ————    \u{a0}\u{a0} ";
+    let mut texts = vec![
+        prose.repeat(40),
+        code.repeat(40),
+        special.repeat(60),
+        unicode.repeat(60),
+        "9".repeat(3000),
+        " ".repeat(3000),
+        "\n".repeat(3000),
+        "=".repeat(3000),
+        "a".repeat(3000),
+    ];
+    texts.push([prose, code, special, unicode].concat().repeat(25));
+    texts
+}
+
+/// The bound holds: no text has fewer tokens than its bytes divided by the
+/// longest token; and `encode_within` never refuses a text that fits, gives
+/// a text that fits exactly `encode`'s ids, and never claims more tokens
+/// than the text has (prefix pieces near the cut are not counted).
+#[test]
+fn encode_within_is_exact_when_it_fits_and_a_true_lower_bound_when_not() {
+    let t = real();
+    let longest = t
+        .max_token_bytes()
+        .expect("SmolLM2 has every byte as a token");
+    assert!((4..=256).contains(&longest), "{longest}");
+    let mut prefix_refusals = 0;
+    for text in varied_texts() {
+        let ids = t.encode(&text).unwrap();
+        let n = ids.len();
+        assert!(
+            t.min_tokens(text.len()) <= n,
+            "{n} tokens, {} bytes",
+            text.len()
+        );
+        for limit in [
+            0,
+            1,
+            7,
+            50,
+            100,
+            200,
+            300,
+            400,
+            n.saturating_sub(1),
+            n,
+            n + 1,
+            4 * n,
+        ] {
+            match t.encode_within(&text, limit).unwrap() {
+                Within::Ids(got) => {
+                    assert!(n <= limit, "{n} tokens let through under limit {limit}");
+                    assert_eq!(got, ids);
+                }
+                Within::TooLong {
+                    at_least,
+                    tokenized_bytes,
+                } => {
+                    assert!(n > limit, "{n} tokens refused under limit {limit}");
+                    assert!(
+                        at_least > limit && at_least <= n,
+                        "at_least {at_least}, limit {limit}, actual {n}"
+                    );
+                    let prefix = PREFIX_BYTES_PER_TOKEN * (limit + PREFIX_MARGIN_TOKENS);
+                    assert!(
+                        tokenized_bytes <= prefix.max(limit * longest),
+                        "{tokenized_bytes}"
+                    );
+                    if tokenized_bytes > 0 && tokenized_bytes < text.len() {
+                        prefix_refusals += 1;
+                    }
+                }
+            }
+        }
+    }
+    assert!(
+        prefix_refusals > 10,
+        "the prefix path ran {prefix_refusals} times"
+    );
+}
+
+/// A 1 MB prompt is refused from its length alone (nothing tokenized) in
+/// well under a millisecond per KB; a long prompt just past the byte bound
+/// has only a bounded prefix tokenized.
+#[test]
+fn a_huge_text_is_refused_without_tokenizing_it() {
+    let t = real();
+    let longest = t.max_token_bytes().unwrap();
+    let mb = "word ".repeat(200_000);
+    let started = std::time::Instant::now();
+    let got = t.encode_within(&mb, 8192).unwrap();
+    assert!(
+        matches!(got, Within::TooLong { tokenized_bytes: 0, at_least } if at_least == mb.len().div_ceil(longest)),
+        "{got:?} (longest token {longest} bytes)"
+    );
+    assert!(started.elapsed() < std::time::Duration::from_millis(50));
+    // Under the byte bound but far over the limit: only the prefix is read.
+    let text = "word ".repeat(20_000);
+    match t.encode_within(&text, 512).unwrap() {
+        Within::TooLong {
+            at_least,
+            tokenized_bytes,
+        } => {
+            assert!(at_least > 512);
+            assert_eq!(
+                tokenized_bytes,
+                PREFIX_BYTES_PER_TOKEN * (512 + PREFIX_MARGIN_TOKENS)
+            );
+        }
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(t.context_length(), Some(8192), "SmolLM2's trained context");
 }

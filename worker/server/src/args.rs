@@ -87,6 +87,10 @@ pub struct WorkerOptions {
     /// Completion requests admitted at once (queued in the engine or
     /// running); one more is a 429 with `Retry-After`. Default 64.
     pub max_in_flight: usize,
+    /// The listener's limits (`--header-timeout-ms`, `--idle-timeout-ms`,
+    /// `--max-connections`, `--max-inflight-body-bytes`; defaults in
+    /// [`rngd_http_edge::Options`]).
+    pub edge: rngd_http_edge::Options,
 }
 
 impl Default for WorkerOptions {
@@ -113,6 +117,7 @@ impl Default for WorkerOptions {
             body_limit: crate::state::DEFAULT_BODY_LIMIT,
             body_timeout_ms: 30_000,
             max_in_flight: crate::state::DEFAULT_MAX_IN_FLIGHT,
+            edge: rngd_http_edge::Options::default(),
         }
     }
 }

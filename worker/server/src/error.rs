@@ -95,18 +95,11 @@ pub enum ApiError {
         /// `--max-in-flight`.
         limit: usize,
     },
-    /// The client did not send its body in time → 408.
-    #[error("the request body did not arrive within {after_ms} ms")]
-    BodyTimeout {
-        /// The deadline, ms.
-        after_ms: u64,
-    },
-    /// The request body is larger than the worker accepts.
-    #[error("the request body is larger than {limit} bytes")]
-    BodyTooLarge {
-        /// The limit, bytes.
-        limit: usize,
-    },
+    /// The body was not read (over the limit 413, too slow 408, past the
+    /// listener's body budget 503, broken 400): `rngd_http_edge` decides
+    /// its status, body and headers.
+    #[error(transparent)]
+    Body(#[from] rngd_http_edge::BodyError),
     /// A transport name this worker cannot create.
     #[error("KV transport `{name}` is not available on this worker")]
     UnknownTransport {
@@ -262,9 +255,8 @@ impl ApiError {
             ApiError::BadHandle(_) => StatusCode::BAD_REQUEST,
             ApiError::KvHandleUsed { .. } => StatusCode::GONE,
             ApiError::PdRefused(_) => StatusCode::FORBIDDEN,
-            ApiError::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
+            ApiError::Body(e) => e.status(),
             ApiError::Overloaded { .. } => StatusCode::TOO_MANY_REQUESTS,
-            ApiError::BodyTimeout { .. } => StatusCode::REQUEST_TIMEOUT,
             ApiError::KvPush { source, .. } | ApiError::KvPull { source, .. } => match **source {
                 KvError::NotFound { .. } => StatusCode::GATEWAY_TIMEOUT,
                 KvError::BadRequest { .. } => StatusCode::BAD_REQUEST,
@@ -307,16 +299,8 @@ impl ApiError {
             ApiError::ContextLength(_) => {
                 body.with_code(CONTEXT_LENGTH_CODE).with_param("max_tokens")
             }
-            ApiError::Rule(r) => {
-                let mut b = body;
-                if let Some(p) = r.param_name() {
-                    b = b.with_param(p);
-                }
-                if let Some(c) = r.code {
-                    b = b.with_code(c);
-                }
-                b
-            }
+            ApiError::Rule(r) => ErrorBody::from(r),
+            ApiError::Body(e) => e.body(),
             ApiError::PrefillPeerRejected {
                 code: Some(code), ..
             } => body.with_code(code),
@@ -335,9 +319,7 @@ impl ApiError {
             ApiError::PdRefused(_) => body
                 .with_code("pd_not_allowed")
                 .with_param("kv_transfer_params"),
-            ApiError::BodyTooLarge { .. } => body.with_code("request_too_large"),
             ApiError::Overloaded { .. } => body.with_code("server_overloaded"),
-            ApiError::BodyTimeout { .. } => body.with_code("request_timeout"),
             _ => body,
         }
     }
@@ -357,6 +339,9 @@ impl IntoResponse for ApiError {
                 axum::http::header::RETRY_AFTER,
                 axum::http::HeaderValue::from_static("1"),
             );
+        }
+        if let ApiError::Body(e) = &self {
+            e.set_headers(resp.headers_mut());
         }
         resp
     }

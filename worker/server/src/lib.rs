@@ -53,6 +53,15 @@ pub use transports::{FixedFactory, RegistryFactory, TransportFactory, Transports
 /// The line a worker prints on stdout once it serves with the model loaded.
 pub const LISTENING_PREFIX: &str = "rngd-pd worker listening on http://";
 
+impl rngd_http_edge::HasBodyLimits for WorkerState {
+    fn body_limits(&self) -> rngd_http_edge::BodyLimits {
+        rngd_http_edge::BodyLimits {
+            max_bytes: self.config().body_limit,
+            deadline: self.config().body_timeout,
+        }
+    }
+}
+
 /// The worker's routes over `state`.
 pub fn router(state: WorkerState) -> Router {
     let limit = state.config().body_limit;
@@ -132,7 +141,7 @@ pub struct RunningWorker {
     /// Its state (metrics, readiness).
     pub state: WorkerState,
     shutdown: CancellationToken,
-    task: JoinHandle<std::io::Result<()>>,
+    task: JoinHandle<()>,
 }
 
 impl RunningWorker {
@@ -145,10 +154,7 @@ impl RunningWorker {
     pub async fn stop(self) -> Result<(), WorkerError> {
         self.shutdown.cancel();
         match self.task.await {
-            Ok(r) => r.map_err(|source| WorkerError::Io {
-                context: "serving failed".into(),
-                source,
-            }),
+            Ok(()) => Ok(()),
             Err(e) => Err(WorkerError::Io {
                 context: "server task failed".into(),
                 source: std::io::Error::other(e),
@@ -170,31 +176,27 @@ pub async fn serve(
     serve_state(listener, state)
 }
 
-/// Serves `state` on `listener` in the background (the engine may be installed later).
+/// Serves `state` on `listener` in the background (the engine may be
+/// installed later), under the listener limits of its configuration's
+/// `edge` (`rngd_http_edge::serve`: header and idle timeouts, connection
+/// cap, in-flight body budget, `TCP_NODELAY`, the client's address in every
+/// request).
 pub fn serve_state(
     listener: TcpListener,
     state: WorkerState,
 ) -> Result<RunningWorker, WorkerError> {
-    let addr = listener.local_addr().map_err(|source| WorkerError::Io {
-        context: "reading the bound address".into(),
-        source,
-    })?;
     let shutdown = CancellationToken::new();
     let token = shutdown.clone();
     let app = router(state.clone());
-    let task = tokio::spawn(async move {
-        axum::serve(
-            listener,
-            app.into_make_service_with_connect_info::<SocketAddr>(),
-        )
-        .with_graceful_shutdown(async move { token.cancelled().await })
-        .await
-    });
+    let served = rngd_http_edge::serve(listener, app, state.config().edge.clone(), async move {
+        token.cancelled().await
+    })
+    .map_err(|e| WorkerError::Config(e.to_string()))?;
     Ok(RunningWorker {
-        addr,
+        addr: served.addr,
         state,
         shutdown,
-        task,
+        task: served.done,
     })
 }
 

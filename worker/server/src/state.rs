@@ -43,6 +43,10 @@ pub struct WorkerConfig {
     /// running, their pulled KV held); one more is a 429 at once, never a
     /// wait.
     pub max_in_flight: usize,
+    /// The limits of the worker's listener (header and idle timeouts,
+    /// connection cap, in-flight body bytes; `docs/pd-protocol.md`,
+    /// "Listener limits").
+    pub edge: rngd_http_edge::Options,
 }
 
 /// Default of [`WorkerConfig::max_in_flight`].
@@ -69,6 +73,7 @@ impl WorkerConfig {
             body_limit: DEFAULT_BODY_LIMIT,
             body_timeout: Duration::from_secs(30),
             max_in_flight: DEFAULT_MAX_IN_FLIGHT,
+            edge: rngd_http_edge::Options::default(),
         }
     }
 
@@ -90,6 +95,7 @@ impl WorkerConfig {
             body_limit: args.body_limit,
             body_timeout: Duration::from_millis(args.body_timeout_ms),
             max_in_flight: args.max_in_flight,
+            edge: args.edge.clone(),
             ..WorkerConfig::new(args.role)
         }
     }

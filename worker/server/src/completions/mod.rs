@@ -22,7 +22,7 @@ use std::time::Instant;
 
 use std::net::SocketAddr;
 
-use axum::body::{Body, Bytes};
+use axum::body::Body;
 use axum::extract::{ConnectInfo, State};
 use axum::http::{Extensions, HeaderMap, HeaderValue};
 use axum::response::{IntoResponse, Response};
@@ -38,6 +38,7 @@ use crate::handles::random_seed;
 use crate::state::WorkerState;
 use pd::{Call, decode_remote, orchestrate, prefill_for_remote};
 use respond::{Api, Meta, respond};
+use rngd_http_edge::Buffered;
 
 /// The `/v1/completions` handler.
 pub(crate) async fn completions(
@@ -46,7 +47,7 @@ pub(crate) async fn completions(
     headers: HeaderMap,
     body: Body,
 ) -> Response {
-    serve(state, client_ip(&ext), headers, body, Api::Completion).await
+    serve(state, ext, headers, body, Api::Completion).await
 }
 
 /// The `/v1/chat/completions` handler: the chat is rendered into a completion
@@ -57,7 +58,7 @@ pub(crate) async fn chat_completions(
     headers: HeaderMap,
     body: Body,
 ) -> Response {
-    serve(state, client_ip(&ext), headers, body, Api::Chat).await
+    serve(state, ext, headers, body, Api::Chat).await
 }
 
 /// The IP of the connection (none when served without connect info, as in
@@ -69,11 +70,12 @@ fn client_ip(ext: &Extensions) -> Option<std::net::IpAddr> {
 /// Both handlers: request id, span, status counter, `x-request-id` echo.
 async fn serve(
     state: WorkerState,
-    client: Option<std::net::IpAddr>,
+    ext: Extensions,
     headers: HeaderMap,
     body: Body,
     api: Api,
 ) -> Response {
+    let client = client_ip(&ext);
     let request_id = crate::request_id(&headers);
     let name = match api {
         Api::Completion => "completion",
@@ -81,7 +83,9 @@ async fn serve(
     };
     let span = tracing::info_span!("request", api = name, request_id = %request_id, role = state.config().role.as_str());
     let result = async {
-        let body = read_body(&state, &headers, body).await?;
+        // Under the size and time limits, within the listener's body budget,
+        // and holding no slot while it arrives.
+        let body = read_body(&state, &headers, &ext, body).await?;
         // An engine slot from here to the end of the response, or a 429 now.
         let slot = state.try_admit().ok_or_else(|| {
             state.metrics().overload_rejections.inc();
@@ -90,7 +94,8 @@ async fn serve(
             }
         })?;
         let resp = handle(&state, client, &headers, &request_id, body, api).await?;
-        Ok::<_, ApiError>(hold_until_sent(resp, slot))
+        // The slot is held to the last byte of the response.
+        Ok::<_, ApiError>(rngd_http_edge::hold_until_sent(resp, slot))
     }
     .instrument(span)
     .await;
@@ -106,55 +111,17 @@ async fn serve(
     resp
 }
 
-/// The body, within the size limit (413) and the time limit (408).
-async fn read_body(
+/// The body within the worker's size (413) and time (408) limits and the
+/// listener's in-flight body budget (503): `rngd_http_edge::read_body`. Its
+/// bytes stay counted in the budget until the [`Buffered`] is dropped.
+pub(crate) async fn read_body(
     state: &WorkerState,
     headers: &HeaderMap,
+    ext: &Extensions,
     body: Body,
-) -> Result<Bytes, ApiError> {
-    use http_body_util::BodyExt;
-    let limit = state.config().body_limit;
-    let too_large = || ApiError::BodyTooLarge { limit };
-    if headers
-        .get(axum::http::header::CONTENT_LENGTH)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.parse::<u64>().ok())
-        .is_some_and(|n| n > limit as u64)
-    {
-        return Err(too_large());
-    }
-    let deadline = state.config().body_timeout;
-    match tokio::time::timeout(
-        deadline,
-        http_body_util::Limited::new(body, limit).collect(),
-    )
-    .await
-    {
-        Err(_) => Err(ApiError::BodyTimeout {
-            after_ms: deadline.as_millis() as u64,
-        }),
-        Ok(Ok(c)) => Ok(c.to_bytes()),
-        Ok(Err(e)) if e.is::<http_body_util::LengthLimitError>() => Err(too_large()),
-        Ok(Err(e)) => Err(ApiError::BadRequest(format!(
-            "reading the request body: {e}"
-        ))),
-    }
-}
-
-/// The response with `slot` held until its body (a stream) is sent or
-/// dropped; a whole body frees it at once.
-fn hold_until_sent(resp: Response, slot: crate::state::Slot) -> Response {
-    use axum::body::HttpBody as _;
-    use futures::StreamExt;
-    if resp.body().size_hint().exact().is_some() {
-        return resp;
-    }
-    let (parts, body) = resp.into_parts();
-    let stream = body.into_data_stream().map(move |chunk| {
-        let _held = &slot;
-        chunk
-    });
-    Response::from_parts(parts, Body::from_stream(stream))
+) -> Result<Buffered, ApiError> {
+    use rngd_http_edge::HasBodyLimits as _;
+    Ok(rngd_http_edge::read_body(headers, ext, body, state.body_limits()).await?)
 }
 
 async fn handle(
@@ -162,7 +129,7 @@ async fn handle(
     client: Option<std::net::IpAddr>,
     headers: &HeaderMap,
     request_id: &str,
-    body: Bytes,
+    body: Buffered,
     api: Api,
 ) -> Result<Response, ApiError> {
     let started = Instant::now();
