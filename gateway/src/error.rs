@@ -99,15 +99,11 @@ pub enum ApiError {
     /// No route → 404.
     #[error("no route for {0}")]
     NotFound(String),
-    /// Body over the limit → 413.
-    #[error("request body exceeds the limit of {limit} bytes")]
-    PayloadTooLarge {
-        /// The limit.
-        limit: usize,
-    },
-    /// The body could not be read from the client → 400.
-    #[error("reading the request body: {0}")]
-    BodyRead(#[source] BoxError),
+    /// The body was not read (over the limit 413, too slow 408, past the
+    /// listener's body budget 503, broken 400): `rngd_http_edge` decides
+    /// its status, body and headers.
+    #[error(transparent)]
+    Body(#[from] rngd_http_edge::BodyError),
     /// The policy answered locally (reject): its status and body pass through.
     #[error("policy rejected the request with status {status}")]
     PolicyReject {
@@ -173,12 +169,6 @@ pub enum ApiError {
         /// Seconds to wait before retrying (`Retry-After`).
         retry_after_s: u64,
     },
-    /// The client did not send its body in time → 408.
-    #[error("the request body did not arrive within {after_ms} ms")]
-    BodyTimeout {
-        /// The deadline.
-        after_ms: u64,
-    },
     /// A bug or an impossible state → 500.
     #[error("internal error: {0}")]
     Internal(String),
@@ -204,12 +194,11 @@ impl ApiError {
     /// The HTTP status this error maps to.
     pub fn status(&self) -> StatusCode {
         match self {
-            ApiError::BadRequest { .. }
-            | ApiError::Rule(_)
-            | ApiError::BodyRead(_)
-            | ApiError::Tokenize(_) => StatusCode::BAD_REQUEST,
+            ApiError::BadRequest { .. } | ApiError::Rule(_) | ApiError::Tokenize(_) => {
+                StatusCode::BAD_REQUEST
+            }
             ApiError::ModelNotFound(_) | ApiError::NotFound(_) => StatusCode::NOT_FOUND,
-            ApiError::PayloadTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
+            ApiError::Body(e) => e.status(),
             ApiError::PolicyReject { status, .. } => {
                 StatusCode::from_u16(*status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR)
             }
@@ -218,7 +207,6 @@ impl ApiError {
             }
             ApiError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
             ApiError::Overloaded { .. } => StatusCode::TOO_MANY_REQUESTS,
-            ApiError::BodyTimeout { .. } => StatusCode::REQUEST_TIMEOUT,
             ApiError::Upstream { .. } => StatusCode::BAD_GATEWAY,
             // A worker's client error (bad sampling value, over-length) is the
             // client's: pass it through. Anything else from a worker is a
@@ -247,28 +235,14 @@ impl ApiError {
                     None => b,
                 }
             }
-            ApiError::Rule(r) => {
-                let mut b = ErrorBody::new(kind, r.message.clone());
-                if let Some(p) = r.param_name() {
-                    b = b.with_param(p);
-                }
-                if let Some(c) = r.code {
-                    b = b.with_code(c);
-                }
-                b
-            }
+            ApiError::Rule(r) => ErrorBody::from(r),
             ApiError::ModelNotFound(m) => {
                 ErrorBody::new(kind, format!("The model '{m}' does not exist"))
                     .with_param("model")
                     .with_code("model_not_found")
             }
             ApiError::NotFound(p) => ErrorBody::new(kind, format!("no route for {p}")),
-            ApiError::PayloadTooLarge { limit } => ErrorBody::new(
-                kind,
-                format!("request body exceeds the limit of {limit} bytes"),
-            )
-            .with_code("request_too_large"),
-            ApiError::BodyRead(_) => ErrorBody::new(kind, "the request body could not be read"),
+            ApiError::Body(e) => e.body(),
             ApiError::PolicyReject { status, body } => policy_body(*status, body),
             ApiError::Policy(rngd_pool::PickError::NoEndpointInSubset) => {
                 ErrorBody::new(kind, "no endpoint is eligible under the subset hint")
@@ -333,11 +307,6 @@ impl ApiError {
                 format!("the server is at capacity; retry after {retry_after_s} s"),
             )
             .with_code("server_overloaded"),
-            ApiError::BodyTimeout { after_ms } => ErrorBody::new(
-                kind,
-                format!("the request body did not arrive within {after_ms} ms"),
-            )
-            .with_code("request_timeout"),
         }
     }
 }
@@ -380,6 +349,9 @@ impl IntoResponse for ApiError {
             resp.headers_mut()
                 .insert(http::header::RETRY_AFTER, HeaderValue::from(after));
         }
+        if let ApiError::Body(e) = &self {
+            e.set_headers(resp.headers_mut());
+        }
         resp
     }
 }
@@ -392,7 +364,12 @@ mod tests {
     fn statuses() {
         assert_eq!(ApiError::bad_request("x").status(), 400);
         assert_eq!(ApiError::ModelNotFound("m".into()).status(), 404);
-        assert_eq!(ApiError::PayloadTooLarge { limit: 1 }.status(), 413);
+        let too_large = ApiError::from(rngd_http_edge::BodyError::TooLarge { limit: 1 });
+        assert_eq!(too_large.status(), 413);
+        assert_eq!(
+            too_large.body().error.code.as_deref(),
+            Some("request_too_large")
+        );
         let trap = rngd_pool::PolicyFailure {
             status: 500,
             source: "trap".into(),

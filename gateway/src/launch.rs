@@ -116,6 +116,10 @@ pub async fn launch(opts: LaunchOptions) -> Result<Launched, GatewayError> {
             "no endpoints: give --prefill/--decode URLs or an endpoints file".into(),
         ));
     }
+    opts.config
+        .edge
+        .check()
+        .map_err(|e| GatewayError::Config(e.to_string()))?;
     let mut config = opts.config.clone();
     let tokenizer = opts.tokenizer.load().await?;
     if let Some(stem) = opts.tokenizer.file_stem() {
@@ -168,9 +172,13 @@ pub async fn launch(opts: LaunchOptions) -> Result<Launched, GatewayError> {
         })?;
     let mut tasks = Vec::new();
     let s = stop.clone();
-    tasks.push(tokio::spawn(server::serve(listener, app, async move {
-        s.cancelled().await
-    })));
+    let edge = gateway.config.edge.clone();
+    tasks.push(tokio::spawn(server::serve(
+        listener,
+        app,
+        edge.clone(),
+        async move { s.cancelled().await },
+    )));
     let mut kpi_addr = None;
     if let Some(k) = &opts.kpi_listen {
         let l = bind(k).await?;
@@ -180,7 +188,7 @@ pub async fn launch(opts: LaunchOptions) -> Result<Launched, GatewayError> {
         })?);
         let s = stop.clone();
         let app = server::kpi_router(gateway.metrics().clone());
-        tasks.push(tokio::spawn(server::serve(l, app, async move {
+        tasks.push(tokio::spawn(server::serve(l, app, edge, async move {
             s.cancelled().await
         })));
     }

@@ -7,13 +7,11 @@ use std::time::Instant;
 use rngd_api::rules::unix_now;
 
 use axum::Router;
-use axum::body::Body;
 use axum::extract::{Request, State};
-use axum::http::{HeaderMap, StatusCode, header};
+use axum::http::{StatusCode, header};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
-use http_body_util::BodyExt;
 use rngd_api::openai::{Model, ModelList};
 use rngd_pool::{ApiKind, PrepareError};
 
@@ -53,20 +51,24 @@ pub fn kpi_router(metrics: Arc<GatewayMetrics>) -> Router {
     )
 }
 
-/// Serves `router` on `listener` until `shutdown` resolves.
+/// Serves `router` on `listener` under the listener limits of `edge` until
+/// `shutdown` resolves; returns once every connection is closed.
 pub async fn serve(
     listener: tokio::net::TcpListener,
     router: Router,
+    edge: rngd_http_edge::Options,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> Result<(), GatewayError> {
     let addr = listener
         .local_addr()
         .map(|a| a.to_string())
         .unwrap_or_default();
-    axum::serve(listener, router)
-        .with_graceful_shutdown(shutdown)
-        .await
-        .map_err(|source| GatewayError::Listen { addr, source })
+    let served = rngd_http_edge::serve(listener, router, edge, shutdown)
+        .map_err(|e| GatewayError::Config(format!("listener {addr}: {e}")))?;
+    served.done.await.map_err(|e| GatewayError::Listen {
+        addr,
+        source: std::io::Error::other(e),
+    })
 }
 
 async fn count_responses(
@@ -93,15 +95,24 @@ async fn metrics_text(State(gw): State<Arc<Gateway>>) -> impl IntoResponse {
     )
 }
 
+/// `/health`: the status and, per role, how many endpoints are healthy of
+/// how many; never their addresses (this route is public; the endpoint list
+/// is the operator's, from the endpoints source).
 async fn health(State(gw): State<Arc<Gateway>>) -> Response {
     let snapshot = gw.endpoints().snapshot();
     let ok = rngd_pool::can_serve(&snapshot);
-    let eps: Vec<serde_json::Value> = snapshot
-        .iter()
-        .map(|e| serde_json::json!({"address": e.address, "role": e.role, "healthy": e.healthy}))
-        .collect();
+    let mut roles = serde_json::Map::new();
+    for e in snapshot.iter() {
+        let c = roles
+            .entry(e.role.as_str().to_string())
+            .or_insert_with(|| serde_json::json!({"healthy": 0, "total": 0}));
+        c["total"] = (c["total"].as_u64().unwrap_or(0) + 1).into();
+        if e.healthy {
+            c["healthy"] = (c["healthy"].as_u64().unwrap_or(0) + 1).into();
+        }
+    }
     let body =
-        serde_json::json!({"status": if ok { "ok" } else { "unavailable" }, "endpoints": eps});
+        serde_json::json!({"status": if ok { "ok" } else { "unavailable" }, "endpoints": roles});
     let status = if ok {
         StatusCode::OK
     } else {
@@ -123,26 +134,12 @@ async fn models(State(gw): State<Arc<Gateway>>) -> axum::Json<ModelList> {
     })
 }
 
-/// Reads the body under the limit (413 past it, whatever Content-Length says).
-async fn read_body(
-    body: Body,
-    headers: &HeaderMap,
-    limit: usize,
-) -> Result<bytes::Bytes, ApiError> {
-    if let Some(len) = headers
-        .get(header::CONTENT_LENGTH)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.parse::<u64>().ok())
-        && len > limit as u64
-    {
-        return Err(ApiError::PayloadTooLarge { limit });
-    }
-    match http_body_util::Limited::new(body, limit).collect().await {
-        Ok(c) => Ok(c.to_bytes()),
-        Err(e) if e.is::<http_body_util::LengthLimitError>() => {
-            Err(ApiError::PayloadTooLarge { limit })
+impl rngd_http_edge::HasBodyLimits for Gateway {
+    fn body_limits(&self) -> rngd_http_edge::BodyLimits {
+        rngd_http_edge::BodyLimits {
+            max_bytes: self.config.body_limit,
+            deadline: self.config.body_timeout,
         }
-        Err(e) => Err(ApiError::BodyRead(e)),
     }
 }
 
@@ -152,16 +149,11 @@ async fn handle(gw: Arc<Gateway>, kind: ApiKind, req: Request) -> Result<Respons
     let started = Instant::now();
     let (parts, body) = req.into_parts();
     // A client gets `body_timeout` to send its body (slow-loris), and no
-    // slot while it sends it.
-    let deadline = gw.config.body_timeout;
-    let bytes = tokio::time::timeout(
-        deadline,
-        read_body(body, &parts.headers, gw.config.body_limit),
-    )
-    .await
-    .map_err(|_| ApiError::BodyTimeout {
-        after_ms: deadline.as_millis() as u64,
-    })??;
+    // slot while it sends it; the listener's body budget is reserved first.
+    use rngd_http_edge::HasBodyLimits as _;
+    let bytes =
+        rngd_http_edge::read_body(&parts.headers, &parts.extensions, body, gw.body_limits())
+            .await?;
     // A slot from here to the end of the response stream (or a 429 now).
     let slot = gw.admission.admit().await?;
     let counter = Arc::clone(&gw.tokenizer);
@@ -183,24 +175,8 @@ async fn handle(gw: Arc<Gateway>, kind: ApiKind, req: Request) -> Result<Respons
         started,
     };
     let resp = flow::run(gw, prepared, parts.headers).await?;
-    Ok(hold_until_sent(resp, slot))
-}
-
-/// The response with `slot` held until its body (a stream, perhaps) is sent
-/// or dropped.
-fn hold_until_sent(resp: Response, slot: crate::admission::Slot) -> Response {
-    use axum::body::HttpBody as _;
-    use futures::StreamExt;
-    // A whole body (JSON) is done: the slot is freed with this return.
-    if resp.body().size_hint().exact().is_some() {
-        return resp;
-    }
-    let (parts, body) = resp.into_parts();
-    let stream = body.into_data_stream().map(move |chunk| {
-        let _held = &slot;
-        chunk
-    });
-    Response::from_parts(parts, Body::from_stream(stream))
+    // The slot is held to the last byte of the response.
+    Ok(rngd_http_edge::hold_until_sent(resp, slot))
 }
 
 async fn completions(State(gw): State<Arc<Gateway>>, req: Request) -> Result<Response, ApiError> {
