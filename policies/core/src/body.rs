@@ -52,6 +52,9 @@ pub(crate) struct BodyFields {
     pub max_completion_tokens: Option<u64>,
     /// Bytes of the raw `prompt` plus `messages` JSON values.
     pub prompt_bytes: usize,
+    /// Whether the body has `messages` (a chat: without `max_tokens` or
+    /// `max_completion_tokens` it may fill the context).
+    pub chat: bool,
 }
 
 /// Scans a request body (see the module docs). Unknown fields are skipped;
@@ -86,7 +89,8 @@ pub(crate) fn scan(body: &[u8]) -> Result<BodyFields, CoreError> {
             match field {
                 Some(0) => out.max_tokens = s.count()?,
                 Some(1) => out.max_completion_tokens = s.count()?,
-                Some(_) => {
+                Some(f) => {
+                    out.chat |= f == 3;
                     let start = s.i;
                     s.value()?;
                     out.prompt_bytes += s.i - start;
@@ -433,6 +437,7 @@ mod tests {
         assert_eq!(f.max_completion_tokens, None);
         let raw = r#"[{"role":"user","content":"héllo \"x\" \u00e9"}]"#;
         assert_eq!(f.prompt_bytes, raw.len());
+        assert!(f.chat);
         let f = ok(
             " { \"prompt\" : \"abc\" , \"max_completion_tokens\" : 7 , \"max_tokens\": null } \n",
         );
@@ -441,7 +446,8 @@ mod tests {
             BodyFields {
                 max_tokens: None,
                 max_completion_tokens: Some(7),
-                prompt_bytes: 5
+                prompt_bytes: 5,
+                chat: false,
             }
         );
         assert_eq!(ok("{}"), BodyFields::default());

@@ -161,7 +161,8 @@ struct Parsed {
 }
 
 /// Reads `max_tokens` and the prompt size from the request; an invalid body
-/// is the 400 rejection.
+/// is the 400 rejection. `max_completion_tokens` wins over `max_tokens`; a
+/// chat with neither counts one token (it fills the rest of the context).
 fn parse(config: &PolicyConfig, input: &RequestInput<'_>) -> Result<Parsed, Outcome<'static>> {
     let (max_tokens, prompt_bytes) = match input.body {
         None => (
@@ -170,10 +171,13 @@ fn parse(config: &PolicyConfig, input: &RequestInput<'_>) -> Result<Parsed, Outc
         ),
         Some(body) if body.iter().all(u8::is_ascii_whitespace) => (config.default_max_tokens, 0),
         Some(body) => match crate::body::scan(body) {
+            // `max_completion_tokens` over `max_tokens` (OpenAI's and vLLM's
+            // precedence, as every door applies it); a chat naming neither may
+            // fill the context, so only its first token must fit.
             Ok(b) => (
-                b.max_tokens
-                    .or(b.max_completion_tokens)
-                    .unwrap_or(config.default_max_tokens),
+                b.max_completion_tokens
+                    .or(b.max_tokens)
+                    .unwrap_or(if b.chat { 1 } else { config.default_max_tokens }),
                 b.prompt_bytes,
             ),
             Err(e) => {

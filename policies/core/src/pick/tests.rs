@@ -372,3 +372,45 @@ fn static_pool_when_no_snapshot() {
     let r = route(p.decide(None, Some(b""), None, None, None, || None));
     assert_eq!(r.decode, "s:1");
 }
+
+/// `max_completion_tokens` wins over `max_tokens` (OpenAI, vLLM and every
+/// door), and a chat naming neither only needs its first token to fit (it
+/// fills the context), as the gateway and the worker serve it.
+#[test]
+fn max_completion_tokens_first_and_a_chat_fills_the_context() {
+    let eps = vec![ep("d:1", Role::Solo, "", 0)];
+    let verdict = |body: &str, prompt: u64| {
+        decide(
+            &PolicyConfig::default(),
+            &eps,
+            &RequestInput {
+                content_length: None,
+                body: Some(body.as_bytes()),
+                prompt_tokens: Some(prompt),
+                subset: None,
+            },
+        )
+        .rejection()
+        .map(|l| (l.status, l.message().unwrap_or_default().to_string()))
+    };
+    let both = r#"{"model":"m","prompt":"x","max_tokens":400,"max_completion_tokens":8}"#;
+    assert_eq!(verdict(both, 500), None, "8 fits after 500 of 512");
+    let both = r#"{"model":"m","prompt":"x","max_tokens":8,"max_completion_tokens":400}"#;
+    assert_eq!(
+        verdict(both, 500),
+        Some((400, context_length_message(500, 400, 512)))
+    );
+    // A chat without either, 500 of 512 tokens: served (the gateway gives it
+    // max_tokens 12); a completion is held to the default 16.
+    let chat = r#"{"model":"m","messages":[{"role":"user","content":"x"}]}"#;
+    assert_eq!(verdict(chat, 500), None);
+    assert_eq!(
+        verdict(chat, 512),
+        Some((400, context_length_message(512, 1, 512)))
+    );
+    let completion = r#"{"model":"m","prompt":"x"}"#;
+    assert_eq!(
+        verdict(completion, 500),
+        Some((400, context_length_message(500, 16, 512)))
+    );
+}
