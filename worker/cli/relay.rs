@@ -37,13 +37,26 @@ pub struct Args {
     #[arg(long = "insecure-no-auth", env = env::AIRM_KV_TCP_INSECURE_NO_AUTH)]
     pub insecure_no_auth: bool,
     /// A frame (header, key, body) must arrive within this many ms of its
-    /// first byte (and the handshake answer within it); else the connection is closed.
+    /// first byte; else the connection is closed.
     #[arg(long = "read-timeout-ms", env = env::AIRM_KV_RELAY_READ_TIMEOUT_MS, default_value_t = 10_000)]
     pub read_timeout_ms: u64,
+    /// A new connection must pass the handshake within this many ms of
+    /// being accepted; else it is refused and closed.
+    #[arg(long = "handshake-timeout-ms", env = env::AIRM_KV_RELAY_HANDSHAKE_TIMEOUT_MS, default_value_t = 2_000)]
+    pub handshake_timeout_ms: u64,
+    /// Connections in the handshake at most, apart from --max-connections;
+    /// one more closes the oldest of them.
+    #[arg(long = "max-handshakes", env = env::AIRM_KV_RELAY_MAX_HANDSHAKES, default_value_t = 128)]
+    pub max_handshakes: usize,
+    /// At most one warning per this many ms for failed handshakes and
+    /// accepts (the others are counted and summarised in the next one).
+    #[arg(long = "warn-interval-ms", env = env::AIRM_KV_RELAY_WARN_INTERVAL_MS, default_value_t = 10_000)]
+    pub warn_interval_ms: u64,
     /// A connection with no frame and no waiting GET for this many ms is closed.
     #[arg(long = "idle-timeout-ms", env = env::AIRM_KV_RELAY_IDLE_TIMEOUT_MS, default_value_t = 60_000)]
     pub idle_timeout_ms: u64,
-    /// Open connections at most; more are closed at once.
+    /// Authenticated connections at most (a connection counts once its
+    /// handshake passed); more are refused with a capacity error.
     #[arg(long = "max-connections", env = env::AIRM_KV_RELAY_MAX_CONNECTIONS, default_value_t = 1024)]
     pub max_connections: usize,
     /// GETs waiting at once at most; more get a capacity error.
@@ -74,6 +87,9 @@ impl From<Args> for RelayOptions {
             secret: a.secret,
             insecure_no_auth: a.insecure_no_auth,
             read_timeout_ms: a.read_timeout_ms,
+            handshake_timeout_ms: a.handshake_timeout_ms,
+            max_handshakes: a.max_handshakes,
+            warn_interval_ms: a.warn_interval_ms,
             idle_timeout_ms: a.idle_timeout_ms,
             max_connections: a.max_connections,
             max_waiters: a.max_waiters,
@@ -140,6 +156,12 @@ mod tests {
             "8",
             "--max-entries",
             "9",
+            "--handshake-timeout-ms",
+            "300",
+            "--max-handshakes",
+            "5",
+            "--warn-interval-ms",
+            "700",
         ])
         .unwrap();
         let cfg = RelayOptions::from(cli.args).config().unwrap();
@@ -154,6 +176,10 @@ mod tests {
         assert_eq!(
             (cfg.max_connections, cfg.max_waiters, cfg.max_entries),
             (7, 8, 9)
+        );
+        assert_eq!(
+            (cfg.handshake_timeout, cfg.max_handshakes, cfg.warn_interval),
+            (Duration::from_millis(300), 5, Duration::from_millis(700))
         );
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("secret");
@@ -196,6 +222,9 @@ mod tests {
             env::AIRM_KV_RELAY_MAX_CONNECTIONS,
             env::AIRM_KV_RELAY_MAX_WAITERS,
             env::AIRM_KV_RELAY_MAX_ENTRIES,
+            env::AIRM_KV_RELAY_HANDSHAKE_TIMEOUT_MS,
+            env::AIRM_KV_RELAY_MAX_HANDSHAKES,
+            env::AIRM_KV_RELAY_WARN_INTERVAL_MS,
         ];
         if vars.iter().any(|v| std::env::var_os(v).is_some()) {
             return;

@@ -122,6 +122,12 @@ pub const AIRM_KV_RELAY_MAX_CONNECTIONS: &str = "AIRM_KV_RELAY_MAX_CONNECTIONS";
 pub const AIRM_KV_RELAY_MAX_WAITERS: &str = "AIRM_KV_RELAY_MAX_WAITERS";
 /// Relay: blobs held at most; default 65536.
 pub const AIRM_KV_RELAY_MAX_ENTRIES: &str = "AIRM_KV_RELAY_MAX_ENTRIES";
+/// Relay: a new socket must pass the handshake within this, ms; default 2000.
+pub const AIRM_KV_RELAY_HANDSHAKE_TIMEOUT_MS: &str = "AIRM_KV_RELAY_HANDSHAKE_TIMEOUT_MS";
+/// Relay: sockets in the handshake at most (over it the oldest is closed); default 128.
+pub const AIRM_KV_RELAY_MAX_HANDSHAKES: &str = "AIRM_KV_RELAY_MAX_HANDSHAKES";
+/// Relay: at most one warning of failed handshakes per this, ms; default 10000.
+pub const AIRM_KV_RELAY_WARN_INTERVAL_MS: &str = "AIRM_KV_RELAY_WARN_INTERVAL_MS";
 /// `nixl-ucx`: directory holding the NIXL runtime (`libnixl_capi.so`, with
 /// `plugins/` beside it); default: the installed `nixl-cu12` wheel.
 pub const AIRM_KV_NIXL_LIB_DIR: &str = "AIRM_KV_NIXL_LIB_DIR";

@@ -461,8 +461,23 @@ pub struct RelayStats {
     pub bytes: u64,
     /// GETs waiting for a blob.
     pub waiters: usize,
-    /// Open client connections (authenticated or still in the handshake).
+    /// Open authenticated connections (the ones still in the handshake are
+    /// `handshakes`).
     pub connections: usize,
+    /// Sockets that have not passed the handshake yet (under the relay's
+    /// pre-auth cap). Absent from older relays.
+    #[serde(default)]
+    pub handshakes: usize,
+    /// Sockets that failed the handshake so far, by reason (`refused`,
+    /// `timeout`, `evicted`): the counter
+    /// `rngd_pd_relay_handshake_failures_total`. Absent from older relays.
+    #[serde(default)]
+    pub handshake_failures: BTreeMap<String, u64>,
+    /// Warnings of failed handshakes and accepts the relay's log rate limit
+    /// held back so far (counted in `handshake_failures` and summarised in
+    /// the next warning). Absent from older relays.
+    #[serde(default)]
+    pub warnings_held_back: u64,
     /// PUT bodies being received right now.
     pub puts_in_progress: usize,
     /// Requests expired by the TTL so far.

@@ -6,9 +6,12 @@
 //! blob is there (bounded by the wait in the frame), DEL drops a request,
 //! STATS reports counters. Blobs nobody deletes expire after the TTL. Every
 //! connection starts with the handshake of [`crate::frame`] (the shared
-//! secret); every frame must arrive within the read deadline, an idle
-//! connection is closed, and connections, waiting GETs, blobs and bytes are
-//! capped (each refusal counted in STATS `rejections`). A malformed or
+//! secret), under its own short deadline and its own cap of sockets in the
+//! handshake (over it the oldest is closed), apart from the authenticated
+//! connections; failed handshakes are counted and warned of at most once
+//! per interval. Every frame must arrive within the read deadline, an idle
+//! connection is closed, and authenticated connections, waiting GETs, blobs
+//! and bytes are capped (each refusal counted in STATS `rejections`). A malformed or
 //! oversize frame closes that connection only. Each relay process
 //! has a random epoch; requests that name another epoch (the cache was pushed
 //! to an earlier process) get a clear `Restarted` error instead of a wait.
@@ -17,6 +20,8 @@
 //!   [`launch`] (bind, serve, stop on request);
 //! - `server`: [`serve`], the connections and the protocol handling;
 //! - `store`: the blobs, the memory cap, the TTL sweep, the waiting GETs;
+//! - `preauth`: the sockets in the handshake under their cap, the failed
+//!   handshakes, the rate limit of their warnings;
 //! - `client`: the pooled client connections of the `tcp` transport.
 //!
 //! Both ends speak [`crate::frame`] and depend on nothing of each other.
@@ -34,6 +39,7 @@ use crate::KvError;
 use crate::frame::TRANSPORT;
 
 pub(crate) mod client;
+mod preauth;
 mod server;
 mod store;
 
@@ -64,12 +70,22 @@ pub struct RelayConfig {
     /// gives; [`RelayOptions::config`] refuses it otherwise). The default is
     /// `None` for in-process relays of tests and benchmarks.
     pub secret: Option<Secret>,
-    /// A frame (header, key, body), and the handshake's answer, must arrive
-    /// within this of its first byte; a reply must be written within it too.
+    /// A frame (header, key, body) must arrive within this of its first
+    /// byte; a reply must be written within it too.
     pub read_timeout: Duration,
+    /// A new socket must pass the handshake (its AUTH answer arrive and be
+    /// checked) within this of being accepted; else it is refused and closed.
+    pub handshake_timeout: Duration,
+    /// Sockets in the handshake at most, apart from `max_connections`; one
+    /// more closes the oldest of them.
+    pub max_handshakes: usize,
+    /// At most one WARN line per this for failed handshakes and accepts
+    /// (the others are counted and summarised in the next line).
+    pub warn_interval: Duration,
     /// A connection with no frame arriving and no GET waiting for this long is closed.
     pub idle_timeout: Duration,
-    /// Open connections at most; one more is closed at once.
+    /// Authenticated connections at most (a socket counts once its
+    /// handshake has passed); one more is refused with a Capacity error.
     pub max_connections: usize,
     /// GETs waiting at once at most; one more gets a Capacity error.
     pub max_waiters: usize,
@@ -86,6 +102,9 @@ impl Default for RelayConfig {
             max_frame: 64 << 20,
             secret: None,
             read_timeout: Duration::from_secs(10),
+            handshake_timeout: Duration::from_secs(2),
+            max_handshakes: 128,
+            warn_interval: Duration::from_secs(10),
             idle_timeout: Duration::from_secs(60),
             max_connections: 1024,
             max_waiters: 4096,
@@ -120,9 +139,17 @@ pub struct RelayOptions {
     pub insecure_no_auth: bool,
     /// Per-frame read deadline, ms; must be positive. Default 10000.
     pub read_timeout_ms: u64,
+    /// Handshake deadline of a new socket, ms; must be positive. Default 2000.
+    pub handshake_timeout_ms: u64,
+    /// Sockets in the handshake at most (over it the oldest is closed);
+    /// must be positive. Default 128.
+    pub max_handshakes: usize,
+    /// At most one WARN line per this many ms for failed handshakes and
+    /// accepts; must be positive. Default 10000.
+    pub warn_interval_ms: u64,
     /// Idle timeout of a connection, ms; must be positive. Default 60000.
     pub idle_timeout_ms: u64,
-    /// Open connections at most; must be positive. Default 1024.
+    /// Authenticated connections at most; must be positive. Default 1024.
     pub max_connections: usize,
     /// Waiting GETs at most; must be positive. Default 4096.
     pub max_waiters: usize,
@@ -142,6 +169,9 @@ impl Default for RelayOptions {
             secret: None,
             insecure_no_auth: false,
             read_timeout_ms: d.read_timeout.as_millis() as u64,
+            handshake_timeout_ms: d.handshake_timeout.as_millis() as u64,
+            max_handshakes: d.max_handshakes,
+            warn_interval_ms: d.warn_interval.as_millis() as u64,
             idle_timeout_ms: d.idle_timeout.as_millis() as u64,
             max_connections: d.max_connections,
             max_waiters: d.max_waiters,
@@ -173,8 +203,15 @@ impl RelayOptions {
             self.read_timeout_ms != 0 && self.idle_timeout_ms != 0,
         )?;
         positive(
-            "--max-connections, --max-waiters and --max-entries",
-            self.max_connections != 0 && self.max_waiters != 0 && self.max_entries != 0,
+            "--handshake-timeout-ms and --warn-interval-ms",
+            self.handshake_timeout_ms != 0 && self.warn_interval_ms != 0,
+        )?;
+        positive(
+            "--max-connections, --max-handshakes, --max-waiters and --max-entries",
+            self.max_connections != 0
+                && self.max_handshakes != 0
+                && self.max_waiters != 0
+                && self.max_entries != 0,
         )?;
         let secret = match (&self.secret_file, &self.secret) {
             (Some(_), Some(_)) => {
@@ -218,6 +255,9 @@ impl RelayOptions {
             max_frame: self.max_frame,
             secret,
             read_timeout: Duration::from_millis(self.read_timeout_ms),
+            handshake_timeout: Duration::from_millis(self.handshake_timeout_ms),
+            max_handshakes: self.max_handshakes,
+            warn_interval: Duration::from_millis(self.warn_interval_ms),
             idle_timeout: Duration::from_millis(self.idle_timeout_ms),
             max_connections: self.max_connections,
             max_waiters: self.max_waiters,
@@ -283,6 +323,9 @@ pub async fn launch(opts: RelayOptions) -> Result<Launched, KvError> {
         max_frame = cfg.max_frame,
         authenticated = cfg.secret.is_some(),
         read_timeout = ?cfg.read_timeout,
+        handshake_timeout = ?cfg.handshake_timeout,
+        max_handshakes = cfg.max_handshakes,
+        warn_interval = ?cfg.warn_interval,
         idle_timeout = ?cfg.idle_timeout,
         max_connections = cfg.max_connections,
         max_waiters = cfg.max_waiters,
@@ -333,6 +376,21 @@ mod tests {
             ..insecure()
         });
         assert!(c.contains("--max-waiters"), "{c}");
+        let h = bad(RelayOptions {
+            max_handshakes: 0,
+            ..insecure()
+        });
+        assert!(h.contains("--max-handshakes"), "{h}");
+        let d = bad(RelayOptions {
+            handshake_timeout_ms: 0,
+            ..insecure()
+        });
+        assert!(d.contains("--handshake-timeout-ms"), "{d}");
+        let w = bad(RelayOptions {
+            warn_interval_ms: 0,
+            ..insecure()
+        });
+        assert!(w.contains("--warn-interval-ms"), "{w}");
     }
 
     #[test]

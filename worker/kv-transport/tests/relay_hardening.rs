@@ -109,7 +109,7 @@ async fn no_or_wrong_secret_is_refused_and_sees_nothing() {
     s.read_exact(&mut hello).await.unwrap();
     let msg = expect_err_and_close(&mut s, ErrCode::Unauthorized).await;
     assert_eq!(msg, "authentication failed", "says nothing of why");
-    // One that never answers the HELLO: closed after the read deadline.
+    // One that never answers the HELLO: closed after the handshake deadline.
     let mut s = TcpStream::connect(relay.addr).await.unwrap();
     s.read_exact(&mut hello).await.unwrap();
     expect_err_and_close(&mut s, ErrCode::Unauthorized).await;
@@ -139,7 +139,7 @@ async fn no_or_wrong_secret_is_refused_and_sees_nothing() {
         probes.push(TcpStream::connect(relay.addr).await.unwrap());
     }
     drop(probes);
-    let s = eventually(&relay, WITHIN, "probes gone", |s| s.connections == 2).await;
+    let s = eventually(&relay, WITHIN, "probes gone", |s| s.handshakes == 0).await;
     assert_eq!(rejected(&s, "auth"), refused, "{s:?}");
     assert_eq!(good.pull(&kept, WITHIN).await.unwrap(), want);
     good.release(&kept).await.unwrap();

@@ -1,6 +1,7 @@
-//! The relay server: accepts connections (under the connection cap),
-//! authenticates each with the handshake of [`crate::frame`], and speaks the
-//! protocol over it. Per connection, a reader task handles frames in order
+//! The relay server: accepts connections, authenticates each with the
+//! handshake of [`crate::frame`] (in the pre-auth pool of
+//! [`super::preauth`], under the handshake deadline; it counts against the
+//! connection cap only once it passed), and speaks the protocol over it. Per connection, a reader task handles frames in order
 //! and a writer task sends replies; GETs wait in their own tasks (under the
 //! waiting-GET cap), so one connection carries many requests at once.
 //! Replies carry the request's `seq`. Every frame must arrive within the
@@ -9,11 +10,12 @@
 //! closed. A malformed or oversize frame closes that connection only, with
 //! the rest of its stream discarded unread.
 //!
-//! This file holds the accept loop, the connection (handshake, writer task,
-//! lingering close); `server/requests.rs` holds the request loop (PUT, GET,
+//! This file holds the accept loop, the connection (handshake and its
+//! refusals, writer task, lingering close); `server/requests.rs` holds the request loop (PUT, GET,
 //! DEL, STATS).
 
 use std::future::Future;
+use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -27,6 +29,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use super::RelayConfig;
+use super::preauth::{Admitted, Failure, Slot};
 use super::store::{Gauge, Reject, Relay};
 use crate::KvError;
 use crate::frame::{
@@ -65,32 +68,29 @@ pub async fn serve(
             }
         });
     }
+    {
+        // The summary of the warnings held back at the end of a burst.
+        let relay = relay.clone();
+        let stop = stop.clone();
+        let period = relay.cfg.warn_interval;
+        tracker.spawn(async move {
+            loop {
+                tokio::select! {
+                    _ = tokio::time::sleep(period) => relay.warnings.flush(),
+                    _ = stop.cancelled() => return,
+                }
+            }
+        });
+    }
     tokio::pin!(shutdown);
     let result = loop {
         tokio::select! {
             _ = &mut shutdown => break Ok(()),
             accepted = listener.accept() => match accepted {
-                Ok((stream, peer)) => {
-                    if !relay.admit_connection() {
-                        relay.reject(Reject::Connections);
-                        refuse_connection(&relay, stream);
-                        tracing::debug!(%peer, "relay: connection cap reached, closed a new connection");
-                        continue;
-                    }
-                    let _ = stream.set_nodelay(true);
-                    let relay = relay.clone();
-                    let cancel = stop.child_token();
-                    let span = tracing::debug_span!("relay.connection", %peer);
-                    tracker.spawn(tracing::Instrument::instrument(async move {
-                        let _g = Gauge::adopt(&relay.connections);
-                        tracing::debug!(%peer, "relay: connection opened");
-                        connection(relay.clone(), stream, peer.to_string(), cancel).await;
-                        tracing::debug!(%peer, "relay: connection closed");
-                    }, span));
-                }
+                Ok((stream, peer)) => accept(&relay, &tracker, &stop, stream, peer),
                 Err(e) => {
                     // Out of descriptors and the like: keep serving the others.
-                    tracing::warn!(error = %e, "relay: accept failed");
+                    relay.warnings.warn("accept failed", None, &e.to_string());
                     tokio::time::sleep(Duration::from_millis(10)).await;
                 }
             },
@@ -104,11 +104,61 @@ pub async fn serve(
     result
 }
 
+/// Takes a new socket: refused at once while the authenticated connections
+/// are at their cap; else into the pre-auth pool (evicting its oldest
+/// socket when full) and on a task of its own.
+fn accept(
+    relay: &Arc<Relay>,
+    tracker: &TaskTracker,
+    stop: &CancellationToken,
+    stream: TcpStream,
+    peer: SocketAddr,
+) {
+    if relay.connections_full() {
+        relay.reject(Reject::Connections);
+        refuse_connection(relay, stream);
+        tracing::debug!(%peer, "relay: connection cap reached, closed a new connection");
+        return;
+    }
+    let _ = stream.set_nodelay(true);
+    let admitted = relay.preauth.admit(peer);
+    if let Some(old) = admitted.evicted {
+        relay.reject(Reject::Preauth);
+        relay.warnings.warn(
+            Failure::Evicted.warning(),
+            Some(old),
+            &format!(
+                "{} sockets are in the handshake (the pre-auth cap); closed the oldest",
+                relay.preauth.cap()
+            ),
+        );
+    }
+    let relay = relay.clone();
+    let cancel = stop.child_token();
+    let span = tracing::debug_span!("relay.connection", %peer);
+    tracker.spawn(tracing::Instrument::instrument(
+        async move {
+            tracing::debug!(%peer, "relay: connection opened");
+            connection(relay, stream, peer, admitted, cancel).await;
+            tracing::debug!(%peer, "relay: connection closed");
+        },
+        span,
+    ));
+}
+
 /// Closes a connection over the cap at once, with an ERR the client can
 /// name (written only if the socket takes it without waiting).
 fn refuse_connection(relay: &Relay, stream: TcpStream) {
-    let r = err_reply(
-        0,
+    let r = capacity_reply(relay, 0);
+    let mut bytes = r.header.encode().to_vec();
+    bytes.extend_from_slice(&r.body);
+    let _ = stream.try_write(&bytes);
+}
+
+/// The ERR of a connection over the (authenticated) connection cap.
+fn capacity_reply(relay: &Relay, seq: u32) -> Reply {
+    err_reply(
+        seq,
         relay.epoch,
         ErrCode::Capacity,
         format!(
@@ -116,10 +166,7 @@ fn refuse_connection(relay: &Relay, stream: TcpStream) {
             relay.cfg.max_connections
         ),
         true,
-    );
-    let mut bytes = r.header.encode().to_vec();
-    bytes.extend_from_slice(&r.body);
-    let _ = stream.try_write(&bytes);
+    )
 }
 
 /// A reply queued for the writer task.
@@ -155,8 +202,14 @@ fn ok_reply(seq: u32, epoch: u64, index: u32, body: Bytes) -> Reply {
     }
 }
 
-/// Why [`handshake`] failed when the peer closed without sending a byte.
-const SILENT: &str = "closed before answering";
+/// Why [`handshake`] did not pass.
+enum Refusal {
+    /// The peer closed (or reset) without answering: a TCP probe, a scan.
+    /// Neither a warning nor a rejection.
+    Silent,
+    /// A wrong or malformed answer (the reason is logged, never sent).
+    Refused(String),
+}
 
 /// The fixed answer to a failed handshake (it tells nothing of why).
 const AUTH_FAILED: &str = "authentication failed";
@@ -170,60 +223,156 @@ enum End {
     Fatal { reason: String, linger: bool },
 }
 
-async fn connection(relay: Arc<Relay>, stream: TcpStream, peer: String, stop: CancellationToken) {
+/// A socket from its accept to its close: the handshake (in the pre-auth
+/// pool, under the handshake deadline), then, once it passed and got an
+/// authenticated slot, the requests.
+async fn connection(
+    relay: Arc<Relay>,
+    stream: TcpStream,
+    peer: SocketAddr,
+    admitted: Admitted,
+    stop: CancellationToken,
+) {
+    let slot = Slot::adopt(&relay.preauth, admitted.id);
+    let evict = admitted.evict;
     let (rd, mut wr) = stream.into_split();
     let mut rd = BufReader::with_capacity(IO_BUF, rd);
-    let authed = tokio::select! {
-        r = timeout(relay.cfg.read_timeout, handshake(&relay, &mut rd, &mut wr)) => match r {
-            Ok(Ok(())) => true,
-            // A TCP probe or a scan: connected and closed (or reset)
-            // without an answer. Neither a warning nor a rejection.
-            Ok(Err(reason)) if reason == SILENT => {
-                tracing::debug!(%peer, "relay: closed before the handshake");
-                return;
-            }
-            Ok(Err(reason)) => {
-                tracing::warn!(%peer, %reason, "relay: handshake refused");
-                false
-            }
-            Err(_) => {
-                tracing::warn!(%peer, timeout = ?relay.cfg.read_timeout, "relay: no handshake answer in time");
-                false
-            }
-        },
+    let deadline = relay.cfg.handshake_timeout;
+    let passed = tokio::select! {
+        r = timeout(deadline, handshake(&relay, &mut rd, &mut wr)) => r,
+        _ = evict.cancelled() => {
+            refuse_evicted(&relay, &wr);
+            return;
+        }
         _ = stop.cancelled() => return,
     };
-    if !authed {
-        relay.reject(Reject::Auth);
-        let r = err_reply(
-            0,
-            relay.epoch,
-            ErrCode::Unauthorized,
-            AUTH_FAILED.into(),
-            true,
-        );
-        let _ = timeout(Duration::from_secs(1), async {
+    let ok = match passed {
+        Ok(Ok(ok)) => ok,
+        Ok(Err(Refusal::Silent)) => {
+            tracing::debug!(%peer, "relay: closed before the handshake");
+            return;
+        }
+        Ok(Err(Refusal::Refused(reason))) => {
+            handshake_failed(&relay, &slot, Failure::Refused, peer, &reason);
+            tokio::select! {
+                _ = refuse_unauthenticated(&relay, &mut rd, &mut wr) => {}
+                _ = evict.cancelled() => {}
+                _ = stop.cancelled() => {}
+            }
+            return;
+        }
+        Err(_) => {
+            let reason = format!("no handshake answer within {deadline:?}");
+            handshake_failed(&relay, &slot, Failure::Timeout, peer, &reason);
+            tokio::select! {
+                _ = refuse_unauthenticated(&relay, &mut rd, &mut wr) => {}
+                _ = evict.cancelled() => {}
+                _ = stop.cancelled() => {}
+            }
+            return;
+        }
+    };
+    // Passed: from now on it counts against the connection cap, not the
+    // pre-auth one (unless it was evicted in the last instant).
+    if !slot.promote() {
+        refuse_evicted(&relay, &wr);
+        return;
+    }
+    if !relay.admit_connection() {
+        relay.reject(Reject::Connections);
+        let r = capacity_reply(&relay, ok.header.seq);
+        let _ = timeout(relay.cfg.read_timeout, async {
             wr.write_all(&r.header.encode()).await?;
             wr.write_all(&r.body).await?;
             wr.shutdown().await
         })
         .await;
-        // A short lingering close (see below), smaller than for an
-        // authenticated peer: the refusal must not be lost to a reset.
-        let mut input = (&mut rd).take(64 << 10);
-        let _ = timeout(
-            Duration::from_millis(500),
-            tokio::io::copy(&mut input, &mut tokio::io::sink()),
-        )
-        .await;
         return;
     }
+    let _authenticated = Gauge::adopt(&relay.connections);
+    let sent = timeout(relay.cfg.read_timeout, async {
+        wr.write_all(&ok.header.encode()).await?;
+        wr.write_all(&ok.body).await
+    })
+    .await;
+    if !matches!(sent, Ok(Ok(()))) {
+        return;
+    }
+    serve_requests(&relay, rd, wr, peer, &stop).await;
+}
+
+/// Counts a failed handshake (STATS `handshake_failures` and `rejections`)
+/// and warns of it under the rate limit.
+fn handshake_failed(relay: &Relay, slot: &Slot<'_>, why: Failure, peer: SocketAddr, reason: &str) {
+    slot.failed();
+    relay.preauth.fail(why);
+    relay.reject(Reject::Auth);
+    relay.warnings.warn(why.warning(), Some(peer), reason);
+}
+
+/// Tells a socket evicted from the pre-auth pool why (only if the socket
+/// takes it without waiting); it is closed when dropped.
+fn refuse_evicted(relay: &Relay, wr: &OwnedWriteHalf) {
+    let r = err_reply(
+        0,
+        relay.epoch,
+        ErrCode::Capacity,
+        format!(
+            "closed in the handshake: the relay's cap of {} connections in the handshake is reached",
+            relay.preauth.cap()
+        ),
+        true,
+    );
+    let mut bytes = r.header.encode().to_vec();
+    bytes.extend_from_slice(&r.body);
+    let _ = wr.try_write(&bytes);
+}
+
+/// Answers a failed handshake with the fixed refusal and closes, after a
+/// short lingering close (see [`serve_requests`]), smaller than for an
+/// authenticated peer: the refusal must not be lost to a reset.
+async fn refuse_unauthenticated(
+    relay: &Relay,
+    rd: &mut BufReader<OwnedReadHalf>,
+    wr: &mut OwnedWriteHalf,
+) {
+    let r = err_reply(
+        0,
+        relay.epoch,
+        ErrCode::Unauthorized,
+        AUTH_FAILED.into(),
+        true,
+    );
+    let _ = timeout(Duration::from_secs(1), async {
+        wr.write_all(&r.header.encode()).await?;
+        wr.write_all(&r.body).await?;
+        wr.shutdown().await
+    })
+    .await;
+    let mut input = rd.take(64 << 10);
+    let _ = timeout(
+        Duration::from_millis(500),
+        tokio::io::copy(&mut input, &mut tokio::io::sink()),
+    )
+    .await;
+}
+
+/// An authenticated connection's requests, until it ends; then the queued
+/// replies are sent and the connection closed (lingering after a fatal
+/// error).
+async fn serve_requests(
+    relay: &Arc<Relay>,
+    mut rd: BufReader<OwnedReadHalf>,
+    wr: OwnedWriteHalf,
+    peer: SocketAddr,
+    stop: &CancellationToken,
+) {
     let (tx, rx) = mpsc::channel::<Reply>(1024);
     let writer = tokio::spawn(write_replies(relay.clone(), wr, rx));
     // Waiting GETs of this connection end with it (or with the relay).
     let gets = stop.child_token();
     let end = tokio::select! {
-        r = read_requests(&relay, &mut rd, &tx, &gets) => r,
+        r = read_requests(relay, &mut rd, &tx, &gets) => r,
         _ = stop.cancelled() => {
             let _ = tx.try_send(err_reply(0, relay.epoch, ErrCode::ShuttingDown, "relay shutting down".into(), true));
             End::Done
@@ -257,13 +406,14 @@ async fn connection(relay: Arc<Relay>, stream: TcpStream, peer: String, stop: Ca
     }
 }
 
-/// The relay's side of the handshake: HELLO out, AUTH in (checked), OK out.
-/// An error is the (logged, never sent) reason for refusing.
+/// The relay's side of the handshake: HELLO out, AUTH in (checked). On
+/// success, the OK reply to send (with the relay's proof of the secret)
+/// once the connection has an authenticated slot.
 async fn handshake(
     relay: &Relay,
     rd: &mut BufReader<OwnedReadHalf>,
     wr: &mut OwnedWriteHalf,
-) -> Result<(), String> {
+) -> Result<Reply, Refusal> {
     let relay_nonce = frame::nonce();
     let mut hello = Header::new(Op::Hello, 0);
     hello.arg = if relay.cfg.secret.is_some() {
@@ -273,37 +423,35 @@ async fn handshake(
     };
     hello.body_len = NONCE_LEN as u64;
     hello.epoch = relay.epoch;
-    let io = |e: std::io::Error| format!("handshake I/O: {e}");
     // A peer gone before it said anything (the HELLO cannot be written,
     // the socket is reset or closed) is silent, not a failed answer.
-    let silent = |_| SILENT.to_string();
+    let silent = |_| Refusal::Silent;
     wr.write_all(&hello.encode()).await.map_err(silent)?;
     wr.write_all(&relay_nonce).await.map_err(silent)?;
     // Nothing but an AUTH of its fixed size is read before the handshake.
     let (h, _) = match read_request_head(rd, 0).await {
         Ok(Some(head)) => head,
-        Ok(None) | Err(frame::FrameError::Io(_)) => return Err(SILENT.into()),
-        Err(e) => return Err(format!("not a handshake answer: {e}")),
+        Ok(None) | Err(frame::FrameError::Io(_)) => return Err(Refusal::Silent),
+        Err(e) => return Err(Refusal::Refused(format!("not a handshake answer: {e}"))),
     };
     if h.op != Op::Auth {
-        return Err(format!("{:?} before the handshake", h.op));
+        return Err(Refusal::Refused(format!("{:?} before the handshake", h.op)));
     }
     let mut body = [0u8; NONCE_LEN + MAC_LEN];
-    rd.read_exact(&mut body).await.map_err(io)?;
+    rd.read_exact(&mut body)
+        .await
+        .map_err(|e| Refusal::Refused(format!("handshake I/O: {e}")))?;
     let (client_nonce, client_mac) = body.split_at(NONCE_LEN);
     let proof = match &relay.cfg.secret {
         Some(secret) => {
             if !secret.verify_client(&relay_nonce, client_nonce, client_mac) {
-                return Err("wrong secret".into());
+                return Err(Refusal::Refused("wrong secret".into()));
             }
             Bytes::copy_from_slice(&secret.server_mac(&relay_nonce, client_nonce))
         }
         None => Bytes::new(),
     };
-    let ok = ok_reply(h.seq, relay.epoch, 0, proof);
-    wr.write_all(&ok.header.encode()).await.map_err(io)?;
-    wr.write_all(&ok.body).await.map_err(io)?;
-    Ok(())
+    Ok(ok_reply(h.seq, relay.epoch, 0, proof))
 }
 
 /// How long a connection closed for a protocol error keeps reading (and discarding) input.

@@ -1,7 +1,8 @@
 //! The relay's memory: blobs keyed by `(request key, blob index)`, the
 //! caps (memory with a per-blob overhead, blobs, waiting GETs,
-//! connections), the TTL sweep, the GETs waiting for a blob, and the
-//! counters of the STATS reply (with the rejections by reason). The
+//! authenticated connections; the sockets still in the handshake are
+//! [`super::preauth`]'s), the TTL sweep, the GETs waiting for a blob, and
+//! the counters of the STATS reply (with the rejections by reason). The
 //! protocol side is [`super::server`].
 
 use std::collections::HashMap;
@@ -13,6 +14,7 @@ use bytes::Bytes;
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
+use super::preauth::{PreAuth, WarnLimit};
 use super::{ENTRY_OVERHEAD, RelayConfig};
 use crate::frame::RelayStats;
 
@@ -24,6 +26,8 @@ pub(super) enum Reject {
     Auth,
     /// Over the connection cap.
     Connections,
+    /// Closed in the handshake, the oldest over the pre-auth cap.
+    Preauth,
     /// Over the waiting-GET cap.
     Waiters,
     /// Over the blob cap.
@@ -43,9 +47,10 @@ pub(super) enum Reject {
 }
 
 impl Reject {
-    const ALL: [Reject; 10] = [
+    const ALL: [Reject; 11] = [
         Reject::Auth,
         Reject::Connections,
+        Reject::Preauth,
         Reject::Waiters,
         Reject::Entries,
         Reject::Memory,
@@ -61,6 +66,7 @@ impl Reject {
         match self {
             Reject::Auth => "auth",
             Reject::Connections => "connections",
+            Reject::Preauth => "preauth",
             Reject::Waiters => "waiters",
             Reject::Entries => "entries",
             Reject::Memory => "memory",
@@ -93,8 +99,12 @@ pub(super) struct Relay {
     entries: AtomicUsize,
     arrived: Notify,
     waiters: AtomicUsize,
-    /// Open connections (a gauge).
+    /// Open authenticated connections (a gauge).
     pub(super) connections: AtomicUsize,
+    /// The sockets still in the handshake, and the failed handshakes.
+    pub(super) preauth: PreAuth,
+    /// The rate limit of the warnings peers can cause at will.
+    pub(super) warnings: WarnLimit,
     /// PUT bodies being received (a gauge).
     pub(super) puts_in_progress: AtomicUsize,
     expired: AtomicU64,
@@ -150,6 +160,8 @@ impl Relay {
             arrived: Notify::new(),
             waiters: AtomicUsize::new(0),
             connections: AtomicUsize::new(0),
+            preauth: PreAuth::new(cfg.max_handshakes),
+            warnings: WarnLimit::new(cfg.warn_interval),
             puts_in_progress: AtomicUsize::new(0),
             expired: AtomicU64::new(0),
             rejections: Default::default(),
@@ -167,6 +179,9 @@ impl Relay {
             bytes: self.used.load(Ordering::SeqCst),
             waiters: self.waiters.load(Ordering::SeqCst),
             connections: self.connections.load(Ordering::SeqCst),
+            handshakes: self.preauth.len(),
+            handshake_failures: self.preauth.failures(),
+            warnings_held_back: self.warnings.suppressed(),
             puts_in_progress: self.puts_in_progress.load(Ordering::SeqCst),
             expired: self.expired.load(Ordering::SeqCst),
             rejections: Reject::ALL
@@ -195,10 +210,17 @@ impl Relay {
             .is_ok()
     }
 
-    /// Admits a connection under the connection cap; the connection's task
-    /// gives it back ([`Gauge::adopt`] of [`Relay::connections`]).
+    /// Admits an authenticated connection under the connection cap; the
+    /// connection's task gives it back ([`Gauge::adopt`] of
+    /// [`Relay::connections`]).
     pub(super) fn admit_connection(&self) -> bool {
         Self::acquire(&self.connections, self.cfg.max_connections)
+    }
+
+    /// Whether the connection cap is reached (a new socket is refused
+    /// before its handshake then).
+    pub(super) fn connections_full(&self) -> bool {
+        self.connections.load(Ordering::SeqCst) >= self.cfg.max_connections
     }
 
     /// Takes a waiting-GET slot under the cap; [`Relay::wait_for`] gives it back.
