@@ -149,3 +149,11 @@ pub const EPP_QUEUED: &str = "rngd_pd_epp_queued";
 pub const EPP_OVERLOAD_REJECTIONS_TOTAL: &str = "rngd_pd_epp_overload_rejections_total";
 /// Request body bytes the picker holds or has reserved (gauge).
 pub const EPP_BODY_BYTES_IN_FLIGHT: &str = "rngd_pd_epp_body_bytes_in_flight";
+
+// KV relay pre-auth budget. The relay has no HTTP listener: its STATS reply
+// carries these (fields `handshake_failures`, `handshakes`), docs/kv-wire.md.
+/// Relay sockets that failed the handshake, by `reason` (`refused`,
+/// `timeout`, `evicted`: closed as the oldest over the pre-auth cap) (counter).
+pub const RELAY_HANDSHAKE_FAILURES_TOTAL: &str = "rngd_pd_relay_handshake_failures_total";
+/// Relay sockets in the handshake now, under the pre-auth cap (gauge).
+pub const RELAY_HANDSHAKES: &str = "rngd_pd_relay_handshakes";
