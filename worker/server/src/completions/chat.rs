@@ -20,7 +20,8 @@ pub(super) fn render(engine: &dyn Engine, body: &[u8]) -> Result<CompletionReque
     let tokenize =
         |e: rngd_engine::EngineError| ApiError::BadRequest(format!("tokenizing the prompt: {e}"));
     let prompt = engine.chat_prompt(&messages).map_err(tokenize)?;
-    let prompt_tokens = engine.tokenize(&prompt).map_err(tokenize)?.len();
+    // Never tokenized past the context (a chat too long is the 400 at once).
+    let prompt_tokens = super::text_ids(engine, &prompt).map_err(tokenize)??.len();
     let seq_len = u32::try_from(engine.info().seq_len).unwrap_or(u32::MAX);
     Ok(to_completion(&chat, prompt, prompt_tokens, Some(seq_len)))
 }

@@ -251,7 +251,10 @@ async fn handle(
 }
 
 /// The prompt as token ids (one prompt per request); text is tokenized off
-/// the async threads.
+/// the async threads, and never past the context: a text that cannot fit
+/// with one generated token (its bytes prove it, or a bounded prefix does:
+/// `Engine::tokenize_within`) is the context-length 400 before it is
+/// tokenized whole.
 pub(super) async fn prompt_ids(
     engine: &Arc<dyn Engine>,
     prompt: &Prompt,
@@ -259,9 +262,10 @@ pub(super) async fn prompt_ids(
     let tokenize = |text: &str| {
         let (e, t) = (Arc::clone(engine), text.to_string());
         async move {
-            tokio::task::spawn_blocking(move || e.tokenize(&t))
+            tokio::task::spawn_blocking(move || text_ids(&*e, &t))
                 .await
                 .map_err(|e| ApiError::Internal(format!("tokenizer task: {e}")))?
+                .map_err(ApiError::from)?
                 .map_err(ApiError::from)
         }
     };
@@ -281,6 +285,25 @@ pub(super) async fn prompt_ids(
     }
     check_vocab(&ids, engine.info().vocab_size)?;
     Ok(ids)
+}
+
+/// A text's token ids when at least one generated token fits after them in
+/// the compiled context; otherwise the context-length refusal, found without
+/// tokenizing more of the text than needed (blocking). The outer error is
+/// the tokenizer's.
+pub(super) fn text_ids(
+    engine: &dyn Engine,
+    text: &str,
+) -> Result<Result<Vec<u32>, RuleError>, rngd_engine::EngineError> {
+    let seq_len = engine.info().seq_len;
+    Ok(
+        match engine.tokenize_within(text, seq_len.saturating_sub(1))? {
+            rngd_engine::tokenizer::Within::Ids(ids) => Ok(ids),
+            rngd_engine::tokenizer::Within::TooLong { at_least, .. } => {
+                Err(rules::prompt_too_long(at_least, None, seq_len))
+            }
+        },
+    )
 }
 
 pub(super) fn check_vocab(ids: &[u32], vocab: usize) -> Result<(), ApiError> {
