@@ -9,7 +9,10 @@
 //!   `x-prefiller-host-port` orchestration; see `docs/pd-protocol.md`),
 //!   `POST /v1/chat/completions` (rendered with the engine's chat template and
 //!   served as a completion: whole or orchestrated; answered in the chat
-//!   format), `GET /health`, `GET /ready`, `GET /metrics`, `GET /v1/models`.
+//!   format), `GET /health`, `GET /ready`, `GET /metrics`, `GET /v1/models`,
+//!   and vLLM's render and tokenizer endpoints (`render`: `POST
+//!   /v1/completions/render`, `/v1/chat/completions/render`, `/tokenize`,
+//!   `/detokenize`).
 //! - [`error::ApiError`]: every request failure, mapped to a status in one place.
 //! - [`allow`]: the `--prefill-allow` and `--front-door-allow` lists; [`peer`]:
 //!   the bounded prefill-peer client; [`handles`]: random KV keys and signed,
@@ -22,6 +25,7 @@ pub mod error;
 pub mod handles;
 pub mod metrics;
 pub mod peer;
+mod render;
 pub mod state;
 pub mod transports;
 
@@ -72,6 +76,7 @@ pub fn router(state: WorkerState) -> Router {
         .route("/ready", get(ready))
         .route("/metrics", get(metrics_text))
         .route("/v1/models", get(models))
+        .merge(render::routes())
         .layer(axum::extract::DefaultBodyLimit::max(limit))
         .with_state(state)
 }
