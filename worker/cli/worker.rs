@@ -124,6 +124,15 @@ pub struct Args {
     /// The listener limits (the same flags as the gateway's).
     #[command(flatten)]
     pub listener: crate::gateway::ListenerArgs,
+    /// KV-cache events as vLLM publishes them: vLLM's JSON, e.g.
+    /// `{"enable_kv_cache_events":true,"endpoint":"tcp://*:5557","replay_endpoint":"tcp://*:5558","topic":"kv@pod@model"}`
+    /// with vLLM's keys (`publisher`, `endpoint`, `replay_endpoint`, `topic`,
+    /// `buffer_steps`, `hwm`, `max_queue_size`) and defaults; an unknown key is
+    /// refused. As in vLLM an endpoint with `*` or `::` binds (`tcp://*:PORT`:
+    /// every interface; `tcp://127.0.0.1:*`: loopback, a free port, logged),
+    /// any other is connected to; see docs/engine.md, "KV events".
+    #[arg(long = "kv-events-config", value_name = "JSON", value_parser = parse_kv_events)]
+    pub kv_events_config: Option<rngd_kv_events::KvEventsConfig>,
     /// Validate the flags and files (backend, model, KV transport
     /// configuration) and exit: 0 and `ok`, or a clear error.
     #[arg(long)]
@@ -166,8 +175,22 @@ impl Args {
             body_timeout_ms: self.body_timeout_ms,
             max_in_flight: self.max_in_flight,
             edge: self.listener.options(),
+            kv_events: self.kv_events_config,
         }
     }
+}
+
+/// `--kv-events-config`: the message names what is wrong (an unknown key by name).
+fn parse_kv_events(s: &str) -> Result<rngd_kv_events::KvEventsConfig, String> {
+    rngd_kv_events::KvEventsConfig::parse(s).map_err(|e| {
+        let mut msg = e.to_string();
+        let mut src = std::error::Error::source(&e);
+        while let Some(x) = src {
+            msg.push_str(&format!(": {x}"));
+            src = x.source();
+        }
+        msg
+    })
 }
 
 /// Runs the subcommand (`--check`: validates and exits).
@@ -179,6 +202,12 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         println!("ok");
         return Ok(());
     }
+    // The publisher binds now (a bad endpoint fails at startup) and lives as
+    // long as the worker.
+    let _kv_events = match &opts.kv_events {
+        Some(c) => rngd_kv_events::KvEventPublisher::start(c)?,
+        None => None,
+    };
     rngd_worker::launch(opts, rngd_http_edge::shutdown_signal()).await?;
     Ok(())
 }

@@ -91,6 +91,9 @@ pub struct WorkerOptions {
     /// `--max-connections`, `--max-inflight-body-bytes`; defaults in
     /// [`rngd_http_edge::Options`]).
     pub edge: rngd_http_edge::Options,
+    /// KV-cache events as vLLM publishes them (`--kv-events-config`, vLLM's
+    /// JSON); none: no publisher. See `docs/engine.md`, "KV events".
+    pub kv_events: Option<rngd_kv_events::KvEventsConfig>,
 }
 
 impl Default for WorkerOptions {
@@ -117,6 +120,7 @@ impl Default for WorkerOptions {
             body_limit: crate::state::DEFAULT_BODY_LIMIT,
             body_timeout_ms: 30_000,
             max_in_flight: crate::state::DEFAULT_MAX_IN_FLIGHT,
+            kv_events: None,
             edge: rngd_http_edge::Options::default(),
         }
     }
