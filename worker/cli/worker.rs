@@ -124,6 +124,20 @@ pub struct Args {
     /// The listener limits (the same flags as the gateway's).
     #[command(flatten)]
     pub listener: crate::gateway::ListenerArgs,
+    /// Reuse the KV of cached prompt prefixes (vLLM's flag; on by default).
+    #[arg(long, overrides_with = "no_enable_prefix_caching")]
+    pub enable_prefix_caching: bool,
+    /// Turn the prefix cache off.
+    #[arg(long, overrides_with = "enable_prefix_caching")]
+    pub no_enable_prefix_caching: bool,
+    /// Positions per prefix-cache block (only full blocks are cached).
+    #[arg(long, default_value_t = rngd_engine::prefix::DEFAULT_BLOCK_SIZE, value_parser = at_least_one)]
+    pub block_size: usize,
+    /// Bytes the prefix cache may hold; least recently used blocks are
+    /// evicted past it (a block of 16 positions of SmolLM2-135M is 368,640
+    /// bytes). Default 256 MiB.
+    #[arg(long, default_value_t = rngd_engine::prefix::DEFAULT_PREFIX_CACHE_BYTES)]
+    pub prefix_cache_bytes: u64,
     /// KV-cache events as vLLM publishes them: vLLM's JSON, e.g.
     /// `{"enable_kv_cache_events":true,"endpoint":"tcp://*:5557","replay_endpoint":"tcp://*:5558","topic":"kv@pod@model"}`
     /// with vLLM's keys (`publisher`, `endpoint`, `replay_endpoint`, `topic`,
@@ -175,6 +189,11 @@ impl Args {
             body_timeout_ms: self.body_timeout_ms,
             max_in_flight: self.max_in_flight,
             edge: self.listener.options(),
+            prefix_cache: rngd_engine::prefix::PrefixCacheOptions {
+                enabled: !self.no_enable_prefix_caching,
+                block_size: self.block_size,
+                max_bytes: self.prefix_cache_bytes,
+            },
             kv_events: self.kv_events_config,
         }
     }
@@ -191,6 +210,14 @@ fn parse_kv_events(s: &str) -> Result<rngd_kv_events::KvEventsConfig, String> {
         }
         msg
     })
+}
+
+/// `--block-size`: a positive integer.
+fn at_least_one(s: &str) -> Result<usize, String> {
+    match s.parse::<usize>() {
+        Ok(n) if n >= 1 => Ok(n),
+        _ => Err(format!("{s} is not a positive integer")),
+    }
 }
 
 /// Runs the subcommand (`--check`: validates and exits).

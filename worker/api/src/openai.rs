@@ -109,6 +109,10 @@ pub struct SamplingFields {
     /// Number of choices; only 1 is served.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub n: Option<u32>,
+    /// vLLM's `cache_salt`: requests with different salts never share
+    /// prefix-cache blocks (tenant isolation).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cache_salt: Option<String>,
 }
 
 /// Body of `POST /v1/completions`.
@@ -219,6 +223,18 @@ pub struct Usage {
     pub completion_tokens: u32,
     /// Sum of both.
     pub total_tokens: u32,
+    /// Details of the prompt tokens (OpenAI's; `cached_tokens` from the
+    /// engine's prefix cache).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prompt_tokens_details: Option<PromptTokensDetails>,
+}
+
+/// `usage.prompt_tokens_details`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PromptTokensDetails {
+    /// Prompt tokens whose KV came from the prefix cache (not computed).
+    #[serde(default)]
+    pub cached_tokens: u32,
 }
 
 impl Usage {
@@ -228,7 +244,14 @@ impl Usage {
             prompt_tokens,
             completion_tokens,
             total_tokens: prompt_tokens + completion_tokens,
+            prompt_tokens_details: None,
         }
+    }
+
+    /// This usage with `prompt_tokens_details.cached_tokens`.
+    pub fn with_cached(mut self, cached_tokens: u32) -> Self {
+        self.prompt_tokens_details = Some(PromptTokensDetails { cached_tokens });
+        self
     }
 }
 

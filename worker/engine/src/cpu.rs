@@ -11,6 +11,13 @@
 //! [`Engine::generate`] is [`Engine::prefill`] followed by [`Engine::decode`]
 //! of the exported bf16 cache, exactly what a prefill/decode split does across
 //! two workers, so both give the same tokens by construction.
+//!
+//! The prefix cache ([`crate::prefix`]): a prefill copies the longest cached
+//! run of its prompt's full blocks into its sequence cache and computes the
+//! rest (always the last prompt token, whose logits pick the first token),
+//! then keeps its full blocks; a decode stream keeps the full blocks of
+//! prompt and generated tokens when it ends, so the next turn of a
+//! conversation prefilled here hits.
 
 use std::collections::VecDeque;
 use std::path::PathBuf;
@@ -23,6 +30,7 @@ use rngd_kv_wire::{Dtype, KvLayout};
 use tokio::sync::{mpsc, oneshot};
 
 use crate::kv::SeqCache;
+use crate::prefix::{PrefixCache, PrefixCacheOptions, PrefixCacheStats, PrefixEventSink};
 use stream::Stream;
 
 mod stream;
@@ -53,10 +61,13 @@ pub struct CpuEngineOptions {
     pub dense_prefill: bool,
     /// `--chat-template` / `--served-model-name`; default: the file's own.
     pub tokenizer: crate::tokenizer::TokenizerOverrides,
+    /// The prefix cache (default: on, blocks of 16, 256 MiB).
+    pub prefix_cache: PrefixCacheOptions,
 }
 
 impl CpuEngineOptions {
-    /// Defaults for a model file: S = 512, batch 8, dense prefill.
+    /// Defaults for a model file: S = 512, batch 8, dense prefill, the
+    /// prefix cache's defaults.
     pub fn new(model_path: impl Into<PathBuf>) -> Self {
         CpuEngineOptions {
             model_path: model_path.into(),
@@ -65,6 +76,7 @@ impl CpuEngineOptions {
             threads: None,
             dense_prefill: true,
             tokenizer: Default::default(),
+            prefix_cache: PrefixCacheOptions::default(),
         }
     }
 }
@@ -73,6 +85,9 @@ impl CpuEngineOptions {
 pub fn compute_threads() -> usize {
     candle_core::utils::get_num_threads()
 }
+
+/// Fewest prompt rows a warm prefill computes (see `Scheduler::prefill`).
+const MIN_ROWS: usize = 8;
 
 struct PrefillJob {
     prompt: Vec<u32>,
@@ -115,6 +130,7 @@ pub struct CpuEngine {
     tokenizer: Arc<Tokenizer>,
     shared: Arc<Shared>,
     batch: usize,
+    prefix: Arc<Mutex<PrefixCache>>,
     thread: Mutex<Option<JoinHandle<()>>>,
 }
 
@@ -160,7 +176,13 @@ impl CpuEngine {
             load_ms = started.elapsed().as_millis() as u64,
             "CPU engine loaded"
         );
-        Self::start(model, tokenizer, opts.seq_len, opts.batch)
+        Self::start(
+            model,
+            tokenizer,
+            opts.seq_len,
+            opts.batch,
+            &opts.prefix_cache,
+        )
     }
 
     /// Starts an engine on an already-built model (the tiny test model uses this).
@@ -169,6 +191,7 @@ impl CpuEngine {
         tokenizer: Tokenizer,
         seq_len: usize,
         batch: usize,
+        prefix: &PrefixCacheOptions,
     ) -> Result<Arc<CpuEngine>, EngineError> {
         let c = &model.cfg;
         let layout = KvLayout {
@@ -185,6 +208,9 @@ impl CpuEngine {
             vocab_size: c.vocab,
         };
         let tokenizer = Arc::new(tokenizer);
+        // The model's identity in every block hash: its served name and the
+        // cache layout (docs/engine.md, Prefix cache).
+        let prefix = Arc::new(Mutex::new(PrefixCache::new(prefix, layout, &info.name)));
         let shared = Arc::new(Shared {
             state: Mutex::new(State::default()),
             wake: Condvar::new(),
@@ -199,6 +225,7 @@ impl CpuEngine {
             slots: (0..batch).map(|_| None).collect(),
             caches: Vec::new(),
             prefill_cache: None,
+            prefix: prefix.clone(),
         };
         let thread = std::thread::Builder::new()
             .name("rngd-engine".into())
@@ -212,6 +239,7 @@ impl CpuEngine {
             tokenizer,
             shared,
             batch,
+            prefix,
             thread: Mutex::new(Some(thread)),
         }))
     }
@@ -224,6 +252,17 @@ impl CpuEngine {
     /// Decode slots (the `batch` option).
     pub fn batch(&self) -> usize {
         self.batch
+    }
+
+    /// Drops every cached prefix block (none is referenced by a running
+    /// sequence: a hit copies its blocks) and tells the event sink.
+    pub fn reset_prefix_cache(&self) {
+        lock(&self.prefix).reset();
+    }
+
+    /// Attaches the prefix cache's event sink (a KV-event publisher).
+    pub fn set_prefix_events(&self, sink: Option<Arc<dyn PrefixEventSink>>) {
+        lock(&self.prefix).set_sink(sink);
     }
 
     fn submit(&self, f: impl FnOnce(&mut State)) -> Result<(), EngineError> {
@@ -324,13 +363,11 @@ impl Engine for CpuEngine {
         }
         // Room for every event, so the scheduler never waits on a slow reader.
         let (tx, rx) = mpsc::channel(params.max_tokens + 2);
-        let penalised = params.repetition_penalty != 1.0;
+        // The prompt is kept for the penalties and for the prefix cache
+        // (the stream's blocks are named by its tokens).
+        let keep = params.repetition_penalty != 1.0 || lock(&self.prefix).enabled();
         let job = DecodeJob {
-            prompt: if penalised {
-                prompt.to_vec()
-            } else {
-                Vec::new()
-            },
+            prompt: if keep { prompt.to_vec() } else { Vec::new() },
             prefilled,
             params: params.clone(),
             tx,
@@ -350,6 +387,16 @@ impl Engine for CpuEngine {
     fn kv_usage(&self) -> f64 {
         self.running() as f64 / self.batch as f64
     }
+
+    fn prefix_cache_stats(&self) -> Option<PrefixCacheStats> {
+        Some(lock(&self.prefix).stats())
+    }
+}
+
+/// The prefix cache, even after a panic elsewhere (its state is valid
+/// between calls).
+fn lock(p: &Mutex<PrefixCache>) -> MutexGuard<'_, PrefixCache> {
+    p.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 struct Scheduler {
@@ -361,6 +408,7 @@ struct Scheduler {
     /// One cache per slot, allocated on first use and reused.
     caches: Vec<SeqCache>,
     prefill_cache: Option<SeqCache>,
+    prefix: Arc<Mutex<PrefixCache>>,
 }
 
 impl Scheduler {
@@ -414,12 +462,37 @@ impl Scheduler {
             .prefill_cache
             .get_or_insert_with(|| SeqCache::new(self.layout));
         cache.reset();
+        // The projections' path is the whole prompt's, so a warm prefill
+        // computes its rows as a cold one does.
         let dense = job.prompt.len() > 1;
+        let mut prefix = lock(&self.prefix);
+        let salt = job.params.cache_salt.as_deref();
+        let hashes = if prefix.enabled() {
+            prefix.hashes(&job.prompt, salt)
+        } else {
+            Vec::new()
+        };
+        // At least the last prompt token is computed: its logits pick the
+        // first token. Never fewer than MIN_ROWS: candle's f32 GEMM sums a
+        // row in another order when it is given very few rows (a
+        // matrix-vector product for one, measured different for 4), so the
+        // last cached block is recomputed then, and warm == cold bit for bit.
+        let (n, b) = (job.prompt.len(), prefix.block_size());
+        let mut most = (n - 1) / b;
+        while most > 0 && n - most * b < MIN_ROWS {
+            most -= 1;
+        }
+        let cached = if prefix.enabled() {
+            prefix.load(&job.prompt, &hashes, most, cache)
+        } else {
+            0
+        };
+        drop(prefix);
         let result = self
             .model
             .forward(
                 &mut [SeqStep {
-                    tokens: &job.prompt,
+                    tokens: &job.prompt[cached..],
                     cache,
                 }],
                 dense,
@@ -432,12 +505,17 @@ impl Scheduler {
                     first_logprobs: first.logprobs,
                     kv: cache.export(),
                     elapsed: started.elapsed(),
+                    cached_tokens: cached,
                 }
             });
+        if result.is_ok() && !hashes.is_empty() {
+            lock(&self.prefix).store(&job.prompt, &hashes, cache);
+        }
         if let Ok(p) = &result {
             tracing::debug!(
                 ms = p.elapsed.as_secs_f64() * 1e3,
                 first_token = p.first_token,
+                cached_tokens = p.cached_tokens,
                 "prefill done"
             );
         }
@@ -460,9 +538,17 @@ impl Scheduler {
             return;
         }
         let first = job.prefilled.first_token;
-        let mut stream = Stream::new(job.tx, job.params, &job.prompt, first, &self.tokenizer);
+        let mut stream = Stream::new(
+            job.tx,
+            job.params,
+            job.prompt,
+            first,
+            job.prefilled.cached_tokens,
+            &self.tokenizer,
+        );
         if stream.params.max_tokens == 0 {
             stream.finish(FinishReason::Length, None);
+            self.keep(slot, &stream);
             return;
         }
         // The first token (index 0) came from the prefill.
@@ -472,16 +558,38 @@ impl Scheduler {
         };
         if stream.on_token(&self.tokenizer, sampled) {
             self.slots[slot] = Some(stream);
+        } else {
+            self.keep(slot, &stream);
         }
+    }
+
+    /// A finished (or cancelled) stream's full blocks, prompt and generated
+    /// tokens, into the prefix cache.
+    fn keep(&self, slot: usize, stream: &Stream) {
+        let cache = &self.caches[slot];
+        if stream.seq.len() < cache.tokens {
+            // Only the prompt is known (the prefix cache was off when the
+            // decode was submitted).
+            return;
+        }
+        let mut prefix = lock(&self.prefix);
+        if !prefix.enabled() {
+            return;
+        }
+        let ids = &stream.seq[..cache.tokens];
+        let hashes = prefix.hashes(ids, stream.params.cache_salt.as_deref());
+        prefix.store(ids, &hashes, cache);
     }
 
     /// One decode step for every running stream.
     fn step(&mut self) {
         // Cancel streams whose client is gone.
-        for s in self.slots.iter_mut() {
-            if s.as_ref().is_some_and(Stream::is_closed) {
+        for i in 0..self.slots.len() {
+            if self.slots[i].as_ref().is_some_and(Stream::is_closed) {
                 tracing::debug!("decode stream cancelled: receiver dropped");
-                *s = None;
+                if let Some(s) = self.slots[i].take() {
+                    self.keep(i, &s);
+                }
             }
         }
         let active: Vec<usize> = (0..self.slots.len())
@@ -494,6 +602,11 @@ impl Scheduler {
             .iter()
             .map(|i| [self.slots[*i].as_ref().map(|s| s.last).unwrap_or(0)])
             .collect();
+        for (i, t) in active.iter().zip(&tokens) {
+            if let Some(s) = self.slots[*i].as_mut() {
+                s.seq.push(t[0]);
+            }
+        }
         let mut caches: Vec<Option<&mut SeqCache>> = self.caches.iter_mut().map(Some).collect();
         let mut steps: Vec<SeqStep<'_>> = Vec::with_capacity(active.len());
         for (i, t) in active.iter().zip(&tokens) {
@@ -517,8 +630,10 @@ impl Scheduler {
                         continue;
                     };
                     let s = sample(logits, &stream.params, stream.sampled, &stream.history);
-                    if !stream.on_token(&self.tokenizer, s) {
-                        self.slots[*i] = None;
+                    if !stream.on_token(&self.tokenizer, s)
+                        && let Some(done) = self.slots[*i].take()
+                    {
+                        self.keep(*i, &done);
                     }
                 }
             }

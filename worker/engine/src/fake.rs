@@ -137,6 +137,7 @@ impl Engine for EchoEngine {
             first_logprobs: certain(prompt[0], params),
             kv: self.cache_for(prompt),
             elapsed: started.elapsed(),
+            cached_tokens: 0,
         })
     }
 
@@ -157,6 +158,7 @@ impl Engine for EchoEngine {
         let prompt = prompt.to_vec();
         let params = params.clone();
         let max = params.max_tokens;
+        let cached_tokens = prefilled.cached_tokens;
         let mut stops = StopScanner::new(&params.stop);
         let delay = self.token_delay;
         let emit = move |i: usize, stops: &mut StopScanner| {
@@ -185,6 +187,7 @@ impl Engine for EchoEngine {
                 finish_reason: finish,
                 completion_tokens: n,
                 stop_reason: stop_reason(finish, &stops),
+                cached_tokens,
             });
         } else {
             tokio::spawn(async move {
@@ -211,6 +214,7 @@ impl Engine for EchoEngine {
                         finish_reason: finish,
                         completion_tokens: n,
                         stop_reason: stop_reason(finish, &stops),
+                        cached_tokens,
                     })
                     .await;
             });

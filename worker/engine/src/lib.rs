@@ -24,6 +24,7 @@ pub(crate) mod kv;
 pub mod logits;
 pub(crate) mod model;
 pub mod model_fetch;
+pub mod prefix;
 pub(crate) mod qgemm;
 pub mod sampling;
 #[cfg(feature = "test-util")]
@@ -160,6 +161,9 @@ pub struct SamplingParams {
     /// Log-probabilities of each generated token with this many top
     /// alternatives (`Some(0)`: the chosen token's only; `None`: off).
     pub logprobs: Option<usize>,
+    /// vLLM's `cache_salt`: prompts with different salts never share cached
+    /// prefix blocks (`None`: the unsalted cache).
+    pub cache_salt: Option<String>,
 }
 
 /// One request's KV cache in the wire layout (bf16 blobs, `K0, V0, K1, V1, …`).
@@ -184,6 +188,9 @@ pub struct Prefilled {
     pub kv: KvCache,
     /// Compute time.
     pub elapsed: Duration,
+    /// Prompt positions whose KV came from the prefix cache (not computed);
+    /// vLLM's `cached_tokens`.
+    pub cached_tokens: usize,
 }
 
 /// Which stop ended a generation (vLLM's `stop_reason`); the model's own
@@ -225,6 +232,9 @@ pub enum GenEvent {
         completion_tokens: usize,
         /// The stop token or sequence that ended it, if one did.
         stop_reason: Option<StopReason>,
+        /// Prompt tokens the prefill read from the prefix cache
+        /// ([`Prefilled::cached_tokens`] of the cache this stream decoded from).
+        cached_tokens: usize,
     },
     /// A failure mid-stream.
     Error(String),
@@ -288,10 +298,15 @@ pub trait Engine: Send + Sync + 'static {
     fn running(&self) -> usize;
     /// Fraction of KV slots in use, 0..1.
     fn kv_usage(&self) -> f64;
+    /// The prefix cache's counters and sizes, when the backend has one.
+    fn prefix_cache_stats(&self) -> Option<prefix::PrefixCacheStats> {
+        None
+    }
 }
 
 impl Default for SamplingParams {
-    /// Greedy, 16 tokens, every processor off, seed 0, no stops, no logprobs.
+    /// Greedy, 16 tokens, every processor off, seed 0, no stops, no logprobs,
+    /// no cache salt.
     fn default() -> Self {
         SamplingParams {
             max_tokens: 16,
@@ -309,6 +324,7 @@ impl Default for SamplingParams {
             ignore_eos: false,
             stop_token_ids: Vec::new(),
             logprobs: None,
+            cache_salt: None,
         }
     }
 }

@@ -14,6 +14,7 @@ use candle_core::{Device, Tensor};
 use crate::EngineError;
 use crate::cpu::CpuEngine;
 use crate::model::{Config, Model};
+use crate::prefix::PrefixCacheOptions;
 use crate::sampling::uniform;
 use crate::tokenizer::{Tokenizer, TokenizerParts};
 
@@ -167,6 +168,16 @@ pub fn engine_with(
     seq_len: usize,
     batch: usize,
 ) -> Result<Arc<CpuEngine>, EngineError> {
+    engine_with_prefix(cfg, seq_len, batch, &PrefixCacheOptions::default())
+}
+
+/// [`engine_with`] with these prefix-cache options.
+pub fn engine_with_prefix(
+    cfg: &TinyConfig,
+    seq_len: usize,
+    batch: usize,
+    prefix: &PrefixCacheOptions,
+) -> Result<Arc<CpuEngine>, EngineError> {
     if cfg.heads == 0
         || cfg.kv_heads == 0
         || !cfg.heads.is_multiple_of(cfg.kv_heads)
@@ -176,5 +187,5 @@ pub fn engine_with(
             "inconsistent tiny config {cfg:?}"
         )));
     }
-    CpuEngine::start(model(cfg, seq_len)?, tokenizer()?, seq_len, batch)
+    CpuEngine::start(model(cfg, seq_len)?, tokenizer()?, seq_len, batch, prefix)
 }

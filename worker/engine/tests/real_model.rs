@@ -76,6 +76,7 @@ async fn pd_split_matches_a_single_instance_on_the_real_model() {
             first_logprobs: pre.first_logprobs.clone(),
             kv: through_the_wire(&pre.kv),
             elapsed: pre.elapsed,
+            cached_tokens: pre.cached_tokens,
         });
     }
     drop(prefill_engine);

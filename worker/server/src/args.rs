@@ -91,6 +91,10 @@ pub struct WorkerOptions {
     /// `--max-connections`, `--max-inflight-body-bytes`; defaults in
     /// [`rngd_http_edge::Options`]).
     pub edge: rngd_http_edge::Options,
+    /// The engine's prefix cache (`--enable-prefix-caching` /
+    /// `--no-enable-prefix-caching`, `--block-size`, `--prefix-cache-bytes`;
+    /// default on, blocks of 16, 256 MiB). See `docs/engine.md`, "Prefix cache".
+    pub prefix_cache: rngd_engine::prefix::PrefixCacheOptions,
     /// KV-cache events as vLLM publishes them (`--kv-events-config`, vLLM's
     /// JSON); none: no publisher. See `docs/engine.md`, "KV events".
     pub kv_events: Option<rngd_kv_events::KvEventsConfig>,
@@ -120,8 +124,9 @@ impl Default for WorkerOptions {
             body_limit: crate::state::DEFAULT_BODY_LIMIT,
             body_timeout_ms: 30_000,
             max_in_flight: crate::state::DEFAULT_MAX_IN_FLIGHT,
-            kv_events: None,
             edge: rngd_http_edge::Options::default(),
+            prefix_cache: rngd_engine::prefix::PrefixCacheOptions::default(),
+            kv_events: None,
         }
     }
 }

@@ -371,6 +371,7 @@ pub async fn launch(
 async fn load_engine(args: &WorkerOptions) -> Result<Arc<dyn Engine>, WorkerError> {
     let model = args.model.clone();
     let (seq_len, batch, threads) = (args.seq_len, args.batch, args.threads);
+    let prefix_cache = args.prefix_cache.clone();
     let overrides = rngd_engine::tokenizer::TokenizerOverrides {
         chat_template: args.chat_template.clone(),
         served_model_name: args.served_model_name.clone(),
@@ -383,6 +384,7 @@ async fn load_engine(args: &WorkerOptions) -> Result<Arc<dyn Engine>, WorkerErro
             opts.batch = batch;
             opts.threads = threads;
             opts.tokenizer = overrides;
+            opts.prefix_cache = prefix_cache;
             let engine: Arc<dyn Engine> =
                 rngd_engine::cpu::CpuEngine::load(opts).map_err(Box::new)?;
             Ok(engine)

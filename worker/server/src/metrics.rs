@@ -29,6 +29,9 @@ pub struct WorkerMetrics {
     prompt_tokens: IntCounterVec,
     generation_tokens: IntCounterVec,
     success: IntCounterVec,
+    prefix_queries: IntCounterVec,
+    prefix_hits: IntCounterVec,
+    cache_config: GaugeVec,
     /// KV push time, seconds.
     pub kv_save_seconds: Histogram,
     /// KV pull time, seconds.
@@ -103,6 +106,24 @@ impl WorkerMetrics {
                 names::VLLM_REQUEST_SUCCESS_TOTAL,
                 "Finished requests by finish reason",
                 &["model_name", "finished_reason"],
+            )?,
+            prefix_queries: rngd_telemetry::counter_vec(
+                &r,
+                names::VLLM_PREFIX_CACHE_QUERIES_TOTAL,
+                "Prompt tokens looked up in the prefix cache",
+                MODEL,
+            )?,
+            prefix_hits: rngd_telemetry::counter_vec(
+                &r,
+                names::VLLM_PREFIX_CACHE_HITS_TOTAL,
+                "Prompt tokens found in the prefix cache (not computed)",
+                MODEL,
+            )?,
+            cache_config: rngd_telemetry::gauge_vec(
+                &r,
+                names::VLLM_CACHE_CONFIG_INFO,
+                "Cache configuration: positions per block, blocks the prefix cache holds",
+                &["model_name", "block_size", "num_gpu_blocks"],
             )?,
             kv_save_seconds: rngd_telemetry::histogram(
                 &r,
@@ -190,6 +211,20 @@ impl WorkerMetrics {
             self.waiting.with_label_values(&m).set(e.waiting() as f64);
             self.running.with_label_values(&m).set(e.running() as f64);
             self.kv_usage.with_label_values(&m).set(e.kv_usage());
+            if let Some(p) = e.prefix_cache_stats() {
+                // The engine counts; the counters follow its totals.
+                for (c, total) in [
+                    (&self.prefix_queries, p.queries),
+                    (&self.prefix_hits, p.hits),
+                ] {
+                    let c = c.with_label_values(&m);
+                    c.inc_by(total.saturating_sub(c.get()));
+                }
+                let (b, n) = (p.block_size.to_string(), p.capacity_blocks.to_string());
+                self.cache_config
+                    .with_label_values(&[m[0], b.as_str(), n.as_str()])
+                    .set(1.0);
+            }
         }
         rngd_telemetry::render(&self.registry)
     }

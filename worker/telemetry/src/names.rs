@@ -150,6 +150,15 @@ pub const EPP_OVERLOAD_REJECTIONS_TOTAL: &str = "rngd_pd_epp_overload_rejections
 /// Request body bytes the picker holds or has reserved (gauge).
 pub const EPP_BODY_BYTES_IN_FLIGHT: &str = "rngd_pd_epp_body_bytes_in_flight";
 
+// Prefix cache of the worker's engine (vLLM's families, label `model_name`).
+/// Prompt tokens looked up in the prefix cache (counter).
+pub const VLLM_PREFIX_CACHE_QUERIES_TOTAL: &str = "vllm:prefix_cache_queries_total";
+/// Prompt tokens found in the prefix cache, not computed (counter).
+pub const VLLM_PREFIX_CACHE_HITS_TOTAL: &str = "vllm:prefix_cache_hits_total";
+/// Cache configuration: gauge 1 with labels `model_name`, `block_size`,
+/// `num_gpu_blocks` (the blocks the prefix cache's budget holds).
+pub const VLLM_CACHE_CONFIG_INFO: &str = "vllm:cache_config_info";
+
 // KV relay pre-auth budget. The relay has no HTTP listener: its STATS reply
 // carries these (fields `handshake_failures`, `handshakes`), docs/kv-wire.md.
 /// Relay sockets that failed the handshake, by `reason` (`refused`,

@@ -134,6 +134,7 @@ macro_rules! shared {
             served("min_tokens"),
             served("ignore_eos"),
             served("stop_token_ids"),
+            served("cache_salt"),
             only("n", "1", one),
             only("prompt_logprobs", "null", null),
             only("use_beam_search", "false", falsy),

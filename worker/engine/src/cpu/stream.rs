@@ -20,6 +20,11 @@ pub(super) struct Stream {
     pub(super) history: History,
     /// Token to feed next.
     pub(super) last: u32,
+    /// The tokens whose KV is in the stream's cache, in order (the prompt,
+    /// then each token fed); empty when the prompt was not kept.
+    pub(super) seq: Vec<u32>,
+    /// Prompt tokens the prefill read from the prefix cache.
+    cached_tokens: usize,
     /// Tokens sampled so far (the next one has this index).
     pub(super) sampled: u64,
     /// Token events sent or pending.
@@ -34,13 +39,16 @@ impl Stream {
     pub(super) fn new(
         tx: mpsc::Sender<GenEvent>,
         params: SamplingParams,
-        prompt: &[u32],
+        prompt: Vec<u32>,
         first: u32,
+        cached_tokens: usize,
         tok: &Tokenizer,
     ) -> Self {
         Stream {
             tx,
-            history: History::new(prompt, &params, tok.stop_ids()),
+            history: History::new(&prompt, &params, tok.stop_ids()),
+            seq: prompt,
+            cached_tokens,
             stops: StopScanner::new(&params.stop),
             params,
             last: first,
@@ -130,6 +138,7 @@ impl Stream {
             finish_reason: reason,
             completion_tokens: self.emitted,
             stop_reason: stop,
+            cached_tokens: self.cached_tokens,
         });
         false
     }

@@ -386,5 +386,6 @@ pub(super) fn sampling(
         ignore_eos: f.ignore_eos.unwrap_or(false),
         stop_token_ids,
         logprobs: req.chat_logprobs.or(req.logprobs).map(|n| n as usize),
+        cache_salt: f.cache_salt.clone(),
     })
 }

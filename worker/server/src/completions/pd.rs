@@ -115,7 +115,7 @@ pub(super) async fn prefill_for_remote(
             stop_reason: None,
             token_ids: Some(vec![first]),
         }],
-        usage: Some(Usage::new(prompt_tokens as u32, 1)),
+        usage: Some(Usage::new(prompt_tokens as u32, 1).with_cached(pre.cached_tokens as u32)),
         kv_transfer_params: Some(KvTransferParams {
             do_remote_prefill: true,
             kv_handle: Some(handle),
@@ -292,6 +292,7 @@ pub(super) async fn decode_remote(
             blobs,
         },
         elapsed: Duration::ZERO,
+        cached_tokens: 0,
     };
     let rx = engine.decode(&prompt, prefilled, &sp).await?;
     let timings = Timings {

@@ -184,7 +184,7 @@ pub(super) async fn respond(
     if !stream {
         let (mut text, mut ids) = (meta.echo.clone().unwrap_or_default(), Vec::new());
         let (mut first, mut last) = (None, None);
-        let (mut finish, mut stop) = (None, None);
+        let (mut finish, mut stop, mut cached) = (None, None, 0);
         let mut builder = meta.builder();
         let mut logprobs = builder.as_ref().map(Builder::empty);
         while let Some(ev) = rx.recv().await {
@@ -206,10 +206,12 @@ pub(super) async fn respond(
                 GenEvent::Done {
                     finish_reason,
                     stop_reason,
+                    cached_tokens,
                     ..
                 } => {
                     finish = Some(finish_reason);
                     stop = stop_json(stop_reason);
+                    cached = cached_tokens;
                     break;
                 }
                 GenEvent::Error(m) => {
@@ -231,7 +233,7 @@ pub(super) async fn respond(
             stop_reason: stop,
             token_ids: Some(ids),
         }]);
-        body.usage = Some(Usage::new(meta.prompt_tokens as u32, n));
+        body.usage = Some(Usage::new(meta.prompt_tokens as u32, n).with_cached(cached as u32));
         body.timings = Some(timings);
         return Ok(match meta.api {
             Api::Completion => axum::Json(body).into_response(),
@@ -306,6 +308,7 @@ pub(super) async fn respond(
                     GenEvent::Done {
                         finish_reason,
                         stop_reason,
+                        cached_tokens,
                         ..
                     } => {
                         let mut c = meta.chunk(vec![CompletionChoice {
@@ -321,7 +324,10 @@ pub(super) async fn respond(
                         let mut events = render(&c);
                         if meta.include_usage {
                             let mut u = meta.chunk(Vec::new());
-                            u.usage = Some(Usage::new(meta.prompt_tokens as u32, n as u32));
+                            u.usage = Some(
+                                Usage::new(meta.prompt_tokens as u32, n as u32)
+                                    .with_cached(cached_tokens as u32),
+                            );
                             events.extend(render(&u));
                         }
                         (events, true)
