@@ -265,3 +265,31 @@ async fn a_pd_split_from_a_warm_prefill_gives_the_solo_tokens() {
     let got = collect(decoder.decode(&ids, shipped, &g).await.unwrap()).await;
     assert_eq!(got, want);
 }
+
+/// The real model (SmolLM2-135M): a warm prefill equals a cold one bit for
+/// bit for a shared prefix of several lengths.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn real_model_warm_equals_cold() {
+    use rngd_engine::cpu::{CpuEngine, CpuEngineOptions};
+    let load = |prefix: PrefixCacheOptions| {
+        let mut o = CpuEngineOptions::new(common::real_model());
+        o.batch = 1;
+        o.prefix_cache = prefix;
+        CpuEngine::load(o).expect("loading the real model")
+    };
+    let (cold, warm) = (load(off()), load(PrefixCacheOptions::default()));
+    let para = "Rust is a systems programming language focused on safety, speed and concurrency. \
+        It achieves memory safety without a garbage collector. ";
+    let base = warm.tokenize(&para.repeat(6)).unwrap();
+    assert!(base.len() > 120, "{}", base.len());
+    let p = params(1);
+    warm.prefill(&base, &p).await.unwrap();
+    for (cut, tail) in [(B + 3, 20), (4 * B + 1, 1), (6 * B, 2), (7 * B + 5, 9)] {
+        let mut ids = base[..cut].to_vec();
+        ids.extend(warm.tokenize(&" and more words".repeat(tail)).unwrap());
+        let c = cold.prefill(&ids, &p).await.unwrap();
+        let w = warm.prefill(&ids, &p).await.unwrap();
+        assert!(w.cached_tokens >= B, "cut {cut}: {}", w.cached_tokens);
+        same(&w, &c, &format!("real model, cut {cut}"));
+    }
+}
