@@ -1,15 +1,19 @@
 //! What a request will cost the engine: [`PromptCounter`] (the model's own
 //! tokenizer and chat template, from `rngd-engine`) and [`prepare`], the one
-//! function both front doors turn a client body into a validated request and
-//! its prompt-token count with. The gateway and the picker therefore count
-//! exactly what the worker's engine will see, chat included.
+//! function both front doors turn a client body into a validated request,
+//! its prompt's token ids and their count with. The gateway and the picker
+//! therefore count exactly what the worker's engine will see, chat included.
+//!
+//! Length before tokens: a prompt whose byte length proves it cannot fit the
+//! context is refused before it is tokenized, and no prompt is tokenized past
+//! the context (`Tokenizer::encode_within`).
 
 use std::path::Path;
 use std::sync::Arc;
 
 use rngd_api::openai::{ChatCompletionRequest, CompletionRequest, Prompt, StreamOptions};
 use rngd_api::rules::{self, RuleError};
-pub use rngd_engine::tokenizer::TokenizerOverrides;
+pub use rngd_engine::tokenizer::{TokenizerOverrides, Within};
 
 use crate::{BoxError, PoolError};
 
@@ -17,8 +21,32 @@ use crate::{BoxError, PoolError};
 pub trait PromptCounter: Send + Sync + 'static {
     /// The model name served in the API.
     fn model_name(&self) -> &str;
+    /// The token ids `text` encodes to.
+    fn tokenize(&self, text: &str) -> Result<Vec<u32>, BoxError>;
+    /// [`PromptCounter::tokenize`] for a text of use only with at most
+    /// `limit` tokens: a counter with a bound of bytes per token refuses a
+    /// longer text without tokenizing it whole; this default tokenizes it
+    /// and compares.
+    fn tokenize_within(&self, text: &str, limit: usize) -> Result<Within, BoxError> {
+        let ids = self.tokenize(text)?;
+        Ok(if ids.len() > limit {
+            Within::TooLong {
+                at_least: ids.len(),
+                tokenized_bytes: text.len(),
+            }
+        } else {
+            Within::Ids(ids)
+        })
+    }
+    /// The context length the model was trained for, if the counter knows
+    /// it: the bound [`prepare`] tokenizes up to when the door gives none.
+    fn max_context(&self) -> Option<u32> {
+        None
+    }
     /// Number of tokens `text` encodes to.
-    fn count(&self, text: &str) -> Result<usize, BoxError>;
+    fn count(&self, text: &str) -> Result<usize, BoxError> {
+        Ok(self.tokenize(text)?.len())
+    }
     /// Renders a chat with the model's template (generation prompt included).
     fn chat_prompt(&self, messages: &[(String, String)]) -> Result<String, BoxError>;
 }
@@ -30,8 +58,16 @@ impl PromptCounter for rngd_engine::tokenizer::Tokenizer {
         rngd_engine::tokenizer::Tokenizer::model_name(self)
     }
 
-    fn count(&self, text: &str) -> Result<usize, BoxError> {
-        Ok(self.encode(text)?.len())
+    fn tokenize(&self, text: &str) -> Result<Vec<u32>, BoxError> {
+        Ok(self.encode(text)?)
+    }
+
+    fn tokenize_within(&self, text: &str, limit: usize) -> Result<Within, BoxError> {
+        Ok(self.encode_within(text, limit)?)
+    }
+
+    fn max_context(&self) -> Option<u32> {
+        rngd_engine::tokenizer::Tokenizer::context_length(self)
     }
 
     fn chat_prompt(&self, messages: &[(String, String)]) -> Result<String, BoxError> {
@@ -73,8 +109,19 @@ impl PromptCounter for ByteCounter {
     fn model_name(&self) -> &str {
         "echo"
     }
-    fn count(&self, text: &str) -> Result<usize, BoxError> {
-        Ok(text.len())
+    fn tokenize(&self, text: &str) -> Result<Vec<u32>, BoxError> {
+        Ok(text.bytes().map(u32::from).collect())
+    }
+    /// One byte is one token: the length decides, nothing is tokenized
+    /// past `limit`.
+    fn tokenize_within(&self, text: &str, limit: usize) -> Result<Within, BoxError> {
+        if text.len() > limit {
+            return Ok(Within::TooLong {
+                at_least: text.len(),
+                tokenized_bytes: 0,
+            });
+        }
+        Ok(Within::Ids(self.tokenize(text)?))
     }
     fn chat_prompt(&self, messages: &[(String, String)]) -> Result<String, BoxError> {
         Ok(messages
@@ -99,8 +146,9 @@ impl PromptCounter for WordCounter {
     fn model_name(&self) -> &str {
         self.model
     }
-    fn count(&self, text: &str) -> Result<usize, BoxError> {
-        Ok(text.split_whitespace().count())
+    /// Word `i` of the text is token id `i` (the counts are what matter).
+    fn tokenize(&self, text: &str) -> Result<Vec<u32>, BoxError> {
+        Ok((0..text.split_whitespace().count() as u32).collect())
     }
     fn chat_prompt(&self, messages: &[(String, String)]) -> Result<String, BoxError> {
         let mut s = String::new();
@@ -156,6 +204,9 @@ pub struct Prepared {
     pub upstream: CompletionRequest,
     /// Prompt tokens, counted as the engine will see them.
     pub prompt_tokens: usize,
+    /// The prompt's token ids, as the engine will see them (the counter's
+    /// ids; `WordCounter`'s are placeholders).
+    pub prompt_ids: Vec<u32>,
     /// Whether the client itself asked for a usage chunk on a stream.
     pub include_usage: bool,
 }
@@ -188,30 +239,54 @@ pub fn check(kind: ApiKind, body: &[u8]) -> Result<(), RuleError> {
 }
 
 /// Parses and validates a client body of `kind`, renders a chat with the
-/// model's template and counts the prompt's tokens.
+/// model's template and tokenizes the prompt.
 ///
 /// `seq_len`: the compiled context a chat without `max_tokens` may fill
 /// (OpenAI's chat default is "until the context is full"); `None` leaves
 /// such a chat at the completion default.
+///
+/// Length before tokens: a prompt that provably has more tokens than the
+/// context (`seq_len`, else the model's own trained context from the
+/// counter) is the context-length 400 before it is tokenized whole (its
+/// bytes prove it, or a bounded prefix does: `Tokenizer::encode_within`),
+/// so no prompt is tokenized past the context.
 pub fn prepare(
     kind: ApiKind,
     body: &[u8],
     counter: &dyn PromptCounter,
     seq_len: Option<u32>,
 ) -> Result<Prepared, PrepareError> {
-    let (client_model, mut upstream, prompt_tokens) = match kind {
+    let context = seq_len.or_else(|| counter.max_context());
+    let ids_of = |text: &str, max_tokens: Option<u32>| -> Result<Vec<u32>, PrepareError> {
+        let Some(context) = context else {
+            return counter.tokenize(text).map_err(PrepareError::Tokenize);
+        };
+        let within = counter
+            .tokenize_within(text, context as usize)
+            .map_err(PrepareError::Tokenize)?;
+        match within {
+            Within::Ids(ids) => Ok(ids),
+            Within::TooLong { at_least, .. } => Err(PrepareError::Rule(rules::prompt_too_long(
+                at_least,
+                max_tokens.map(|m| m as usize),
+                context as usize,
+            ))),
+        }
+    };
+    let (client_model, mut upstream, prompt_ids) = match kind {
         ApiKind::Completion => {
             let mut req = completion(body)?;
             req.prompt = rules::single_prompt(&req.prompt)?;
-            let n = match &req.prompt {
-                Prompt::Text(t) => counter.count(t).map_err(PrepareError::Tokenize)?,
-                Prompt::Tokens(t) => t.len(),
+            let max_tokens = rules::max_tokens_or_default(req.sampling.max_tokens);
+            let ids = match &req.prompt {
+                Prompt::Text(t) => ids_of(t, Some(max_tokens))?,
+                Prompt::Tokens(t) => t.clone(),
                 Prompt::TextBatch(_) | Prompt::TokensBatch(_) => {
                     unreachable!("single_prompt unwraps batches")
                 }
             };
-            req.sampling.max_tokens = Some(rules::max_tokens_or_default(req.sampling.max_tokens));
-            (req.model.clone(), req, n)
+            req.sampling.max_tokens = Some(max_tokens);
+            (req.model.clone(), req, ids)
         }
         ApiKind::Chat => {
             let chat = chat(body)?;
@@ -219,9 +294,9 @@ pub fn prepare(
             let prompt = counter
                 .chat_prompt(&messages)
                 .map_err(PrepareError::Tokenize)?;
-            let n = counter.count(&prompt).map_err(PrepareError::Tokenize)?;
-            let upstream = rngd_api::chat::to_completion(&chat, prompt, n, seq_len);
-            (chat.model, upstream, n)
+            let ids = ids_of(&prompt, rngd_api::chat::requested_max_tokens(&chat))?;
+            let upstream = rngd_api::chat::to_completion(&chat, prompt, ids.len(), seq_len);
+            (chat.model, upstream, ids)
         }
     };
     // The front doors need token counts on streams: ask the worker for usage
@@ -237,7 +312,8 @@ pub fn prepare(
         kind,
         client_model,
         upstream,
-        prompt_tokens,
+        prompt_tokens: prompt_ids.len(),
+        prompt_ids,
         include_usage,
     })
 }
@@ -256,6 +332,7 @@ mod tests {
         )
         .expect("prepared");
         assert_eq!(p.prompt_tokens, 5);
+        assert_eq!(p.prompt_ids, b"hello".map(u32::from).to_vec());
         assert_eq!(p.upstream.prompt, Prompt::Text("hello".into()));
         assert_eq!(p.upstream.sampling.max_tokens, Some(16));
         assert!(!p.include_usage);
@@ -315,6 +392,96 @@ mod tests {
             }
             assert_eq!(check(kind, body).unwrap_err().param, param);
         }
+    }
+
+    /// A counter whose tokens are 4 bytes at most, and which records how
+    /// many bytes it was asked to tokenize (a door must not tokenize a
+    /// prompt its bytes already refuse).
+    struct Bounded {
+        tokenized: std::sync::atomic::AtomicUsize,
+    }
+
+    impl PromptCounter for Bounded {
+        fn model_name(&self) -> &str {
+            "m"
+        }
+        fn tokenize(&self, text: &str) -> Result<Vec<u32>, BoxError> {
+            self.tokenized
+                .fetch_add(text.len(), std::sync::atomic::Ordering::Relaxed);
+            Ok((0..text.len().div_ceil(4) as u32).collect())
+        }
+        fn tokenize_within(&self, text: &str, limit: usize) -> Result<Within, BoxError> {
+            let at_least = text.len().div_ceil(4);
+            if at_least > limit {
+                return Ok(Within::TooLong {
+                    at_least,
+                    tokenized_bytes: 0,
+                });
+            }
+            Ok(Within::Ids(self.tokenize(text)?))
+        }
+        fn max_context(&self) -> Option<u32> {
+            Some(1000)
+        }
+        fn chat_prompt(&self, messages: &[(String, String)]) -> Result<String, BoxError> {
+            ByteCounter.chat_prompt(messages)
+        }
+    }
+
+    #[test]
+    fn a_prompt_too_long_by_its_bytes_is_refused_before_tokenizing() {
+        let c = Bounded {
+            tokenized: Default::default(),
+        };
+        let big = "x".repeat(1 << 20);
+        for (kind, body, ctx) in [
+            (
+                ApiKind::Completion,
+                serde_json::json!({"model":"m","prompt":big,"max_tokens":5}),
+                Some(512),
+            ),
+            // No context from the door: the model's own (the counter's) bounds it.
+            (
+                ApiKind::Chat,
+                serde_json::json!({"model":"m","messages":[{"role":"user","content":big}]}),
+                None,
+            ),
+        ] {
+            let body = serde_json::to_vec(&body).unwrap();
+            match prepare(kind, &body, &c, ctx) {
+                Err(PrepareError::Rule(e)) => {
+                    assert_eq!(e.param, Some("max_tokens"));
+                    assert_eq!(e.code, Some(rngd_api::openai::CONTEXT_LENGTH_CODE));
+                    let want = ctx.unwrap_or(1000);
+                    assert!(
+                        e.message.contains("(at least 2621")
+                            && e.message
+                                .contains(&format!("context length of {want} tokens")),
+                        "{}",
+                        e.message
+                    );
+                }
+                other => panic!("{other:?}"),
+            }
+        }
+        assert_eq!(c.tokenized.load(std::sync::atomic::Ordering::Relaxed), 0);
+        // One that fits is tokenized, and its ids are kept.
+        let p = prepare(
+            ApiKind::Completion,
+            br#"{"model":"m","prompt":"abcdefgh"}"#,
+            &c,
+            Some(512),
+        )
+        .unwrap();
+        assert_eq!((p.prompt_tokens, p.prompt_ids.clone()), (2, vec![0, 1]));
+        let p = prepare(
+            ApiKind::Completion,
+            br#"{"model":"m","prompt":[5,6,7]}"#,
+            &c,
+            Some(512),
+        )
+        .unwrap();
+        assert_eq!(p.prompt_ids, vec![5, 6, 7]);
     }
 
     #[test]

@@ -21,6 +21,10 @@ use crate::source::EndpointSource;
 pub const DEFAULT_SCRAPE_INTERVAL: Duration = Duration::from_millis(50);
 /// Default age after which scraped data is stale and the endpoint unhealthy.
 pub const DEFAULT_STALE_AFTER: Duration = Duration::from_secs(2);
+/// Default cap on one scraped `/metrics` body (a worker's page is a few KB):
+/// a longer body fails the scrape (counted, logged, the endpoint stale)
+/// without being buffered whole.
+pub const DEFAULT_MAX_SCRAPE_BYTES: usize = 4 << 20;
 
 /// Fetches an endpoint's `/metrics` text.
 #[async_trait]
@@ -29,13 +33,22 @@ pub trait MetricsFetcher: Send + Sync + 'static {
     async fn fetch(&self, address: &str) -> Result<String, PoolError>;
 }
 
-/// [`MetricsFetcher`] over HTTP: `GET http://ADDRESS/metrics`.
+/// [`MetricsFetcher`] over HTTP: `GET http://ADDRESS/metrics`, the body read
+/// up to a cap ([`DEFAULT_MAX_SCRAPE_BYTES`], [`HttpFetcher::with_max_body`]).
 #[derive(Debug, Clone)]
 pub struct HttpFetcher {
     client: reqwest::Client,
+    /// Most bytes of one `/metrics` body; past it the scrape fails.
+    max_body: usize,
 }
 
 impl HttpFetcher {
+    /// Caps each scraped body at `bytes` (default [`DEFAULT_MAX_SCRAPE_BYTES`]).
+    pub fn with_max_body(mut self, bytes: usize) -> Self {
+        self.max_body = bytes;
+        self
+    }
+
     /// A fetcher whose requests (connect included) time out after `timeout`.
     pub fn new(timeout: Duration) -> Result<Self, PoolError> {
         let client = reqwest::Client::builder()
@@ -45,7 +58,10 @@ impl HttpFetcher {
             .redirect(reqwest::redirect::Policy::none())
             .build()
             .map_err(PoolError::Client)?;
-        Ok(HttpFetcher { client })
+        Ok(HttpFetcher {
+            client,
+            max_body: DEFAULT_MAX_SCRAPE_BYTES,
+        })
     }
 }
 
@@ -68,7 +84,26 @@ impl MetricsFetcher for HttpFetcher {
                 reason: format!("HTTP {}", resp.status()),
             });
         }
-        resp.text().await.map_err(err)
+        let too_long = || PoolError::ScrapeContent {
+            address: address.to_string(),
+            reason: format!("the /metrics body is over {} bytes", self.max_body),
+        };
+        if resp
+            .content_length()
+            .is_some_and(|n| n > self.max_body as u64)
+        {
+            return Err(too_long());
+        }
+        // Read chunk by chunk: a body past the cap is dropped, never held whole.
+        let mut body = Vec::new();
+        let mut resp = resp;
+        while let Some(chunk) = resp.chunk().await.map_err(err)? {
+            if body.len() + chunk.len() > self.max_body {
+                return Err(too_long());
+            }
+            body.extend_from_slice(&chunk);
+        }
+        Ok(String::from_utf8_lossy(&body).into_owned())
     }
 }
 
