@@ -5,7 +5,8 @@
 //! worker, the gateway and the Envoy ext-proc endpoint picker, reading each
 //! one's printed address. Prints the URLs
 //! and a ready-to-paste curl, then waits; Ctrl-C / SIGTERM (or any child
-//! exiting) stops every child and removes the stack's shm directory.
+//! exiting) stops every child and removes the stack's shm directory and its
+//! private scratch directory ([`scratch`]).
 
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
@@ -15,6 +16,8 @@ use anyhow::{Context, bail};
 use rngd_api::env;
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::{Child, Command};
+
+mod scratch;
 
 /// Flags.
 #[derive(Debug, clap::Args)]
@@ -288,9 +291,10 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     let mut stack = Stack {
         procs: Vec::new(),
         shm_root: PathBuf::from(format!("/dev/shm/rngd_pd_up_{pid}")),
-        scratch: std::env::temp_dir().join(format!("rngd_pd_up_{pid}")),
+        // Fresh and private (mkdtemp semantics), removed by `stop`/drop.
+        scratch: scratch::fresh_private_dir(&std::env::temp_dir(), "rngd_pd_up_")
+            .context("creating the scratch directory")?,
     };
-    std::fs::create_dir_all(&stack.scratch).context("creating the scratch directory")?;
     let result = bring_up(&args, &model, &policy, &mut stack).await;
     let outcome = match result {
         Ok(()) => {
