@@ -10,6 +10,9 @@
 //!   field of OpenAI's completion and chat request schemas (and vLLM's
 //!   sampling extensions), at a non-default value, at every door: honoured
 //!   (200) or a 400 naming it, never silently ignored.
+//! - `limits_and_precedence_are_the_same_at_every_door`: the list caps,
+//!   `max_completion_tokens` over `max_tokens`, and a chat without either
+//!   whose prompt is within 16 tokens of the context, the same at every door.
 //! - `chat_prompt_tokens_agree_with_the_engine`: the same chat through the
 //!   gateway and the picker reaches the policy with the prompt-token count of
 //!   the engine's own tokenizer and chat template (the real SmolLM2 GGUF;
@@ -36,6 +39,8 @@ use rngd_pool::{Policy, PolicyFailure, PromptCounter, StaticEndpoints};
 use rngd_worker::{RunningWorker, Transports, WorkerConfig};
 use serde_json::{Value, json};
 
+#[path = "front_doors/limits.rs"]
+mod limits;
 #[path = "front_doors/schema.rs"]
 mod schema;
 use schema::{CHAT_SCHEMA, COMPLETION_SCHEMA};
@@ -376,6 +381,25 @@ async fn same_verdicts_at_every_door() {
         assert_eq!(g, want, "gateway, body {body}");
         assert_eq!(w, want, "worker, body {body}");
         assert_eq!(p, want, "picker, body {body}");
+    }
+}
+
+/// List caps, the `max_tokens` precedence and the near-context chat
+/// (`front_doors/limits.rs`): the same verdict at every door.
+#[tokio::test]
+async fn limits_and_precedence_are_the_same_at_every_door() {
+    let d = doors(TokenizerChoice::Custom(Arc::new(ByteCounter))).await;
+    let gw = format!("http://{}", d.gateway.addr);
+    for (path, body, status, param) in limits::rows() {
+        let body: &'static str = Box::leak(body.into_boxed_str());
+        let want = (status, param.map(String::from));
+        let g = http_verdict(format!("{gw}{path}"), body).await;
+        let w = http_verdict(format!("{}{path}", d.worker.url()), body).await;
+        let p = picker_verdict(&d.picker, path, body).await;
+        let short = &body[..body.len().min(120)];
+        assert_eq!(g, want, "gateway, {short}");
+        assert_eq!(w, want, "worker, {short}");
+        assert_eq!(p, want, "picker, {short}");
     }
 }
 
