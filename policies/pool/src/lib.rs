@@ -7,7 +7,10 @@
 //! - [`load`]: the one Prometheus reader of the `vllm:*` gauges.
 //! - [`prompt`]: the prompt counter (the engine's tokenizer and chat template)
 //!   and [`prepare`], which validates a client body and counts its prompt.
-//! - [`pick`]: the [`Policy`] seam and [`Picker::pick`], the one routing call.
+//! - [`pick`]: the [`Policy`] seam and [`Picker::pick`], the one routing call
+//!   (client-sent steering headers never reach the policy).
+//! - [`admission`]: the concurrency limit, bounded waiting room and body-byte
+//!   budget both doors apply (429s).
 //! - [`wiring`]: the policy, tokenizer and source choices both doors start from.
 //! - `discovery` (feature `kube`): the endpoints of an `InferencePool`, watched
 //!   through the Kubernetes API.
@@ -15,6 +18,7 @@
 //! Test doubles ([`prompt::ByteCounter`], [`pick::NativePolicy`]) are behind
 //! the `test-util` feature.
 
+pub mod admission;
 #[cfg(feature = "kube")]
 pub mod discovery;
 pub mod load;
@@ -26,6 +30,7 @@ pub mod wiring;
 
 use std::path::PathBuf;
 
+pub use admission::{Admission, AdmissionOptions, Overloaded};
 pub use load::{LoadSample, parse_load};
 pub use pick::{PickError, PickRequest, Picker, Policy, PolicyFailure};
 pub use prompt::{
