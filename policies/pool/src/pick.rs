@@ -3,10 +3,19 @@
 //! and checks what it answers. Every way it can fail is a [`PickError`]; each
 //! door maps those to its own wire (HTTP status, ext_proc immediate response)
 //! in one place.
+//!
+//! Clients never steer routing: the headers handed to the policy never carry
+//! a client-sent `x-gateway-destination-endpoint*`, `x-prefiller-host-port`
+//! or `x-rngd-pd-kv-transport` ([`is_steering_header`]). A subset hint
+//! reaches the policy only as [`PickRequest::subset`], which a door fills
+//! from a trusted source (the picker: Envoy's filter metadata; the gateway:
+//! never); the policy then sees it as `x-gateway-destination-endpoint-subset`
+//! and only the endpoints it names.
 
 use std::sync::Arc;
 
 use async_trait::async_trait;
+use rngd_api::headers;
 use rngd_policy_core::{Decision, Endpoint, LocalResponse, Route};
 use rngd_policy_host::{PolicyRequest, PolicyRuntime};
 
@@ -69,7 +78,7 @@ impl Policy for NativePolicy {
             body: Some(&req.body),
             content_length: Some(req.body.len() as u64),
             prompt_tokens: req.prompt_tokens.map(|n| n as u64),
-            subset: header(rngd_api::headers::DESTINATION_ENDPOINT_SUBSET),
+            subset: header(headers::DESTINATION_ENDPOINT_SUBSET),
         };
         let endpoints: &[Endpoint] = req.endpoints.as_deref().unwrap_or(&[]);
         Ok(rngd_policy_core::decide(&self.config, endpoints, &input))
@@ -109,16 +118,48 @@ impl PickError {
     }
 }
 
+/// Whether a request header is one that steers routing
+/// (`x-gateway-destination-endpoint` and every `x-gateway-destination-endpoint-*`,
+/// `x-prefiller-host-port`, `x-rngd-pd-kv-transport`), which only a pick may
+/// set: a client's is dropped before the policy runs and before the request
+/// is forwarded. `name` is compared case-insensitively.
+pub fn is_steering_header(name: &str) -> bool {
+    let n = name.to_ascii_lowercase();
+    n.starts_with(headers::DESTINATION_ENDPOINT)
+        || n == headers::PREFILLER_HOST_PORT
+        || n == headers::KV_TRANSPORT
+}
+
+/// The headers the policy sees: `client`'s without the steering headers
+/// ([`is_steering_header`]), plus the trusted subset hint, if any, as
+/// `x-gateway-destination-endpoint-subset`.
+fn policy_headers(
+    mut client: Vec<(String, String)>,
+    subset: Option<&[String]>,
+) -> Vec<(String, String)> {
+    client.retain(|(k, _)| !is_steering_header(k));
+    if let Some(s) = subset {
+        client.push((
+            headers::DESTINATION_ENDPOINT_SUBSET.to_string(),
+            s.join(","),
+        ));
+    }
+    client
+}
+
 /// One request as a front door hands it to [`Picker::pick`].
 #[derive(Debug, Clone, Default)]
 pub struct PickRequest {
-    /// Request headers including the pseudo-headers `:method`, `:path`, `:authority`.
+    /// Request headers including the pseudo-headers `:method`, `:path`,
+    /// `:authority`, as the client sent them (steering headers are dropped
+    /// by the pick).
     pub headers: Vec<(String, String)>,
     /// The body the policy reads.
     pub body: Vec<u8>,
     /// Prompt tokens counted by [`crate::prompt::prepare`].
     pub prompt_tokens: Option<usize>,
-    /// Subset hint (`ip:port` list from filter metadata); `None` = no hint.
+    /// Subset hint (`ip:port` list) from a trusted source only (the picker:
+    /// Envoy's filter metadata; never a client header); `None` = no hint.
     pub subset: Option<Vec<String>>,
 }
 
@@ -164,7 +205,7 @@ impl Picker {
             }
         }
         let preq = PolicyRequest {
-            headers: req.headers,
+            headers: policy_headers(req.headers, req.subset.as_deref()),
             body: req.body,
             endpoints: Some(Arc::clone(&snapshot)),
             prompt_tokens: req.prompt_tokens,
@@ -254,6 +295,150 @@ mod tests {
             .await
             .unwrap_err();
         assert!(matches!(e, PickError::OffTable { .. }));
+    }
+
+    /// Records the headers and endpoints the policy was given; routes to the first endpoint.
+    #[derive(Default)]
+    struct Recording(std::sync::Mutex<Vec<PolicyRequest>>);
+
+    #[async_trait]
+    impl Policy for Recording {
+        async fn decide(&self, req: PolicyRequest) -> Result<Decision, PolicyFailure> {
+            let first = req.endpoints.as_deref().unwrap_or(&[])[0].address.clone();
+            self.0.lock().unwrap().push(req);
+            Ok(route(&first, None))
+        }
+    }
+
+    fn client_headers() -> Vec<(String, String)> {
+        [
+            (":path", "/v1/completions"),
+            ("x-gateway-destination-endpoint-subset", "10.0.0.2:2"),
+            ("X-Gateway-Destination-Endpoint", "10.0.0.2:2"),
+            ("x-gateway-destination-endpoint-served", "10.0.0.2:2"),
+            ("x-prefiller-host-port", "127.0.0.1:22"),
+            ("X-Rngd-Pd-Kv-Transport", "tcp"),
+            ("x-request-id", "r1"),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect()
+    }
+
+    #[test]
+    fn steering_headers_are_recognised() {
+        for h in [
+            "x-gateway-destination-endpoint",
+            "x-gateway-destination-endpoint-subset",
+            "X-GATEWAY-DESTINATION-ENDPOINT-anything",
+            "x-prefiller-host-port",
+            "x-rngd-pd-kv-transport",
+        ] {
+            assert!(is_steering_header(h), "{h}");
+        }
+        for h in [
+            "x-request-id",
+            "x-gateway-model-name",
+            ":path",
+            "x-prefiller",
+        ] {
+            assert!(!is_steering_header(h), "{h}");
+        }
+    }
+
+    /// The gateway's path: client headers, no subset. Nothing the client
+    /// sent to steer reaches the policy, and the whole pool is eligible.
+    #[tokio::test]
+    async fn client_steering_headers_never_reach_the_policy() {
+        let policy = Arc::new(Recording::default());
+        let p = Picker::new(policy.clone(), pool());
+        p.pick(PickRequest {
+            headers: client_headers(),
+            ..Default::default()
+        })
+        .await
+        .expect("route");
+        let seen = policy.0.lock().unwrap();
+        let names: Vec<&str> = seen[0].headers.iter().map(|(k, _)| k.as_str()).collect();
+        assert_eq!(names, [":path", "x-request-id"], "{:?}", seen[0].headers);
+        assert_eq!(seen[0].endpoints.as_deref().unwrap().len(), 2);
+    }
+
+    /// The picker's path: client headers plus the subset hint it read from
+    /// Envoy's filter metadata. The policy sees that hint, once, and only
+    /// its endpoints; never the client's.
+    #[tokio::test]
+    async fn only_the_trusted_subset_reaches_the_policy() {
+        let policy = Arc::new(Recording::default());
+        let p = Picker::new(policy.clone(), pool());
+        let r = p
+            .pick(PickRequest {
+                headers: client_headers(),
+                subset: Some(vec!["10.0.0.1:1".into()]),
+                ..Default::default()
+            })
+            .await
+            .expect("route");
+        assert_eq!(r.decode, "10.0.0.1:1");
+        let seen = policy.0.lock().unwrap();
+        let subset: Vec<&str> = seen[0]
+            .headers
+            .iter()
+            .filter(|(k, _)| is_steering_header(k))
+            .map(|(k, v)| {
+                assert_eq!(k, headers::DESTINATION_ENDPOINT_SUBSET);
+                v.as_str()
+            })
+            .collect();
+        assert_eq!(subset, ["10.0.0.1:1"]);
+        let eps: Vec<&str> = seen[0]
+            .endpoints
+            .as_deref()
+            .unwrap()
+            .iter()
+            .map(|e| e.address.as_str())
+            .collect();
+        assert_eq!(eps, ["10.0.0.1:1"]);
+    }
+
+    /// The default policy's logic reads the subset header: a client's hint
+    /// naming a loaded decode endpoint does not pin it.
+    #[tokio::test]
+    async fn a_client_subset_header_does_not_pin_an_endpoint() {
+        let mut busy = local_endpoint("10.0.0.1:1".into(), Role::Decode, 512, &[]);
+        busy.queue_depth = 50;
+        let idle = local_endpoint("10.0.0.3:3".into(), Role::Decode, 512, &[]);
+        let p = Picker::new(
+            Arc::new(NativePolicy::default()),
+            StaticEndpoints::new(vec![busy, idle]),
+        );
+        let body = br#"{"model":"m","prompt":"hi","max_tokens":4}"#.to_vec();
+        let mut headers = client_headers();
+        headers.push((
+            "x-gateway-destination-endpoint-subset".into(),
+            "10.0.0.1:1".into(),
+        ));
+        let r = p
+            .pick(PickRequest {
+                headers,
+                body: body.clone(),
+                prompt_tokens: Some(2),
+                subset: None,
+            })
+            .await
+            .expect("route");
+        assert_eq!(r.decode, "10.0.0.3:3", "the client's hint was ignored");
+        // The same hint from the trusted source does narrow the choice.
+        let r = p
+            .pick(PickRequest {
+                body,
+                prompt_tokens: Some(2),
+                subset: Some(vec!["10.0.0.1:1".into()]),
+                ..Default::default()
+            })
+            .await
+            .expect("route");
+        assert_eq!(r.decode, "10.0.0.1:1");
     }
 
     #[tokio::test]
