@@ -12,7 +12,7 @@ use rngd_pool::{PolicyChoice, SourceChoice, TokenizerChoice};
 
 use crate::ExtProcError;
 use crate::metrics::EppMetrics;
-use crate::picker::Picker;
+use crate::picker::{Picker, PickerLimits};
 use crate::processor::ProcessorConfig;
 use crate::server::{self, RunningServer, ServerConfig};
 use crate::tls::TlsChoice;
@@ -37,6 +37,9 @@ pub struct Options {
     pub tokenizer: Option<TokenizerChoice>,
     /// State-machine limits (largest buffered body, re-sent chunk size).
     pub processor: ProcessorConfig,
+    /// Admission (slots, waiting room, body-byte budget) and the model names
+    /// that label metrics.
+    pub limits: PickerLimits,
     /// Bearer token of the policy admin API (`GET`/`PUT /admin/policy`, every
     /// verb authenticated); `None` = off.
     pub admin_token: Option<String>,
@@ -118,10 +121,11 @@ pub async fn launch(opts: Options) -> Result<Launched, ExtProcError> {
             None
         }
     };
-    let picker = Arc::new(Picker::new(
+    let picker = Arc::new(Picker::with_limits(
         rngd_pool::Picker::new(loaded.policy.clone(), source.source.clone()),
         counter,
         metrics,
+        opts.limits.clone(),
     ));
     if let Some(name) = opts.endpoints.pool_name() {
         picker.set_pool_name(name);

@@ -3,18 +3,28 @@
 //! `inference_objective_*` (per request) and `inference_pool_*` (from the
 //! endpoint snapshot, refreshed at every scrape of `/metrics`) families with
 //! the reference's labels (`docs/epp.md`, "Metrics").
+//!
+//! Label values come only from closed sets: a request's `model_name` is one
+//! of the served model names ([`EppMetrics::set_models`]: the tokenizer's
+//! model name and the configured ones) or [`OTHER_MODEL`]; a client's model
+//! string never creates a series.
 
-use std::sync::{Arc, Mutex};
+use std::collections::BTreeSet;
+use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
 use prometheus::{Gauge, GaugeVec, Histogram, HistogramVec, IntCounter, IntCounterVec, Registry};
 use rngd_pool::EndpointSource;
+use rngd_pool::admission::{AdmissionMetrics, AdmissionNames};
 use rngd_telemetry::names;
 
 use crate::ExtProcError;
 
 /// Pool name of the `inference_pool_*` families when none is configured.
 pub const DEFAULT_POOL_NAME: &str = "rngd-pd";
+
+/// The `model_name` label of every request whose model is not a served one.
+pub const OTHER_MODEL: &str = "other";
 
 /// Byte-size buckets (64 B … 64 MiB) of the request and response size histograms.
 const SIZE_BUCKETS: &[f64] = &[
@@ -71,6 +81,11 @@ pub struct EppMetrics {
     pool_per_pod_queue: GaugeVec,
     pool_ready: GaugeVec,
     pool: Arc<Mutex<PoolWatch>>,
+    /// The picker's admission metrics (`rngd_pd_epp_in_flight`, `_queued`,
+    /// `_overload_rejections_total`, `_body_bytes_in_flight`).
+    pub admission: AdmissionMetrics,
+    /// The model names that label a series of their own.
+    models: Arc<RwLock<BTreeSet<String>>>,
 }
 
 /// What the response path reports about one routed request.
@@ -179,8 +194,32 @@ impl EppMetrics {
             .map_err(err)?,
             pool_ready: pool_gauge(names::GIE_POOL_READY_PODS, "Healthy endpoints of the pool")?,
             pool: Arc::new(Mutex::new(PoolWatch::default())),
+            admission: AdmissionMetrics::register(AdmissionNames::PICKER, r).map_err(err)?,
+            models: Arc::new(RwLock::new(BTreeSet::new())),
             registry,
         })
+    }
+
+    /// Adds served model names: each labels its own series; every other
+    /// model is counted as [`OTHER_MODEL`].
+    pub fn set_models<I, S>(&self, names: I)
+    where
+        I: IntoIterator<Item = S>,
+        S: Into<String>,
+    {
+        let mut m = self.models.write().unwrap_or_else(|e| e.into_inner());
+        m.extend(names.into_iter().map(Into::into).filter(|n| !n.is_empty()));
+    }
+
+    /// The `model_name` label of a request for `model`: the name when it is
+    /// a served one, else [`OTHER_MODEL`].
+    pub fn model_label(&self, model: &str) -> String {
+        let m = self.models.read().unwrap_or_else(|e| e.into_inner());
+        if m.contains(model) {
+            model.to_string()
+        } else {
+            OTHER_MODEL.to_string()
+        }
     }
 
     /// Reads the `inference_pool_*` gauges from `source` under the pool name `name`.
@@ -218,6 +257,7 @@ impl EppMetrics {
 
     /// Counts a routed request of `model`: total, size, prompt tokens, running.
     pub fn routed(&self, model: &str, request_bytes: usize, prompt_tokens: Option<usize>) {
+        let model = &self.model_label(model);
         let l = [model, model];
         self.objective_requests.with_label_values(&l).inc();
         self.objective_request_sizes
@@ -233,6 +273,7 @@ impl EppMetrics {
 
     /// Counts a refused request of `model` (`error_code`: the HTTP status).
     pub fn refused(&self, model: &str, status: u16) {
+        let model = &self.model_label(model);
         let l = [model, model];
         self.objective_requests.with_label_values(&l).inc();
         self.objective_errors
@@ -242,6 +283,7 @@ impl EppMetrics {
 
     /// Records the end of a routed request of `model` (stream closed).
     pub fn answered(&self, model: &str, took: Duration, a: &Answered) {
+        let model = &self.model_label(model);
         let l = [model, model];
         self.objective_running.with_label_values(&[model]).dec();
         self.objective_duration
@@ -337,8 +379,37 @@ mod tests {
     }
 
     #[test]
+    fn unknown_models_are_counted_as_other() {
+        let m = EppMetrics::new().unwrap();
+        m.set_models(["served"]);
+        for i in 0..300 {
+            let name = format!("random-model-{i}");
+            m.refused(&name, 400);
+            m.routed(&name, 10, Some(1));
+            m.answered(&name, Duration::from_millis(1), &Answered::default());
+        }
+        m.routed("served", 10, Some(1));
+        let text = m.render();
+        assert!(!text.contains("random-model"), "{text}");
+        assert!(
+            text.contains(
+                "inference_objective_request_total{model_name=\"other\",target_model_name=\"other\"} 600"
+            ),
+            "{text}"
+        );
+        assert!(
+            text.contains(
+                "inference_objective_request_total{model_name=\"served\",target_model_name=\"served\"} 1"
+            ),
+            "{text}"
+        );
+        assert!(text.contains("inference_objective_running_requests{model_name=\"other\"} 0"));
+    }
+
+    #[test]
     fn objective_families() {
         let m = EppMetrics::new().unwrap();
+        m.set_models(["m1"]);
         m.routed("m1", 100, Some(7));
         m.refused("m1", 429);
         m.answered(

@@ -11,6 +11,11 @@
 //! | policy reject (`LocalResponse`)                    | the policy's status and body (429/503/400 …) |
 //! | policy failure                                     | its status (500 guest fault, 503 unavailable) |
 //! | policy routes outside the endpoint table           | 500    |
+//!
+//! It also owns the picker's admission ([`rngd_pool::admission`], the
+//! gateway's implementation): a slot per request from its headers to its
+//! pick, a bounded waiting room, and the budget of body bytes in flight; a
+//! refusal is a 429 with `Retry-After` ([`overloaded_response`]).
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -19,6 +24,7 @@ use rngd_api::headers;
 use rngd_api::openai::ErrorBody;
 use rngd_api::rules::RuleError;
 use rngd_policy_core::{Decision, LocalResponse, Route};
+use rngd_pool::admission::{Admission, AdmissionOptions, Overloaded};
 use rngd_pool::{ApiKind, PickError, PickRequest, PrepareError, PromptCounter};
 
 use crate::metrics::{DEFAULT_POOL_NAME, EppMetrics};
@@ -30,15 +36,29 @@ pub struct PickInput {
     pub headers: Vec<(String, String)>,
     /// The complete body, or `None` for a request without one.
     pub body: Option<Vec<u8>>,
-    /// Subset hint (`ip:port` list) from filter metadata or header; `None` = no hint.
+    /// Subset hint (`ip:port` list) from Envoy's filter metadata only (a
+    /// client header never sets it); `None` = no hint.
     pub subset: Option<Vec<String>>,
 }
 
-/// The pool's picker, the prompt counter and the picker's metrics.
+/// The picker's bounds shared by all streams (the per-stream ones are
+/// [`crate::processor::ProcessorConfig`]'s).
+#[derive(Debug, Clone, Default)]
+pub struct PickerLimits {
+    /// Slots, waiting room and body-byte budget of the request phase
+    /// (headers to the pick); the gateway's defaults.
+    pub admission: AdmissionOptions,
+    /// Model names that label metric series of their own besides the
+    /// tokenizer's model name; any other model is counted as `other`.
+    pub served_models: Vec<String>,
+}
+
+/// The pool's picker, the prompt counter, the picker's metrics and admission.
 pub struct Picker {
     pool: rngd_pool::Picker,
     counter: Option<Arc<dyn PromptCounter>>,
     metrics: EppMetrics,
+    admission: Admission,
 }
 
 impl std::fmt::Debug for Picker {
@@ -58,6 +78,35 @@ pub fn error_response(
 ) -> LocalResponse {
     let body = ErrorBody::new(kind, message).with_code(code);
     json_response(status, &body)
+}
+
+/// The 429 of a request refused for load (slots, queue or body budget), with
+/// `Retry-After`.
+pub fn overloaded_response(o: &Overloaded) -> LocalResponse {
+    let mut local = error_response(
+        429,
+        ErrorBody::kind_for_status(429),
+        "server_overloaded",
+        format!(
+            "the server is at capacity ({}); retry after {} s",
+            o.reason.as_str(),
+            o.retry_after_s
+        ),
+    );
+    local
+        .headers
+        .push(("retry-after".to_string(), o.retry_after_s.to_string()));
+    local
+}
+
+/// The 413 of a body larger than `limit` bytes (declared or received).
+pub fn too_large_response(limit: usize) -> LocalResponse {
+    error_response(
+        413,
+        ErrorBody::kind_for_status(413),
+        "request_too_large",
+        format!("request body exceeds the limit of {limit} bytes"),
+    )
 }
 
 fn json_response(status: u16, body: &ErrorBody) -> LocalResponse {
@@ -124,19 +173,48 @@ fn path_of(headers: &[(String, String)]) -> Option<&str> {
 }
 
 impl Picker {
-    /// A picker over these parts; `counter = None` leaves `rngd_pd.prompt_tokens`
-    /// unset (the request rules still apply).
+    /// A picker over these parts with the default limits; `counter = None`
+    /// leaves `rngd_pd.prompt_tokens` unset (the request rules still apply).
     pub fn new(
         pool: rngd_pool::Picker,
         counter: Option<Arc<dyn PromptCounter>>,
         metrics: EppMetrics,
     ) -> Self {
+        Self::with_limits(pool, counter, metrics, PickerLimits::default())
+    }
+
+    /// A picker over these parts with `limits`.
+    pub fn with_limits(
+        pool: rngd_pool::Picker,
+        counter: Option<Arc<dyn PromptCounter>>,
+        metrics: EppMetrics,
+        limits: PickerLimits,
+    ) -> Self {
         metrics.watch_pool(DEFAULT_POOL_NAME, Arc::clone(pool.endpoints()));
+        if let Some(c) = &counter {
+            metrics.set_models([c.model_name()]);
+        }
+        metrics.set_models(limits.served_models);
+        let admission = Admission::with_metrics(limits.admission, metrics.admission.clone());
         Picker {
             pool,
             counter,
             metrics,
+            admission,
         }
+    }
+
+    /// Counts a request refused before its pick (over-size body, load) in
+    /// `rngd_pd_epp_picks_total`; its model is not known yet, so no
+    /// per-model family is touched.
+    pub fn count_refusal(&self, local: &LocalResponse) {
+        let result = format!("reject_{}", local.status);
+        self.metrics.picks.with_label_values(&[&result]).inc();
+    }
+
+    /// The admission every stream goes through before its body is buffered.
+    pub fn admission(&self) -> &Admission {
+        &self.admission
     }
 
     /// Names the pool in the `inference_pool_*` gauges (the InferencePool's name).

@@ -91,7 +91,11 @@ async fn pd_route_sets_prefiller_and_transport() {
         header_value(&resps[0], "x-gateway-destination-endpoint").as_deref(),
         Some("10.0.0.2:8000")
     );
-    assert!(removed(&resps[0]).is_empty());
+    // Only the steering header the route does not set is removed.
+    assert_eq!(
+        removed(&resps[0]),
+        ["x-gateway-destination-endpoint-subset"]
+    );
 }
 
 #[tokio::test]
@@ -186,21 +190,55 @@ async fn subset_hint_restricts_endpoints_and_empty_subset_is_503() {
         );
     }
 
-    // The header form of the hint.
-    let hdrs = headers_msg(
-        &[
-            (":method", "POST"),
-            (":path", "/v1/completions"),
-            (
+    // A client's header is not a hint: it neither narrows the pool (no 503
+    // for endpoints that do not exist, no pin on 10.0.0.3) nor reaches the
+    // policy, and it is removed from what Envoy forwards.
+    for hint in ["192.0.2.1:1, 192.0.2.2:2", "10.0.0.3:8000"] {
+        let before = h.policy.seen.lock().unwrap().len();
+        let hdrs = headers_msg(
+            &[
+                (":method", "POST"),
+                (":path", "/v1/completions"),
+                ("x-gateway-destination-endpoint-subset", hint),
+                ("x-gateway-destination-endpoint", "192.0.2.7:7"),
+                ("x-gateway-destination-endpoint-served", "192.0.2.7:7"),
+                ("x-prefiller-host-port", "192.0.2.8:8"),
+            ],
+            false,
+            BodySendMode::FullDuplexStreamed,
+        );
+        let resps = exchange(h.server.grpc_addr, vec![hdrs, body_msg(body, true)]).await;
+        assert_eq!(immediate_status(&resps), None, "{hint}: {resps:?}");
+        assert_eq!(
+            header_value(&resps[0], "x-gateway-destination-endpoint").as_deref(),
+            Some("10.0.0.2:8000"),
+            "{hint}"
+        );
+        let mut rm = removed(&resps[0]);
+        rm.sort();
+        assert_eq!(
+            rm,
+            [
+                "x-gateway-destination-endpoint-served",
                 "x-gateway-destination-endpoint-subset",
-                "192.0.2.1:1, 192.0.2.2:2",
-            ),
-        ],
-        false,
-        BodySendMode::FullDuplexStreamed,
-    );
-    let resps = exchange(h.server.grpc_addr, vec![hdrs, body_msg(body, true)]).await;
-    assert_eq!(immediate_status(&resps).map(|s| s.0), Some(503));
+                "x-prefiller-host-port",
+                "x-rngd-pd-kv-transport",
+            ],
+            "{hint}"
+        );
+        let seen = h.policy.seen.lock().unwrap();
+        assert_eq!(seen.len(), before + 1);
+        let last = seen.last().unwrap();
+        assert!(
+            last.headers
+                .iter()
+                .all(|(k, _)| !k.starts_with("x-gateway-destination-endpoint")
+                    && k != "x-prefiller-host-port"),
+            "{:?}",
+            last.headers
+        );
+        assert_eq!(last.endpoints.as_deref().unwrap().len(), 3);
+    }
 }
 
 #[tokio::test]

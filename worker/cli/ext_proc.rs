@@ -10,10 +10,12 @@ use std::time::Duration;
 use anyhow::Context;
 use rngd_api::env;
 use rngd_ext_proc::launch::{Options, launch};
+use rngd_ext_proc::picker::PickerLimits;
 use rngd_ext_proc::processor::{DEFAULT_MAX_BODY, MAX_CHUNK, ProcessorConfig};
 use rngd_ext_proc::server;
 use rngd_ext_proc::tls::TlsChoice;
 use rngd_policy_host::SandboxLimits;
+use rngd_pool::admission;
 use rngd_pool::source::DEFAULT_FILE_POLL;
 use rngd_pool::wiring::ScrapeOptions;
 use rngd_pool::{PolicyChoice, SourceChoice, TokenizerChoice};
@@ -75,9 +77,33 @@ pub struct Args {
     /// Poll interval of the endpoints file and the policy module, ms.
     #[arg(long, default_value_t = DEFAULT_FILE_POLL.as_millis() as u64)]
     pub watch_ms: u64,
-    /// Largest request body buffered for a pick, bytes.
-    #[arg(long, default_value_t = DEFAULT_MAX_BODY)]
+    /// Largest request body buffered for a pick, bytes (also the policy's
+    /// body cap); a larger one, declared or received, is a 413 before it is
+    /// buffered whole. The gateway's `--body-limit` has the same default.
+    #[arg(long, alias = "body-limit", default_value_t = DEFAULT_MAX_BODY)]
     pub max_body_bytes: usize,
+    /// Requests in their request phase at once (headers to the pick: body
+    /// buffering, prompt counting, the policy call).
+    #[arg(long, default_value_t = admission::DEFAULT_MAX_CONCURRENT)]
+    pub max_concurrent: usize,
+    /// Requests that may wait for a slot beyond `--max-concurrent`; more get
+    /// 429 with `Retry-After` at once.
+    #[arg(long, default_value_t = admission::DEFAULT_MAX_QUEUED)]
+    pub max_queued: usize,
+    /// Longest wait for a slot, ms; then 429.
+    #[arg(long, default_value_t = admission::DEFAULT_QUEUE_TIMEOUT.as_millis() as u64)]
+    pub queue_timeout_ms: u64,
+    /// Request body bytes all requests together may hold or have reserved
+    /// (declared `content-length` reserved up front); past it, 429 with
+    /// `Retry-After` before anything is buffered.
+    #[arg(long, default_value_t = admission::DEFAULT_MAX_INFLIGHT_BODY_BYTES)]
+    pub max_inflight_body_bytes: usize,
+    /// The model name the workers serve (their `--served-model-name`): the
+    /// tokenizer reports it instead of the GGUF's, and it labels the
+    /// per-model metrics; requests for any model but the served one are
+    /// counted under `model_name="other"`.
+    #[arg(long, value_name = "NAME")]
+    pub served_model_name: Option<String>,
     /// Longest wait for Envoy's next ext_proc message before the pick, ms
     /// (a stalled request stream is ended; Envoy fails the request).
     #[arg(long, default_value_t = rngd_ext_proc::processor::DEFAULT_REQUEST_IDLE_TIMEOUT.as_millis() as u64)]
@@ -120,7 +146,7 @@ fn options(args: &Args) -> anyhow::Result<Options> {
             .context("model for the tokenizer")?;
         let overrides = rngd_pool::TokenizerOverrides {
             chat_template: args.chat_template.clone(),
-            served_model_name: None,
+            served_model_name: args.served_model_name.clone(),
         };
         Some(TokenizerChoice::Gguf(path, overrides))
     };
@@ -144,7 +170,11 @@ fn options(args: &Args) -> anyhow::Result<Options> {
         policy: PolicyChoice::Wasm {
             module: args.policy.clone(),
             config: read_config(args.policy_config.as_deref())?,
-            limits: SandboxLimits::default(),
+            // The door's body limit is the policy's too.
+            limits: SandboxLimits {
+                max_body_bytes: args.max_body_bytes,
+                ..SandboxLimits::default()
+            },
             watch_every: Some(watch),
         },
         tokenizer,
@@ -153,6 +183,15 @@ fn options(args: &Args) -> anyhow::Result<Options> {
             chunk_size: MAX_CHUNK,
             request_idle_timeout: Duration::from_millis(args.request_idle_timeout_ms),
             response_idle_timeout: Duration::from_millis(args.response_idle_timeout_ms),
+        },
+        limits: PickerLimits {
+            admission: admission::AdmissionOptions {
+                max_concurrent: args.max_concurrent,
+                max_queued: args.max_queued,
+                queue_timeout: Duration::from_millis(args.queue_timeout_ms),
+                max_inflight_body_bytes: args.max_inflight_body_bytes,
+            },
+            served_models: args.served_model_name.iter().cloned().collect(),
         },
         admin_token: args.admin_token.clone(),
         admin_listen: args.admin_listen,

@@ -16,6 +16,16 @@
 //! or continued (other modes); trailers pass through. A rejection is an
 //! `ImmediateResponse`, after which the stream is closed.
 //!
+//! Bounds, before anything is buffered: a declared `content-length` over
+//! [`ProcessorConfig::max_body_bytes`] is a 413 at the headers; then the
+//! request takes an admission slot (429 with `Retry-After` when the queue is
+//! full or its wait runs out) and reserves its declared body bytes from the
+//! global budget (429 past it); a body without a declared length grows its
+//! reservation chunk by chunk and is refused (413 or 429) as soon as it
+//! passes either bound. Slot and reservation are released at the pick.
+//! The subset hint is read only from Envoy's filter metadata, never from a
+//! request header.
+//!
 //! - this module: the per-stream state machine ([`StreamState`]);
 //! - [`wire`]: the Envoy messages it reads and writes (header mutations,
 //!   `envoy.lb` metadata, immediate responses, streamed body chunks);
@@ -31,29 +41,31 @@ use envoy_types::pb::envoy::service::ext_proc::v3::{
     BodyResponse, CommonResponse, HeadersResponse, HttpBody, HttpHeaders, ProcessingRequest,
     ProcessingResponse, TrailersResponse, processing_request, processing_response,
 };
-use rngd_api::headers;
-use rngd_policy_core::Decision;
+use rngd_policy_core::{Decision, LocalResponse};
+use rngd_pool::admission::{BodyReservation, Slot};
 
 use crate::metrics::{Answered, EppMetrics, completion_tokens};
-use crate::picker::{PickInput, Picker, error_response};
+use crate::picker::{PickInput, Picker, overloaded_response, too_large_response};
 pub use service::{ExtProcService, ResponseStream, respond};
 pub use wire::immediate;
 use wire::{
-    header_pairs, lb_metadata, mode_of, request_headers_response, routed_common, split_list,
-    streamed_body, subset_from_metadata,
+    header_pairs, lb_metadata, mode_of, request_headers_response, routed_common, streamed_body,
+    subset_from_metadata,
 };
 
 /// Largest body chunk re-sent to Envoy (GIE's limit, below Envoy's 64 KiB buffers).
 pub const MAX_CHUNK: usize = 62_000;
 /// Filter-metadata namespace of the subset hint.
 pub const SUBSET_HINT_NAMESPACE: &str = "envoy.lb.subset_hint";
-/// Default largest request body buffered for a pick.
-pub const DEFAULT_MAX_BODY: usize = 32 * 1024 * 1024;
+/// Default largest request body buffered for a pick: the one default of
+/// both doors ([`rngd_pool::admission::DEFAULT_MAX_BODY_BYTES`], 1 MiB).
+pub const DEFAULT_MAX_BODY: usize = rngd_pool::admission::DEFAULT_MAX_BODY_BYTES;
 
 /// Limits of the state machine.
 #[derive(Debug, Clone, Copy)]
 pub struct ProcessorConfig {
-    /// Largest request body buffered (larger → 413).
+    /// Largest request body buffered (larger, declared or received → 413
+    /// before it is buffered whole).
     pub max_body_bytes: usize,
     /// Size of the re-sent body chunks (at most [`MAX_CHUNK`]).
     pub chunk_size: usize,
@@ -115,6 +127,10 @@ pub struct StreamState {
     pub destination: Option<String>,
     /// A routed request not answered yet (for the per-model metrics).
     open: Option<OpenRequest>,
+    /// The admission slot, held from the headers to the pick.
+    slot: Option<Slot>,
+    /// Body bytes reserved from the global budget, held to the pick.
+    reserved: Option<BodyReservation>,
 }
 
 /// Longest response tail kept to read its `usage`.
@@ -163,7 +179,50 @@ impl StreamState {
             body: Vec::new(),
             destination: None,
             open: None,
+            slot: None,
+            reserved: None,
         }
+    }
+
+    /// An immediate answer that ends the stream, counted as a pick result.
+    fn refuse(&mut self, picker: &Picker, local: LocalResponse) -> Step {
+        self.slot = None;
+        self.reserved = None;
+        self.body = Vec::new();
+        picker.count_refusal(&local);
+        tracing::info!(status = local.status, "refused before the pick");
+        Step {
+            responses: vec![immediate(&local)],
+            close: true,
+        }
+    }
+
+    /// The admission of a request that comes with a body: its declared
+    /// length checked, a slot taken, its declared bytes reserved.
+    async fn admit(&mut self, picker: &Picker) -> Result<(), LocalResponse> {
+        let max = self.config.max_body_bytes;
+        // Envoy refuses a malformed content-length itself; one that does not
+        // parse here counts as undeclared (the received bytes are bounded).
+        let declared = self
+            .header("content-length")
+            .and_then(|v| v.trim().parse::<u64>().ok());
+        if let Some(n) = declared
+            && n > max as u64
+        {
+            return Err(too_large_response(max));
+        }
+        let slot = picker
+            .admission()
+            .admit()
+            .await
+            .map_err(|o| overloaded_response(&o))?;
+        let reserved = picker
+            .admission()
+            .reserve_body(declared.unwrap_or(0) as usize)
+            .map_err(|o| overloaded_response(&o))?;
+        self.slot = Some(slot);
+        self.reserved = Some(reserved);
+        Ok(())
     }
 
     /// How long the next message may take (before or after the pick).
@@ -270,11 +329,6 @@ impl StreamState {
 
     async fn on_request_headers(&mut self, h: HttpHeaders, picker: &Picker) -> Step {
         self.headers = header_pairs(&h);
-        if self.subset.is_none()
-            && let Some(v) = self.header(headers::DESTINATION_ENDPOINT_SUBSET)
-        {
-            self.subset = Some(split_list(v));
-        }
         let no_body_visible = h.end_of_stream || self.request_mode == BodySendMode::None;
         if no_body_visible {
             let pick = self.pick(picker, None).await;
@@ -284,7 +338,11 @@ impl StreamState {
                     let dest = route.decode.clone();
                     Step {
                         responses: vec![ProcessingResponse {
-                            response: Some(request_headers_response(routed_common(&route, None))),
+                            response: Some(request_headers_response(routed_common(
+                                &route,
+                                None,
+                                &self.headers,
+                            ))),
                             dynamic_metadata: Some(lb_metadata(&dest)),
                             ..Default::default()
                         }],
@@ -296,6 +354,9 @@ impl StreamState {
                     close: true,
                 },
             };
+        }
+        if let Err(local) = self.admit(picker).await {
+            return self.refuse(picker, local);
         }
         self.phase = Phase::Body;
         if self.request_mode == BodySendMode::FullDuplexStreamed {
@@ -330,17 +391,25 @@ impl StreamState {
                 close: false,
             };
         }
-        if self.body.len() + b.body.len() > self.config.max_body_bytes {
-            let local = error_response(
-                413,
-                "invalid_request_error",
-                "body_too_large",
-                format!("request body exceeds {} bytes", self.config.max_body_bytes),
-            );
-            return Step {
-                responses: vec![immediate(&local)],
-                close: true,
-            };
+        let total = self.body.len() + b.body.len();
+        if total > self.config.max_body_bytes {
+            return self.refuse(picker, too_large_response(self.config.max_body_bytes));
+        }
+        // Reserve the bytes before keeping them (a body past its declared
+        // length, or without one, grows its reservation).
+        let grown = match &mut self.reserved {
+            Some(r) => r.grow_to(total),
+            None => match picker.admission().reserve_body(total) {
+                Ok(r) => {
+                    self.reserved = Some(r);
+                    true
+                }
+                Err(o) => return self.refuse(picker, overloaded_response(&o)),
+            },
+        };
+        if !grown {
+            let o = picker.admission().over_budget();
+            return self.refuse(picker, overloaded_response(&o));
         }
         if self.body.is_empty() {
             // The usual case, one chunk: keep Envoy's buffer instead of copying it.
@@ -376,7 +445,7 @@ impl StreamState {
                             responses: vec![ProcessingResponse {
                                 response: Some(processing_response::Response::RequestBody(
                                     BodyResponse {
-                                        response: Some(routed_common(&route, None)),
+                                        response: Some(routed_common(&route, None, &self.headers)),
                                     },
                                 )),
                                 dynamic_metadata: Some(lb_metadata(&dest)),
@@ -410,7 +479,11 @@ impl StreamState {
                 let dest = route.decode.clone();
                 let mut responses = Vec::with_capacity(chunks.len() + 1);
                 responses.push(ProcessingResponse {
-                    response: Some(request_headers_response(routed_common(&route, Some(len)))),
+                    response: Some(request_headers_response(routed_common(
+                        &route,
+                        Some(len),
+                        &self.headers,
+                    ))),
                     dynamic_metadata: Some(lb_metadata(&dest)),
                     ..Default::default()
                 });
@@ -437,6 +510,9 @@ impl StreamState {
             subset: self.subset.clone(),
         };
         let (pick, model) = picker.pick_for(input).await;
+        // The request phase is over: its slot and body bytes go back.
+        self.slot = None;
+        self.reserved = None;
         match &pick {
             Decision::Route(r) => {
                 self.destination = Some(r.decode.clone());

@@ -122,17 +122,36 @@ pub fn immediate(local: &LocalResponse) -> ProcessingResponse {
     }
 }
 
-pub(super) fn route_mutation(route: &Route, content_length: Option<usize>) -> HeaderMutation {
+/// The route's header mutation: its headers set (overwriting a client's),
+/// `content-length` when the body was re-sent, and every steering header
+/// the route does not set removed — the fixed names, and any
+/// `x-gateway-destination-endpoint*` the client sent (`client`), so what
+/// Envoy forwards carries only the pick's.
+pub(super) fn route_mutation(
+    route: &Route,
+    content_length: Option<usize>,
+    client: &[(String, String)],
+) -> HeaderMutation {
     let hdrs = route_headers(route);
     let mut set_headers: Vec<HeaderValueOption> =
         hdrs.iter().map(|(k, v)| set_header(k, v)).collect();
     if let Some(n) = content_length {
         set_headers.push(set_header("content-length", &n.to_string()));
     }
-    let mut remove_headers = Vec::new();
-    for name in [headers::PREFILLER_HOST_PORT, headers::KV_TRANSPORT] {
-        if !hdrs.iter().any(|(k, _)| k == name) {
-            remove_headers.push(name.to_string());
+    let fixed = [
+        headers::DESTINATION_ENDPOINT_SUBSET,
+        headers::PREFILLER_HOST_PORT,
+        headers::KV_TRANSPORT,
+    ];
+    let sent = client
+        .iter()
+        .map(|(k, _)| k.as_str())
+        .filter(|k| rngd_pool::pick::is_steering_header(k));
+    let mut remove_headers: Vec<String> = Vec::new();
+    for name in fixed.into_iter().chain(sent) {
+        let name = name.to_ascii_lowercase();
+        if !hdrs.iter().any(|(k, _)| *k == name) && !remove_headers.contains(&name) {
+            remove_headers.push(name);
         }
     }
     HeaderMutation {
@@ -141,9 +160,13 @@ pub(super) fn route_mutation(route: &Route, content_length: Option<usize>) -> He
     }
 }
 
-pub(super) fn routed_common(route: &Route, content_length: Option<usize>) -> CommonResponse {
+pub(super) fn routed_common(
+    route: &Route,
+    content_length: Option<usize>,
+    client: &[(String, String)],
+) -> CommonResponse {
     CommonResponse {
-        header_mutation: Some(route_mutation(route, content_length)),
+        header_mutation: Some(route_mutation(route, content_length, client)),
         clear_route_cache: true,
         ..Default::default()
     }

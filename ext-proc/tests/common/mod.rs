@@ -17,7 +17,8 @@ pub use rngd_ext_proc::envoy_types::pb::envoy::service::ext_proc::v3::{
 };
 pub use rngd_ext_proc::envoy_types::pb::google::protobuf::{ListValue, Struct, Value, value::Kind};
 pub use rngd_ext_proc::metrics::EppMetrics;
-pub use rngd_ext_proc::picker::Picker;
+pub use rngd_ext_proc::picker::{Picker, PickerLimits};
+pub use rngd_ext_proc::processor::ProcessorConfig;
 pub use rngd_ext_proc::server::{self, GrpcServing, RunningServer, ServerConfig};
 pub use rngd_pool::prompt::WordCounter;
 pub use rngd_pool::{Policy, PolicyFailure, StaticEndpoints};
@@ -112,23 +113,42 @@ pub struct Harness {
     pub server: RunningServer,
     pub policy: Arc<FakePolicy>,
     pub metrics: EppMetrics,
+    pub picker: Arc<Picker>,
 }
 
 pub async fn harness(endpoints: Vec<Endpoint>, fail: bool) -> Harness {
+    harness_with(
+        endpoints,
+        fail,
+        PickerLimits::default(),
+        ProcessorConfig::default(),
+    )
+    .await
+}
+
+/// A harness whose picker has `limits` and whose streams run with `processor`.
+pub async fn harness_with(
+    endpoints: Vec<Endpoint>,
+    fail: bool,
+    limits: PickerLimits,
+    processor: ProcessorConfig,
+) -> Harness {
     let policy = Arc::new(FakePolicy {
         fail,
         ..Default::default()
     });
     let metrics = EppMetrics::new().expect("metrics");
-    let picker = Picker::new(
+    let picker = Arc::new(Picker::with_limits(
         rngd_pool::Picker::new(policy.clone(), StaticEndpoints::new(endpoints)),
         Some(Arc::new(WordCounter { model: "m" })),
         metrics.clone(),
-    );
+        limits,
+    ));
     let server = server::start(
-        Arc::new(picker),
+        Arc::clone(&picker),
         ServerConfig {
             metrics: Some(([127, 0, 0, 1], 0).into()),
+            processor,
             ..ServerConfig::loopback()
         },
     )
@@ -138,6 +158,7 @@ pub async fn harness(endpoints: Vec<Endpoint>, fail: bool) -> Harness {
         server,
         policy,
         metrics,
+        picker,
     }
 }
 
@@ -175,6 +196,88 @@ pub fn headers_msg(
         })),
         ..Default::default()
     }
+}
+
+/// A stream kept open: messages are sent one by one, responses read as they come.
+pub struct OpenStream {
+    pub tx: mpsc::Sender<ProcessingRequest>,
+    pub rx: tonic::Streaming<ProcessingResponse>,
+}
+
+impl OpenStream {
+    pub async fn open(addr: std::net::SocketAddr) -> Self {
+        let mut client = ExternalProcessorClient::connect(format!("http://{addr}"))
+            .await
+            .expect("connect");
+        let (tx, rx) = mpsc::channel(16);
+        let rx = client
+            .process(ReceiverStream::new(rx))
+            .await
+            .expect("process")
+            .into_inner();
+        OpenStream { tx, rx }
+    }
+
+    pub async fn send(&self, m: ProcessingRequest) {
+        self.tx.send(m).await.expect("send");
+    }
+
+    /// The next response, or `None` when the server ended the stream.
+    pub async fn next(&mut self) -> Option<ProcessingResponse> {
+        self.rx.next().await.map(|r| r.expect("response"))
+    }
+}
+
+/// Waits (bounded) until `cond` holds, checking every millisecond.
+pub async fn until(what: &str, mut cond: impl FnMut() -> bool) {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while !cond() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "timed out waiting for {what}"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+    }
+}
+
+/// The headers of a completion POST declaring `content-length: len`.
+pub fn post_headers_with_length(mode: BodySendMode, len: usize) -> ProcessingRequest {
+    let len = len.to_string();
+    headers_msg(
+        &[
+            (":method", "POST"),
+            (":path", "/v1/completions"),
+            (":authority", "gw"),
+            ("content-type", "application/json"),
+            ("content-length", &len),
+        ],
+        false,
+        mode,
+    )
+}
+
+/// The headers an immediate response sets.
+pub fn immediate_headers(resps: &[ProcessingResponse]) -> Vec<(String, String)> {
+    resps
+        .iter()
+        .find_map(|r| match r.response.as_ref()? {
+            processing_response::Response::ImmediateResponse(i) => Some(
+                i.headers
+                    .as_ref()?
+                    .set_headers
+                    .iter()
+                    .filter_map(|o| o.header.as_ref())
+                    .map(|h| {
+                        (
+                            h.key.clone(),
+                            String::from_utf8_lossy(&h.raw_value).into_owned(),
+                        )
+                    })
+                    .collect(),
+            ),
+            _ => None,
+        })
+        .unwrap_or_default()
 }
 
 pub fn post_headers(mode: BodySendMode) -> ProcessingRequest {
