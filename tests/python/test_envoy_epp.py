@@ -11,6 +11,12 @@ the epp cluster's UpstreamTlsContext with an empty validation context). Every
 test runs twice, once per ext_proc body mode (`BODY_MODE`: GIE's picker
 default FULL_DUPLEX_STREAMED, and BUFFERED as GIE's own e2e Envoy config),
 each with its own picker and Envoy in front of the same workers.
+
+Tests steer a request to a worker with the subset hint, which the picker
+reads only from Envoy's filter metadata: the stack's Envoy sets it from a
+test-only header (`epp.envoy_stack.with_subset_hint_filter`); a client's
+`x-gateway-destination-endpoint-subset` header is ignored
+(`test_epp_bounds.py`).
 """
 
 from __future__ import annotations
@@ -27,6 +33,8 @@ import time
 import pytest
 import requests
 
+from epp.envoy_stack import SUBSET_HINT_HEADER as HINT
+from epp.envoy_stack import with_subset_hint_filter
 from epp.helpers import ExtProc, envoy_binary, policy_module, teapot_module
 from conftest import Proc, counter, free_port, model_path, poll_ok, start_worker
 
@@ -91,7 +99,7 @@ def stack(request, tmp_path_factory, workers):
             "BODY_MODE": s.body_mode,
         })
         assert "envoy.transport_sockets.tls" in cfg and f"request_body_mode: {s.body_mode}" in cfg
-        (d / "envoy.yaml").write_text(cfg)
+        (d / "envoy.yaml").write_text(with_subset_hint_filter(cfg))
         s.envoy = Proc("envoy", [str(envoy_binary()), "-c", str(d / "envoy.yaml"), "--disable-hot-restart", "-l", "warning"])
         procs.append(s.envoy)
         poll_ok(f"http://127.0.0.1:{s.admin}/ready", 60, s.envoy)
@@ -131,7 +139,7 @@ def test_requests_reach_the_endpoint_the_policy_chose(stack):
     for target in (stack.solo, stack.decode):
         before = {a: counter(a, "rngd_pd_worker_requests_total") for a in (stack.solo, stack.decode, stack.prefill)}
         r = post(stack, {"model": MODEL, "prompt": "Hi", "max_tokens": 2, "temperature": 0},
-                 headers={"x-gateway-destination-endpoint-subset": target})
+                 headers={HINT: target})
         assert r.status_code == 200, r.text
         after = {a: counter(a, "rngd_pd_worker_requests_total") for a in before}
         grew = [a for a in before if after[a] > before[a]]
@@ -150,7 +158,7 @@ def test_completion_on_the_chosen_worker_matches_solo(stack):
     ref = requests.post(f"http://{stack.solo}/v1/completions", json=body, timeout=600)
     assert ref.status_code == 200, ref.text
     before = counter(stack.decode, "rngd_pd_worker_requests_total")
-    r = post(stack, body, headers={"x-gateway-destination-endpoint-subset": stack.decode})
+    r = post(stack, body, headers={HINT: stack.decode})
     assert r.status_code == 200, r.text
     assert counter(stack.decode, "rngd_pd_worker_requests_total") == before + 1
     got, want = r.json()["choices"][0], ref.json()["choices"][0]
@@ -164,7 +172,7 @@ def test_streaming_pd_through_envoy_matches_solo(stack):
     assert ref.status_code == 200, ref.text
     prefills = counter(stack.prefill, "rngd_pd_worker_prefills_total")
     with requests.post(stack.url + "/v1/completions", json=dict(body, stream=True), timeout=600, stream=True,
-                       headers={"x-gateway-destination-endpoint-subset": f"{stack.decode},{stack.prefill}"}) as r:
+                       headers={HINT: f"{stack.decode},{stack.prefill}"}) as r:
         assert r.status_code == 200, r.text
         assert r.headers["content-type"].startswith("text/event-stream"), r.headers
         text, ids = sse_completion(r)
@@ -180,7 +188,7 @@ def test_pd_through_envoy_matches_solo(stack):
     assert ref.status_code == 200, ref.text
     prefills = counter(stack.prefill, "rngd_pd_worker_prefills_total")
     loads = counter(stack.decode, "rngd_pd_worker_kv_loads_total")
-    r = post(stack, body, headers={"x-gateway-destination-endpoint-subset": f"{stack.decode},{stack.prefill}"})
+    r = post(stack, body, headers={HINT: f"{stack.decode},{stack.prefill}"})
     assert r.status_code == 200, r.text
     assert counter(stack.prefill, "rngd_pd_worker_prefills_total") == prefills + 1, "the prefill worker prefilled"
     assert counter(stack.decode, "rngd_pd_worker_kv_loads_total") == loads + 1, "the decode worker loaded the KV"
@@ -249,7 +257,7 @@ def test_chat_through_envoy_with_pd_matches_solo(stack):
     assert ref.status_code == 200, ref.text
     want = ref.json()["choices"][0]["message"]["content"]
     assert want
-    pd = {"x-gateway-destination-endpoint-subset": f"{stack.decode},{stack.prefill}"}
+    pd = {HINT: f"{stack.decode},{stack.prefill}"}
     prefills = counter(stack.prefill, "rngd_pd_worker_prefills_total")
     loads = counter(stack.decode, "rngd_pd_worker_kv_loads_total")
     r = requests.post(stack.url + "/v1/chat/completions", json=body, headers=pd, timeout=600)
