@@ -6,8 +6,8 @@
 //! The bound: a byte-level BPE token stands for exactly its bytes, and a
 //! special or user-defined token for its text, so a text of `n` bytes is at
 //! least ⌈n / longest⌉ tokens (plus the BOS/EOS the model adds). That holds
-//! only when every one of the 256 bytes is a token (nothing is dropped): a
-//! vocabulary without them has no bound.
+//! only when every byte that can occur in UTF-8 text is a token (nothing is
+//! dropped): a vocabulary without them has no bound.
 
 use super::Tokenizer;
 use crate::EngineError;
@@ -60,7 +60,12 @@ pub(super) fn longest_token(
             have[b] = true;
         }
     }
-    have.iter().all(|h| *h).then_some(longest)
+    // Bytes that never occur in UTF-8 text (0xC0, 0xC1, 0xF5..=0xFF) need no
+    // token: vocabularies leave them out.
+    have.iter()
+        .enumerate()
+        .all(|(b, h)| *h || matches!(b, 0xC0 | 0xC1 | 0xF5..=0xFF))
+        .then_some(longest)
 }
 
 /// The largest char boundary of `text` at or below `at`.
