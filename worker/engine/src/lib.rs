@@ -251,11 +251,7 @@ pub trait Engine: Send + Sync + 'static {
     /// tokens: a backend with a tokenizer bound refuses a longer text without
     /// tokenizing it whole ([`tokenizer::Tokenizer::encode_within`]); this
     /// default tokenizes it and compares.
-    fn tokenize_within(
-        &self,
-        text: &str,
-        limit: usize,
-    ) -> Result<tokenizer::Within, EngineError> {
+    fn tokenize_within(&self, text: &str, limit: usize) -> Result<tokenizer::Within, EngineError> {
         let ids = self.tokenize(text)?;
         Ok(match ids.len() {
             n if n > limit => tokenizer::Within::TooLong {

@@ -29,8 +29,8 @@ use tokenizers::models::bpe::{BPE, Vocab};
 
 use crate::EngineError;
 pub use crate::chat_template::{ChatTemplate, SpecialTokens};
-pub(crate) use gguf_meta::{Meta, read_gguf_header};
 pub use bound::{PREFIX_BYTES_PER_TOKEN, PREFIX_MARGIN_TOKENS, Within};
+pub(crate) use gguf_meta::{Meta, read_gguf_header};
 pub use pre::PreTokenizer;
 
 /// GGUF token type of unknown tokens (`<unk>`).
