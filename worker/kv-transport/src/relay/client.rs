@@ -18,6 +18,7 @@ use tokio::io::{AsyncRead, AsyncWriteExt, BufReader, BufWriter};
 use tokio::net::TcpStream;
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 
+use super::preauth::PREAUTH_CLOSED;
 use crate::KvError;
 use crate::frame::{
     FLAG_CRC, Header, IO_BUF, Op, RelayStats, Secret, TRANSPORT as NAME, read_body, read_body_crc,
@@ -89,6 +90,13 @@ pub(crate) fn is_dead_connection(e: &KvError) -> bool {
     )
 }
 
+/// Whether the relay closed our handshake over its pre-auth cap (its ERR
+/// `Capacity` says [`PREAUTH_CLOSED`]): worth a fresh connection, unlike
+/// the authenticated connection cap.
+fn is_preauth_closed(e: &KvError) -> bool {
+    matches!(e, KvError::Capacity { detail, .. } if detail.starts_with(PREAUTH_CLOSED))
+}
+
 /// Logs size and SHA-256 of a blob (`AIRM_KV_TCP_LOG=1`).
 pub(crate) fn log_blob(dir: &str, request_id: &str, index: usize, blob: &[u8]) {
     let digest = Sha256::digest(blob);
@@ -144,7 +152,27 @@ impl Client {
         }
         let limit = CONNECT_TIMEOUT.min(self.timeout);
         let started = Instant::now();
-        let stream = tokio::time::timeout(limit, TcpStream::connect(&self.addr))
+        // A handshake closed over the relay's pre-auth cap (a flood of
+        // silent sockets took the places while ours waited for its HELLO)
+        // is tried again on a fresh connection, with a short backoff,
+        // within the same connect deadline.
+        let mut backoff = Duration::from_millis(5);
+        loop {
+            match self.connect_once(limit, started).await {
+                Err(e) if is_preauth_closed(&e) && started.elapsed() + backoff < limit => {
+                    tracing::debug!(peer = %self.addr, "tcp: handshake closed over the relay's pre-auth cap; trying again");
+                    tokio::time::sleep(backoff).await;
+                    backoff = (backoff * 2).min(Duration::from_millis(100));
+                }
+                res => return res,
+            }
+        }
+    }
+
+    /// One connection and its handshake, within `limit` of `started`.
+    async fn connect_once(&self, limit: Duration, started: Instant) -> Result<Conn, KvError> {
+        let left = limit.saturating_sub(started.elapsed());
+        let stream = tokio::time::timeout(left, TcpStream::connect(&self.addr))
             .await
             .map_err(|_| KvError::ConnectionLost {
                 transport: NAME,

@@ -4,10 +4,13 @@
 //! arrival order, under their own small cap (`--max-handshakes`), apart
 //! from the authenticated connections: a socket counts against the
 //! connection cap only once its handshake has passed. One more socket over
-//! the cap closes the *oldest* unauthenticated one (a worker's handshake
-//! takes one round trip, so the oldest is the likeliest to be silent, and a
-//! new worker connection always gets in). It also counts the failed
-//! handshakes by [`Failure`] reason (STATS `handshake_failures`).
+//! the cap closes the *oldest silent* one: one that has sent no byte yet
+//! (checked on its socket, so bytes not read yet count) or whose handshake
+//! already failed. A socket whose AUTH has started arriving is never closed
+//! for a silent one; when every socket in the pool has sent bytes, the new
+//! one is refused instead. The scan is linear in the cap (small). It also
+//! counts the failed handshakes by [`Failure`] reason (STATS
+//! `handshake_failures`).
 //!
 //! [`WarnLimit`] writes at most one WARN line per interval for failures a
 //! peer can cause at will (failed handshakes, failed accepts); the ones held
@@ -23,6 +26,10 @@ use std::time::Duration;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
+/// How the ERR `Capacity` of a socket closed over the pre-auth cap begins
+/// (the client tries such a handshake again on a fresh connection).
+pub(super) const PREAUTH_CLOSED: &str = "closed in the handshake";
+
 /// Why a socket did not pass the handshake (the `reason` label of STATS
 /// `handshake_failures`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -31,7 +38,8 @@ pub(super) enum Failure {
     Refused,
     /// No answer within the handshake deadline.
     Timeout,
-    /// Closed while waiting, as the oldest over the pre-auth cap.
+    /// Closed over the pre-auth cap: the oldest silent socket, or the new
+    /// one when no socket in the pool is silent.
     Evicted,
 }
 
@@ -57,13 +65,40 @@ impl Failure {
     }
 }
 
-/// A socket in the handshake: who, the token that closes it, and whether
-/// its handshake already failed (it is being refused: closing it early is
-/// no new failure).
+/// A socket in the handshake: who, the token that closes it, whether its
+/// handshake already failed (it is being refused: closing it early is no
+/// new failure), whether it has sent bytes, and a second handle on its
+/// socket to look for bytes not read yet (dropped once it spoke).
 struct Waiting {
     peer: SocketAddr,
     evict: CancellationToken,
     failed: bool,
+    spoke: bool,
+    probe: Option<std::net::TcpStream>,
+}
+
+impl Waiting {
+    /// Whether it may be closed for a new socket: its handshake failed, or
+    /// it has sent nothing (no bytes waiting on its socket either).
+    fn evictable(&mut self) -> bool {
+        if self.failed {
+            return true;
+        }
+        if self.spoke {
+            return false;
+        }
+        let mut byte = [0u8; 1];
+        // The socket is non-blocking: WouldBlock is "nothing sent yet";
+        // EOF or an error is a socket gone, silent too.
+        if let Some(Ok(n)) = self.probe.as_ref().map(|p| p.peek(&mut byte))
+            && n > 0
+        {
+            self.spoke = true;
+            self.probe = None;
+            return false;
+        }
+        true
+    }
 }
 
 /// The sockets in the handshake, oldest first, under their cap.
@@ -85,10 +120,15 @@ pub(super) struct Admitted {
     pub(super) id: u64,
     /// Cancelled when it is evicted.
     pub(super) evict: CancellationToken,
-    /// The peer of the oldest socket, closed to make room (unless that one
-    /// had failed its handshake already).
+    /// The peer of the oldest silent socket, closed to make room (unless
+    /// that one had failed its handshake already).
     pub(super) evicted: Option<SocketAddr>,
 }
+
+/// [`PreAuth::admit`] refused a new socket: the pool is at its cap and
+/// every socket in it has sent bytes.
+#[derive(Debug, PartialEq, Eq)]
+pub(super) struct Full;
 
 impl PreAuth {
     /// An empty pool of at most `cap` sockets.
@@ -100,35 +140,52 @@ impl PreAuth {
         }
     }
 
-    /// Takes a new socket in; over the cap, evicts the oldest (cancels its
-    /// token) and, unless it was already being refused, counts it as
-    /// [`Failure::Evicted`] and says whose it was.
-    pub(super) fn admit(&self, peer: SocketAddr) -> Admitted {
+    /// Takes a new socket in (`probe`: a second handle on it, to look for
+    /// bytes not read yet); over the cap, evicts the oldest silent one
+    /// (cancels its token) and, unless it was already being refused, counts
+    /// it as [`Failure::Evicted`] and says whose it was. When no socket in
+    /// the pool is silent, refuses the new one ([`Full`], counted as
+    /// [`Failure::Evicted`] too).
+    pub(super) fn admit(
+        &self,
+        peer: SocketAddr,
+        probe: Option<std::net::TcpStream>,
+    ) -> Result<Admitted, Full> {
         let evict = CancellationToken::new();
         let mut open = self.open.lock().expect("pre-auth pool poisoned");
-        let id = open.next;
-        open.next += 1;
         let evicted = if open.by_age.len() >= self.cap {
-            open.by_age.pop_first().and_then(|(_, old)| {
-                old.evict.cancel();
-                (!old.failed).then_some(old.peer)
-            })
+            let victim = open
+                .by_age
+                .iter_mut()
+                .find_map(|(id, w)| w.evictable().then_some(*id));
+            let Some(victim) = victim else {
+                drop(open);
+                self.fail(Failure::Evicted);
+                return Err(Full);
+            };
+            let old = open.by_age.remove(&victim).expect("found just now");
+            old.evict.cancel();
+            (!old.failed).then_some(old.peer)
         } else {
             None
         };
+        let id = open.next;
+        open.next += 1;
         open.by_age.insert(
             id,
             Waiting {
                 peer,
                 evict: evict.clone(),
                 failed: false,
+                spoke: false,
+                probe,
             },
         );
         drop(open);
         if evicted.is_some() {
             self.fail(Failure::Evicted);
         }
-        Admitted { id, evict, evicted }
+        Ok(Admitted { id, evict, evicted })
     }
 
     /// Takes `id` out of the pool; false if it was no longer there (evicted).
@@ -187,6 +244,18 @@ impl<'a> Slot<'a> {
     /// evicted meanwhile (it must close).
     pub(super) fn promote(mut self) -> bool {
         self.id.take().is_some_and(|id| self.pool.leave(id))
+    }
+
+    /// Bytes have arrived on the socket (its AUTH is coming): it is no
+    /// longer silent and is never evicted for a silent one.
+    pub(super) fn spoke(&self) {
+        if let Some(id) = self.id {
+            let mut open = self.pool.open.lock().expect("pre-auth pool poisoned");
+            if let Some(w) = open.by_age.get_mut(&id) {
+                w.spoke = true;
+                w.probe = None;
+            }
+        }
     }
 
     /// The handshake failed (and is counted): the socket stays in the pool
@@ -325,12 +394,12 @@ mod tests {
     }
 
     #[test]
-    fn over_the_cap_the_oldest_is_evicted() {
+    fn over_the_cap_the_oldest_silent_one_is_evicted() {
         let pool = PreAuth::new(2);
-        let a = pool.admit(peer(1));
-        let b = pool.admit(peer(2));
+        let a = pool.admit(peer(1), None).unwrap();
+        let b = pool.admit(peer(2), None).unwrap();
         assert_eq!((a.evicted, b.evicted, pool.len()), (None, None, 2));
-        let c = pool.admit(peer(3));
+        let c = pool.admit(peer(3), None).unwrap();
         assert_eq!(c.evicted, Some(peer(1)));
         assert!(a.evict.is_cancelled() && !b.evict.is_cancelled());
         assert_eq!(pool.len(), 2);
@@ -342,14 +411,62 @@ mod tests {
         // A socket whose handshake failed is evicted without a second count.
         let failing = Slot::adopt(&pool, c.id);
         failing.failed();
-        let d = pool.admit(peer(4));
-        assert_eq!(pool.admit(peer(5)).evicted, None, "{:?}", d.evicted);
+        let d = pool.admit(peer(4), None).unwrap();
+        let e = pool.admit(peer(5), None).unwrap();
+        assert_eq!(e.evicted, None, "{:?}", d.evicted);
         assert!(c.evict.is_cancelled());
         assert_eq!(pool.failures()["evicted"], 1);
         drop(failing);
         assert_eq!(pool.len(), 2);
-        drop((Slot::adopt(&pool, d.id), Slot::adopt(&pool, d.id + 1)));
+        drop((Slot::adopt(&pool, d.id), Slot::adopt(&pool, e.id)));
         assert_eq!(pool.len(), 0);
+    }
+
+    #[test]
+    fn a_socket_that_spoke_is_never_evicted_for_a_silent_one() {
+        let pool = PreAuth::new(2);
+        let worker = pool.admit(peer(1), None).unwrap();
+        let worker_slot = Slot::adopt(&pool, worker.id);
+        worker_slot.spoke();
+        let silent = pool.admit(peer(2), None).unwrap();
+        // The worker is the oldest, but it spoke: the silent one goes.
+        let next = pool.admit(peer(3), None).unwrap();
+        assert_eq!(next.evicted, Some(peer(2)));
+        assert!(silent.evict.is_cancelled() && !worker.evict.is_cancelled());
+        // Every socket in the pool spoke: the new one is refused.
+        let next_slot = Slot::adopt(&pool, next.id);
+        next_slot.spoke();
+        assert_eq!(pool.admit(peer(4), None).err(), Some(Full));
+        assert!(!worker.evict.is_cancelled() && !next.evict.is_cancelled());
+        assert_eq!((pool.len(), pool.failures()["evicted"]), (2, 2));
+        assert!(worker_slot.promote());
+        drop(next_slot);
+        assert_eq!(pool.len(), 0);
+    }
+
+    #[test]
+    fn bytes_not_read_yet_count_as_spoken() {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let mut talker = std::net::TcpStream::connect(addr).unwrap();
+        let (talking, _) = listener.accept().unwrap();
+        let _quiet = std::net::TcpStream::connect(addr).unwrap();
+        let (quiet, _) = listener.accept().unwrap();
+        for s in [&talking, &quiet] {
+            s.set_nonblocking(true).unwrap();
+        }
+        std::io::Write::write_all(&mut talker, b"AUTH").unwrap();
+        let mut byte = [0u8; 1];
+        // Wait until the byte is there (loopback: at once).
+        while talking.peek(&mut byte).is_err() {
+            std::thread::yield_now();
+        }
+        let pool = PreAuth::new(2);
+        let t = pool.admit(peer(1), Some(talking)).unwrap();
+        let q = pool.admit(peer(2), Some(quiet)).unwrap();
+        let next = pool.admit(peer(3), None).unwrap();
+        assert_eq!(next.evicted, Some(peer(2)), "the quiet one, not the oldest");
+        assert!(!t.evict.is_cancelled() && q.evict.is_cancelled());
     }
 
     #[test]

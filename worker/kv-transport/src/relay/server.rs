@@ -16,6 +16,7 @@
 
 use std::future::Future;
 use std::net::SocketAddr;
+use std::os::fd::AsFd;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -29,7 +30,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use super::RelayConfig;
-use super::preauth::{Admitted, Failure, Slot};
+use super::preauth::{Admitted, Failure, Full, PREAUTH_CLOSED, Slot};
 use super::store::{Gauge, Reject, Relay};
 use crate::KvError;
 use crate::frame::{
@@ -106,7 +107,8 @@ pub async fn serve(
 
 /// Takes a new socket: refused at once while the authenticated connections
 /// are at their cap; else into the pre-auth pool (evicting its oldest
-/// socket when full) and on a task of its own.
+/// silent socket when full, or refused when none is silent) and on a task
+/// of its own.
 fn accept(
     relay: &Arc<Relay>,
     tracker: &TaskTracker,
@@ -121,14 +123,40 @@ fn accept(
         return;
     }
     let _ = stream.set_nodelay(true);
-    let admitted = relay.preauth.admit(peer);
+    // A second handle on the socket, for the pool to look for bytes not
+    // read yet (without it the socket counts as silent until it is read).
+    let probe = stream
+        .as_fd()
+        .try_clone_to_owned()
+        .ok()
+        .map(std::net::TcpStream::from);
+    let admitted = match relay.preauth.admit(peer, probe) {
+        Ok(admitted) => admitted,
+        Err(Full) => {
+            relay.reject(Reject::Preauth);
+            relay.warnings.warn(
+                Failure::Evicted.warning(),
+                Some(peer),
+                &format!(
+                    "{} sockets are in the handshake (the pre-auth cap), all of them \
+                     answering; refused the new one",
+                    relay.preauth.cap()
+                ),
+            );
+            let r = preauth_full_reply(relay);
+            let mut bytes = r.header.encode().to_vec();
+            bytes.extend_from_slice(&r.body);
+            let _ = stream.try_write(&bytes);
+            return;
+        }
+    };
     if let Some(old) = admitted.evicted {
         relay.reject(Reject::Preauth);
         relay.warnings.warn(
             Failure::Evicted.warning(),
             Some(old),
             &format!(
-                "{} sockets are in the handshake (the pre-auth cap); closed the oldest",
+                "{} sockets are in the handshake (the pre-auth cap); closed the oldest silent one",
                 relay.preauth.cap()
             ),
         );
@@ -239,7 +267,7 @@ async fn connection(
     let mut rd = BufReader::with_capacity(IO_BUF, rd);
     let deadline = relay.cfg.handshake_timeout;
     let passed = tokio::select! {
-        r = timeout(deadline, handshake(&relay, &mut rd, &mut wr)) => r,
+        r = timeout(deadline, handshake(&relay, &slot, &mut rd, &mut wr)) => r,
         _ = evict.cancelled() => {
             refuse_evicted(&relay, &wr);
             return;
@@ -310,19 +338,25 @@ fn handshake_failed(relay: &Relay, slot: &Slot<'_>, why: Failure, peer: SocketAd
     relay.warnings.warn(why.warning(), Some(peer), reason);
 }
 
-/// Tells a socket evicted from the pre-auth pool why (only if the socket
-/// takes it without waiting); it is closed when dropped.
-fn refuse_evicted(relay: &Relay, wr: &OwnedWriteHalf) {
-    let r = err_reply(
+/// The ERR of a socket closed over the pre-auth cap (evicted, or refused
+/// as the new one).
+fn preauth_full_reply(relay: &Relay) -> Reply {
+    err_reply(
         0,
         relay.epoch,
         ErrCode::Capacity,
         format!(
-            "closed in the handshake: the relay's cap of {} connections in the handshake is reached",
+            "{PREAUTH_CLOSED}: the relay's cap of {} connections in the handshake is reached",
             relay.preauth.cap()
         ),
         true,
-    );
+    )
+}
+
+/// Tells a socket evicted from the pre-auth pool why (only if the socket
+/// takes it without waiting); it is closed when dropped.
+fn refuse_evicted(relay: &Relay, wr: &OwnedWriteHalf) {
+    let r = preauth_full_reply(relay);
     let mut bytes = r.header.encode().to_vec();
     bytes.extend_from_slice(&r.body);
     let _ = wr.try_write(&bytes);
@@ -411,6 +445,7 @@ async fn serve_requests(
 /// once the connection has an authenticated slot.
 async fn handshake(
     relay: &Relay,
+    slot: &Slot<'_>,
     rd: &mut BufReader<OwnedReadHalf>,
     wr: &mut OwnedWriteHalf,
 ) -> Result<Reply, Refusal> {
@@ -428,6 +463,13 @@ async fn handshake(
     let silent = |_| Refusal::Silent;
     wr.write_all(&hello.encode()).await.map_err(silent)?;
     wr.write_all(&relay_nonce).await.map_err(silent)?;
+    // The first byte, seen without taking it from the socket: from now on
+    // the socket is not silent (the pool looks at the socket itself until
+    // then, so no moment passes where its bytes count for nothing).
+    match rd.get_mut().peek(&mut [0u8; 1]).await {
+        Ok(n) if n > 0 => slot.spoke(),
+        _ => return Err(Refusal::Silent),
+    }
     // Nothing but an AUTH of its fixed size is read before the handshake.
     let (h, _) = match read_request_head(rd, 0).await {
         Ok(Some(head)) => head,
