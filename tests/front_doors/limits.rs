@@ -71,7 +71,7 @@ pub fn rows() -> Vec<Row> {
         (C, completion(json!({"logit_bias": bias(200)})), 200, None),
         (
             CHAT,
-            chat(5, json!({"stop": stops(MAX_STOP + 1, 1), "max_tokens": 2})),
+            chat(8, json!({"stop": stops(MAX_STOP + 1, 1), "max_tokens": 2})),
             400,
             Some("stop"),
         ),

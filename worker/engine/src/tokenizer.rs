@@ -29,7 +29,7 @@ use tokenizers::models::bpe::{BPE, Vocab};
 
 use crate::EngineError;
 pub use crate::chat_template::{ChatTemplate, SpecialTokens};
-pub use bound::{PREFIX_BYTES_PER_TOKEN, PREFIX_MARGIN_TOKENS, Within};
+pub use bound::Within;
 pub(crate) use gguf_meta::{Meta, read_gguf_header};
 pub use pre::PreTokenizer;
 
@@ -94,8 +94,10 @@ pub struct Tokenizer {
     model_name: String,
     /// Bytes each token stands for (empty for control tokens).
     token_bytes: Vec<Vec<u8>>,
-    /// The longest text one token stands for (`bound`), if bounded.
-    max_token_bytes: Option<usize>,
+    /// The longest text one token stands for (`bound`).
+    max_token_bytes: usize,
+    /// Bytes with no token of their own (`bound`: they prove no tokens).
+    tokenless_bytes: [bool; 256],
     /// GGUF `{general.architecture}.context_length`, if the file has it.
     context_length: Option<u32>,
     stop_ids: HashSet<u32>,
@@ -357,7 +359,7 @@ impl Tokenizer {
                 }
             })
             .collect::<Vec<Vec<u8>>>();
-        let max_token_bytes = bound::longest_token(&tokens, &token_bytes, |i| {
+        let (max_token_bytes, tokenless_bytes) = bound::longest_token(&tokens, &token_bytes, |i| {
             is_control(i) || ty(i) == TOKEN_TYPE_USER_DEFINED
         });
 
@@ -382,6 +384,7 @@ impl Tokenizer {
             model_name,
             token_bytes,
             max_token_bytes,
+            tokenless_bytes,
             context_length: None,
             stop_ids,
             bos: bos_token_id,

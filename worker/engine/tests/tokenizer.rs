@@ -10,9 +10,7 @@ mod common;
 use std::path::{Path, PathBuf};
 
 use candle_core::quantized::gguf_file::{self, Value};
-use rngd_engine::tokenizer::{
-    PREFIX_BYTES_PER_TOKEN, PREFIX_MARGIN_TOKENS, PreTokenizer, StreamDecoder, Tokenizer, Within,
-};
+use rngd_engine::tokenizer::{PreTokenizer, StreamDecoder, Tokenizer, Within};
 
 fn real() -> Tokenizer {
     Tokenizer::from_gguf(&common::real_model()).expect("tokenizer from GGUF metadata")
@@ -357,19 +355,16 @@ fn varied_texts() -> Vec<String> {
 #[test]
 fn encode_within_is_exact_when_it_fits_and_a_true_lower_bound_when_not() {
     let t = real();
-    let longest = t
-        .max_token_bytes()
-        .expect("SmolLM2 has every byte as a token");
+    let longest = t.max_token_bytes();
     assert!((4..=256).contains(&longest), "{longest}");
-    let mut prefix_refusals = 0;
-    for text in varied_texts() {
+    let mut byte_refusals = 0;
+    // Long texts: refused by their bytes under small limits, tokenized at the
+    // smallest limit the byte bound lets through (`min_tokens`).
+    let long = [2_000, 5_000, 20_000].map(|k| "word ".repeat(k));
+    for text in varied_texts().into_iter().chain(long) {
         let ids = t.encode(&text).unwrap();
         let n = ids.len();
-        assert!(
-            t.min_tokens(text.len()) <= n,
-            "{n} tokens, {} bytes",
-            text.len()
-        );
+        assert!(t.min_tokens(&text) <= n, "{n} tokens, {} bytes", text.len());
         for limit in [
             0,
             1,
@@ -383,6 +378,7 @@ fn encode_within_is_exact_when_it_fits_and_a_true_lower_bound_when_not() {
             n,
             n + 1,
             4 * n,
+            t.min_tokens(&text),
         ] {
             match t.encode_within(&text, limit).unwrap() {
                 Within::Ids(got) => {
@@ -398,21 +394,22 @@ fn encode_within_is_exact_when_it_fits_and_a_true_lower_bound_when_not() {
                         at_least > limit && at_least <= n,
                         "at_least {at_least}, limit {limit}, actual {n}"
                     );
-                    let prefix = PREFIX_BYTES_PER_TOKEN * (limit + PREFIX_MARGIN_TOKENS);
+                    // Either nothing was tokenized (the bytes proved it) or
+                    // a text within the byte bound was.
                     assert!(
-                        tokenized_bytes <= prefix.max(limit * longest),
+                        tokenized_bytes == 0 || t.min_tokens(&text) <= limit,
                         "{tokenized_bytes}"
                     );
-                    if tokenized_bytes > 0 && tokenized_bytes < text.len() {
-                        prefix_refusals += 1;
+                    if tokenized_bytes == 0 {
+                        byte_refusals += 1;
                     }
                 }
             }
         }
     }
     assert!(
-        prefix_refusals > 10,
-        "the prefix path ran {prefix_refusals} times"
+        byte_refusals >= 3,
+        "the byte bound refused {byte_refusals} times"
     );
 }
 
@@ -422,7 +419,7 @@ fn encode_within_is_exact_when_it_fits_and_a_true_lower_bound_when_not() {
 #[test]
 fn a_huge_text_is_refused_without_tokenizing_it() {
     let t = real();
-    let longest = t.max_token_bytes().unwrap();
+    let longest = t.max_token_bytes();
     let mb = "word ".repeat(200_000);
     let started = std::time::Instant::now();
     let got = t.encode_within(&mb, 8192).unwrap();
@@ -431,18 +428,18 @@ fn a_huge_text_is_refused_without_tokenizing_it() {
         "{got:?} (longest token {longest} bytes)"
     );
     assert!(started.elapsed() < std::time::Duration::from_millis(50));
-    // Under the byte bound but far over the limit: only the prefix is read.
-    let text = "word ".repeat(20_000);
+    // Within the byte bound but over the limit: tokenized (at most
+    // 512 × the longest token's bytes) and refused.
+    let text = "word ".repeat(512 * longest / 5);
+    assert!(t.min_tokens(&text) <= 512);
     match t.encode_within(&text, 512).unwrap() {
         Within::TooLong {
             at_least,
             tokenized_bytes,
         } => {
             assert!(at_least > 512);
-            assert_eq!(
-                tokenized_bytes,
-                PREFIX_BYTES_PER_TOKEN * (512 + PREFIX_MARGIN_TOKENS)
-            );
+            assert_eq!(tokenized_bytes, text.len());
+            assert!(text.len() <= 512 * longest);
         }
         other => panic!("{other:?}"),
     }

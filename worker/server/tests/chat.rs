@@ -197,7 +197,11 @@ async fn a_solo_worker_answers_chat_in_the_chat_format() {
     assert_eq!(got.choices[0].message.role, "assistant");
     assert_eq!(got.choices[0].message.content, echo(RENDERED, 7));
     assert_eq!(got.choices[0].finish_reason.as_deref(), Some("length"));
-    assert_eq!(got.usage, Usage::new(RENDERED.len() as u32, 7));
+    // A worker with a prefix cache reports its hits (none here).
+    assert_eq!(
+        got.usage,
+        Usage::new(RENDERED.len() as u32, 7).with_cached(0)
+    );
     assert!(got.timings.and_then(|t| t.ttft_ms).is_some());
 
     // max_completion_tokens wins over max_tokens; without either the chat
