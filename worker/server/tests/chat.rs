@@ -230,7 +230,7 @@ async fn a_solo_worker_answers_chat_in_the_chat_format() {
         Streamed {
             text: echo(RENDERED, 7),
             finish: vec!["length".into()],
-            usage: Some(Usage::new(RENDERED.len() as u32, 7)),
+            usage: Some(Usage::new(RENDERED.len() as u32, 7).with_cached(0)),
         }
     );
     let s = stream(&solo.url(), &streamed(body.clone(), false), &[]).await;
