@@ -375,19 +375,17 @@ pub async fn start_with(
         // Under the listener limits every rngd-pd HTTP listener has
         // (`rngd_http_edge`: header and idle timeouts, connection cap).
         let mut stop_metrics = stop.subscribe();
-        let served = rngd_http_edge::serve(l, app, rngd_http_edge::Options::default(), async move {
-            let _ = stop_metrics.wait_for(|s| *s).await;
-        })
-        .map_err(|source| ExtProcError::ServeMetrics {
-            source: std::io::Error::other(source),
-        })?;
+        let served =
+            rngd_http_edge::serve(l, app, rngd_http_edge::Options::default(), async move {
+                let _ = stop_metrics.wait_for(|s| *s).await;
+            })
+            .map_err(|source| ExtProcError::ServeMetrics {
+                source: std::io::Error::other(source),
+            })?;
         tasks.push(tokio::spawn(async move {
-            served
-                .done
-                .await
-                .map_err(|e| ExtProcError::ServeMetrics {
-                    source: std::io::Error::other(e),
-                })
+            served.done.await.map_err(|e| ExtProcError::ServeMetrics {
+                source: std::io::Error::other(e),
+            })
         }));
     }
     let secure = config.tls.is_some();
