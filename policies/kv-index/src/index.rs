@@ -1,0 +1,643 @@
+//! [`Index`]: router block key → the endpoints holding it, per endpoint the
+//! engine's block hashes (opaque ids) → router keys, its block size and its
+//! [`Health`], and one LRU order over every (endpoint, block) under a block
+//! cap. No sockets here: [`crate::KvIndexer`]'s thread feeds it batches, and
+//! the unit tests drive it directly.
+
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
+use std::sync::Arc;
+use std::time::Instant;
+
+use crate::decode::{Batch, BlockId, Event};
+use crate::keys::{ROOT_KEY, chain_key};
+use crate::stats::{Counters, EndpointStats, IndexStats, add};
+
+/// The cache tier of the engine's own KV memory (vLLM's `MEDIUM_GPU`).
+pub const MEDIUM_GPU: &str = "GPU";
+
+/// Ancestors touched at most when a chain is stored or matched (a chain
+/// deeper than this has its oldest part aged first).
+const MAX_TOUCH_DEPTH: usize = 4096;
+
+/// Whether an endpoint's cache information can be trusted; only
+/// [`Health::Live`] endpoints get a match, every other state answers `None`
+/// (no cache information), never 0.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Health {
+    /// Subscribed, nothing known yet (no batch, no replay).
+    Unknown,
+    /// A replay that rebuilds the endpoint's entries is under way.
+    Replaying,
+    /// Every batch applied in order: the information is current.
+    Live,
+    /// No batch for `stale_after` and no probe answered.
+    Stale,
+    /// A stored chain named a parent hash never stored.
+    UnknownParent,
+    /// Batches were lost and no replay could bring them (no replay socket,
+    /// a failed replay, or history the publisher no longer holds).
+    MissedBatches,
+    /// A payload could not be decoded.
+    Undecodable,
+}
+
+impl Health {
+    /// The state's name (`"live"`, `"stale"`, …) for logs and metrics.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Health::Unknown => "unknown",
+            Health::Replaying => "replaying",
+            Health::Live => "live",
+            Health::Stale => "stale",
+            Health::UnknownParent => "unknown_parent",
+            Health::MissedBatches => "missed_batches",
+            Health::Undecodable => "undecodable",
+        }
+    }
+
+    /// A state that only a successful recovery replay or an
+    /// `AllBlocksCleared` ends.
+    pub fn is_broken(self) -> bool {
+        matches!(
+            self,
+            Health::UnknownParent | Health::MissedBatches | Health::Undecodable
+        )
+    }
+}
+
+/// What applying one batch found.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Applied {
+    /// Events applied.
+    pub events: u64,
+    /// Stored chains with an unknown parent.
+    pub unknown_parents: u64,
+    /// Events that could not be decoded.
+    pub undecodable: u64,
+    /// Blocks evicted by the cap while applying.
+    pub evicted: u64,
+}
+
+#[derive(Debug)]
+struct Block {
+    /// The parent's router key ([`ROOT_KEY`] for a prompt's first block).
+    parent: u64,
+    /// Its place in the LRU order.
+    tick: u64,
+    /// The engine hashes naming it (usually one).
+    engine: Vec<BlockId>,
+}
+
+#[derive(Debug)]
+struct Endpoint {
+    id: String,
+    counters: Arc<Counters>,
+    block_size: Option<u32>,
+    by_engine: HashMap<BlockId, u64>,
+    blocks: HashMap<u64, Block>,
+    /// Engine hashes deliberately not indexed (their children are not either,
+    /// without counting an unknown parent).
+    ignored: HashSet<BlockId>,
+    health: Health,
+    last_batch: Option<Instant>,
+}
+
+/// The index of every endpoint's cached blocks.
+#[derive(Debug)]
+pub struct Index {
+    max_blocks: usize,
+    endpoints: HashMap<u32, Endpoint>,
+    ids: BTreeMap<String, u32>,
+    next_slot: u32,
+    holders: HashMap<u64, Vec<u32>>,
+    lru: BTreeMap<u64, (u32, u64)>,
+    tick: u64,
+    ignored_fifo: VecDeque<(u32, BlockId)>,
+    total: Arc<Counters>,
+}
+
+impl Index {
+    /// An empty index holding at most `max_blocks` (endpoint, block) pairs.
+    pub fn new(max_blocks: usize) -> Self {
+        Index {
+            max_blocks: max_blocks.max(1),
+            endpoints: HashMap::new(),
+            ids: BTreeMap::new(),
+            next_slot: 0,
+            holders: HashMap::new(),
+            lru: BTreeMap::new(),
+            tick: 0,
+            ignored_fifo: VecDeque::new(),
+            total: Arc::new(Counters::default()),
+        }
+    }
+
+    /// The counters of the whole index.
+    pub fn total_counters(&self) -> &Arc<Counters> {
+        &self.total
+    }
+
+    /// Adds an endpoint (state [`Health::Unknown`]) and returns its slot;
+    /// an id already present is replaced (forgotten, then added anew).
+    pub fn add_endpoint(&mut self, id: &str) -> u32 {
+        self.remove_endpoint(id);
+        let slot = self.next_slot;
+        self.next_slot = self.next_slot.wrapping_add(1);
+        self.endpoints.insert(
+            slot,
+            Endpoint {
+                id: id.to_owned(),
+                counters: Arc::new(Counters::default()),
+                block_size: None,
+                by_engine: HashMap::new(),
+                blocks: HashMap::new(),
+                ignored: HashSet::new(),
+                health: Health::Unknown,
+                last_batch: None,
+            },
+        );
+        self.ids.insert(id.to_owned(), slot);
+        slot
+    }
+
+    /// Forgets an endpoint and every block it held.
+    pub fn remove_endpoint(&mut self, id: &str) -> bool {
+        let Some(slot) = self.ids.remove(id) else {
+            return false;
+        };
+        self.clear_slot(slot);
+        self.endpoints.remove(&slot);
+        true
+    }
+
+    /// The slot of an endpoint id.
+    pub fn slot(&self, id: &str) -> Option<u32> {
+        self.ids.get(id).copied()
+    }
+
+    /// The ids of the endpoints, in order.
+    pub fn endpoint_ids(&self) -> Vec<String> {
+        self.ids.keys().cloned().collect()
+    }
+
+    /// One endpoint's counters.
+    pub fn counters(&self, slot: u32) -> Option<&Arc<Counters>> {
+        self.endpoints.get(&slot).map(|e| &e.counters)
+    }
+
+    /// One endpoint's state.
+    pub fn health(&self, slot: u32) -> Option<Health> {
+        self.endpoints.get(&slot).map(|e| e.health)
+    }
+
+    /// Sets one endpoint's state.
+    pub fn set_health(&mut self, slot: u32, health: Health) {
+        if let Some(e) = self.endpoints.get_mut(&slot) {
+            e.health = health;
+        }
+    }
+
+    /// Blocks held now, over all endpoints.
+    pub fn len(&self) -> usize {
+        self.lru.len()
+    }
+
+    /// No block is held.
+    pub fn is_empty(&self) -> bool {
+        self.lru.is_empty()
+    }
+
+    /// Drops every block of one endpoint (its block size is kept).
+    pub fn clear_slot(&mut self, slot: u32) {
+        let Some(e) = self.endpoints.get_mut(&slot) else {
+            return;
+        };
+        let blocks = std::mem::take(&mut e.blocks);
+        e.by_engine.clear();
+        e.ignored.clear();
+        for (key, b) in blocks {
+            self.lru.remove(&b.tick);
+            unhold(&mut self.holders, key, slot);
+        }
+    }
+
+    /// Applies one decoded batch to one endpoint: counts, keys, evictions,
+    /// and the state changes the events themselves cause (a batch makes an
+    /// [`Health::Unknown`] or [`Health::Stale`] endpoint live; an unknown
+    /// parent marks it [`Health::UnknownParent`]; `AllBlocksCleared` makes a
+    /// broken endpoint live again, its state known exactly from there).
+    pub fn apply_batch(&mut self, slot: u32, batch: &Batch, now: Instant) -> Applied {
+        let mut out = Applied::default();
+        let Some(e) = self.endpoints.get_mut(&slot) else {
+            return out;
+        };
+        e.last_batch = Some(now);
+        if matches!(e.health, Health::Unknown | Health::Stale) {
+            e.health = Health::Live;
+        }
+        let counters = Arc::clone(&e.counters);
+        add(&counters.batches, 1);
+        add(&self.total.batches, 1);
+        for ev in &batch.events {
+            match ev {
+                Ok(ev) => {
+                    out.events += 1;
+                    let before = self.total.evicted_now();
+                    if self.apply_event(slot, ev, now) {
+                        out.unknown_parents += 1;
+                    }
+                    out.evicted += self.total.evicted_now() - before;
+                }
+                Err(_) => out.undecodable += 1,
+            }
+        }
+        let both = |f: fn(&Counters) -> &std::sync::atomic::AtomicU64, n: u64| {
+            add(f(&counters), n);
+            add(f(&self.total), n);
+        };
+        both(|c| &c.events, out.events);
+        both(|c| &c.unknown_parents, out.unknown_parents);
+        both(|c| &c.undecodable, out.undecodable);
+        out
+    }
+
+    /// Applies one event; true when it was a chain with an unknown parent.
+    pub fn apply_event(&mut self, slot: u32, ev: &Event, _now: Instant) -> bool {
+        match ev {
+            Event::AllBlocksCleared => {
+                self.clear_slot(slot);
+                if let Some(e) = self.endpoints.get_mut(&slot)
+                    && e.health.is_broken()
+                {
+                    e.health = Health::Live;
+                }
+                false
+            }
+            Event::BlockRemoved {
+                block_hashes,
+                medium,
+            } => {
+                if !is_engine_medium(medium.as_deref()) {
+                    return false;
+                }
+                for h in block_hashes {
+                    self.remove_engine_id(slot, *h);
+                }
+                false
+            }
+            Event::BlockStored {
+                block_hashes,
+                parent_block_hash,
+                token_ids,
+                block_size,
+                medium,
+                lora,
+                extra_keys,
+            } => self.store(
+                slot,
+                block_hashes,
+                *parent_block_hash,
+                token_ids,
+                *block_size,
+                medium.as_deref(),
+                *lora || *extra_keys,
+            ),
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn store(
+        &mut self,
+        slot: u32,
+        hashes: &[BlockId],
+        parent: Option<BlockId>,
+        tokens: &[u32],
+        block_size: u32,
+        medium: Option<&str>,
+        not_by_tokens: bool,
+    ) -> bool {
+        if !is_engine_medium(medium) {
+            return false;
+        }
+        let Some(e) = self.endpoints.get_mut(&slot) else {
+            return false;
+        };
+        let counters = Arc::clone(&e.counters);
+        let n = hashes.len() as u64;
+        let bs = block_size as usize;
+        if tokens.len() != bs * hashes.len() {
+            add(&counters.undecodable, 1);
+            add(&self.total.undecodable, 1);
+            self.ignore(slot, hashes);
+            return false;
+        }
+        if e.block_size.is_some_and(|b| b != block_size) {
+            tracing::warn!(endpoint = %e.id, old = ?e.block_size, new = block_size, "KV index: the block size changed; the endpoint's entries are dropped");
+            self.clear_slot(slot);
+        }
+        let Some(e) = self.endpoints.get_mut(&slot) else {
+            return false;
+        };
+        e.block_size = Some(block_size);
+        let mut parent_key = match parent {
+            None => ROOT_KEY,
+            Some(p) => match e.by_engine.get(&p) {
+                Some(k) => *k,
+                None => {
+                    let unknown = !e.ignored.contains(&p);
+                    if unknown {
+                        e.health = Health::UnknownParent;
+                    } else {
+                        add(&counters.ignored_blocks, n);
+                        add(&self.total.ignored_blocks, n);
+                    }
+                    self.ignore(slot, hashes);
+                    return unknown;
+                }
+            },
+        };
+        if not_by_tokens {
+            add(&counters.ignored_blocks, n);
+            add(&self.total.ignored_blocks, n);
+            self.ignore(slot, hashes);
+            return false;
+        }
+        let mut chain = Vec::with_capacity(hashes.len());
+        for (h, block) in hashes.iter().zip(tokens.chunks_exact(bs)) {
+            let key = chain_key(parent_key, block);
+            self.remove_engine_id(slot, *h);
+            let Some(e) = self.endpoints.get_mut(&slot) else {
+                return false;
+            };
+            e.by_engine.insert(*h, key);
+            match e.blocks.get_mut(&key) {
+                Some(b) => b.engine.push(*h),
+                None => {
+                    self.tick += 1;
+                    e.blocks.insert(
+                        key,
+                        Block {
+                            parent: parent_key,
+                            tick: self.tick,
+                            engine: vec![*h],
+                        },
+                    );
+                    self.lru.insert(self.tick, (slot, key));
+                    self.holders.entry(key).or_default().push(slot);
+                    add(&counters.blocks_indexed, 1);
+                    add(&self.total.blocks_indexed, 1);
+                }
+            }
+            chain.push(key);
+            parent_key = key;
+        }
+        if let Some(&last) = chain.last() {
+            self.touch_chain(slot, last);
+        }
+        self.enforce_cap();
+        false
+    }
+
+    /// Marks engine hashes as deliberately not indexed (bounded: the oldest
+    /// marks are forgotten past `max_blocks` of them).
+    fn ignore(&mut self, slot: u32, hashes: &[BlockId]) {
+        for h in hashes {
+            self.remove_engine_id(slot, *h);
+            if let Some(e) = self.endpoints.get_mut(&slot)
+                && e.ignored.insert(*h)
+            {
+                self.ignored_fifo.push_back((slot, *h));
+            }
+        }
+        while self.ignored_fifo.len() > self.max_blocks {
+            if let Some((s, h)) = self.ignored_fifo.pop_front()
+                && let Some(e) = self.endpoints.get_mut(&s)
+            {
+                e.ignored.remove(&h);
+            }
+        }
+    }
+
+    /// Drops one engine hash; its block goes when no hash names it any more.
+    fn remove_engine_id(&mut self, slot: u32, h: BlockId) {
+        let Some(e) = self.endpoints.get_mut(&slot) else {
+            return;
+        };
+        e.ignored.remove(&h);
+        let Some(key) = e.by_engine.remove(&h) else {
+            return;
+        };
+        let Some(b) = e.blocks.get_mut(&key) else {
+            return;
+        };
+        b.engine.retain(|x| *x != h);
+        if b.engine.is_empty() {
+            let tick = b.tick;
+            e.blocks.remove(&key);
+            self.lru.remove(&tick);
+            unhold(&mut self.holders, key, slot);
+        }
+    }
+
+    /// Makes a chain the most recently used, its ancestors newer than their
+    /// children, so the cap evicts chains from their tails.
+    fn touch_chain(&mut self, slot: u32, last: u64) {
+        let Some(e) = self.endpoints.get_mut(&slot) else {
+            return;
+        };
+        let mut key = last;
+        for _ in 0..MAX_TOUCH_DEPTH {
+            let Some(b) = e.blocks.get_mut(&key) else {
+                break;
+            };
+            self.lru.remove(&b.tick);
+            self.tick += 1;
+            b.tick = self.tick;
+            self.lru.insert(self.tick, (slot, key));
+            if b.parent == ROOT_KEY {
+                break;
+            }
+            key = b.parent;
+        }
+    }
+
+    /// Evicts the least recently used blocks past the cap; their engine
+    /// hashes are marked ignored, so a later child is not an unknown parent.
+    fn enforce_cap(&mut self) {
+        while self.lru.len() > self.max_blocks {
+            let Some((_, (slot, key))) = self.lru.pop_first() else {
+                break;
+            };
+            unhold(&mut self.holders, key, slot);
+            let Some(e) = self.endpoints.get_mut(&slot) else {
+                continue;
+            };
+            let Some(b) = e.blocks.remove(&key) else {
+                continue;
+            };
+            for h in &b.engine {
+                e.by_engine.remove(h);
+            }
+            add(&e.counters.evicted, 1);
+            add(&self.total.evicted, 1);
+            let engine = b.engine;
+            self.ignore(slot, &engine);
+        }
+    }
+
+    /// The cached prefix of `token_ids` on one endpoint, in tokens: the
+    /// longest run of full blocks from token 0 it holds. `None` when the
+    /// endpoint is unknown or has no cache information (not
+    /// [`Health::Live`]); `Some(0)` when it is live and holds none of it.
+    /// The matched chain becomes the most recently used.
+    pub fn match_prefix(&mut self, endpoint: &str, token_ids: &[u32]) -> Option<usize> {
+        let slot = *self.ids.get(endpoint)?;
+        let e = self.endpoints.get(&slot)?;
+        if e.health != Health::Live {
+            return None;
+        }
+        let Some(bs) = e.block_size else {
+            return Some(0);
+        };
+        let bs = bs as usize;
+        let mut parent = ROOT_KEY;
+        let mut n = 0;
+        let mut last = None;
+        for block in token_ids.chunks_exact(bs) {
+            let key = chain_key(parent, block);
+            if !e.blocks.contains_key(&key) {
+                break;
+            }
+            n += 1;
+            last = Some(key);
+            parent = key;
+        }
+        if let Some(last) = last {
+            self.touch_chain(slot, last);
+        }
+        Some(n * bs)
+    }
+
+    /// [`Index::match_prefix`] for every endpoint at once, in id order, the
+    /// key chain computed once per block size and looked up in the key →
+    /// endpoints map.
+    pub fn match_all(&mut self, token_ids: &[u32]) -> Vec<(String, Option<usize>)> {
+        let mut by_size: BTreeMap<u32, HashMap<u32, usize>> = BTreeMap::new();
+        for (slot, e) in &self.endpoints {
+            if e.health == Health::Live
+                && let Some(bs) = e.block_size
+            {
+                by_size.entry(bs).or_default().insert(*slot, 0);
+            }
+        }
+        let mut touched: HashMap<u32, u64> = HashMap::new();
+        for (bs, runs) in &mut by_size {
+            let mut parent = ROOT_KEY;
+            for (i, block) in token_ids.chunks_exact(*bs as usize).enumerate() {
+                let key = chain_key(parent, block);
+                let mut any = false;
+                for s in self.holders.get(&key).map(Vec::as_slice).unwrap_or(&[]) {
+                    if let Some(run) = runs.get_mut(s)
+                        && *run == i
+                    {
+                        *run = i + 1;
+                        any = true;
+                    }
+                }
+                if !any {
+                    break;
+                }
+                parent = key;
+                // The last key of each run still growing, for the LRU touch.
+                for (s, run) in runs.iter() {
+                    if *run == i + 1 {
+                        touched.insert(*s, key);
+                    }
+                }
+            }
+        }
+        for (slot, key) in touched {
+            self.touch_chain(slot, key);
+        }
+        self.ids
+            .iter()
+            .map(|(id, slot)| {
+                let e = &self.endpoints[slot];
+                let m = match (e.health, e.block_size) {
+                    (Health::Live, None) => Some(0),
+                    (Health::Live, Some(bs)) => by_size
+                        .get(&bs)
+                        .and_then(|r| r.get(slot))
+                        .map(|run| run * bs as usize),
+                    _ => None,
+                };
+                (id.clone(), m)
+            })
+            .collect()
+    }
+
+    /// A snapshot of the counters and states.
+    pub fn stats(&self, now: Instant) -> IndexStats {
+        let since = |t: Option<Instant>| t.map(|t| now.saturating_duration_since(t).as_secs_f64());
+        let mut newest: Option<Instant> = None;
+        let mut all_live = true;
+        let endpoints = self
+            .ids
+            .iter()
+            .map(|(id, slot)| {
+                let e = &self.endpoints[slot];
+                newest = newest.max(e.last_batch);
+                all_live &= e.health == Health::Live;
+                (
+                    id.clone(),
+                    EndpointStats::from_counters(
+                        &e.counters,
+                        e.blocks.len() as u64,
+                        since(e.last_batch),
+                        e.health,
+                    ),
+                )
+            })
+            .collect();
+        IndexStats {
+            total: EndpointStats::from_counters(
+                &self.total,
+                self.lru.len() as u64,
+                since(newest),
+                if all_live {
+                    Health::Live
+                } else {
+                    Health::Unknown
+                },
+            ),
+            endpoints,
+        }
+    }
+
+    /// The block size an endpoint's events carry.
+    pub fn block_size(&self, slot: u32) -> Option<u32> {
+        self.endpoints.get(&slot).and_then(|e| e.block_size)
+    }
+}
+
+impl Counters {
+    fn evicted_now(&self) -> u64 {
+        self.evicted.load(std::sync::atomic::Ordering::Relaxed)
+    }
+}
+
+fn is_engine_medium(m: Option<&str>) -> bool {
+    m.is_none_or(|m| m.eq_ignore_ascii_case(MEDIUM_GPU))
+}
+
+fn unhold(holders: &mut HashMap<u64, Vec<u32>>, key: u64, slot: u32) {
+    if let Some(v) = holders.get_mut(&key) {
+        v.retain(|s| *s != slot);
+        if v.is_empty() {
+            holders.remove(&key);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;
