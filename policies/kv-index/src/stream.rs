@@ -451,9 +451,21 @@ impl Subscriber {
                 s.recent.clear();
                 0
             }
-            ReplayKind::Gap | ReplayKind::Probe => s.last_seq.map_or(0, |l| l + 1),
+            ReplayKind::Gap => s.last_seq.map_or(0, |l| l + 1),
+            // From the last batch applied, which must come back the same: a
+            // publisher that restarted (and published fewer batches since)
+            // is told apart from one that had nothing to say.
+            ReplayKind::Probe => s.last_seq.unwrap_or(0),
         };
-        let outcome = self.run_replay(s, start, started + o.replay_deadline);
+        let verify = match kind {
+            ReplayKind::Probe => s
+                .recent
+                .back()
+                .copied()
+                .filter(|(q, _)| Some(*q) == s.last_seq),
+            _ => None,
+        };
+        let outcome = self.run_replay(s, start, verify, started + o.replay_deadline);
         let now = Instant::now();
         match outcome {
             Ok(()) => {
@@ -476,24 +488,24 @@ impl Subscriber {
                     s.backoff = o.retry_after;
                 }
             }
+            Err(ReplayError::Restarted(why)) => {
+                self.count(s, |c| &c.restarts);
+                self.warn(
+                    s,
+                    "restart",
+                    format!(
+                        "probe: {why}: publisher restarted; its entries are dropped and rebuilt"
+                    ),
+                );
+                self.reopen_dealer(s);
+                self.want(s, ReplayKind::Rebuild, now);
+            }
             Err(why) => {
                 if self.stopped() {
                     return;
                 }
                 self.count(s, |c| &c.replay_failures);
-                // A fresh DEALER, so late replies of this replay are not
-                // read as the next one's.
-                if let Some(ep) = s.spec.replay_endpoint.clone() {
-                    s.dealer = None;
-                    match self.dealer(&ep) {
-                        Ok(d) => s.dealer = Some(d),
-                        Err(e) => self.warn(
-                            s,
-                            "dealer",
-                            format!("reopening the replay socket failed: {e}"),
-                        ),
-                    }
-                }
+                self.reopen_dealer(s);
                 let health = match (kind, &why) {
                     (ReplayKind::Probe, ReplayError::NoAnswer(_)) => {
                         self.count(s, |c| &c.stale);
@@ -521,7 +533,29 @@ impl Subscriber {
         }
     }
 
-    fn run_replay(&self, s: &mut Stream, start: u64, deadline: Instant) -> Result<(), ReplayError> {
+    /// A fresh DEALER, so late replies of the last replay are not read as
+    /// the next one's.
+    fn reopen_dealer(&self, s: &mut Stream) {
+        if let Some(ep) = s.spec.replay_endpoint.clone() {
+            s.dealer = None;
+            match self.dealer(&ep) {
+                Ok(d) => s.dealer = Some(d),
+                Err(e) => self.warn(
+                    s,
+                    "dealer",
+                    format!("reopening the replay socket failed: {e}"),
+                ),
+            }
+        }
+    }
+
+    fn run_replay(
+        &self,
+        s: &mut Stream,
+        start: u64,
+        mut verify: Option<(u64, u64)>,
+        deadline: Instant,
+    ) -> Result<(), ReplayError> {
         let o = &self.options;
         let Some(d) = s.dealer.as_ref() else {
             return Err(ReplayError::NoAnswer("no replay socket".into()));
@@ -573,6 +607,15 @@ impl Subscriber {
             let Ok(seq) = <[u8; 8]>::try_from(seq.as_slice()) else {
                 return Err(ReplayError::Bad("a sequence frame not 8 bytes long".into()));
             };
+            if let Some((q, h)) = verify.take() {
+                let same = seq != END_SEQ && u64::from_be_bytes(seq) == q && digest(payload) == h;
+                if !same {
+                    return Err(ReplayError::Restarted(format!(
+                        "batch {q} did not come back the same"
+                    )));
+                }
+                continue;
+            }
             if seq == END_SEQ {
                 return Ok(());
             }
@@ -639,12 +682,18 @@ enum ReplayError {
     Bad(String),
     /// The publisher no longer holds batches that were needed.
     Lost(String),
+    /// The publisher does not hold the last batch applied as it was: it
+    /// restarted.
+    Restarted(String),
 }
 
 impl std::fmt::Display for ReplayError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            ReplayError::NoAnswer(m) | ReplayError::Bad(m) | ReplayError::Lost(m) => f.write_str(m),
+            ReplayError::NoAnswer(m)
+            | ReplayError::Bad(m)
+            | ReplayError::Lost(m)
+            | ReplayError::Restarted(m) => f.write_str(m),
         }
     }
 }
