@@ -2,19 +2,49 @@
 
 use std::path::PathBuf;
 
+/// `--trace-format`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum TraceFormatArg {
+    /// By the file name: `.jsonl` is mooncake, anything else azure.
+    Auto,
+    /// The Azure LLM inference trace CSV.
+    Azure,
+    /// The Mooncake conversation trace (JSON lines with hash_ids).
+    Mooncake,
+}
+
+impl From<TraceFormatArg> for rngd_bench_replay::TraceFormat {
+    fn from(f: TraceFormatArg) -> Self {
+        match f {
+            TraceFormatArg::Auto => rngd_bench_replay::TraceFormat::Auto,
+            TraceFormatArg::Azure => rngd_bench_replay::TraceFormat::Azure,
+            TraceFormatArg::Mooncake => rngd_bench_replay::TraceFormat::Mooncake,
+        }
+    }
+}
+
 /// Flags of `rngd-pd-bench replay`.
 #[derive(Debug, Clone, clap::Args)]
 pub struct Args {
-    /// The trace CSV (TIMESTAMP,ContextTokens,GeneratedTokens); default:
-    /// `../shared/data/AzureLLMInferenceTrace_conv.csv` from the repository root.
+    /// The trace: the Azure CSV (TIMESTAMP,ContextTokens,GeneratedTokens) or
+    /// the Mooncake JSON lines (timestamp, input_length, output_length,
+    /// hash_ids); default: `../shared/data/AzureLLMInferenceTrace_conv.csv`
+    /// from the repository root.
     #[arg(long)]
     pub trace: Option<PathBuf>,
-    /// Base URL of an OpenAI-compatible server (the gateway, or Envoy in
-    /// front of the picker), e.g. http://127.0.0.1:8000.
+    /// The trace's format (auto: `.jsonl` is mooncake).
+    #[arg(long, value_enum, default_value = "auto")]
+    pub trace_format: TraceFormatArg,
+    /// Mooncake: token ids per trace block (each 512-token block of the
+    /// trace becomes this many ids, the same block id always the same ids).
+    #[arg(long, default_value_t = 16)]
+    pub block_tokens: u32,
+    /// Base URL of an OpenAI-compatible server (the gateway, Envoy in
+    /// front of the picker, or one worker), e.g. http://127.0.0.1:8000.
     #[arg(
         long,
-        conflicts_with = "spawn_up",
-        required_unless_present = "spawn_up"
+        conflicts_with_all = ["spawn_up", "spawn_worker"],
+        required_unless_present_any = ["spawn_up", "spawn_worker"]
     )]
     pub url: Option<String>,
     /// `model` of the requests; default: the first of /v1/models.
@@ -65,16 +95,24 @@ pub struct Args {
     pub settle_s: f64,
     /// Start `rngd-pd up` (gateway port 0), replay against it, watch its
     /// processes and shm root, stop it (SIGINT) at the end.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "spawn_worker")]
     pub spawn_up: bool,
-    /// The rngd-pd binary for --spawn-up; default: $RNGD_PD_BIN, else
+    /// Start one solo `rngd-pd worker` (port 0), replay against it, read
+    /// its metrics and watch its RSS, stop it (SIGINT) at the end.
+    #[arg(long)]
+    pub spawn_worker: bool,
+    /// The rngd-pd binary for --spawn-up and --spawn-worker; default: $RNGD_PD_BIN, else
     /// $CARGO_TARGET_DIR/release/rngd-pd, else beside this executable.
     #[arg(long)]
     pub rngd_pd: Option<PathBuf>,
     /// Extra argument of `rngd-pd up` (repeat it), e.g. --up-arg=--kv-transport --up-arg=tcp.
     #[arg(long = "up-arg", allow_hyphen_values = true)]
     pub up_args: Vec<String>,
-    /// How long `rngd-pd up` may take to be ready, seconds.
+    /// Extra argument of the spawned `rngd-pd worker` (repeat it), e.g.
+    /// --worker-arg=--prefix-cache-bytes --worker-arg=1000000.
+    #[arg(long = "worker-arg", allow_hyphen_values = true)]
+    pub worker_args: Vec<String>,
+    /// How long `rngd-pd up` (or the spawned worker) may take to be ready, seconds.
     #[arg(long, default_value_t = 900.0)]
     pub up_timeout_s: f64,
     /// Print only the JSON line (no progress on stderr).
@@ -86,6 +124,8 @@ impl From<Args> for rngd_bench_replay::Options {
     fn from(a: Args) -> Self {
         rngd_bench_replay::Options {
             trace: a.trace.unwrap_or_else(rngd_bench_replay::default_trace),
+            trace_format: a.trace_format.into(),
+            block_tokens: a.block_tokens,
             url: a.url,
             model: a.model,
             speedup: a.speedup,
@@ -103,8 +143,10 @@ impl From<Args> for rngd_bench_replay::Options {
             shm_root: a.shm_root,
             settle_s: a.settle_s,
             spawn_up: a.spawn_up,
+            spawn_worker: a.spawn_worker,
             rngd_pd: a.rngd_pd,
             up_args: a.up_args,
+            worker_args: a.worker_args,
             up_timeout_s: a.up_timeout_s,
             json: a.json,
         }
@@ -147,6 +189,31 @@ mod tests {
             parse(&["--url", "http://h:1", "--spawn-up"]).is_err(),
             "both"
         );
+        assert!(
+            parse(&["--url", "http://h:1", "--spawn-worker"]).is_err(),
+            "url and worker"
+        );
+        assert!(
+            parse(&["--spawn-up", "--spawn-worker"]).is_err(),
+            "up and worker"
+        );
+        let o = parse(&[
+            "--spawn-worker",
+            "--trace",
+            "t.jsonl",
+            "--trace-format",
+            "mooncake",
+            "--block-tokens",
+            "8",
+            "--worker-arg",
+            "--prefix-cache-bytes",
+            "--worker-arg=1000",
+        ])
+        .expect("parses");
+        assert!(o.spawn_worker && !o.spawn_up && o.url.is_none());
+        assert_eq!(o.trace_format, rngd_bench_replay::TraceFormat::Mooncake);
+        assert_eq!(o.block_tokens, 8);
+        assert_eq!(o.worker_args, ["--prefix-cache-bytes", "1000"]);
         let o = parse(&[
             "--spawn-up",
             "--pids",

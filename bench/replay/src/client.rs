@@ -1,6 +1,7 @@
 //! One streaming `/v1/completions` request and what it measured: the SSE
 //! stream read chunk by chunk (first content chunk, last content chunk,
-//! `usage`, an in-band error, `[DONE]`), the status classified.
+//! `usage` with `prompt_tokens_details.cached_tokens`, an in-band error,
+//! `[DONE]`), the status classified. The prompt is text or token ids.
 
 use std::time::{Duration, Instant};
 
@@ -9,6 +10,25 @@ use serde_json::Value;
 
 use crate::stats::{Outcome, Status};
 
+/// The `prompt` of a request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Prompt {
+    /// A text prompt (the server tokenizes it).
+    Text(String),
+    /// A prompt as token ids (sent as a JSON array; nothing is tokenized).
+    Tokens(Vec<u32>),
+}
+
+impl Prompt {
+    /// The JSON value of the `prompt` field.
+    pub fn json(&self) -> Value {
+        match self {
+            Prompt::Text(t) => Value::from(t.as_str()),
+            Prompt::Tokens(ids) => Value::from(ids.clone()),
+        }
+    }
+}
+
 /// What to send.
 #[derive(Debug, Clone)]
 pub struct Request {
@@ -16,8 +36,8 @@ pub struct Request {
     pub url: String,
     /// The `model` field.
     pub model: String,
-    /// The prompt text.
-    pub prompt: String,
+    /// The prompt.
+    pub prompt: Prompt,
     /// `max_tokens`.
     pub max_tokens: u32,
 }
@@ -27,7 +47,7 @@ impl Request {
     pub fn body(&self) -> Value {
         serde_json::json!({
             "model": self.model,
-            "prompt": self.prompt,
+            "prompt": self.prompt.json(),
             "max_tokens": self.max_tokens,
             "temperature": 0,
             "stream": true,
@@ -71,6 +91,7 @@ struct Seen {
     chunks: u64,
     usage_tokens: Option<u64>,
     usage_prompt: Option<u64>,
+    usage_cached: Option<u64>,
     error: Option<String>,
 }
 
@@ -83,6 +104,7 @@ impl Seen {
             tokens: self.usage_tokens.unwrap_or(self.chunks),
             usage_seen: self.usage_tokens.is_some(),
             prompt_tokens: self.usage_prompt,
+            cached_tokens: self.usage_cached,
         }
     }
 
@@ -105,6 +127,12 @@ impl Seen {
             }
             if let Some(n) = u.get("prompt_tokens").and_then(Value::as_u64) {
                 self.usage_prompt = Some(n);
+            }
+            if let Some(n) = u
+                .pointer("/prompt_tokens_details/cached_tokens")
+                .and_then(Value::as_u64)
+            {
+                self.usage_cached = Some(n);
             }
         }
         if let Some(c) = v

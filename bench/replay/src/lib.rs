@@ -1,7 +1,9 @@
 //! `rngd-pd-bench replay`: replays the Azure LLM inference trace
-//! (`TIMESTAMP,ContextTokens,GeneratedTokens`) against any OpenAI-compatible
-//! base URL (the rngd-pd gateway, Envoy + the endpoint picker) with streaming
-//! `/v1/completions`, open loop, and ends with one JSON line.
+//! (`TIMESTAMP,ContextTokens,GeneratedTokens`) or the Mooncake conversation
+//! trace (JSON lines with `hash_ids`, [`mooncake`]) against any
+//! OpenAI-compatible base URL (the rngd-pd gateway, Envoy + the endpoint
+//! picker, one worker) with streaming `/v1/completions`, open loop, and ends
+//! with one JSON line.
 //!
 //! - arrivals: the trace's timestamps from row `skip`, divided by `speedup`,
 //!   bounded by `max_requests` and `duration`; each request fires at its time
@@ -10,23 +12,32 @@
 //! - lengths: prompt + `max_tokens` scaled down proportionally to fit
 //!   `seq_len - margin`; the prompt is that many common words; the server may
 //!   stop before `max_tokens` (no `ignore_eos`), so output tokens are the
-//!   stream's `usage`;
+//!   stream's `usage`; a Mooncake prompt is token ids, each trace block a
+//!   fixed run of `block_tokens` ids, cut to whole leading blocks, and the
+//!   JSON gains `prefix`: the trace's own reuse share next to the served
+//!   cached share (`usage.prompt_tokens_details.cached_tokens`) and the
+//!   worker's prefix-cache counters ([`metrics`]);
 //! - per request: TTFT (to the first content chunk), TPOT ((last - first) /
 //!   (tokens - 1)), status; every request has a deadline;
 //! - around the run: RSS of watched processes at start and end, KV left after
-//!   it ([`kv`]); with `spawn_up`, the whole stack started and stopped here ([`up`]).
+//!   it ([`kv`]); with `spawn_up`, the whole stack started and stopped here
+//!   ([`up`]); with `spawn_worker`, one solo worker ([`worker`]).
 //!
-//! Modules: [`trace`] (CSV, offsets, scaling, prompts), [`client`] (one
-//! request), [`stats`] (outcomes, percentiles, summary), [`procs`] (`/proc`),
-//! [`kv`], [`up`]; this file: [`Options`], [`Error`], [`run`] and the
-//! [`Report`] it prints.
+//! Modules: [`trace`] (CSV, offsets, scaling, prompts), [`mooncake`] (its
+//! JSON lines, blocks, cuts, reuse), [`client`] (one request), [`stats`]
+//! (outcomes, percentiles, summary), [`procs`] (`/proc`), [`kv`],
+//! [`metrics`] (prefix-cache counters), [`up`], [`worker`]; this file:
+//! [`Options`], [`Error`], [`run`] and the [`Report`] it prints.
 
 pub mod client;
 pub mod kv;
+pub mod metrics;
+pub mod mooncake;
 pub mod procs;
 pub mod stats;
 pub mod trace;
 pub mod up;
+pub mod worker;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -60,18 +71,53 @@ pub enum Error {
     /// `rngd-pd up` failed to start or stop.
     #[error("rngd-pd up: {0}")]
     Up(String),
+    /// The spawned `rngd-pd worker` failed to start or stop.
+    #[error("rngd-pd worker: {0}")]
+    Worker(String),
     /// Building the HTTP client failed.
     #[error("http client: {0}")]
     Client(#[source] reqwest::Error),
 }
 
+/// Which trace a file holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum TraceFormat {
+    /// By the file name: `.jsonl` is [`TraceFormat::Mooncake`], anything
+    /// else [`TraceFormat::Azure`].
+    #[default]
+    Auto,
+    /// The Azure LLM inference trace CSV ([`trace`]).
+    Azure,
+    /// The Mooncake trace's JSON lines ([`mooncake`]).
+    Mooncake,
+}
+
+impl TraceFormat {
+    /// The format of `path`: `self` unless [`TraceFormat::Auto`].
+    pub fn of(self, path: &Path) -> TraceFormat {
+        match self {
+            TraceFormat::Auto if path.extension().is_some_and(|e| e == "jsonl") => {
+                TraceFormat::Mooncake
+            }
+            TraceFormat::Auto => TraceFormat::Azure,
+            f => f,
+        }
+    }
+}
+
 /// What to run (the flags of `rngd-pd-bench replay`).
 #[derive(Debug, Clone)]
 pub struct Options {
-    /// The trace CSV. Default [`default_trace`].
+    /// The trace file. Default [`default_trace`].
     pub trace: PathBuf,
+    /// Its format. Default [`TraceFormat::Auto`].
+    pub trace_format: TraceFormat,
+    /// Mooncake: token ids per trace block (a 512-token block of the trace
+    /// becomes this many). Default 16.
+    pub block_tokens: u32,
     /// Base URL of the OpenAI-compatible server (`http://host:port`, no
-    /// `/v1`). Default `None`: required unless `spawn_up`.
+    /// `/v1`). Default `None`: required unless `spawn_up` or `spawn_worker`.
     pub url: Option<String>,
     /// `model` of the requests. Default `None`: the first of `/v1/models`,
     /// else `default`.
@@ -112,11 +158,18 @@ pub struct Options {
     /// Start `rngd-pd up` here, replay against its gateway, watch its
     /// processes and shm root, stop it at the end. Default off.
     pub spawn_up: bool,
-    /// The `rngd-pd` binary for `spawn_up`. Default `None`: [`up::locate`].
+    /// Start one solo `rngd-pd worker` here ([`worker`]), replay against
+    /// it, read its metrics, stop it at the end. Default off.
+    pub spawn_worker: bool,
+    /// The `rngd-pd` binary for `spawn_up` and `spawn_worker`. Default
+    /// `None`: [`up::locate`].
     pub rngd_pd: Option<PathBuf>,
     /// Extra arguments of `rngd-pd up` (e.g. `--kv-transport tcp`). Default none.
     pub up_args: Vec<String>,
-    /// How long `rngd-pd up` may take to print its ready line, seconds. Default 900.
+    /// Extra arguments of `rngd-pd worker` with `spawn_worker` (e.g.
+    /// `--prefix-cache-bytes 1000000`). Default none.
+    pub worker_args: Vec<String>,
+    /// How long `rngd-pd up` (or the worker) may take to be ready, seconds. Default 900.
     pub up_timeout_s: f64,
     /// Print only the JSON line (no progress on stderr). Default off.
     pub json: bool,
@@ -133,6 +186,8 @@ impl Default for Options {
     fn default() -> Self {
         Options {
             trace: default_trace(),
+            trace_format: TraceFormat::Auto,
+            block_tokens: 16,
             url: None,
             model: None,
             speedup: 1.0,
@@ -150,8 +205,10 @@ impl Default for Options {
             shm_root: None,
             settle_s: 30.0,
             spawn_up: false,
+            spawn_worker: false,
             rngd_pd: None,
             up_args: Vec::new(),
+            worker_args: Vec::new(),
             up_timeout_s: 900.0,
             json: false,
         }
@@ -163,6 +220,10 @@ impl Default for Options {
 pub struct Settings {
     /// Trace file.
     pub trace: String,
+    /// Its format (`azure` or `mooncake`).
+    pub trace_format: TraceFormat,
+    /// Mooncake: token ids per trace block (`null` for the Azure trace).
+    pub block_tokens: Option<u32>,
     /// Base URL replayed against.
     pub url: String,
     /// `model` sent.
@@ -187,6 +248,43 @@ pub struct Settings {
     pub slo_tpot_ms: f64,
     /// Whether the stack was started here.
     pub spawn_up: bool,
+    /// Whether one solo worker was started here.
+    pub spawn_worker: bool,
+}
+
+/// Prefix reuse of a Mooncake replay: the trace's own, what the server
+/// served from its cache, and the worker's counters.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct PrefixReplay {
+    /// Token ids per trace block.
+    pub block_tokens: u32,
+    /// Prompt tokens of the requests sent.
+    pub trace_prompt_tokens: u64,
+    /// Of those, tokens in leading full blocks whose chain an earlier
+    /// request sent (an infinite cache on one worker).
+    pub trace_reused_tokens: u64,
+    /// `trace_reused_tokens / trace_prompt_tokens`: the trace's own reuse share.
+    pub trace_reuse_share: Option<f64>,
+    /// The same under the engine's rule that a prefill computes its last
+    /// token (and at least 8 rows): the most a server can serve cached.
+    pub trace_reuse_share_capped: Option<f64>,
+    /// Distinct blocks the requests sent (what an infinite cache holds;
+    /// compare with `worker_end.num_gpu_blocks`).
+    pub trace_unique_blocks: u64,
+    /// Prompt tokens of successful requests (`usage.prompt_tokens`).
+    pub served_prompt_tokens: u64,
+    /// Of those, cached (`usage.prompt_tokens_details.cached_tokens`).
+    pub served_cached_tokens: u64,
+    /// `served_cached_tokens / served_prompt_tokens`: the served cached share.
+    pub served_cached_share: Option<f64>,
+    /// Successful requests whose usage carried `cached_tokens`.
+    pub served_usage_with_cached: u64,
+    /// The worker's figures before the run (`null`: not readable at the URL).
+    pub worker_start: Option<metrics::PrefixMetrics>,
+    /// The worker's figures after the run.
+    pub worker_end: Option<metrics::PrefixMetrics>,
+    /// Hits over queries counted by the worker during the run.
+    pub worker_hit_share: Option<f64>,
 }
 
 /// The JSON line.
@@ -253,6 +351,9 @@ pub struct Report {
     pub rss_mb_end: BTreeMap<String, Option<f64>>,
     /// KV left after the run (`null` with no metrics URL and no shm root).
     pub leaked_kv: Option<kv::LeakedKv>,
+    /// Mooncake traces only: prefix reuse (left out for the Azure trace).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prefix: Option<PrefixReplay>,
     /// First arrival to the last request's end, seconds.
     pub wall_s: f64,
     /// The settings used.
@@ -273,6 +374,80 @@ pub async fn run(opts: Options) -> Result<Report, Error> {
     Ok(report)
 }
 
+/// One request of the run, whichever trace it came from.
+#[derive(Debug, Clone)]
+struct Planned {
+    offset: Duration,
+    prompt: client::Prompt,
+    prompt_tokens: u32,
+    max_tokens: u32,
+    /// Mooncake: the full blocks' trace ids (for the reuse share).
+    full_blocks: Vec<u64>,
+}
+
+/// The requests of the run from the trace file in `opts`.
+fn plan(opts: &Options, format: TraceFormat, budget: u32) -> Result<Vec<Planned>, Error> {
+    let text = std::fs::read_to_string(&opts.trace).map_err(|source| Error::ReadTrace {
+        path: opts.trace.clone(),
+        source,
+    })?;
+    let duration = opts.duration_s.map(Duration::from_secs_f64);
+    let (planned, rows) = if format == TraceFormat::Mooncake {
+        if opts.block_tokens == 0 || opts.block_tokens > budget {
+            return Err(Error::Options(format!(
+                "--block-tokens must be between 1 and --seq-len minus --margin ({budget})"
+            )));
+        }
+        let rows = mooncake::parse(&text)?;
+        let planned = mooncake::schedule(
+            &rows,
+            opts.skip,
+            opts.max_requests,
+            duration,
+            opts.speedup,
+            opts.block_tokens,
+            budget,
+        )
+        .into_iter()
+        .map(|p| Planned {
+            offset: p.offset,
+            prompt_tokens: p.cut.prompt_tokens,
+            max_tokens: p.cut.max_tokens,
+            prompt: client::Prompt::Tokens(p.prompt),
+            full_blocks: p.full_blocks,
+        })
+        .collect::<Vec<_>>();
+        (planned, rows.len())
+    } else {
+        let rows = trace::parse(&text)?;
+        let planned = trace::schedule(
+            &rows,
+            opts.skip,
+            opts.max_requests,
+            duration,
+            opts.speedup,
+            budget,
+        )
+        .into_iter()
+        .map(|a| Planned {
+            offset: a.offset,
+            prompt: client::Prompt::Text(trace::prompt_text(a.prompt_tokens, a.row)),
+            prompt_tokens: a.prompt_tokens,
+            max_tokens: a.max_tokens,
+            full_blocks: Vec::new(),
+        })
+        .collect::<Vec<_>>();
+        (planned, rows.len())
+    };
+    if planned.is_empty() {
+        return Err(Error::Options(format!(
+            "no request to replay ({rows} rows, --skip {})",
+            opts.skip
+        )));
+    }
+    Ok(planned)
+}
+
 /// Runs the replay and returns its report without printing it.
 pub async fn launch(opts: Options) -> Result<Report, Error> {
     if !opts.speedup.is_finite() || opts.speedup <= 0.0 {
@@ -281,72 +456,61 @@ pub async fn launch(opts: Options) -> Result<Report, Error> {
     if opts.max_in_flight == 0 {
         return Err(Error::Options("--max-in-flight must be ≥ 1".into()));
     }
-    if opts.url.is_some() == opts.spawn_up {
+    let targets = [opts.url.is_some(), opts.spawn_up, opts.spawn_worker];
+    if targets.iter().filter(|t| **t).count() != 1 {
         return Err(Error::Options(
-            "give exactly one of --url and --spawn-up".into(),
+            "give exactly one of --url, --spawn-up and --spawn-worker".into(),
         ));
     }
-    let text = std::fs::read_to_string(&opts.trace).map_err(|source| Error::ReadTrace {
-        path: opts.trace.clone(),
-        source,
-    })?;
-    let rows = trace::parse(&text)?;
     let budget = opts.seq_len.saturating_sub(opts.margin);
     if budget < 2 {
         return Err(Error::Options(
             "--seq-len minus --margin leaves fewer than 2 tokens".into(),
         ));
     }
-    let arrivals = trace::schedule(
-        &rows,
-        opts.skip,
-        opts.max_requests,
-        opts.duration_s.map(Duration::from_secs_f64),
-        opts.speedup,
-        budget,
-    );
-    if arrivals.is_empty() {
-        return Err(Error::Options(format!(
-            "no request to replay ({} rows, --skip {})",
-            rows.len(),
-            opts.skip
-        )));
-    }
+    let format = opts.trace_format.of(&opts.trace);
+    let planned = plan(&opts, format, budget)?;
     let mut stack = None;
-    if opts.spawn_up {
+    let mut solo = None;
+    if opts.spawn_up || opts.spawn_worker {
         let bin = up::locate(opts.rngd_pd.as_deref())?;
+        let what = if opts.spawn_up { "up" } else { "worker" };
         if !opts.json {
-            eprintln!("replay: starting {} up", bin.display());
+            eprintln!("replay: starting {} {what}", bin.display());
         }
-        stack = Some(
-            up::start(
-                &bin,
-                opts.seq_len,
-                &opts.up_args,
-                Duration::from_secs_f64(opts.up_timeout_s),
-            )
-            .await?,
-        );
+        let timeout = Duration::from_secs_f64(opts.up_timeout_s);
+        if opts.spawn_up {
+            stack = Some(up::start(&bin, opts.seq_len, &opts.up_args, timeout).await?);
+        } else {
+            solo = Some(worker::start(&bin, opts.seq_len, &opts.worker_args, timeout).await?);
+        }
     }
-    let result = replay(&opts, &arrivals, stack.as_ref()).await;
-    if let Some(s) = stack {
-        let stopped = s.stop(Duration::from_secs(30)).await;
-        if let Err(e) = stopped {
-            eprintln!("replay: {e}");
-        }
+    let result = replay(&opts, format, &planned, stack.as_ref(), solo.as_ref()).await;
+    if let Some(s) = stack
+        && let Err(e) = s.stop(Duration::from_secs(30)).await
+    {
+        eprintln!("replay: {e}");
+    }
+    if let Some(w) = solo
+        && let Err(e) = w.stop(Duration::from_secs(30)).await
+    {
+        eprintln!("replay: {e}");
     }
     result
 }
 
 async fn replay(
     opts: &Options,
-    arrivals: &[trace::Arrival],
+    format: TraceFormat,
+    planned: &[Planned],
     stack: Option<&up::Up>,
+    solo: Option<&worker::Worker>,
 ) -> Result<Report, Error> {
-    let url = match (stack, &opts.url) {
-        (Some(s), _) => s.info.gateway.clone().unwrap_or_default(),
-        (None, Some(u)) => u.clone(),
-        (None, None) => unreachable!("checked in launch"),
+    let url = match (stack, solo, &opts.url) {
+        (Some(s), _, _) => s.info.gateway.clone().unwrap_or_default(),
+        (None, Some(w), _) => w.url.clone(),
+        (None, None, Some(u)) => u.clone(),
+        (None, None, None) => unreachable!("checked in launch"),
     };
     let base = url.trim_end_matches('/').to_string();
     let client = reqwest::Client::builder()
@@ -391,13 +555,28 @@ async fn replay(
             shm_root.clone_from(&s.info.shm_root);
         }
     }
+    if let Some(w) = solo {
+        watched.push(procs::Watched {
+            label: "worker".into(),
+            pid: w.pid,
+        });
+        if kv_metrics.is_empty() {
+            kv_metrics.push(format!("worker={}", w.url));
+        }
+    }
     let rss_mb_start = procs::sample(&watched);
+    let mooncake = format == TraceFormat::Mooncake;
+    let worker_start = if mooncake {
+        metrics::scrape(&client, &base).await
+    } else {
+        None
+    };
 
     if !opts.json {
         eprintln!(
             "replay: {} requests over {:.1} s (speedup {}) against {base}, model {model}",
-            arrivals.len(),
-            arrivals.last().map_or(0.0, |a| a.offset.as_secs_f64()),
+            planned.len(),
+            planned.last().map_or(0.0, |a| a.offset.as_secs_f64()),
             opts.speedup
         );
     }
@@ -406,20 +585,22 @@ async fn replay(
     let slots = Arc::new(Semaphore::new(opts.max_in_flight));
     let mut tasks = tokio::task::JoinSet::new();
     let (mut dropped, mut prompt_sent, mut max_sent) = (0u64, 0u64, 0u64);
+    let mut sent: Vec<&Planned> = Vec::with_capacity(planned.len());
     let start = tokio::time::Instant::now();
     let wall_start = Instant::now();
-    for a in arrivals {
+    for a in planned {
         tokio::time::sleep_until(start + a.offset).await;
         let Ok(permit) = slots.clone().try_acquire_owned() else {
             dropped += 1;
             continue;
         };
+        sent.push(a);
         prompt_sent += u64::from(a.prompt_tokens);
         max_sent += u64::from(a.max_tokens);
         let req = client::Request {
             url: endpoint.clone(),
             model: model.clone(),
-            prompt: trace::prompt_text(a.prompt_tokens, a.row),
+            prompt: a.prompt.clone(),
             max_tokens: a.max_tokens,
         };
         let client = client.clone();
@@ -429,7 +610,7 @@ async fn replay(
             o
         });
     }
-    let mut outcomes = Vec::with_capacity(arrivals.len());
+    let mut outcomes = Vec::with_capacity(planned.len());
     let mut error_bodies = BTreeMap::new();
     while let Some(r) = tasks.join_next().await {
         // A panicking request task is a bug here, not a server outcome.
@@ -464,6 +645,34 @@ async fn replay(
         wall,
         Duration::from_secs_f64(opts.slo_tpot_ms / 1e3),
     );
+    let prefix = if mooncake {
+        let worker_end = metrics::scrape(&client, &base).await;
+        let r = mooncake::reuse(
+            sent.iter()
+                .map(|p| (p.full_blocks.as_slice(), p.prompt_tokens)),
+            opts.block_tokens,
+        );
+        Some(PrefixReplay {
+            block_tokens: opts.block_tokens,
+            trace_prompt_tokens: r.prompt_tokens,
+            trace_reused_tokens: r.reused_tokens,
+            trace_reuse_share: r.share(),
+            trace_reuse_share_capped: r.share_capped(),
+            trace_unique_blocks: r.unique_blocks,
+            served_prompt_tokens: s.prompt_tokens_usage,
+            served_cached_tokens: s.cached_tokens_usage,
+            served_cached_share: (s.prompt_tokens_usage > 0)
+                .then(|| s.cached_tokens_usage as f64 / s.prompt_tokens_usage as f64),
+            served_usage_with_cached: s.cached_tokens_seen,
+            worker_hit_share: worker_end
+                .as_ref()
+                .and_then(|e| e.hit_share_since(&worker_start.unwrap_or_default())),
+            worker_start,
+            worker_end,
+        })
+    } else {
+        None
+    };
     Ok(Report {
         requests: s.requests,
         scheduled: s.requests + dropped,
@@ -494,12 +703,15 @@ async fn replay(
         rss_mb_start,
         rss_mb_end,
         leaked_kv,
+        prefix,
         wall_s: wall.as_secs_f64(),
         settings: Settings {
             trace: std::fs::canonicalize(&opts.trace)
                 .unwrap_or_else(|_| opts.trace.clone())
                 .display()
                 .to_string(),
+            trace_format: format,
+            block_tokens: mooncake.then_some(opts.block_tokens),
             url: base,
             model,
             speedup: opts.speedup,
@@ -512,6 +724,7 @@ async fn replay(
             request_timeout_s: opts.request_timeout_s,
             slo_tpot_ms: opts.slo_tpot_ms,
             spawn_up: opts.spawn_up,
+            spawn_worker: opts.spawn_worker,
         },
     })
 }
@@ -527,7 +740,7 @@ fn error_key(s: stats::Status) -> String {
 }
 
 /// The first model id of `{base}/v1/models`.
-async fn first_model(client: &reqwest::Client, base: &str) -> Option<String> {
+pub async fn first_model(client: &reqwest::Client, base: &str) -> Option<String> {
     let r = client
         .get(format!("{base}/v1/models"))
         .timeout(Duration::from_secs(10))

@@ -38,6 +38,9 @@ pub struct Outcome {
     pub usage_seen: bool,
     /// The stream's `usage.prompt_tokens` (the server's count of the prompt).
     pub prompt_tokens: Option<u64>,
+    /// The stream's `usage.prompt_tokens_details.cached_tokens` (prompt
+    /// tokens the server took from its prefix cache).
+    pub cached_tokens: Option<u64>,
 }
 
 impl Outcome {
@@ -50,6 +53,7 @@ impl Outcome {
             tokens: 0,
             usage_seen: false,
             prompt_tokens: None,
+            cached_tokens: None,
         }
     }
 
@@ -132,6 +136,11 @@ pub struct Summary {
     pub output_tokens: u64,
     /// Prompt tokens of successful requests as the server counted them (`usage.prompt_tokens`).
     pub prompt_tokens_usage: u64,
+    /// Of those, the tokens the server reported cached
+    /// (`usage.prompt_tokens_details.cached_tokens`, 0 where absent).
+    pub cached_tokens_usage: u64,
+    /// Successful requests whose usage carried `cached_tokens`.
+    pub cached_tokens_seen: u64,
     /// `slo_met` per second of `wall`.
     pub goodput_rps: f64,
     /// `output_tokens` per second of `wall`.
@@ -151,6 +160,10 @@ pub fn summarize(outcomes: &[Outcome], wall: Duration, slo: Duration) -> Summary
                 s.ok += 1;
                 s.output_tokens += o.tokens;
                 s.prompt_tokens_usage += o.prompt_tokens.unwrap_or(0);
+                if let Some(c) = o.cached_tokens {
+                    s.cached_tokens_usage += c;
+                    s.cached_tokens_seen += 1;
+                }
                 if !o.usage_seen {
                     s.usage_missing += 1;
                 }

@@ -128,6 +128,7 @@ fn ok(ttft_ms: u64, decode_ms: u64, tokens: u64) -> Outcome {
         tokens,
         usage_seen: true,
         prompt_tokens: Some(5),
+        cached_tokens: None,
     }
 }
 
