@@ -14,6 +14,7 @@ mod gateway;
 mod kv;
 mod logits;
 mod policy;
+mod prefix;
 mod replay;
 mod tokenize;
 
@@ -43,8 +44,10 @@ enum Command {
     Logits(logits::Args),
     /// Renders chats (JSON on stdin) with the engine's chat template, one JSON line each.
     ChatRender(chat_render::Args),
-    /// Open-loop replay of the Azure LLM inference trace against an OpenAI-compatible URL.
+    /// Open-loop replay of the Azure or Mooncake trace against an OpenAI-compatible URL.
     Replay(replay::Args),
+    /// TTFT with 0%, 50% and 90% of a prompt in the worker's prefix cache against cold.
+    Prefix(prefix::Args),
     /// The engine tokenizer's ids of texts (one JSON line), for the tokenizer fidelity test.
     Tokenize(tokenize::Args),
 }
@@ -89,6 +92,9 @@ fn main() -> anyhow::Result<()> {
             }
             Command::Replay(a) => {
                 rngd_bench_replay::run(a.into()).await?;
+            }
+            Command::Prefix(a) => {
+                rngd_bench_prefix::run(a.into()).await?;
             }
             Command::Tokenize(a) => {
                 tokenize::run(a)?;
