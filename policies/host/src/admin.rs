@@ -1,7 +1,8 @@
 //! The admin API: `GET /admin/policy` (active module, and the one a rollback
 //! would restore) and `PUT /admin/policy` (body = wasm bytes) for hot swaps.
-//! Every method needs the bearer token, compared in constant time (SHA-256
-//! digests of both, compared without an early exit); after
+//! Every method needs the bearer token, checked by the guard every admin
+//! listener shares (`rngd_http_edge::admin`: SHA-256 digests compared in
+//! constant time); after
 //! [`AdminOptions::max_failures`] failed attempts within
 //! [`AdminOptions::failure_window`] every request is answered 429 for
 //! [`AdminOptions::lockout`]. [`serve`] runs it on its own listener
@@ -9,10 +10,9 @@
 //! router for a caller that binds it. The token never appears in logs or in
 //! `Debug` output ([`AdminToken`]).
 
-use std::collections::VecDeque;
 use std::net::{Ipv4Addr, SocketAddr};
-use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant, UNIX_EPOCH};
+use std::sync::Arc;
+use std::time::{Duration, UNIX_EPOCH};
 
 use axum::Router;
 use axum::body::Bytes;
@@ -21,6 +21,8 @@ use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use rngd_api::openai::ErrorBody;
+pub use rngd_http_edge::admin::AdminToken;
+use rngd_http_edge::admin::{AdminGuard, LockoutOptions, Refusal};
 
 use crate::{ModuleInfo, PolicyError, PolicyRuntime};
 
@@ -30,49 +32,6 @@ const MAX_MODULE_BYTES: usize = 32 << 20;
 /// Where [`serve`] listens by default: loopback only.
 pub const DEFAULT_ADMIN_LISTEN: SocketAddr =
     SocketAddr::new(std::net::IpAddr::V4(Ipv4Addr::LOCALHOST), 9903);
-
-/// The admin bearer token. Only its SHA-256 digest is kept; `Debug` shows
-/// neither.
-#[derive(Clone)]
-pub struct AdminToken {
-    digest: [u8; 32],
-}
-
-impl std::fmt::Debug for AdminToken {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("AdminToken(<redacted>)")
-    }
-}
-
-// === impl AdminToken ===
-
-impl AdminToken {
-    /// The token `token`; `None` when it is empty (no admin API).
-    pub fn new(token: &str) -> Option<AdminToken> {
-        (!token.is_empty()).then(|| AdminToken {
-            digest: digest(token.as_bytes()),
-        })
-    }
-
-    /// Whether `given` is the token: the SHA-256 digests of both are
-    /// compared without an early exit, so the time taken says nothing about
-    /// how much of `given` matched (nor about the token's length).
-    pub fn matches(&self, given: &[u8]) -> bool {
-        same_digest(&digest(given), &self.digest)
-    }
-}
-
-fn digest(bytes: &[u8]) -> [u8; 32] {
-    use sha2::Digest;
-    sha2::Sha256::digest(bytes).into()
-}
-
-/// Constant-time equality of two digests.
-fn same_digest(a: &[u8; 32], b: &[u8; 32]) -> bool {
-    let diff = a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y));
-    // Keeps the compiler from turning the fold into an early-exit compare.
-    std::hint::black_box(diff) == 0
-}
 
 /// How the admin API is served and guarded.
 #[derive(Clone, Debug)]
@@ -106,20 +65,10 @@ impl Default for AdminOptions {
     }
 }
 
-/// Failed attempts and the lockout they caused (one per router: the
-/// admin API is one operator's, so the limit is global, not per client).
-#[derive(Default)]
-struct Throttle {
-    failures: VecDeque<Instant>,
-    locked_until: Option<Instant>,
-}
-
 #[derive(Clone)]
 struct AdminState {
     runtime: Arc<PolicyRuntime>,
-    token: AdminToken,
-    options: Arc<AdminOptions>,
-    throttle: Arc<Mutex<Throttle>>,
+    guard: AdminGuard,
 }
 
 fn error(status: StatusCode, message: impl Into<String>) -> Response {
@@ -138,66 +87,23 @@ fn info_json(info: &ModuleInfo) -> serde_json::Value {
 // === impl AdminState ===
 
 impl AdminState {
-    /// Checks the bearer token, counting failures and answering 429 while
-    /// locked out: `Some` is the refusal to send, `None` lets the request in.
+    /// Checks the bearer token with the shared guard, counting refusals in
+    /// the policy metrics: `Some` is the refusal to send, `None` lets the
+    /// request in.
     fn refusal(&self, headers: &HeaderMap) -> Option<Response> {
-        let now = Instant::now();
-        let mut th = self
-            .throttle
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        if let Some(until) = th.locked_until {
-            if now < until {
-                drop(th);
-                self.runtime.metrics.admin_throttled.inc();
-                let mut resp = error(
-                    StatusCode::TOO_MANY_REQUESTS,
-                    "too many failed admin attempts; try again later",
-                );
-                let secs = until.duration_since(now).as_secs().max(1);
-                if let Ok(v) = HeaderValue::from_str(&secs.to_string()) {
-                    resp.headers_mut().insert(header::RETRY_AFTER, v);
+        let refusal = self.guard.check(headers).err()?;
+        match refusal {
+            Refusal::Throttled { .. } => self.runtime.metrics.admin_throttled.inc(),
+            Refusal::Unauthorized { locked_out } => {
+                self.runtime.metrics.admin_auth_failures.inc();
+                if locked_out {
+                    tracing::warn!(
+                        "policy admin API: repeated failed attempts; answering 429 for a while"
+                    );
                 }
-                return Some(resp);
             }
-            th.locked_until = None;
         }
-        let given = headers
-            .get(header::AUTHORIZATION)
-            .and_then(|v| v.as_bytes().strip_prefix(b"Bearer "))
-            .unwrap_or_default();
-        if self.token.matches(given) {
-            th.failures.clear();
-            return None;
-        }
-        let opts = &self.options;
-        th.failures.push_back(now);
-        while th.failures.len() > opts.max_failures.max(1) as usize {
-            th.failures.pop_front();
-        }
-        let first = th.failures.front().copied().unwrap_or(now);
-        let lock_out = th.failures.len() >= opts.max_failures.max(1) as usize
-            && now.duration_since(first) <= opts.failure_window;
-        if lock_out {
-            th.failures.clear();
-            th.locked_until = Some(now + opts.lockout);
-        }
-        drop(th);
-        self.runtime.metrics.admin_auth_failures.inc();
-        if lock_out {
-            tracing::warn!(
-                failures = opts.max_failures,
-                lockout = ?opts.lockout,
-                "policy admin API: repeated failed attempts; answering 429 for a while"
-            );
-        }
-        let mut resp = error(
-            StatusCode::UNAUTHORIZED,
-            "a valid bearer token is required for the policy admin API",
-        );
-        resp.headers_mut()
-            .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
-        Some(resp)
+        Some(refusal.into_response("policy admin API"))
     }
 }
 
@@ -288,9 +194,14 @@ pub fn admin_router_with(runtime: Arc<PolicyRuntime>, options: AdminOptions) -> 
             .layer(DefaultBodyLimit::max(MAX_MODULE_BYTES))
             .with_state(AdminState {
                 runtime,
-                token,
-                options: Arc::new(options),
-                throttle: Arc::default(),
+                guard: AdminGuard::new(
+                    token,
+                    LockoutOptions {
+                        max_failures: options.max_failures,
+                        failure_window: options.failure_window,
+                        lockout: options.lockout,
+                    },
+                ),
             }),
     }
 }
@@ -383,35 +294,15 @@ mod tests {
     use super::*;
 
     #[test]
-    fn token_comparison_is_exact_and_redacted() {
-        let t = AdminToken::new("s3cret").unwrap();
-        assert!(t.matches(b"s3cret"));
-        for wrong in [&b""[..], b"s3cre", b"s3cret ", b"S3cret", b"s3cres", b"x"] {
-            assert!(!t.matches(wrong), "{wrong:?}");
-        }
-        assert!(AdminToken::new("").is_none());
+    fn options_debug_shows_no_token() {
         let shown = format!(
-            "{t:?} {:?}",
+            "{:?}",
             AdminOptions {
-                token: Some(t.clone()),
+                token: AdminToken::new("s3cret"),
                 ..AdminOptions::default()
             }
         );
         assert!(!shown.contains("s3cret"), "{shown}");
         assert!(shown.contains("redacted"), "{shown}");
-    }
-
-    #[test]
-    fn digests_compare_without_early_exit() {
-        // Equal digests, one differing in the first byte, one in the last:
-        // same_digest looks at every byte either way (the fold has no branch).
-        let a = [7u8; 32];
-        let mut first = a;
-        first[0] ^= 1;
-        let mut last = a;
-        last[31] ^= 0x80;
-        assert!(same_digest(&a, &a));
-        assert!(!same_digest(&a, &first));
-        assert!(!same_digest(&a, &last));
     }
 }

@@ -12,11 +12,13 @@
 //!   [`BodyError`], answered with the OpenAI error body;
 //! - [`hold_until_sent`]: a response whose body holds a guard (an admission
 //!   slot, an engine slot) until it is sent or dropped;
-//! - [`shutdown_signal`]: SIGINT / SIGTERM.
+//! - [`shutdown_signal`]: SIGINT / SIGTERM;
+//! - [`admin`]: the bearer-token guard of every admin listener.
 //!
 //! `docs/gateway.md` ("Listener limits") describes the limits and their
 //! defaults.
 
+pub mod admin;
 mod body;
 mod hold;
 mod serve;
