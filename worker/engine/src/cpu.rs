@@ -115,6 +115,9 @@ struct Shared {
     wake: Condvar,
     waiting: AtomicUsize,
     running: AtomicUsize,
+    /// Blocks of `block_size` positions the running streams' caches hold
+    /// (a partial block counts whole), for [`Engine::kv_usage`].
+    used_blocks: AtomicUsize,
 }
 
 impl Shared {
@@ -130,6 +133,8 @@ pub struct CpuEngine {
     tokenizer: Arc<Tokenizer>,
     shared: Arc<Shared>,
     batch: usize,
+    /// Blocks the decode slots can hold: `batch × ⌈seq_len / block_size⌉`.
+    total_blocks: usize,
     prefix: Arc<Mutex<PrefixCache>>,
     thread: Mutex<Option<JoinHandle<()>>>,
 }
@@ -191,7 +196,7 @@ impl CpuEngine {
         tokenizer: Tokenizer,
         seq_len: usize,
         batch: usize,
-        prefix: &PrefixCacheOptions,
+        prefix_options: &PrefixCacheOptions,
     ) -> Result<Arc<CpuEngine>, EngineError> {
         let c = &model.cfg;
         let layout = KvLayout {
@@ -210,13 +215,19 @@ impl CpuEngine {
         let tokenizer = Arc::new(tokenizer);
         // The model's identity in every block hash: its served name and the
         // cache layout (docs/engine.md, Prefix cache).
-        let prefix = Arc::new(Mutex::new(PrefixCache::new(prefix, layout, &info.name)));
+        let prefix = Arc::new(Mutex::new(PrefixCache::new(
+            prefix_options,
+            layout,
+            &info.name,
+        )));
         let shared = Arc::new(Shared {
             state: Mutex::new(State::default()),
             wake: Condvar::new(),
             waiting: AtomicUsize::new(0),
             running: AtomicUsize::new(0),
+            used_blocks: AtomicUsize::new(0),
         });
+        let block_size = prefix_options.block_size.max(1);
         let scheduler = Scheduler {
             model,
             tokenizer: tokenizer.clone(),
@@ -226,6 +237,7 @@ impl CpuEngine {
             caches: Vec::new(),
             prefill_cache: None,
             prefix: prefix.clone(),
+            block_size,
         };
         let thread = std::thread::Builder::new()
             .name("rngd-engine".into())
@@ -239,6 +251,7 @@ impl CpuEngine {
             tokenizer,
             shared,
             batch,
+            total_blocks: batch * seq_len.div_ceil(block_size),
             prefix,
             thread: Mutex::new(Some(thread)),
         }))
@@ -252,17 +265,6 @@ impl CpuEngine {
     /// Decode slots (the `batch` option).
     pub fn batch(&self) -> usize {
         self.batch
-    }
-
-    /// Drops every cached prefix block (none is referenced by a running
-    /// sequence: a hit copies its blocks) and tells the event sink.
-    pub fn reset_prefix_cache(&self) {
-        lock(&self.prefix).reset();
-    }
-
-    /// Attaches the prefix cache's event sink (a KV-event publisher).
-    pub fn set_prefix_events(&self, sink: Option<Arc<dyn PrefixEventSink>>) {
-        lock(&self.prefix).set_sink(sink);
     }
 
     fn submit(&self, f: impl FnOnce(&mut State)) -> Result<(), EngineError> {
@@ -384,12 +386,32 @@ impl Engine for CpuEngine {
         self.shared.running.load(Ordering::Relaxed)
     }
 
+    /// As vLLM counts it: blocks held by running requests over the blocks
+    /// there are (cached blocks no request uses are free, as in vLLM).
     fn kv_usage(&self) -> f64 {
-        self.running() as f64 / self.batch as f64
+        let used = self.shared.used_blocks.load(Ordering::Relaxed);
+        (used as f64 / self.total_blocks.max(1) as f64).min(1.0)
     }
 
     fn prefix_cache_stats(&self) -> Option<PrefixCacheStats> {
         Some(lock(&self.prefix).stats())
+    }
+
+    /// Every cached block goes (none is referenced by a running sequence: a
+    /// hit copies its blocks into the sequence's own cache).
+    fn reset_prefix_cache(&self) -> bool {
+        let mut p = lock(&self.prefix);
+        if !p.enabled() {
+            return false;
+        }
+        p.reset();
+        true
+    }
+
+    fn set_prefix_events(&self, sink: Option<Arc<dyn PrefixEventSink>>) -> bool {
+        let mut p = lock(&self.prefix);
+        p.set_sink(sink);
+        p.enabled()
     }
 }
 
@@ -409,6 +431,8 @@ struct Scheduler {
     caches: Vec<SeqCache>,
     prefill_cache: Option<SeqCache>,
     prefix: Arc<Mutex<PrefixCache>>,
+    /// Positions per block, for the block count of [`Shared::used_blocks`].
+    block_size: usize,
 }
 
 impl Scheduler {
@@ -449,6 +473,14 @@ impl Scheduler {
     fn publish_running(&self) {
         let n = self.slots.iter().filter(|s| s.is_some()).count();
         self.shared.running.store(n, Ordering::Relaxed);
+        let used: usize = self
+            .slots
+            .iter()
+            .zip(&self.caches)
+            .filter(|(s, _)| s.is_some())
+            .map(|(_, c)| c.tokens.div_ceil(self.block_size))
+            .sum();
+        self.shared.used_blocks.store(used, Ordering::Relaxed);
     }
 
     fn prefill(&mut self, job: PrefillJob) {

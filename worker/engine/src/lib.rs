@@ -292,11 +292,24 @@ pub trait Engine: Send + Sync + 'static {
     fn waiting(&self) -> usize;
     /// Streams decoding now.
     fn running(&self) -> usize;
-    /// Fraction of KV slots in use, 0..1.
+    /// Fraction of the KV cache running requests hold, 0..1 (the CPU
+    /// engine counts blocks, as vLLM does).
     fn kv_usage(&self) -> f64;
     /// The prefix cache's counters and sizes, when the backend has one.
     fn prefix_cache_stats(&self) -> Option<prefix::PrefixCacheStats> {
         None
+    }
+    /// Drops every cached prefix block no running request uses, and tells
+    /// the event sink (`AllBlocksCleared`); false when the backend has no
+    /// prefix cache or it is off.
+    fn reset_prefix_cache(&self) -> bool {
+        false
+    }
+    /// Attaches the prefix cache's event sink (a KV-event publisher); false
+    /// when the backend has no prefix cache (nothing will be published).
+    fn set_prefix_events(&self, sink: Option<std::sync::Arc<dyn prefix::PrefixEventSink>>) -> bool {
+        let _ = sink;
+        false
     }
 }
 

@@ -293,3 +293,48 @@ async fn real_model_warm_equals_cold() {
         same(&w, &c, &format!("real model, cut {cut}"));
     }
 }
+
+/// `kv_usage` counts blocks as vLLM does: the blocks the running streams'
+/// caches hold (a partial block whole) over the blocks of every decode slot;
+/// cached blocks no stream uses count as free.
+#[tokio::test]
+async fn kv_usage_counts_the_blocks_of_running_streams() {
+    let e = engine(PrefixCacheOptions::default());
+    assert_eq!(e.kv_usage(), 0.0);
+    // 4 slots of 256 positions: 64 blocks of 16.
+    let total = (4 * S.div_ceil(B)) as f64;
+    let (n, max_tokens) = (40, 180);
+    let mut rx = e
+        .generate(&prompt(n, 9), &params(max_tokens))
+        .await
+        .unwrap();
+    let mut seen = Vec::new();
+    while let Some(ev) = rx.recv().await {
+        if matches!(ev, rngd_engine::GenEvent::Done { .. }) {
+            break;
+        }
+        seen.push(e.kv_usage());
+    }
+    let most = (n + max_tokens).div_ceil(B) as f64 / total;
+    assert!(seen.iter().all(|&u| u <= most + 1e-12), "{seen:?}");
+    assert!(
+        seen.iter().any(|&u| u > 0.0),
+        "never saw the stream's blocks"
+    );
+    // Each value is a whole number of blocks.
+    for u in &seen {
+        let blocks = u * total;
+        assert!((blocks - blocks.round()).abs() < 1e-9, "{u}");
+    }
+    // The stream ended: its blocks are free again (the cached copies do not count).
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    while e.kv_usage() != 0.0 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "usage stayed {}",
+            e.kv_usage()
+        );
+        tokio::task::yield_now().await;
+    }
+    assert!(e.prefix_cache_stats().unwrap().blocks > 0);
+}
