@@ -131,12 +131,12 @@ pub struct Args {
     #[arg(long, overrides_with = "enable_prefix_caching")]
     pub no_enable_prefix_caching: bool,
     /// Positions per prefix-cache block (only full blocks are cached).
-    #[arg(long, default_value_t = rngd_engine::prefix::DEFAULT_BLOCK_SIZE, value_parser = at_least_one)]
+    #[arg(long, env = env::RNGD_PD_BLOCK_SIZE, default_value_t = rngd_engine::prefix::DEFAULT_BLOCK_SIZE, value_parser = at_least_one)]
     pub block_size: usize,
     /// Bytes the prefix cache may hold; least recently used blocks are
     /// evicted past it (a block of 16 positions of SmolLM2-135M is 368,640
     /// bytes). Default 256 MiB.
-    #[arg(long, default_value_t = rngd_engine::prefix::DEFAULT_PREFIX_CACHE_BYTES)]
+    #[arg(long, env = env::RNGD_PD_PREFIX_CACHE_BYTES, default_value_t = rngd_engine::prefix::DEFAULT_PREFIX_CACHE_BYTES)]
     pub prefix_cache_bytes: u64,
     /// KV-cache events as vLLM publishes them: vLLM's JSON, e.g.
     /// `{"enable_kv_cache_events":true,"endpoint":"tcp://*:5557","replay_endpoint":"tcp://*:5558","topic":"kv@pod@model"}`
@@ -145,8 +145,15 @@ pub struct Args {
     /// refused. As in vLLM an endpoint with `*` or `::` binds (`tcp://*:PORT`:
     /// every interface; `tcp://127.0.0.1:*`: loopback, a free port, logged),
     /// any other is connected to; see docs/engine.md, "KV events".
-    #[arg(long = "kv-events-config", value_name = "JSON", value_parser = parse_kv_events)]
+    #[arg(long = "kv-events-config", env = env::RNGD_PD_KV_EVENTS_CONFIG, value_name = "JSON", value_parser = parse_kv_events)]
     pub kv_events_config: Option<rngd_kv_events::KvEventsConfig>,
+    /// Listener of the worker admin API (`POST /reset_prefix_cache`), apart
+    /// from the public one; served only with a token. Port 0 picks a free port.
+    #[arg(long, env = env::RNGD_PD_WORKER_ADMIN_LISTEN, default_value_t = rngd_worker::admin::DEFAULT_WORKER_ADMIN_LISTEN)]
+    pub admin_listen: std::net::SocketAddr,
+    /// Bearer token of the worker admin API; unset: no admin listener.
+    #[arg(long, env = env::RNGD_PD_ADMIN_TOKEN, hide_env_values = true)]
+    pub admin_token: Option<String>,
     /// Validate the flags and files (backend, model, KV transport
     /// configuration) and exit: 0 and `ok`, or a clear error.
     #[arg(long)]
@@ -195,6 +202,13 @@ impl Args {
                 max_bytes: self.prefix_cache_bytes,
             },
             kv_events: self.kv_events_config,
+            admin: rngd_worker::admin::AdminListen {
+                listen: self.admin_listen,
+                token: self
+                    .admin_token
+                    .as_deref()
+                    .and_then(rngd_http_edge::admin::AdminToken::new),
+            },
         }
     }
 }
@@ -229,12 +243,6 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         println!("ok");
         return Ok(());
     }
-    // The publisher binds now (a bad endpoint fails at startup) and lives as
-    // long as the worker.
-    let _kv_events = match &opts.kv_events {
-        Some(c) => rngd_kv_events::KvEventPublisher::start(c)?,
-        None => None,
-    };
     rngd_worker::launch(opts, rngd_http_edge::shutdown_signal()).await?;
     Ok(())
 }

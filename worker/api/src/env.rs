@@ -50,11 +50,22 @@ pub const POD_UID: &str = "POD_UID";
 pub const RNGD_PD_POLICY: &str = "RNGD_PD_POLICY";
 /// Path of the policy's plugin configuration (JSON).
 pub const RNGD_PD_POLICY_CONFIG: &str = "RNGD_PD_POLICY_CONFIG";
-/// Bearer token of the policy admin API (`GET`/`PUT /admin/policy`); unset = admin API off.
+/// Bearer token of the admin APIs: the policy's (`GET`/`PUT /admin/policy`,
+/// gateway and picker) and the worker's (`POST /reset_prefix_cache`); unset = admin APIs off.
 pub const RNGD_PD_ADMIN_TOKEN: &str = "RNGD_PD_ADMIN_TOKEN";
 /// Gateway / picker: the policy admin API's own listener `HOST:PORT`
 /// (default `127.0.0.1:9903`, loopback).
 pub const RNGD_PD_ADMIN_LISTEN: &str = "RNGD_PD_ADMIN_LISTEN";
+/// Worker: the admin API's own listener `HOST:PORT` (`POST
+/// /reset_prefix_cache`; default `127.0.0.1:9904`, loopback); served only
+/// with `RNGD_PD_ADMIN_TOKEN`.
+pub const RNGD_PD_WORKER_ADMIN_LISTEN: &str = "RNGD_PD_WORKER_ADMIN_LISTEN";
+/// Worker: positions per prefix-cache block (`--block-size`); default 16.
+pub const RNGD_PD_BLOCK_SIZE: &str = "RNGD_PD_BLOCK_SIZE";
+/// Worker: bytes the prefix cache may hold (`--prefix-cache-bytes`); default 256 MiB.
+pub const RNGD_PD_PREFIX_CACHE_BYTES: &str = "RNGD_PD_PREFIX_CACHE_BYTES";
+/// Worker: vLLM's `--kv-events-config` JSON (KV-cache events over ZMQ); unset = no events.
+pub const RNGD_PD_KV_EVENTS_CONFIG: &str = "RNGD_PD_KV_EVENTS_CONFIG";
 /// Path of the endpoints file (gateway and ext-proc).
 pub const RNGD_PD_ENDPOINTS: &str = "RNGD_PD_ENDPOINTS";
 /// `tracing` filter, as `RUST_LOG`.

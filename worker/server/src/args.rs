@@ -98,6 +98,9 @@ pub struct WorkerOptions {
     /// KV-cache events as vLLM publishes them (`--kv-events-config`, vLLM's
     /// JSON); none: no publisher. See `docs/engine.md`, "KV events".
     pub kv_events: Option<rngd_kv_events::KvEventsConfig>,
+    /// The admin API's listener and token (`--admin-listen`, default
+    /// `127.0.0.1:9904`; `RNGD_PD_ADMIN_TOKEN`, none: no admin listener).
+    pub admin: crate::admin::AdminListen,
 }
 
 impl Default for WorkerOptions {
@@ -127,6 +130,7 @@ impl Default for WorkerOptions {
             edge: rngd_http_edge::Options::default(),
             prefix_cache: rngd_engine::prefix::PrefixCacheOptions::default(),
             kv_events: None,
+            admin: crate::admin::AdminListen::default(),
         }
     }
 }

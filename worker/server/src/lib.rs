@@ -14,14 +14,19 @@
 //!   /v1/completions/render`, `/v1/chat/completions/render`, `/tokenize`,
 //!   `/detokenize`).
 //! - [`error::ApiError`]: every request failure, mapped to a status in one place.
+//! - [`admin`]: `POST /reset_prefix_cache` on the authenticated admin
+//!   listener; [`events`]: the prefix cache's events onto the KV-event
+//!   publisher (`--kv-events-config`).
 //! - [`allow`]: the `--prefill-allow` and `--front-door-allow` lists; [`peer`]:
 //!   the bounded prefill-peer client; [`handles`]: random KV keys and signed,
 //!   checked KV handles.
 
+pub mod admin;
 pub mod allow;
 pub mod args;
 mod completions;
 pub mod error;
+pub mod events;
 pub mod handles;
 pub mod metrics;
 pub mod peer;
@@ -56,6 +61,15 @@ pub use transports::{FixedFactory, RegistryFactory, TransportFactory, Transports
 
 /// The line a worker prints on stdout once it serves with the model loaded.
 pub const LISTENING_PREFIX: &str = "rngd-pd worker listening on http://";
+
+/// The line a worker with `--kv-events-config` prints on stdout once its
+/// publisher is bound: the PUB endpoint, then `replay ` and the replay
+/// endpoint when there is one (a `*` port resolved).
+pub const KV_EVENTS_PREFIX: &str = "rngd-pd worker kv events on ";
+
+/// The line a worker with an admin token prints on stdout once its admin
+/// listener is bound.
+pub const ADMIN_PREFIX: &str = "rngd-pd worker admin on http://";
 
 impl rngd_http_edge::HasBodyLimits for WorkerState {
     fn body_limits(&self) -> rngd_http_edge::BodyLimits {
@@ -346,16 +360,49 @@ pub async fn launch(
     } else {
         tracing::info!(prefill_allow = %args.prefill_allow, "prefill peers admitted");
     }
+    // The publisher binds now (a bad endpoint fails at startup) and lives as
+    // long as the worker.
+    let publisher = match &args.kv_events {
+        Some(c) => rngd_kv_events::KvEventPublisher::start(c)
+            .map_err(|e| WorkerError::Config(format!("--kv-events-config: {e}")))?
+            .map(Arc::new),
+        None => None,
+    };
+    if let Some(p) = &publisher {
+        use std::io::Write;
+        let replay = p
+            .replay_endpoint()
+            .map(|r| format!(" replay {r}"))
+            .unwrap_or_default();
+        let mut out = std::io::stdout().lock();
+        let _ = writeln!(out, "{KV_EVENTS_PREFIX}{}{replay}", p.endpoint());
+        let _ = out.flush();
+    }
     let config = WorkerConfig {
         kv_auth,
         handle_ttl,
         ..WorkerConfig::from_args(&args)
     };
     let state = WorkerState::new(config, transports)?;
+    let admin = admin::serve(&args.admin, state.clone()).await?;
+    if let Some(a) = &admin {
+        use std::io::Write;
+        let mut out = std::io::stdout().lock();
+        let _ = writeln!(out, "{ADMIN_PREFIX}{}", a.addr);
+        let _ = out.flush();
+    }
     let running = serve_state(listener, state.clone())?;
     tracing::info!(addr = %running.addr, "serving; loading the model");
     let engine = load_engine(&args).await?;
     tracing::info!(model = %engine.info().name, seq_len = engine.info().seq_len, "model loaded");
+    if let Some(p) = &publisher {
+        let sink = Arc::new(events::PublisherSink(p.clone()));
+        if !engine.set_prefix_events(Some(sink)) {
+            tracing::warn!(
+                "--kv-events-config with the prefix cache off: no block is cached, so no event is published"
+            );
+        }
+    }
     state.set_engine(engine);
     {
         use std::io::Write;
@@ -365,7 +412,18 @@ pub async fn launch(
     }
     shutdown.await;
     tracing::info!("shutting down");
-    running.stop().await
+    if let Some(a) = admin {
+        a.stop().await;
+    }
+    let stopped = running.stop().await;
+    // What is queued is sent before the sockets close.
+    if let Some(e) = state.engine() {
+        e.set_prefix_events(None);
+    }
+    if let Some(p) = publisher.and_then(Arc::into_inner) {
+        p.shutdown();
+    }
+    stopped
 }
 
 async fn load_engine(args: &WorkerOptions) -> Result<Arc<dyn Engine>, WorkerError> {

@@ -50,6 +50,8 @@ pub struct WorkerMetrics {
     pub overload_rejections: IntCounter,
     /// Requests holding an engine slot now.
     pub in_flight: prometheus::Gauge,
+    /// Requests the admin API refused, by `reason`.
+    pub admin_refusals: IntCounterVec,
 }
 
 impl WorkerMetrics {
@@ -170,6 +172,12 @@ impl WorkerMetrics {
                 &r,
                 names::WORKER_IN_FLIGHT,
                 "Requests holding an engine slot (queued or running in the engine)",
+            )?,
+            admin_refusals: rngd_telemetry::counter_vec(
+                &r,
+                names::WORKER_ADMIN_REFUSALS_TOTAL,
+                "Requests the worker admin API refused (unauthorized, throttled)",
+                &["reason"],
             )?,
             registry: r,
         })

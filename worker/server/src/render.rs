@@ -141,7 +141,7 @@ fn generate_request(
         "model": req.model,
         "stream": f.stream,
         "stream_options": stream_options,
-        "cache_salt": null,
+        "cache_salt": f.cache_salt,
         "priority": 0,
         "kv_transfer_params": null,
     })

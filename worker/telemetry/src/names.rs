@@ -137,6 +137,9 @@ pub const GATEWAY_OVERLOAD_REJECTIONS_TOTAL: &str = "rngd_pd_gateway_overload_re
 pub const WORKER_OVERLOAD_REJECTIONS_TOTAL: &str = "rngd_pd_worker_overload_rejections_total";
 /// Worker requests admitted to the engine and not finished (gauge).
 pub const WORKER_IN_FLIGHT: &str = "rngd_pd_worker_in_flight";
+/// Counter: requests the worker admin API refused, by `reason`
+/// (`unauthorized`, `throttled`).
+pub const WORKER_ADMIN_REFUSALS_TOTAL: &str = "rngd_pd_worker_admin_refusals_total";
 
 // Endpoint picker: admission and body budget (the picker's bounded work; the
 // admission code is `rngd_pool::admission`, shared with the gateway).

@@ -1,0 +1,206 @@
+//! The worker's admin API, on its own listener (`--admin-listen`, loopback
+//! by default), never the public one: `POST /reset_prefix_cache` (vLLM's
+//! endpoint) drops every prefix-cache block no running request uses and
+//! publishes `AllBlocksCleared`. Every request needs the bearer token
+//! (`RNGD_PD_ADMIN_TOKEN`), checked by the guard the policy admin API uses
+//! too ([`rngd_http_edge::admin`]); without a token the listener is not
+//! started at all.
+
+use std::net::{Ipv4Addr, SocketAddr};
+
+use axum::Router;
+use axum::extract::{RawQuery, State};
+use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::post;
+use rngd_api::openai::ErrorBody;
+use rngd_http_edge::admin::{AdminGuard, AdminToken, LockoutOptions, Refusal};
+use tokio::net::TcpListener;
+
+use crate::{WorkerError, WorkerState};
+
+/// Default of [`AdminListen::listen`]: loopback, port 9904.
+pub const DEFAULT_WORKER_ADMIN_LISTEN: SocketAddr =
+    SocketAddr::new(std::net::IpAddr::V4(Ipv4Addr::LOCALHOST), 9904);
+
+/// The name of this API in refusals.
+const API: &str = "worker admin API";
+
+/// Where and how the worker's admin API is served.
+#[derive(Debug, Clone)]
+pub struct AdminListen {
+    /// Address to bind (`--admin-listen`); default
+    /// [`DEFAULT_WORKER_ADMIN_LISTEN`]; port 0 picks a free port (logged).
+    pub listen: SocketAddr,
+    /// The bearer token (`RNGD_PD_ADMIN_TOKEN`); `None`: no admin listener.
+    pub token: Option<AdminToken>,
+}
+
+impl Default for AdminListen {
+    fn default() -> Self {
+        AdminListen {
+            listen: DEFAULT_WORKER_ADMIN_LISTEN,
+            token: None,
+        }
+    }
+}
+
+#[derive(Clone)]
+struct AdminState {
+    worker: WorkerState,
+    guard: AdminGuard,
+}
+
+fn error(status: StatusCode, message: impl Into<String>, param: Option<&str>) -> Response {
+    let mut body = ErrorBody::new(ErrorBody::kind_for_status(status.as_u16()), message);
+    if let Some(p) = param {
+        body = body.with_param(p);
+    }
+    (status, axum::Json(body)).into_response()
+}
+
+// === impl AdminState ===
+
+impl AdminState {
+    fn refusal(&self, headers: &HeaderMap) -> Option<Response> {
+        let refusal = self.guard.check(headers).err()?;
+        let reason = match refusal {
+            Refusal::Throttled { .. } => "throttled",
+            Refusal::Unauthorized { locked_out } => {
+                if locked_out {
+                    tracing::warn!(
+                        "worker admin API: repeated failed attempts; answering 429 for a while"
+                    );
+                }
+                "unauthorized"
+            }
+        };
+        self.worker
+            .metrics()
+            .admin_refusals
+            .with_label_values(&[reason])
+            .inc();
+        Some(refusal.into_response(API))
+    }
+}
+
+/// `POST /reset_prefix_cache`: 200 with an empty body once every unused
+/// block is dropped; 400 when this engine keeps no prefix cache; 503 before
+/// the model is loaded. vLLM's query parameters (`reset_running_requests`,
+/// `reset_external`) are refused by name: this engine has neither running
+/// blocks to reset (a hit copies its blocks) nor an external cache.
+async fn reset_prefix_cache(
+    State(st): State<AdminState>,
+    headers: HeaderMap,
+    RawQuery(query): RawQuery,
+) -> Response {
+    if let Some(resp) = st.refusal(&headers) {
+        return resp;
+    }
+    if let Some(q) = query.filter(|q| !q.is_empty()) {
+        let name = q.split('&').next().unwrap_or(q.as_str());
+        let name = name.split('=').next().unwrap_or(name).to_string();
+        return error(
+            StatusCode::BAD_REQUEST,
+            format!("{name} is not supported by this worker's /reset_prefix_cache"),
+            Some(&name),
+        );
+    }
+    let Some(engine) = st.worker.engine() else {
+        return error(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "the model is still loading",
+            None,
+        );
+    };
+    if !engine.reset_prefix_cache() {
+        return error(
+            StatusCode::BAD_REQUEST,
+            "this worker keeps no prefix cache (--no-enable-prefix-caching)",
+            None,
+        );
+    }
+    tracing::info!("prefix cache reset");
+    StatusCode::OK.into_response()
+}
+
+/// Any other method on a known path: authenticated, then 405.
+async fn other_method(State(st): State<AdminState>, headers: HeaderMap) -> Response {
+    if let Some(resp) = st.refusal(&headers) {
+        return resp;
+    }
+    let mut resp = error(
+        StatusCode::METHOD_NOT_ALLOWED,
+        "/reset_prefix_cache answers POST",
+        None,
+    );
+    resp.headers_mut()
+        .insert(header::ALLOW, HeaderValue::from_static("POST"));
+    resp
+}
+
+/// The admin routes over `worker`, guarded by `token`.
+pub fn router(worker: WorkerState, token: AdminToken) -> Router {
+    Router::new()
+        .route(
+            "/reset_prefix_cache",
+            post(reset_prefix_cache).fallback(other_method),
+        )
+        .with_state(AdminState {
+            worker,
+            guard: AdminGuard::new(token, LockoutOptions::default()),
+        })
+}
+
+/// The admin API serving in the background.
+#[derive(Debug)]
+pub struct RunningAdmin {
+    /// The bound address.
+    pub addr: SocketAddr,
+    stop: tokio_util::sync::CancellationToken,
+    task: tokio::task::JoinHandle<()>,
+}
+
+// === impl RunningAdmin ===
+
+impl RunningAdmin {
+    /// Stops accepting, finishes open requests, and waits.
+    pub async fn stop(self) {
+        self.stop.cancel();
+        let _ = self.task.await;
+    }
+}
+
+/// Binds `opts.listen` and serves the admin API there, under the listener
+/// limits of `worker`'s configuration; `None` (nothing bound) without a
+/// token.
+pub async fn serve(
+    opts: &AdminListen,
+    worker: WorkerState,
+) -> Result<Option<RunningAdmin>, WorkerError> {
+    let Some(token) = opts.token.clone() else {
+        tracing::info!("no admin token: the worker admin API (/reset_prefix_cache) is off");
+        return Ok(None);
+    };
+    let listener = TcpListener::bind(opts.listen)
+        .await
+        .map_err(|source| WorkerError::Io {
+            context: format!("binding the admin listener {}", opts.listen),
+            source,
+        })?;
+    let edge = worker.config().edge.clone();
+    let app = router(worker, token);
+    let stop = tokio_util::sync::CancellationToken::new();
+    let s = stop.clone();
+    let served = rngd_http_edge::serve(listener, app, edge, async move { s.cancelled().await })
+        .map_err(|e| WorkerError::Config(e.to_string()))?;
+    if !served.addr.ip().is_loopback() {
+        tracing::warn!(addr = %served.addr, "worker admin API listening beyond loopback");
+    }
+    tracing::info!(addr = %served.addr, "worker admin API listening");
+    Ok(Some(RunningAdmin {
+        addr: served.addr,
+        stop,
+        task: served.done,
+    }))
+}
