@@ -66,6 +66,12 @@ pub struct KvTransferParams {
     /// (prefill response, decode request; signed with the handle).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub first_token_logprobs: Option<TokenLogprobs>,
+    /// Prompt tokens the prefill read from its prefix cache instead of
+    /// computing (prefill response, decode request; signed with the handle):
+    /// the decode worker reports them as
+    /// `usage.prompt_tokens_details.cached_tokens`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cached_tokens: Option<u32>,
     /// Prefill compute time, ms (prefill response).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub prefill_ms: Option<f64>,

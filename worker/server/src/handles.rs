@@ -74,6 +74,8 @@ pub struct Claims<'a> {
     pub seed: Option<u64>,
     /// The first token's log-probabilities.
     pub first_token_logprobs: Option<&'a TokenLogprobs>,
+    /// Prompt tokens the prefill found in its prefix cache.
+    pub cached_tokens: Option<u32>,
 }
 
 /// A fresh sampling seed from the system generator (a request without
@@ -129,6 +131,8 @@ struct Signed<'a> {
     seed: Option<u64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     first_token_logprobs: Option<&'a TokenLogprobs>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    cached_tokens: Option<u32>,
 }
 
 fn message(
@@ -150,6 +154,7 @@ fn message(
         expires_ms,
         seed: claims.seed,
         first_token_logprobs: claims.first_token_logprobs,
+        cached_tokens: claims.cached_tokens,
     };
     let mut m = DOMAIN.to_vec();
     // Serializing plain structs, strings and numbers cannot fail.
@@ -395,6 +400,7 @@ mod tests {
         let claims = Claims {
             seed: Some(u64::MAX),
             first_token_logprobs: Some(&lp),
+            cached_tokens: Some(32),
         };
         let sig = s.sign_with(&h, 3, &[1, 2, 3], 10_000, &claims);
         s.verify_with(&h, 3, &[1, 2, 3], 10_000, &claims, &sig, 9_000)
@@ -410,6 +416,10 @@ mod tests {
             },
             Claims {
                 first_token_logprobs: Some(&other_lp),
+                ..claims
+            },
+            Claims {
+                cached_tokens: Some(48),
                 ..claims
             },
             Claims::default(),

@@ -172,3 +172,87 @@ async fn a_chat_reports_cached_tokens_whole_and_streamed() {
         .expect("a usage chunk");
     assert_eq!(cached(&usage), reusable(prompt_tokens));
 }
+
+/// A tiny-model worker of `role` sharing `mem`, admitting `peers` as
+/// prefill workers, with the test KV secret.
+async fn start_pd(
+    role: rngd_worker::Role,
+    mem: &Arc<MemoryTransport>,
+    peers: &[String],
+) -> RunningWorker {
+    let mut config = WorkerConfig::new(role).with_kv_secret(b"test-kv-secret-0123456789abcdef");
+    if !peers.is_empty() {
+        config.prefill_allow = peers.join(",").parse().unwrap();
+    }
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let engine: Arc<dyn Engine> = rngd_engine::tiny::engine(256, 2).unwrap();
+    let t: Arc<dyn KvTransport> = mem.clone();
+    rngd_worker::serve(listener, engine, Transports::fixed(vec![t]), config)
+        .await
+        .unwrap()
+}
+
+/// (token ids, usage) of a completion sent with `headers`.
+async fn whole_with(
+    w: &RunningWorker,
+    body: &Value,
+    headers: &[(&str, String)],
+) -> (Vec<u32>, Value) {
+    let mut req = reqwest::Client::new()
+        .post(format!("{}/v1/completions", w.url()))
+        .json(body);
+    for (k, v) in headers {
+        req = req.header(*k, v);
+    }
+    let resp = req.send().await.unwrap();
+    let status = resp.status().as_u16();
+    let v: Value = resp.json().await.unwrap();
+    assert_eq!(status, 200, "{v}");
+    let ids = v["choices"][0]["token_ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap() as u32)
+        .collect();
+    (ids, v["usage"].clone())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pd_reports_the_prefill_hit_and_the_decode_worker_keeps_its_turn() {
+    let mem = Arc::new(MemoryTransport::new());
+    let solo = start().await;
+    let prefill = start_pd(Role::Prefill, &mem, &[]).await;
+    let decode = start_pd(Role::Decode, &mem, &[prefill.addr.to_string()]).await;
+    let name = model(&solo).await;
+    let peer = [("x-prefiller-host-port", prefill.addr.to_string())];
+    let prompt: Vec<u32> = (0..70u32).map(|i| (i * 29 + 3) % 256).collect();
+    let body = json!({"model": name, "prompt": prompt, "max_tokens": 20,
+        "temperature": 0, "ignore_eos": true});
+    let (want, _) = whole_with(&solo, &body, &[]).await;
+
+    // Cold prefill worker, then warm: the same tokens as solo, and the
+    // decode worker's answer reports the prefill worker's hit.
+    let (cold, u) = whole_with(&decode, &body, &peer).await;
+    assert_eq!(cold, want);
+    assert_eq!(cached(&u), 0);
+    let (warm, u) = whole_with(&decode, &body, &peer).await;
+    assert_eq!(warm, want, "a prefill-side hit changed the tokens");
+    assert_eq!(cached(&u), 48);
+    assert_eq!(mem.held(), 0);
+
+    // The next turn, prefilled on the decode worker itself: the blocks of
+    // the conversation it decoded (prompt and generated tokens) are reused.
+    let mut turn: Vec<u32> = prompt.clone();
+    turn.extend(&want);
+    turn.extend((0..30u32).map(|i| (i * 7 + 1) % 256));
+    let body2 = json!({"model": name, "prompt": turn, "max_tokens": 12,
+        "temperature": 0, "ignore_eos": true});
+    let (want2, _) = whole_with(&solo, &body2, &[]).await;
+    let (got2, u) = whole_with(&decode, &body2, &[]).await;
+    assert_eq!(got2, want2);
+    // 70 prompt + 20 generated = 90 positions decoded there; the KV of the
+    // last generated token is never written, so 89 are kept: 5 full blocks.
+    assert_eq!(cached(&u), 80, "{u}");
+    let m = metrics(&decode).await;
+    assert_eq!(sample(&m, "rngd_pd_worker_prefills_total"), 1.0);
+}

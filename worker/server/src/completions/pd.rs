@@ -92,9 +92,11 @@ pub(super) async fn prefill_for_remote(
     );
     let text = engine.detokenize(&[first])?;
     let expires_ms = unix_ms().saturating_add(state.config().handle_ttl.as_millis() as u64);
+    let cached_tokens = u32::try_from(pre.cached_tokens).unwrap_or(u32::MAX);
     let claims = Claims {
         seed: Some(seed),
         first_token_logprobs: first_logprobs.as_ref(),
+        cached_tokens: Some(cached_tokens),
     };
     let signature = match &state.config().kv_auth {
         KvAuth::Signed(s) => Some(s.sign_with(&handle, first, &prompt, expires_ms, &claims)),
@@ -115,7 +117,7 @@ pub(super) async fn prefill_for_remote(
             stop_reason: None,
             token_ids: Some(vec![first]),
         }],
-        usage: Some(Usage::new(prompt_tokens as u32, 1).with_cached(pre.cached_tokens as u32)),
+        usage: Some(Usage::new(prompt_tokens as u32, 1).with_cached(cached_tokens)),
         kv_transfer_params: Some(KvTransferParams {
             do_remote_prefill: true,
             kv_handle: Some(handle),
@@ -125,6 +127,7 @@ pub(super) async fn prefill_for_remote(
             prompt_token_ids: Some(prompt),
             seed: Some(seed),
             first_token_logprobs: first_logprobs,
+            cached_tokens: Some(cached_tokens),
             prefill_ms: Some(prefill_ms),
             kv_save_ms: Some(kv_save_ms),
             remote_engine_id: state.config().node.clone(),
@@ -215,6 +218,7 @@ pub(super) async fn decode_remote(
             let claims = Claims {
                 seed: params.seed,
                 first_token_logprobs: params.first_token_logprobs.as_ref(),
+                cached_tokens: params.cached_tokens,
             };
             signer.verify_with(&handle, first, &prompt, expires, &claims, sig, now)?;
             expires.saturating_add(CLOCK_SKEW_MS)
@@ -292,7 +296,9 @@ pub(super) async fn decode_remote(
             blobs,
         },
         elapsed: Duration::ZERO,
-        cached_tokens: 0,
+        // The prefill worker's cache hit (signed with the handle), reported
+        // in this answer's usage.
+        cached_tokens: params.cached_tokens.map_or(0, |c| c as usize),
     };
     let rx = engine.decode(&prompt, prefilled, &sp).await?;
     let timings = Timings {

@@ -228,6 +228,7 @@ fn every_parameter_has_its_type_in_the_table() {
         kv_handle_expires_ms: Some(1),
         seed: Some(1),
         first_token_logprobs: Some(crate::pd::TokenLogprobs::default()),
+        cached_tokens: Some(16),
         prefill_ms: Some(1.0),
         kv_save_ms: Some(1.0),
         release_only: true,
