@@ -6,6 +6,7 @@ declares provides what the chart relies on (parsed only: no container engine
 runs here)."""
 
 import base64
+import json
 import os
 import re
 import subprocess
@@ -277,6 +278,13 @@ def test_network_policies_admit_only_who_must_talk():
     peers = workers["ingress"][0]["from"]
     assert {"podSelector": {"matchLabels": {"app.kubernetes.io/instance": "demo"}}} in peers
     assert [p["port"] for p in workers["ingress"][0]["ports"]] == [8000]
+    # The KV-event ports: the release's own pods only (not the gateway peers).
+    assert workers["ingress"][1] == {
+        "from": [{"podSelector": {"matchLabels": {"app.kubernetes.io/instance": "demo"}}}],
+        "ports": [{"port": 5557}, {"port": 5558}],
+    }
+    workers = render({"kvEvents": {"enabled": False}})[("NetworkPolicy", "demo-workers")]["spec"]
+    assert len(workers["ingress"]) == 1
     relay = objs[("NetworkPolicy", "demo-relay")]["spec"]
     assert relay["ingress"] == [{"from": [{"podSelector": {"matchLabels": {"rngd-pd.io/pool": "demo"}}}], "ports": [{"port": 7070}]}]
     epp = objs[("NetworkPolicy", "demo-epp")]["spec"]
@@ -391,7 +399,12 @@ def test_worker_pods_carry_what_discovery_reads():
         meta = objs[("Deployment", f"demo-{role}")]["spec"]["template"]["metadata"]
         assert meta["labels"]["llm-d.ai/role"] == role
         assert meta["labels"]["ai-rm.io/accelerator"] == "cpu"
-        assert meta["annotations"] == {"rngd-pd.io/seq-len": "1024", "rngd-pd.io/transports": "shm,tcp"}
+        assert meta["annotations"] == {
+            "rngd-pd.io/seq-len": "1024",
+            "rngd-pd.io/transports": "shm,tcp",
+            "rngd-pd.io/kv-events-port": "5557",
+            "rngd-pd.io/kv-events-replay-port": "5558",
+        }
         assert "--seq-len=1024" in container(objs, f"demo-{role}")["args"]
         assert f"--port={pool['targetPorts'][0]['number']}" in container(objs, f"demo-{role}")["args"]
     objs = render(NPU)
@@ -478,3 +491,36 @@ def test_cross_node_nixl_ucx_renders_the_transport_env_and_arena():
         assert "nixl-ucx" in pod["annotations"]["rngd-pd.io/transports"]
     err = render_error({"kvTransport": {"crossNode": "nixl-ucx"}, "relay": {"enabled": False}})
     assert "relay.enabled" in err
+
+
+def test_workers_cache_prefixes_and_publish_kv_events_as_vllm():
+    """The prefix-cache flags and vLLM's --kv-events-config, with the pod's
+    name in the topic (expanded by the kubelet from POD_NAME), both ports
+    declared and annotated; and nothing of it when turned off."""
+    objs = render({"prefixCache": {"blockSize": 32, "bytes": 1 << 30}})
+    for role in ("prefill", "decode"):
+        c = container(objs, f"demo-{role}")
+        args = c["args"]
+        assert "--block-size=32" in args and "--prefix-cache-bytes=1073741824" in args
+        ev = [a for a in args if a.startswith("--kv-events-config=")]
+        assert len(ev) == 1, args
+        cfg = json.loads(ev[0].split("=", 1)[1])
+        assert cfg == {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": "tcp://*:5557",
+            "replay_endpoint": "tcp://*:5558",
+            "topic": "kv@$(POD_NAME)@SmolLM2-135M-Instruct",
+            "buffer_steps": 10000,
+        }
+        names = {e["name"] for e in c["env"]}
+        assert "POD_NAME" in names
+        ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+        assert ports == {"http": 8000, "kv-events": 5557, "kv-replay": 5558}
+    off = render({"prefixCache": {"enabled": False}})
+    for role in ("prefill", "decode"):
+        args = container(off, f"demo-{role}")["args"]
+        assert "--no-enable-prefix-caching" in args
+        assert not any(a.startswith(("--kv-events-config", "--block-size")) for a in args)
+        meta = off[("Deployment", f"demo-{role}")]["spec"]["template"]["metadata"]
+        assert "rngd-pd.io/kv-events-port" not in meta["annotations"]

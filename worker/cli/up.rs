@@ -80,6 +80,17 @@ pub struct Args {
     /// How long to wait for the workers to load the model, seconds.
     #[arg(long, default_value_t = 600)]
     pub ready_timeout_s: u64,
+    /// Do not publish the workers' KV-cache events (by default each worker
+    /// publishes vLLM's KV events on loopback, on ports it picks; printed).
+    #[arg(long)]
+    pub no_kv_events: bool,
+    /// Bytes each worker's prefix cache may hold (`rngd-pd worker
+    /// --prefix-cache-bytes`); default the worker's.
+    #[arg(long)]
+    pub prefix_cache_bytes: Option<u64>,
+    /// Turn the workers' prefix cache off.
+    #[arg(long)]
+    pub no_enable_prefix_caching: bool,
 }
 
 /// A started child and what it printed.
@@ -377,6 +388,7 @@ async fn bring_up(
         (env::AIRM_KV_TCP_SECRET, secret.clone()),
     ];
     let mut urls: Vec<String> = Vec::new();
+    let mut kv_events: Vec<(&'static str, String)> = Vec::new();
     for (name, role, port) in [
         ("prefill", "prefill", args.prefill_port),
         ("decode", "decode", args.decode_port),
@@ -401,6 +413,26 @@ async fn bring_up(
         if let Some(t) = args.threads {
             a.extend(["--threads".into(), t.to_string()]);
         }
+        if let Some(b) = args.prefix_cache_bytes {
+            a.extend(["--prefix-cache-bytes".into(), b.to_string()]);
+        }
+        if args.no_enable_prefix_caching {
+            a.push("--no-enable-prefix-caching".into());
+        }
+        if !args.no_kv_events {
+            // Loopback, free ports (the worker prints the bound ones).
+            let cfg = serde_json::json!({
+                "enable_kv_cache_events": true,
+                "publisher": "zmq",
+                "endpoint": "tcp://127.0.0.1:*",
+                "replay_endpoint": "tcp://127.0.0.1:*",
+                "topic": format!("kv@{name}"),
+            });
+            a.extend(["--kv-events-config".into(), cfg.to_string()]);
+        }
+        // The worker admin API (/reset_prefix_cache) only with a token, on a
+        // free loopback port.
+        a.extend(["--admin-listen".into(), "127.0.0.1:0".into()]);
         a.extend(model_flags.iter().chain(&name_flags).cloned());
         if let Some(prefill) = urls.first() {
             // The decode worker may orchestrate (`x-prefiller-host-port`, the
@@ -415,7 +447,13 @@ async fn bring_up(
         } else {
             "decode"
         };
-        let (addr, _) = start(stack, name, &a, &envs, "rngd-pd worker listening on ").await?;
+        let (addr, before) = start(stack, name, &a, &envs, rngd_worker::LISTENING_PREFIX).await?;
+        if let Some(ev) = before
+            .iter()
+            .find_map(|l| l.strip_prefix(rngd_worker::KV_EVENTS_PREFIX))
+        {
+            kv_events.push((name, ev.trim().to_string()));
+        }
         let url = if addr.starts_with("http://") {
             addr
         } else {
@@ -571,6 +609,9 @@ async fn bring_up(
     println!("rngd-pd up: decode    {decode_url}");
     println!("rngd-pd up: shm root  {}", stack.shm_root.display());
     println!("rngd-pd up: transport {}", args.kv_transport);
+    for (name, ev) in &kv_events {
+        println!("rngd-pd up: kv events {name:<8}{ev}");
+    }
     if let Some(k) = kpis {
         println!("rngd-pd up: kpis      {k}");
     }
