@@ -15,7 +15,7 @@ pub struct Options {
     /// An endpoint from which no batch came for this long is probed through
     /// its replay socket (a replay from the next sequence number); without a
     /// replay socket, or when the probe fails, it is marked stale (no cache
-    /// information) until a batch comes. Default 60 s.
+    /// information) until a batch comes. Default 10 s.
     pub stale_after: Duration,
     /// The longest wait for each reply of a replay (and for the first).
     /// Default 2 s.
@@ -53,7 +53,7 @@ impl Default for Options {
     fn default() -> Self {
         Options {
             max_blocks: 1_000_000,
-            stale_after: Duration::from_secs(60),
+            stale_after: Duration::from_secs(10),
             replay_timeout: Duration::from_secs(2),
             replay_deadline: Duration::from_secs(30),
             retry_after: Duration::from_secs(2),

@@ -35,9 +35,13 @@ fn spec(id: &str, p: &KvEventPublisher) -> EndpointSpec {
     }
 }
 
+/// Short retries, and a short silence before a probe: a batch published
+/// before the SUB socket's subscription reached the publisher (libzmq's slow
+/// joiner) is then brought by the probe within half a second.
 fn options() -> Options {
     Options {
         retry_after: Duration::from_millis(100),
+        stale_after: Duration::from_millis(500),
         ..Options::default()
     }
 }
