@@ -19,6 +19,10 @@ pub const MEDIUM_GPU: &str = "GPU";
 /// deeper than this has its oldest part aged first).
 const MAX_TOUCH_DEPTH: usize = 4096;
 
+/// Engine hashes kept per block at most (several name one block when the
+/// engine hashes more than the tokens, e.g. per cache salt).
+const MAX_ENGINE_IDS: usize = 16;
+
 /// Whether an endpoint's cache information can be trusted; only
 /// [`Health::Live`] endpoints get a match, every other state answers `None`
 /// (no cache information), never 0.
@@ -369,10 +373,22 @@ impl Index {
             let Some(e) = self.endpoints.get_mut(&slot) else {
                 return false;
             };
-            e.by_engine.insert(*h, key);
             match e.blocks.get_mut(&key) {
-                Some(b) => b.engine.push(*h),
+                Some(b) if b.engine.len() >= MAX_ENGINE_IDS => {
+                    // Bounded: a further name of the same block is not kept
+                    // (its children are then ignored, not unknown parents).
+                    add(&counters.ignored_blocks, 1);
+                    add(&self.total.ignored_blocks, 1);
+                    self.ignore(slot, std::slice::from_ref(h));
+                    parent_key = key;
+                    continue;
+                }
+                Some(b) => {
+                    b.engine.push(*h);
+                    e.by_engine.insert(*h, key);
+                }
                 None => {
+                    e.by_engine.insert(*h, key);
                     self.tick += 1;
                     e.blocks.insert(
                         key,

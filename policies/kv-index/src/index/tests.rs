@@ -298,3 +298,24 @@ fn states_without_information_answer_none() {
     apply(&mut idx, a, vec![]);
     assert_eq!(idx.health(a), Some(Health::MissedBatches));
 }
+
+#[test]
+fn the_names_of_one_block_are_bounded() {
+    let mut idx = Index::new(100);
+    let a = live(&mut idx, "a");
+    for h in 0..(MAX_ENGINE_IDS as u64 + 5) {
+        apply(&mut idx, a, vec![stored(&[h], None, &[1, 2], 2)]);
+    }
+    assert_eq!(idx.len(), 1);
+    assert_eq!(idx.endpoints[&a].by_engine.len(), MAX_ENGINE_IDS);
+    let st = idx.stats(Instant::now()).endpoints[0].1.clone();
+    assert_eq!(st.ignored_blocks, 5);
+    // A child of a name not kept is ignored, not an unknown parent.
+    let r = apply(
+        &mut idx,
+        a,
+        vec![stored(&[999], Some(MAX_ENGINE_IDS as u64 + 1), &[3, 4], 2)],
+    );
+    assert_eq!(r.unknown_parents, 0);
+    assert_eq!(idx.match_prefix("a", &[1, 2, 3, 4]), Some(2));
+}
