@@ -4,6 +4,7 @@
 //! cap. No sockets here: [`crate::KvIndexer`]'s thread feeds it batches, and
 //! the unit tests drive it directly.
 
+use std::collections::hash_map::Entry;
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::sync::Arc;
 use std::time::Instant;
@@ -89,7 +90,7 @@ struct Block {
     /// Its place in the LRU order.
     tick: u64,
     /// The engine hashes naming it (usually one).
-    engine: Vec<BlockId>,
+    engine: Few<BlockId>,
 }
 
 #[derive(Debug)]
@@ -113,7 +114,7 @@ pub struct Index {
     endpoints: HashMap<u32, Endpoint>,
     ids: BTreeMap<String, u32>,
     next_slot: u32,
-    holders: HashMap<u64, Vec<u32>>,
+    holders: HashMap<u64, Few<u32>>,
     lru: BTreeMap<u64, (u32, u64)>,
     tick: u64,
     ignored_fifo: VecDeque<(u32, BlockId)>,
@@ -374,7 +375,7 @@ impl Index {
                 return false;
             };
             match e.blocks.get_mut(&key) {
-                Some(b) if b.engine.len() >= MAX_ENGINE_IDS => {
+                Some(b) if b.engine.as_slice().len() >= MAX_ENGINE_IDS => {
                     // Bounded: a further name of the same block is not kept
                     // (its children are then ignored, not unknown parents).
                     add(&counters.ignored_blocks, 1);
@@ -395,11 +396,16 @@ impl Index {
                         Block {
                             parent: parent_key,
                             tick: self.tick,
-                            engine: vec![*h],
+                            engine: Few::One(*h),
                         },
                     );
                     self.lru.insert(self.tick, (slot, key));
-                    self.holders.entry(key).or_default().push(slot);
+                    match self.holders.entry(key) {
+                        Entry::Occupied(mut o) => o.get_mut().push(slot),
+                        Entry::Vacant(v) => {
+                            v.insert(Few::One(slot));
+                        }
+                    }
                     add(&counters.blocks_indexed, 1);
                     add(&self.total.blocks_indexed, 1);
                 }
@@ -446,8 +452,7 @@ impl Index {
         let Some(b) = e.blocks.get_mut(&key) else {
             return;
         };
-        b.engine.retain(|x| *x != h);
-        if b.engine.is_empty() {
+        if b.engine.remove(h) {
             let tick = b.tick;
             e.blocks.remove(&key);
             self.lru.remove(&tick);
@@ -491,13 +496,12 @@ impl Index {
             let Some(b) = e.blocks.remove(&key) else {
                 continue;
             };
-            for h in &b.engine {
+            for h in b.engine.as_slice() {
                 e.by_engine.remove(h);
             }
             add(&e.counters.evicted, 1);
             add(&self.total.evicted, 1);
-            let engine = b.engine;
-            self.ignore(slot, &engine);
+            self.ignore(slot, b.engine.as_slice());
         }
     }
 
@@ -552,7 +556,7 @@ impl Index {
             for (i, block) in token_ids.chunks_exact(*bs as usize).enumerate() {
                 let key = chain_key(parent, block);
                 let mut any = false;
-                for s in self.holders.get(&key).map(Vec::as_slice).unwrap_or(&[]) {
+                for s in self.holders.get(&key).map(Few::as_slice).unwrap_or(&[]) {
                     if let Some(run) = runs.get_mut(s)
                         && *run == i
                     {
@@ -646,11 +650,52 @@ fn is_engine_medium(m: Option<&str>) -> bool {
     m.is_none_or(|m| m.eq_ignore_ascii_case(MEDIUM_GPU))
 }
 
-fn unhold(holders: &mut HashMap<u64, Vec<u32>>, key: u64, slot: u32) {
-    if let Some(v) = holders.get_mut(&key) {
-        v.retain(|s| *s != slot);
-        if v.is_empty() {
-            holders.remove(&key);
+fn unhold(holders: &mut HashMap<u64, Few<u32>>, key: u64, slot: u32) {
+    if let Some(v) = holders.get_mut(&key)
+        && v.remove(slot)
+    {
+        holders.remove(&key);
+    }
+}
+
+/// One value inline, more on the heap: most blocks have one engine hash and
+/// most keys one holder, and a `Vec` each would cost an allocation per block.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Few<T> {
+    One(T),
+    Many(Vec<T>),
+}
+
+impl<T: Copy + PartialEq> Few<T> {
+    fn as_slice(&self) -> &[T] {
+        match self {
+            Few::One(x) => std::slice::from_ref(x),
+            Few::Many(v) => v,
+        }
+    }
+
+    fn push(&mut self, x: T) {
+        match self {
+            Few::One(y) => *self = Few::Many(vec![*y, x]),
+            Few::Many(v) => v.push(x),
+        }
+    }
+
+    /// Removes `x`; true when nothing is left.
+    fn remove(&mut self, x: T) -> bool {
+        match self {
+            Few::One(y) => *y == x,
+            Few::Many(v) => {
+                v.retain(|y| *y != x);
+                match v.as_slice() {
+                    [] => true,
+                    [one] => {
+                        *self = Few::One(*one);
+                        false
+                    }
+                    _ => false,
+                }
+            }
         }
     }
 }
