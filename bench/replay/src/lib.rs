@@ -271,6 +271,10 @@ pub struct PrefixReplay {
     /// Distinct blocks the requests sent (what an infinite cache holds;
     /// compare with `worker_end.num_gpu_blocks`).
     pub trace_unique_blocks: u64,
+    /// The trace's reuse share with a least-recently-used cache of the
+    /// worker's `num_gpu_blocks`, requests one at a time, prompt blocks only
+    /// ([`mooncake::reused_with_lru`]; `null` without that label).
+    pub trace_reuse_share_lru: Option<f64>,
     /// Prompt tokens of successful requests (`usage.prompt_tokens`).
     pub served_prompt_tokens: u64,
     /// Of those, cached (`usage.prompt_tokens_details.cached_tokens`).
@@ -659,6 +663,18 @@ async fn replay(
             trace_reuse_share: r.share(),
             trace_reuse_share_capped: r.share_capped(),
             trace_unique_blocks: r.unique_blocks,
+            trace_reuse_share_lru: worker_end
+                .and_then(|m| m.num_gpu_blocks)
+                .filter(|_| r.prompt_tokens > 0)
+                .map(|cap| {
+                    let reused = mooncake::reused_with_lru(
+                        sent.iter()
+                            .map(|p| (p.full_blocks.as_slice(), p.prompt_tokens)),
+                        opts.block_tokens,
+                        usize::try_from(cap).unwrap_or(usize::MAX),
+                    );
+                    reused as f64 / r.prompt_tokens as f64
+                }),
             served_prompt_tokens: s.prompt_tokens_usage,
             served_cached_tokens: s.cached_tokens_usage,
             served_cached_share: (s.prompt_tokens_usage > 0)

@@ -288,3 +288,47 @@ pub fn reuse<'a>(requests: impl IntoIterator<Item = (&'a [u64], u32)>, block_tok
     r.unique_blocks = trie.len() as u64;
     r
 }
+
+/// Prompt tokens of `requests` (as for [`reuse`]) found in a cache of
+/// `capacity` blocks that evicts the least recently used: each request
+/// reuses its leading blocks still held, then its whole chain is the most
+/// recently used (parents more recent than children, so a chain is evicted
+/// from its tail, as in the engine). Only prompt blocks are held (a
+/// worker's cache also keeps the generated tokens' blocks, which take room
+/// and are never reused here), so this is an upper bound of what a worker
+/// with that budget serves one request at a time.
+pub fn reused_with_lru<'a>(
+    requests: impl IntoIterator<Item = (&'a [u64], u32)>,
+    block_tokens: u32,
+    capacity: usize,
+) -> u64 {
+    let bt = u64::from(block_tokens.max(1));
+    let mut trie: HashMap<(u32, u64), u32> = HashMap::new();
+    let mut held: HashMap<u32, u64> = HashMap::new();
+    let mut lru: std::collections::BTreeMap<u64, u32> = std::collections::BTreeMap::new();
+    let mut tick = 0u64;
+    let mut reused = 0u64;
+    for (blocks, _) in requests {
+        let mut node = 0u32;
+        let mut chain = Vec::with_capacity(blocks.len());
+        for &id in blocks {
+            let next = u32::try_from(trie.len() + 1).unwrap_or(u32::MAX);
+            node = *trie.entry((node, id)).or_insert(next);
+            chain.push(node);
+        }
+        let hit = chain.iter().take_while(|n| held.contains_key(n)).count() as u64;
+        reused += hit * bt;
+        for &n in chain.iter().take(capacity).rev() {
+            tick += 1;
+            if let Some(old) = held.insert(n, tick) {
+                lru.remove(&old);
+            }
+            lru.insert(tick, n);
+        }
+        while held.len() > capacity {
+            let Some((_, n)) = lru.pop_first() else { break };
+            held.remove(&n);
+        }
+    }
+    reused
+}

@@ -179,6 +179,20 @@ fn the_reuse_share_of_a_hand_made_trace() {
     assert_eq!(r.unique_blocks, 7);
     assert_eq!(mooncake::reuse(std::iter::empty(), 16).share(), None);
 
+    // A cache of 3 blocks, least recently used out (a chain's root touched
+    // last): 1 holds abc ab a; 2 reuses a ab (8), holds abd ab a (abc out);
+    // 3 reuses nothing, holds x xb a (abd and ab out); 4 reuses a only (4),
+    // holds abc ab a (its first 3; x and xb out); 5 reuses all three (12).
+    assert_eq!(
+        mooncake::reused_with_lru(reqs.iter().map(|(b, n)| (b.as_slice(), *n)), 4, 3),
+        8 + 4 + 12
+    );
+    // A cache as large as the trace is the infinite one.
+    assert_eq!(
+        mooncake::reused_with_lru(reqs.iter().map(|(b, n)| (b.as_slice(), *n)), 4, 100),
+        r.reused_tokens
+    );
+
     // With 16-token blocks the engine's cap is only the last block.
     let same: Vec<u64> = vec![9, 8, 7];
     let r = mooncake::reuse([(same.as_slice(), 48), (same.as_slice(), 48)], 16);
