@@ -2,7 +2,8 @@
 //! engine's block hashes (opaque ids) → router keys, its block size and its
 //! [`Health`], and one LRU order over every (endpoint, block) under a block
 //! cap. No sockets here: [`crate::KvIndexer`]'s thread feeds it batches, and
-//! the unit tests drive it directly.
+//! the unit tests drive it directly. The queries (match, stats) are in
+//! `index/query.rs`.
 
 use std::collections::hash_map::Entry;
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
@@ -11,7 +12,9 @@ use std::time::Instant;
 
 use crate::decode::{Batch, BlockId, Event};
 use crate::keys::{ROOT_KEY, chain_key};
-use crate::stats::{Counters, EndpointStats, IndexStats, add};
+use crate::stats::{Counters, add};
+
+use few::Few;
 
 /// The cache tier of the engine's own KV memory (vLLM's `MEDIUM_GPU`).
 pub const MEDIUM_GPU: &str = "GPU";
@@ -505,135 +508,6 @@ impl Index {
         }
     }
 
-    /// The cached prefix of `token_ids` on one endpoint, in tokens: the
-    /// longest run of full blocks from token 0 it holds. `None` when the
-    /// endpoint is unknown or has no cache information (not
-    /// [`Health::Live`]); `Some(0)` when it is live and holds none of it.
-    /// The matched chain becomes the most recently used.
-    pub fn match_prefix(&mut self, endpoint: &str, token_ids: &[u32]) -> Option<usize> {
-        let slot = *self.ids.get(endpoint)?;
-        let e = self.endpoints.get(&slot)?;
-        if e.health != Health::Live {
-            return None;
-        }
-        let Some(bs) = e.block_size else {
-            return Some(0);
-        };
-        let bs = bs as usize;
-        let mut parent = ROOT_KEY;
-        let mut n = 0;
-        let mut last = None;
-        for block in token_ids.chunks_exact(bs) {
-            let key = chain_key(parent, block);
-            if !e.blocks.contains_key(&key) {
-                break;
-            }
-            n += 1;
-            last = Some(key);
-            parent = key;
-        }
-        if let Some(last) = last {
-            self.touch_chain(slot, last);
-        }
-        Some(n * bs)
-    }
-
-    /// [`Index::match_prefix`] for every endpoint at once, in id order, the
-    /// key chain computed once per block size and looked up in the key →
-    /// endpoints map.
-    pub fn match_all(&mut self, token_ids: &[u32]) -> Vec<(String, Option<usize>)> {
-        let mut by_size: BTreeMap<u32, HashMap<u32, usize>> = BTreeMap::new();
-        for (slot, e) in &self.endpoints {
-            if e.health == Health::Live
-                && let Some(bs) = e.block_size
-            {
-                by_size.entry(bs).or_default().insert(*slot, 0);
-            }
-        }
-        let mut touched: HashMap<u32, u64> = HashMap::new();
-        for (bs, runs) in &mut by_size {
-            let mut parent = ROOT_KEY;
-            for (i, block) in token_ids.chunks_exact(*bs as usize).enumerate() {
-                let key = chain_key(parent, block);
-                let mut any = false;
-                for s in self.holders.get(&key).map(Few::as_slice).unwrap_or(&[]) {
-                    if let Some(run) = runs.get_mut(s)
-                        && *run == i
-                    {
-                        *run = i + 1;
-                        any = true;
-                    }
-                }
-                if !any {
-                    break;
-                }
-                parent = key;
-                // The last key of each run still growing, for the LRU touch.
-                for (s, run) in runs.iter() {
-                    if *run == i + 1 {
-                        touched.insert(*s, key);
-                    }
-                }
-            }
-        }
-        for (slot, key) in touched {
-            self.touch_chain(slot, key);
-        }
-        self.ids
-            .iter()
-            .map(|(id, slot)| {
-                let e = &self.endpoints[slot];
-                let m = match (e.health, e.block_size) {
-                    (Health::Live, None) => Some(0),
-                    (Health::Live, Some(bs)) => by_size
-                        .get(&bs)
-                        .and_then(|r| r.get(slot))
-                        .map(|run| run * bs as usize),
-                    _ => None,
-                };
-                (id.clone(), m)
-            })
-            .collect()
-    }
-
-    /// A snapshot of the counters and states.
-    pub fn stats(&self, now: Instant) -> IndexStats {
-        let since = |t: Option<Instant>| t.map(|t| now.saturating_duration_since(t).as_secs_f64());
-        let mut newest: Option<Instant> = None;
-        let mut all_live = true;
-        let endpoints = self
-            .ids
-            .iter()
-            .map(|(id, slot)| {
-                let e = &self.endpoints[slot];
-                newest = newest.max(e.last_batch);
-                all_live &= e.health == Health::Live;
-                (
-                    id.clone(),
-                    EndpointStats::from_counters(
-                        &e.counters,
-                        e.blocks.len() as u64,
-                        since(e.last_batch),
-                        e.health,
-                    ),
-                )
-            })
-            .collect();
-        IndexStats {
-            total: EndpointStats::from_counters(
-                &self.total,
-                self.lru.len() as u64,
-                since(newest),
-                if all_live {
-                    Health::Live
-                } else {
-                    Health::Unknown
-                },
-            ),
-            endpoints,
-        }
-    }
-
     /// The block size an endpoint's events carry.
     pub fn block_size(&self, slot: u32) -> Option<u32> {
         self.endpoints.get(&slot).and_then(|e| e.block_size)
@@ -658,47 +532,7 @@ fn unhold(holders: &mut HashMap<u64, Few<u32>>, key: u64, slot: u32) {
     }
 }
 
-/// One value inline, more on the heap: most blocks have one engine hash and
-/// most keys one holder, and a `Vec` each would cost an allocation per block.
-#[derive(Debug, Clone, PartialEq, Eq)]
-enum Few<T> {
-    One(T),
-    Many(Vec<T>),
-}
-
-impl<T: Copy + PartialEq> Few<T> {
-    fn as_slice(&self) -> &[T] {
-        match self {
-            Few::One(x) => std::slice::from_ref(x),
-            Few::Many(v) => v,
-        }
-    }
-
-    fn push(&mut self, x: T) {
-        match self {
-            Few::One(y) => *self = Few::Many(vec![*y, x]),
-            Few::Many(v) => v.push(x),
-        }
-    }
-
-    /// Removes `x`; true when nothing is left.
-    fn remove(&mut self, x: T) -> bool {
-        match self {
-            Few::One(y) => *y == x,
-            Few::Many(v) => {
-                v.retain(|y| *y != x);
-                match v.as_slice() {
-                    [] => true,
-                    [one] => {
-                        *self = Few::One(*one);
-                        false
-                    }
-                    _ => false,
-                }
-            }
-        }
-    }
-}
-
+mod few;
+mod query;
 #[cfg(test)]
 mod tests;
