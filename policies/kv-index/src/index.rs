@@ -251,7 +251,7 @@ impl Index {
                 Ok(ev) => {
                     out.events += 1;
                     let before = self.total.evicted_now();
-                    if self.apply_event(slot, ev, now) {
+                    if self.apply_event(slot, ev) {
                         out.unknown_parents += 1;
                     }
                     out.evicted += self.total.evicted_now() - before;
@@ -270,7 +270,7 @@ impl Index {
     }
 
     /// Applies one event; true when it was a chain with an unknown parent.
-    pub fn apply_event(&mut self, slot: u32, ev: &Event, _now: Instant) -> bool {
+    pub fn apply_event(&mut self, slot: u32, ev: &Event) -> bool {
         match ev {
             Event::AllBlocksCleared => {
                 self.clear_slot(slot);

@@ -114,7 +114,6 @@ fn removal_and_clear() {
             block_hashes: vec![1],
             medium: Some("CPU".into()),
         },
-        Instant::now(),
     );
     assert_eq!(idx.match_prefix("a", &tokens), Some(4));
 }
