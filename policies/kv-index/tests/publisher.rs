@@ -297,3 +297,58 @@ fn a_publisher_that_is_not_there_leaves_no_information_and_drop_is_prompt() {
         t.elapsed()
     );
 }
+
+#[test]
+fn bad_endpoint_lists_and_options_are_refused_by_name() {
+    let ix = KvIndexer::start(options()).unwrap();
+    let e = |id: &str, ep: &str| EndpointSpec {
+        id: id.into(),
+        endpoint: ep.into(),
+        replay_endpoint: None,
+        topic: String::new(),
+    };
+    let err = ix
+        .set_endpoints(vec![e("", "tcp://127.0.0.1:5")])
+        .unwrap_err();
+    assert!(err.to_string().contains("empty"), "{err}");
+    let err = ix
+        .set_endpoints(vec![
+            e("a", "tcp://127.0.0.1:5"),
+            e("a", "tcp://127.0.0.1:6"),
+        ])
+        .unwrap_err();
+    assert!(err.to_string().contains("twice"), "{err}");
+    // An address libzmq cannot parse: reported, the other endpoint applied.
+    let err = ix
+        .set_endpoints(vec![e("bad", "nonsense://x"), e("ok", "tcp://127.0.0.1:5")])
+        .unwrap_err();
+    assert!(err.to_string().contains("nonsense://x"), "{err}");
+    assert_eq!(ix.health("ok"), Some(Health::Unknown));
+    assert_eq!(ix.health("bad"), None);
+    for (o, field) in [
+        (
+            Options {
+                max_blocks: 0,
+                ..Options::default()
+            },
+            "max_blocks",
+        ),
+        (
+            Options {
+                replay_timeout: Duration::ZERO,
+                ..Options::default()
+            },
+            "replay_timeout",
+        ),
+        (
+            Options {
+                max_batches_per_turn: 0,
+                ..Options::default()
+            },
+            "max_batches_per_turn",
+        ),
+    ] {
+        let err = KvIndexer::start(o).unwrap_err();
+        assert!(err.to_string().contains(field), "{err}");
+    }
+}
