@@ -177,6 +177,7 @@ fn request(endpoints: Vec<Endpoint>) -> PolicyRequest {
         body: body.into_bytes(),
         endpoints: Some(endpoints.into()),
         prompt_tokens: Some(210),
+        prefix_cache: None,
     }
 }
 
@@ -269,14 +270,13 @@ fn measure(args: &Options) -> Result<Report, Error> {
             .find(|(k, _)| k.eq_ignore_ascii_case(headers::DESTINATION_ENDPOINT_SUBSET))
             .map(|(_, v)| v.as_str());
         let prompt = req.prompt_tokens.map(|n| n.to_string());
-        policy.decide(
+        let props = rngd_policy_core::RequestProps {
             subset,
-            Some(&req.body),
-            None,
-            prompt.as_deref().map(str::as_bytes),
-            Some(&version),
-            || Some(json.clone()),
-        )
+            body: Some(&req.body),
+            prompt_tokens: prompt.as_deref().map(str::as_bytes),
+            ..Default::default()
+        };
+        policy.decide(&props, Some(&version), || Some(json.clone()))
     };
 
     // Warm-up of all three (the first decision parses the snapshot).
@@ -385,7 +385,9 @@ mod tests {
     fn null_vm_decides_as_the_wasm_module() {
         let module = locate::default_module(None)
             .unwrap_or_else(|e| panic!("{e} (build the guests with policies/build.sh first)"));
-        let config = br#"{"disaggregation_threshold_tokens":16}"#.to_vec();
+        // No queue cost in the TTFT prediction, so the long prompt is split
+        // (its prefill endpoint is busier than its decode endpoint).
+        let config = br#"{"disaggregation_threshold_tokens":16,"queue_ms_per_request":0}"#.to_vec();
         let runtime = PolicyRuntime::new(
             PolicySource {
                 module,

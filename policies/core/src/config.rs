@@ -38,6 +38,27 @@ pub struct PolicyConfig {
     /// Endpoints used when the host passes no `rngd_pd.endpoints` property
     /// (inside Envoy's own wasm filter). Default empty.
     pub static_endpoints: Vec<Endpoint>,
+    /// Score credit per 100 prompt tokens already cached on an endpoint
+    /// (`rngd_pd.prefix_cache`), subtracted from its load score: with the
+    /// defaults a 400-token cached prefix outweighs two queued requests. 0 =
+    /// route on load alone. Default 2.
+    pub prefix_weight: f64,
+    /// Predicted prefill cost per token not cached, ms (the TTFT estimate of
+    /// the PD decision). Default 1.
+    pub prefill_ms_per_token: f64,
+    /// Predicted wait per queued request on an endpoint, ms (the TTFT
+    /// estimate of the PD decision). Default 100.
+    pub queue_ms_per_request: f64,
+    /// How much a prefill on a decode endpoint costs its running streams, as
+    /// a multiple of the prefill time per running stream (each waits that
+    /// long for its next token). The PD decision prefills locally only when
+    /// the remote prediction is worse than the local one by more than this
+    /// cost. Default 1.
+    pub decode_interference: f64,
+    /// TTFT goal, ms, when the request carries no `x-llm-d-slo-ttft-ms`:
+    /// a prompt whose predicted TTFT prefilled on its decode endpoint meets
+    /// it is not disaggregated. Default none.
+    pub ttft_goal_ms: Option<f64>,
 }
 
 impl Default for PolicyConfig {
@@ -53,6 +74,11 @@ impl Default for PolicyConfig {
             running_weight: 1.0,
             kv_usage_weight: 8.0,
             static_endpoints: Vec::new(),
+            prefix_weight: 2.0,
+            prefill_ms_per_token: 1.0,
+            queue_ms_per_request: 100.0,
+            decode_interference: 1.0,
+            ttft_goal_ms: None,
         }
     }
 }
@@ -71,5 +97,16 @@ impl PolicyConfig {
         f64::from(e.queue_depth) * self.queue_weight
             + f64::from(e.running) * self.running_weight
             + e.kv_usage * self.kv_usage_weight
+    }
+
+    /// Load score less the credit for `cached` prompt tokens on the endpoint.
+    pub fn score_cached(&self, e: &Endpoint, cached: u64) -> f64 {
+        self.score(e) - self.prefix_weight * cached as f64 / 100.0
+    }
+
+    /// Predicted TTFT of prefilling `uncached` tokens on `e`, ms.
+    pub fn predicted_ttft_ms(&self, e: &Endpoint, uncached: u64) -> f64 {
+        f64::from(e.queue_depth) * self.queue_ms_per_request
+            + uncached as f64 * self.prefill_ms_per_token
     }
 }

@@ -104,6 +104,26 @@ pub(crate) fn config(doc: &[u8]) -> Result<PolicyConfig, JsonError> {
                 })?;
                 c.static_endpoints = eps;
             }
+            "prefix_weight" => {
+                seen.once(r, 10, &key)?;
+                c.prefix_weight = r.f64()?;
+            }
+            "prefill_ms_per_token" => {
+                seen.once(r, 11, &key)?;
+                c.prefill_ms_per_token = r.f64()?;
+            }
+            "queue_ms_per_request" => {
+                seen.once(r, 12, &key)?;
+                c.queue_ms_per_request = r.f64()?;
+            }
+            "decode_interference" => {
+                seen.once(r, 14, &key)?;
+                c.decode_interference = r.f64()?;
+            }
+            "ttft_goal_ms" => {
+                seen.once(r, 13, &key)?;
+                c.ttft_goal_ms = if r.null() { None } else { Some(r.f64()?) };
+            }
             _ => return Err(r.error(format!("unknown field `{key}`"))),
         }
         Ok(())

@@ -10,8 +10,8 @@ mod pick;
 pub use config::PolicyConfig;
 pub use json::JsonError;
 pub use pick::{
-    Outcome, PdPolicy, RequestInput, RouteRef, SnapshotCache, choose, decide,
-    estimate_prompt_tokens,
+    Outcome, PdPolicy, RequestInput, RequestProps, RouteRef, SnapshotCache, cached_tokens, choose,
+    decide, estimate_prompt_tokens,
 };
 
 use serde::{Deserialize, Serialize};
@@ -23,6 +23,13 @@ pub const PROP_PROMPT_TOKENS: &str = "rngd_pd.prompt_tokens";
 /// Property path carrying an opaque version of the endpoint snapshot: while it
 /// stays the same, a guest may reuse the snapshot it parsed before.
 pub const PROP_ENDPOINTS_VERSION: &str = "rngd_pd.endpoints_version";
+/// Property path carrying, per endpoint, the prompt tokens already in its
+/// prefix cache: `ADDRESS=TOKENS` entries joined by `,` (`ADDRESS=?`: that
+/// endpoint's cache is unknown). Absent: no cache information at all (the
+/// policy routes on load alone).
+pub const PROP_PREFIX_CACHE: &str = "rngd_pd.prefix_cache";
+/// [`PROP_PREFIX_CACHE`] as `proxy_get_property` takes it.
+pub const PROP_PREFIX_CACHE_PATH: &[u8] = b"rngd_pd\0prefix_cache";
 /// [`PROP_ENDPOINTS`] as `proxy_get_property` takes it (tokens joined by NUL).
 pub const PROP_ENDPOINTS_PATH: &[u8] = b"rngd_pd\0endpoints";
 /// [`PROP_PROMPT_TOKENS`] as `proxy_get_property` takes it.
@@ -295,6 +302,7 @@ mod tests {
             (PROP_ENDPOINTS, PROP_ENDPOINTS_PATH),
             (PROP_PROMPT_TOKENS, PROP_PROMPT_TOKENS_PATH),
             (PROP_ENDPOINTS_VERSION, PROP_ENDPOINTS_VERSION_PATH),
+            (PROP_PREFIX_CACHE, PROP_PREFIX_CACHE_PATH),
         ] {
             assert_eq!(name.replace('.', "\0").as_bytes(), path);
         }

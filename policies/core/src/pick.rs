@@ -20,6 +20,49 @@ pub struct RequestInput<'a> {
     pub prompt_tokens: Option<u64>,
     /// The subset hint header (comma-separated `ip:port`), if present.
     pub subset: Option<&'a str>,
+    /// `rngd_pd.prefix_cache` as the host passed it (`ADDRESS=TOKENS,…`);
+    /// `None` = no cache information: the decision is on load alone.
+    pub prefix_cache: Option<&'a [u8]>,
+    /// This request's TTFT goal, ms (`x-llm-d-slo-ttft-ms`); `None` = the
+    /// configuration's `ttft_goal_ms`.
+    pub ttft_goal_ms: Option<f64>,
+}
+
+/// The prompt tokens `address` holds in a `rngd_pd.prefix_cache` value;
+/// `None` when it is not listed or listed as unknown (`ADDRESS=?`).
+pub fn cached_tokens(list: &[u8], address: &str) -> Option<u64> {
+    list.split(|&c| c == b',').find_map(|entry| {
+        let eq = entry.iter().rposition(|&c| c == b'=')?;
+        let (name, value) = (&entry[..eq], &entry[eq + 1..]);
+        (crate::same(trim(name), address.as_bytes()))
+            .then(|| parse_decimal(value))
+            .flatten()
+    })
+}
+
+/// Whether a `rngd_pd.prefix_cache` value lists any endpoint with a
+/// non-zero count (else the decision is the load-only one, whose pick
+/// order is precomputed).
+fn any_cached(list: &[u8]) -> bool {
+    list.split(|&c| c == b',').any(|entry| {
+        entry
+            .iter()
+            .rposition(|&c| c == b'=')
+            .and_then(|eq| parse_decimal(&entry[eq + 1..]))
+            .is_some_and(|n| n > 0)
+    })
+}
+
+fn trim(b: &[u8]) -> &[u8] {
+    let start = b
+        .iter()
+        .position(|c| !c.is_ascii_whitespace())
+        .unwrap_or(b.len());
+    let end = b
+        .iter()
+        .rposition(|c| !c.is_ascii_whitespace())
+        .map_or(start, |i| i + 1);
+    &b[start..end]
 }
 
 /// Estimated prompt tokens of a body when the host counted none:
@@ -53,25 +96,14 @@ fn supports(e: &Endpoint, transport: &str) -> bool {
 /// Keeps the better of `best` and `e`: lowest score first, ties broken by
 /// address so a decision is deterministic.
 fn better<'e>(
-    config: &PolicyConfig,
     best: Option<(&'e Endpoint, f64)>,
     e: &'e Endpoint,
+    s: f64,
 ) -> Option<(&'e Endpoint, f64)> {
-    let s = config.score(e);
     match best {
         Some((b, bs)) if bs < s || (bs == s && b.address <= e.address) => Some((b, bs)),
         _ => Some((e, s)),
     }
-}
-
-/// The best of `candidates` (see [`better`]).
-fn best<'e>(
-    config: &PolicyConfig,
-    candidates: impl Iterator<Item = &'e Endpoint>,
-) -> Option<&'e Endpoint> {
-    candidates
-        .fold(None, |b, e| better(config, b, e))
-        .map(|(e, _)| e)
 }
 
 /// A decision that borrows its addresses from the snapshot and its transport
@@ -94,11 +126,14 @@ pub struct RouteRef<'a> {
     /// Remote prefill endpoint `ip:port` and the KV transport to it; `None` =
     /// prefill on the decode endpoint.
     pub prefill: Option<(&'a str, &'a str)>,
+    /// Why (`x-rngd-pd-route-reason`; the values are listed in
+    /// `docs/policy-abi.md`).
+    pub reason: &'static str,
 }
 
 impl<'a> RouteRef<'a> {
     /// The request headers this route sets, in order: decode, then (when the
-    /// prefill is remote) prefill and transport.
+    /// prefill is remote) prefill and transport, then the reason.
     pub fn headers(&self) -> impl Iterator<Item = (&'static str, &'a str)> + use<'a> {
         let decode = [(headers::DESTINATION_ENDPOINT, self.decode)];
         let prefill = self.prefill.map(|(p, t)| {
@@ -107,7 +142,11 @@ impl<'a> RouteRef<'a> {
                 (headers::KV_TRANSPORT, t),
             ]
         });
-        decode.into_iter().chain(prefill.into_iter().flatten())
+        let reason: &'a str = self.reason;
+        decode
+            .into_iter()
+            .chain(prefill.into_iter().flatten())
+            .chain([(headers::ROUTE_REASON, reason)])
     }
 
     /// The owned [`Route`].
@@ -268,6 +307,8 @@ impl Ranking {
 /// The decision for a parsed request. With a `ranking` of `endpoints` the
 /// first qualifying endpoint in pick order is taken; without one, or to
 /// explain a rejection, every endpoint is scanned. Both give the same answer.
+/// With cache information (`input.prefix_cache` naming a cached prefix) the
+/// scores carry the cache credit, so the snapshot is scanned.
 fn pick<'a>(
     config: &'a PolicyConfig,
     endpoints: &'a [Endpoint],
@@ -276,6 +317,15 @@ fn pick<'a>(
     req: Parsed,
 ) -> Outcome<'a> {
     let prompt = req.prompt;
+    let cache = input
+        .prefix_cache
+        .filter(|c| config.prefix_weight != 0.0 && any_cached(c));
+    let ranking = if cache.is_some() { None } else { ranking };
+    let cached = |e: &Endpoint| {
+        cache
+            .and_then(|c| cached_tokens(c, &e.address))
+            .map_or(0, |n| prompt.map_or(n, |p| n.min(p)))
+    };
     let ranked = ranking.map(|r| {
         r.decode.iter().map(|&i| &endpoints[i as usize]).find(|e| {
             in_subset(input.subset, &e.address) && !req.too_long(e) && !req.queue_full(config, e)
@@ -283,7 +333,7 @@ fn pick<'a>(
     });
     let decode = match ranked {
         Some(Some(e)) => e,
-        _ => match scan_decode(config, endpoints, input, req) {
+        _ => match scan_decode(config, endpoints, input, req, &cached) {
             Ok(e) => e,
             Err(reject) => return Outcome::Reject(reject),
         },
@@ -292,41 +342,87 @@ fn pick<'a>(
     let mut route = RouteRef {
         decode: &decode.address,
         prefill: None,
+        reason: "solo",
     };
-    let disaggregate = decode.role == Role::Decode
-        && prompt.is_none_or(|p| p >= config.disaggregation_threshold_tokens);
-    if disaggregate {
-        let eligible = |e: &Endpoint| {
-            in_subset(input.subset, &e.address)
-                && prompt.is_none_or(|p| p <= u64::from(e.seq_len))
-                && config.max_queue_depth.is_none_or(|q| e.queue_depth < q)
+    if decode.role != Role::Decode {
+        return Outcome::Route(route);
+    }
+    // Tokens the decode endpoint would prefill itself (what its cache lacks).
+    let uncached = prompt.map(|p| p - cached(decode));
+    if let Some(u) = uncached
+        && u < config.disaggregation_threshold_tokens
+    {
+        route.reason = if cached(decode) > 0 {
+            "cached"
+        } else {
+            "short_prompt"
         };
-        let prefill = match ranking {
-            Some(r) => r
-                .prefill
-                .iter()
-                .map(|&i| &endpoints[i as usize])
-                .find(|e| eligible(e)),
-            None => best(
-                config,
-                endpoints
-                    .iter()
-                    .filter(|e| e.role == Role::Prefill && e.healthy && eligible(e)),
-            ),
-        };
-        if let Some(prefill) = prefill {
-            let same_node = !prefill.node.is_empty()
-                && crate::same(prefill.node.as_bytes(), decode.node.as_bytes());
-            let same = same_node.then_some(config.same_node_transport.as_str());
-            let cross = Some(config.cross_node_transport.as_str());
-            if let Some(t) = [same, cross]
-                .into_iter()
-                .flatten()
-                .find(|t| supports(prefill, t) && supports(decode, t))
-            {
-                route.prefill = Some((&prefill.address, t));
-            }
+        return Outcome::Route(route);
+    }
+    let eligible = |e: &Endpoint| {
+        e.role == Role::Prefill
+            && e.healthy
+            && in_subset(input.subset, &e.address)
+            && prompt.is_none_or(|p| p <= u64::from(e.seq_len))
+            && config.max_queue_depth.is_none_or(|q| e.queue_depth < q)
+    };
+    let prefill = match ranking {
+        Some(r) => r
+            .prefill
+            .iter()
+            .map(|&i| &endpoints[i as usize])
+            .find(|e| eligible(e)),
+        None => endpoints
+            .iter()
+            .filter(|e| eligible(e))
+            .fold(None, |b, e| better(b, e, config.score_cached(e, cached(e))))
+            .map(|(e, _)| e),
+    };
+    let Some(prefill) = prefill else {
+        route.reason = "no_prefill_endpoint";
+        return Outcome::Route(route);
+    };
+    if let (Some(p), Some(u)) = (prompt, uncached) {
+        // The TTFT each way: prefilled here, or on the prefill endpoint
+        // (what its own cache lacks).
+        let local = config.predicted_ttft_ms(decode, u);
+        let remote = config.predicted_ttft_ms(prefill, p - cached(prefill));
+        if input
+            .ttft_goal_ms
+            .or(config.ttft_goal_ms)
+            .is_some_and(|goal| local <= goal)
+        {
+            route.reason = "ttft_goal_met_locally";
+            return Outcome::Route(route);
         }
+        // What a local prefill costs the streams running there.
+        let harm = u as f64
+            * config.prefill_ms_per_token
+            * f64::from(decode.running)
+            * config.decode_interference;
+        if remote > local + harm {
+            route.reason = "faster_locally";
+            return Outcome::Route(route);
+        }
+    }
+    let same_node =
+        !prefill.node.is_empty() && crate::same(prefill.node.as_bytes(), decode.node.as_bytes());
+    let same = same_node.then_some(config.same_node_transport.as_str());
+    let cross = Some(config.cross_node_transport.as_str());
+    match [same, cross]
+        .into_iter()
+        .flatten()
+        .find(|t| supports(prefill, t) && supports(decode, t))
+    {
+        Some(t) => {
+            route.prefill = Some((&prefill.address, t));
+            route.reason = if prompt.is_some() {
+                "disaggregated"
+            } else {
+                "unknown_prompt"
+            };
+        }
+        None => route.reason = "no_common_transport",
     }
     Outcome::Route(route)
 }
@@ -339,6 +435,7 @@ fn scan_decode<'a>(
     endpoints: &'a [Endpoint],
     input: &RequestInput<'_>,
     req: Parsed,
+    cached: &dyn Fn(&Endpoint) -> u64,
 ) -> Result<&'a Endpoint, LocalResponse> {
     let mut decoders = 0usize;
     let mut max_seq_len = 0u32;
@@ -360,7 +457,7 @@ fn scan_decode<'a>(
         if req.queue_full(config, e) {
             continue;
         }
-        best_decode = better(config, best_decode, e);
+        best_decode = better(best_decode, e, config.score_cached(e, cached(e)));
     }
     if decoders == 0 {
         let why = if input.subset.is_some() {
@@ -474,42 +571,28 @@ impl PdPolicy {
         }
     }
 
-    /// Decides one request. `body: None` = decide without the body (estimate
-    /// from `content_length`). `prompt_tokens` is the decimal property text,
-    /// `version` the snapshot version property, `fetch_endpoints` reads the
-    /// snapshot property (called only when the version changed or is absent).
-    /// No snapshot → the configured static pool.
+    /// Decides one request from what the host passed ([`RequestProps`]):
+    /// `version` is the snapshot version property, `fetch_endpoints` reads
+    /// the snapshot property (called only when the version changed or is
+    /// absent). No snapshot → the configured static pool.
     pub fn decide(
         &mut self,
-        subset: Option<&str>,
-        body: Option<&[u8]>,
-        content_length: Option<u64>,
-        prompt_tokens: Option<&[u8]>,
+        props: &RequestProps<'_>,
         version: Option<&[u8]>,
         fetch_endpoints: impl FnOnce() -> Option<Vec<u8>>,
     ) -> Decision {
-        self.outcome(
-            subset,
-            body,
-            content_length,
-            prompt_tokens,
-            version,
-            fetch_endpoints,
-        )
-        .into_decision()
+        self.outcome(props, version, fetch_endpoints)
+            .into_decision()
     }
 
     /// [`PdPolicy::decide`] without allocating for a route (see [`Outcome`]).
     pub fn outcome(
         &mut self,
-        subset: Option<&str>,
-        body: Option<&[u8]>,
-        content_length: Option<u64>,
-        prompt_tokens: Option<&[u8]>,
+        props: &RequestProps<'_>,
         version: Option<&[u8]>,
         fetch_endpoints: impl FnOnce() -> Option<Vec<u8>>,
     ) -> Outcome<'_> {
-        let prompt_tokens = match prompt_tokens.map(parse_decimal) {
+        let prompt_tokens = match props.prompt_tokens.map(parse_decimal) {
             None => None,
             Some(Some(n)) => Some(n),
             Some(None) => {
@@ -523,11 +606,27 @@ impl PdPolicy {
                 ));
             }
         };
+        let ttft_goal_ms = match props.ttft_goal_ms.map(|v| parse_decimal(v.as_bytes())) {
+            None => None,
+            Some(Some(ms)) => Some(ms as f64),
+            Some(None) => {
+                return Outcome::Reject(LocalResponse::error(
+                    400,
+                    format!(
+                        "header {} must be a whole number of milliseconds",
+                        headers::SLO_TTFT_MS
+                    ),
+                    None,
+                ));
+            }
+        };
         let input = RequestInput {
-            body,
-            content_length,
+            body: props.body,
+            content_length: props.content_length,
             prompt_tokens,
-            subset,
+            subset: props.subset,
+            prefix_cache: props.prefix_cache,
+            ttft_goal_ms,
         };
         let snapshot = match self.cache.get(version, fetch_endpoints) {
             Ok(eps) => eps.is_some(),
@@ -550,6 +649,25 @@ impl PdPolicy {
             )
         }
     }
+}
+
+/// What a host hands the default policy for one request, as a guest reads
+/// it: header values and raw property bytes, parsed by the policy.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct RequestProps<'a> {
+    /// The subset hint header (comma-separated `ip:port`).
+    pub subset: Option<&'a str>,
+    /// Request body; `None` = decide without it (estimate from
+    /// `content_length`).
+    pub body: Option<&'a [u8]>,
+    /// `content-length`, for the estimate without the body.
+    pub content_length: Option<u64>,
+    /// `rngd_pd.prompt_tokens` (decimal text).
+    pub prompt_tokens: Option<&'a [u8]>,
+    /// `rngd_pd.prefix_cache` (`ADDRESS=TOKENS,…`).
+    pub prefix_cache: Option<&'a [u8]>,
+    /// `x-llm-d-slo-ttft-ms` (whole milliseconds).
+    pub ttft_goal_ms: Option<&'a str>,
 }
 
 /// A decimal property value: digits with an optional `+`, surrounding

@@ -209,6 +209,10 @@ pub struct PolicyRequest {
     pub endpoints: Option<Arc<[Endpoint]>>,
     /// Prompt tokens counted by the host (`rngd_pd.prompt_tokens`).
     pub prompt_tokens: Option<usize>,
+    /// Per endpoint, the prompt tokens already in its prefix cache
+    /// (`rngd_pd.prefix_cache`: `ADDRESS=TOKENS` joined by `,`, `ADDRESS=?`
+    /// when unknown); `None` = no cache information (property absent).
+    pub prefix_cache: Option<String>,
 }
 
 /// Where a runtime loads its module from.

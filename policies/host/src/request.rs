@@ -27,6 +27,8 @@ pub struct RequestState {
     pub(crate) endpoints_version: Option<Arc<str>>,
     /// `rngd_pd.prompt_tokens`.
     pub(crate) prompt_tokens: Option<String>,
+    /// `rngd_pd.prefix_cache`.
+    pub(crate) prefix_cache: Option<String>,
     /// Headers the guest set, replaced or added, in order (lowercase names).
     pub(crate) set: Vec<(String, String)>,
     /// Names of passed headers the guest removed (lowercase).
@@ -35,26 +37,40 @@ pub struct RequestState {
     pub(crate) local: Option<rngd_policy_core::LocalResponse>,
 }
 
-/// The properties a guest can read (`proxy_get_property`; path tokens joined by NUL).
-#[derive(Clone, Copy)]
-pub(crate) enum Property {
-    Endpoints,
-    EndpointsVersion,
-    PromptTokens,
-    PluginName,
+/// One property a guest can read (`proxy_get_property`): its path (tokens
+/// joined by NUL) and where its value comes from. Adding a property is one
+/// row of [`PROPERTIES`] and, if it is new data, one field of
+/// [`PolicyRequest`] copied in [`RequestState::begin`].
+pub(crate) struct PropertyRow {
+    /// The NUL-joined path.
+    pub(crate) path: &'static [u8],
+    /// Its value for the request the guest is looking at; `None` = absent.
+    pub(crate) value: fn(&RequestState) -> Option<&[u8]>,
 }
 
-impl Property {
-    pub(crate) fn of(path: &[u8]) -> Option<Property> {
-        Some(match path {
-            b"rngd_pd\0endpoints" => Property::Endpoints,
-            b"rngd_pd\0endpoints_version" => Property::EndpointsVersion,
-            b"rngd_pd\0prompt_tokens" => Property::PromptTokens,
-            b"plugin_name" => Property::PluginName,
-            _ => return None,
-        })
-    }
-}
+/// Every property the host serves (documented in `docs/policy-abi.md`).
+pub(crate) const PROPERTIES: &[PropertyRow] = &[
+    PropertyRow {
+        path: rngd_policy_core::PROP_ENDPOINTS_PATH,
+        value: |s| s.endpoints.as_deref().map(str::as_bytes),
+    },
+    PropertyRow {
+        path: rngd_policy_core::PROP_ENDPOINTS_VERSION_PATH,
+        value: |s| s.endpoints_version.as_deref().map(str::as_bytes),
+    },
+    PropertyRow {
+        path: rngd_policy_core::PROP_PROMPT_TOKENS_PATH,
+        value: |s| s.prompt_tokens.as_deref().map(str::as_bytes),
+    },
+    PropertyRow {
+        path: rngd_policy_core::PROP_PREFIX_CACHE_PATH,
+        value: |s| s.prefix_cache.as_deref().map(str::as_bytes),
+    },
+    PropertyRow {
+        path: b"plugin_name",
+        value: |_| Some(b"rngd-pd-policy".as_slice()),
+    },
+];
 
 impl RequestState {
     /// The value of header `key` as the guest sees it: what it set, else the
@@ -143,6 +159,7 @@ impl RequestState {
             Some(n) => set_decimal(self.prompt_tokens.get_or_insert_with(String::new), n),
             None => self.prompt_tokens = None,
         }
+        std::mem::swap(&mut self.prefix_cache, &mut req.prefix_cache);
         self.set.clear();
         self.removed.clear();
         self.local = None;
@@ -160,6 +177,7 @@ impl RequestState {
     pub fn finish(&mut self, req: &mut PolicyRequest) -> Result<Decision, PolicyError> {
         std::mem::swap(&mut self.headers, &mut req.headers);
         std::mem::swap(&mut self.body, &mut req.body);
+        std::mem::swap(&mut self.prefix_cache, &mut req.prefix_cache);
         self.decision()
     }
 
@@ -170,16 +188,10 @@ impl RequestState {
 
     /// The value of a property by its NUL-joined path, `None` if unknown or absent.
     pub fn property_at(&self, path: &[u8]) -> Option<&[u8]> {
-        Property::of(path).and_then(|p| self.property(p))
-    }
-
-    pub(crate) fn property(&self, which: Property) -> Option<&[u8]> {
-        match which {
-            Property::Endpoints => self.endpoints.as_deref().map(str::as_bytes),
-            Property::EndpointsVersion => self.endpoints_version.as_deref().map(str::as_bytes),
-            Property::PromptTokens => self.prompt_tokens.as_deref().map(str::as_bytes),
-            Property::PluginName => Some(b"rngd-pd-policy".as_slice()),
-        }
+        PROPERTIES
+            .iter()
+            .find(|row| row.path == path)
+            .and_then(|row| (row.value)(self))
     }
 
     /// Records a local response (`proxy_send_local_response`): `headers` in

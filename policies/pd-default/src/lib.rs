@@ -10,8 +10,8 @@ use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{Action, ContextType, LogLevel};
 use rngd_api::headers;
 use rngd_policy_core::{
-    Outcome, PROP_ENDPOINTS_PATH, PROP_ENDPOINTS_VERSION_PATH, PROP_PROMPT_TOKENS_PATH, PdPolicy,
-    PolicyConfig,
+    Outcome, PROP_ENDPOINTS_PATH, PROP_ENDPOINTS_VERSION_PATH, PROP_PREFIX_CACHE_PATH,
+    PROP_PROMPT_TOKENS_PATH, PdPolicy, PolicyConfig, RequestProps,
 };
 
 pub mod heap;
@@ -127,21 +127,27 @@ impl Request {
                 .get_http_request_header("content-length")
                 .and_then(|v| v.trim().parse().ok()),
         };
-        let mut policy = self.policy.borrow_mut();
-        let outcome = policy.outcome(
-            subset.as_deref(),
+        let prefix_cache = property(PROP_PREFIX_CACHE_PATH);
+        let ttft_goal = self.get_http_request_header(headers::SLO_TTFT_MS);
+        let props = RequestProps {
+            subset: subset.as_deref(),
             body,
             content_length,
-            prompt_tokens.as_deref(),
-            self.version.as_deref(),
-            || property(PROP_ENDPOINTS_PATH),
-        );
+            prompt_tokens: prompt_tokens.as_deref(),
+            prefix_cache: prefix_cache.as_deref(),
+            ttft_goal_ms: ttft_goal.as_deref(),
+        };
+        let mut policy = self.policy.borrow_mut();
+        let outcome = policy.outcome(&props, self.version.as_deref(), || {
+            property(PROP_ENDPOINTS_PATH)
+        });
         match outcome {
             Outcome::Route(route) => {
                 if route.prefill.is_none() {
                     self.set_http_request_header(headers::PREFILLER_HOST_PORT, None);
                     self.set_http_request_header(headers::KV_TRANSPORT, None);
                 }
+                // `headers()` ends with the reason, which replaces any a client sent.
                 for (name, value) in route.headers() {
                     self.set_http_request_header(name, Some(value));
                 }

@@ -79,6 +79,10 @@ impl Policy for NativePolicy {
             content_length: Some(req.body.len() as u64),
             prompt_tokens: req.prompt_tokens.map(|n| n as u64),
             subset: header(headers::DESTINATION_ENDPOINT_SUBSET),
+            prefix_cache: req.prefix_cache.as_deref().map(str::as_bytes),
+            ttft_goal_ms: header(headers::SLO_TTFT_MS)
+                .and_then(|v| v.trim().parse::<u64>().ok())
+                .map(|ms| ms as f64),
         };
         let endpoints: &[Endpoint] = req.endpoints.as_deref().unwrap_or(&[]);
         Ok(rngd_policy_core::decide(&self.config, endpoints, &input))
@@ -120,7 +124,8 @@ impl PickError {
 
 /// Whether a request header is one that steers routing
 /// (`x-gateway-destination-endpoint` and every `x-gateway-destination-endpoint-*`,
-/// `x-prefiller-host-port`, `x-rngd-pd-kv-transport`), which only a pick may
+/// `x-prefiller-host-port`, `x-rngd-pd-kv-transport`,
+/// `x-rngd-pd-route-reason`), which only a pick may
 /// set: a client's is dropped before the policy runs and before the request
 /// is forwarded. `name` is compared case-insensitively.
 pub fn is_steering_header(name: &str) -> bool {
@@ -128,6 +133,7 @@ pub fn is_steering_header(name: &str) -> bool {
     n.starts_with(headers::DESTINATION_ENDPOINT)
         || n == headers::PREFILLER_HOST_PORT
         || n == headers::KV_TRANSPORT
+        || n == headers::ROUTE_REASON
 }
 
 /// The headers the policy sees: `client`'s without the steering headers
@@ -209,6 +215,9 @@ impl Picker {
             body: req.body,
             endpoints: Some(Arc::clone(&snapshot)),
             prompt_tokens: req.prompt_tokens,
+            // No KV-event index feeds the pool yet: the property stays
+            // absent and the policy routes on load (docs/policy-abi.md).
+            prefix_cache: None,
         };
         let route = match self.policy.decide(preq).await {
             Ok(Decision::Route(r)) => r,

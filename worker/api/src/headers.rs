@@ -8,6 +8,13 @@ pub const DESTINATION_ENDPOINT_SUBSET: &str = "x-gateway-destination-endpoint-su
 pub const PREFILLER_HOST_PORT: &str = "x-prefiller-host-port";
 /// KV transport chosen by the policy.
 pub const KV_TRANSPORT: &str = "x-rngd-pd-kv-transport";
+/// Why the policy routed as it did (`cached`, `short_prompt`,
+/// `ttft_goal_met_locally`, `faster_locally`, `disaggregated`,
+/// `unknown_prompt`, `no_prefill_endpoint`, `no_common_transport`, `solo`):
+/// set by the policy, never taken from a client.
+pub const ROUTE_REASON: &str = "x-rngd-pd-route-reason";
+/// The client's TTFT goal, ms (llm-d's SLO header).
+pub const SLO_TTFT_MS: &str = "x-llm-d-slo-ttft-ms";
 /// Request id, propagated end to end.
 pub const REQUEST_ID: &str = "x-request-id";
 /// Dynamic metadata namespace Envoy's load balancer reads.

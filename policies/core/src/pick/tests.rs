@@ -80,6 +80,7 @@ fn picks_least_loaded_and_disaggregates_long_prompts() {
             body: Some(&b),
             prompt_tokens: Some(100),
             subset: None,
+            ..Default::default()
         },
     ));
     assert_eq!(r.decode, "10.0.0.2:1");
@@ -93,10 +94,12 @@ fn picks_least_loaded_and_disaggregates_long_prompts() {
             body: Some(&b),
             prompt_tokens: Some(5),
             subset: None,
+            ..Default::default()
         },
     ));
     assert_eq!(short.prefill, None);
-    assert_eq!(short.headers.len(), 1);
+    // The decode endpoint and the reason.
+    assert_eq!(short.headers.len(), 2);
 }
 
 #[test]
@@ -115,6 +118,7 @@ fn same_node_uses_shm_and_subset_limits_choice() {
             body: Some(&b),
             prompt_tokens: Some(100),
             subset: Some("d:2, p:1"),
+            ..Default::default()
         },
     ));
     assert_eq!(
@@ -139,6 +143,7 @@ fn rejects_with_the_right_status() {
             body: Some(&b),
             prompt_tokens: Some(450),
             subset: None,
+            ..Default::default()
         },
     );
     let l = too_long.rejection().expect("rejects");
@@ -152,6 +157,7 @@ fn rejects_with_the_right_status() {
             body: Some(&b),
             prompt_tokens: Some(4),
             subset: None,
+            ..Default::default()
         },
     );
     assert_eq!(full.rejection().map(|l| l.status), Some(429));
@@ -163,6 +169,7 @@ fn rejects_with_the_right_status() {
             body: Some(&b),
             prompt_tokens: Some(4),
             subset: Some("x:1"),
+            ..Default::default()
         },
     );
     assert_eq!(none.rejection().map(|l| l.status), Some(503));
@@ -174,6 +181,7 @@ fn rejects_with_the_right_status() {
             body: Some(b"{"),
             prompt_tokens: None,
             subset: None,
+            ..Default::default()
         },
     );
     assert_eq!(bad.rejection().map(|l| l.status), Some(400));
@@ -192,6 +200,7 @@ fn estimates_from_bytes_when_not_counted() {
             body: Some(&b),
             prompt_tokens: None,
             subset: None,
+            ..Default::default()
         },
     );
     assert_eq!(d.rejection().map(|l| l.status), Some(400));
@@ -207,7 +216,8 @@ fn estimates_from_bytes_when_not_counted() {
                 content_length: None,
                 body: Some(&b),
                 prompt_tokens: None,
-                subset: None
+                subset: None,
+                ..Default::default()
             }
         )
         .route()
@@ -222,6 +232,7 @@ fn estimates_from_bytes_when_not_counted() {
             content_length: Some(b.len() as u64),
             prompt_tokens: None,
             subset: None,
+            ..Default::default()
         },
     );
     assert_eq!(d.rejection().map(|l| l.status), Some(400));
@@ -241,6 +252,7 @@ fn outcome_borrows_the_same_decision() {
             body: Some(&b),
             prompt_tokens: Some(prompt),
             subset: None,
+            ..Default::default()
         };
         let outcome = choose(&cfg, &eps, &input);
         assert_eq!(outcome.clone().into_decision(), decide(&cfg, &eps, &input));
@@ -249,7 +261,13 @@ fn outcome_borrows_the_same_decision() {
         };
         let hdrs: Vec<_> = r.headers().collect();
         if prompt < cfg.disaggregation_threshold_tokens {
-            assert_eq!(hdrs, vec![(headers::DESTINATION_ENDPOINT, "d:1")]);
+            assert_eq!(
+                hdrs,
+                vec![
+                    (headers::DESTINATION_ENDPOINT, "d:1"),
+                    (headers::ROUTE_REASON, "short_prompt")
+                ]
+            );
         } else {
             assert_eq!(
                 hdrs,
@@ -257,6 +275,7 @@ fn outcome_borrows_the_same_decision() {
                     (headers::DESTINATION_ENDPOINT, "d:1"),
                     (headers::PREFILLER_HOST_PORT, "p:1"),
                     (headers::KV_TRANSPORT, "shm"),
+                    (headers::ROUTE_REASON, "disaggregated"),
                 ]
             );
         }
@@ -306,24 +325,41 @@ fn ranked_pick_matches_the_scan() {
         let subset = ["", "10.0.0.1:1,10.0.0.2:1, 10.0.0.3:1"][next(2) as usize];
         let b = body(10, [5, 100][next(2) as usize]);
         let prompt = [None, Some(4), Some(40), Some(300), Some(600)][next(5) as usize];
+        // Cache information: none, or a random count (or `?`) for some addresses.
+        let cache: Option<String> = if next(2) == 0 {
+            let mut entries = Vec::new();
+            for i in 1..=6 {
+                if next(2) == 0 {
+                    entries.push(match next(4) {
+                        0 => format!("10.0.0.{i}:1=?"),
+                        k => format!("10.0.0.{i}:1={}", [0, 32, 280][k as usize - 1]),
+                    });
+                }
+            }
+            Some(entries.join(","))
+        } else {
+            None
+        };
         let input = RequestInput {
             content_length: None,
             body: Some(&b),
             prompt_tokens: prompt,
             subset: (!subset.is_empty()).then_some(subset),
+            prefix_cache: cache.as_deref().map(str::as_bytes),
+            ..Default::default()
         };
         let scanned = decide(&cfg, &eps, &input);
         let json = serde_json::to_vec(&eps).unwrap();
         let mut policy = PdPolicy::new(cfg);
         let prompt_text = prompt.map(|p| p.to_string());
-        let walked = policy.decide(
-            input.subset,
-            input.body,
-            None,
-            prompt_text.as_deref().map(str::as_bytes),
-            Some(b"v"),
-            || Some(json),
-        );
+        let props = RequestProps {
+            subset: input.subset,
+            body: input.body,
+            prompt_tokens: prompt_text.as_deref().map(str::as_bytes),
+            prefix_cache: input.prefix_cache,
+            ..Default::default()
+        };
+        let walked = policy.decide(&props, Some(b"v"), || Some(json));
         assert_eq!(walked, scanned, "round {round}: {eps:?} {input:?}");
         seen[match &scanned {
             Decision::Route(r) if r.prefill.is_some() => 0,
@@ -331,7 +367,7 @@ fn ranked_pick_matches_the_scan() {
             Decision::Reject(_) => 2,
         }] += 1;
     }
-    assert!(seen.iter().all(|&n| n > 100), "{seen:?}");
+    assert!(seen.iter().all(|&n| n > 50), "{seen:?}");
 }
 
 #[test]
@@ -369,7 +405,11 @@ fn static_pool_when_no_snapshot() {
         ..PolicyConfig::default()
     };
     let mut p = PdPolicy::new(cfg);
-    let r = route(p.decide(None, Some(b""), None, None, None, || None));
+    let props = RequestProps {
+        body: Some(b""),
+        ..Default::default()
+    };
+    let r = route(p.decide(&props, None, || None));
     assert_eq!(r.decode, "s:1");
 }
 
@@ -388,6 +428,7 @@ fn max_completion_tokens_first_and_a_chat_fills_the_context() {
                 body: Some(body.as_bytes()),
                 prompt_tokens: Some(prompt),
                 subset: None,
+                ..Default::default()
             },
         )
         .rejection()
@@ -413,4 +454,251 @@ fn max_completion_tokens_first_and_a_chat_fills_the_context() {
         verdict(completion, 500),
         Some((400, context_length_message(500, 16, 512)))
     );
+}
+
+// === cache-aware routing and the PD decision ===
+
+/// Decides a request of `prompt` tokens with `cache` as `rngd_pd.prefix_cache`.
+fn cached_route(
+    cfg: &PolicyConfig,
+    eps: &[Endpoint],
+    prompt: u64,
+    cache: Option<&str>,
+    goal: Option<f64>,
+) -> Route {
+    let b = body(10, 16);
+    route(decide(
+        cfg,
+        eps,
+        &RequestInput {
+            body: Some(&b),
+            prompt_tokens: Some(prompt),
+            prefix_cache: cache.map(str::as_bytes),
+            ttft_goal_ms: goal,
+            ..Default::default()
+        },
+    ))
+}
+
+fn reason(r: &Route) -> &str {
+    r.headers
+        .iter()
+        .find(|(k, _)| k == headers::ROUTE_REASON)
+        .map(|(_, v)| v.as_str())
+        .expect("a route reason")
+}
+
+#[test]
+fn the_cached_endpoint_wins_unless_overloaded() {
+    let cfg = PolicyConfig::default();
+    let eps = vec![
+        ep("a:1", Role::Decode, "", 0),
+        ep("b:1", Role::Decode, "", 0),
+        ep("p:1", Role::Prefill, "", 0),
+    ];
+    // Equal load: without cache information the address breaks the tie (a);
+    // b holding the prompt's prefix wins.
+    assert_eq!(cached_route(&cfg, &eps, 420, None, None).decode, "a:1");
+    let r = cached_route(&cfg, &eps, 420, Some("a:1=0,b:1=400"), None);
+    assert_eq!(r.decode, "b:1");
+    // 20 tokens left to prefill there: no disaggregation.
+    assert_eq!((r.prefill.as_deref(), reason(&r)), (None, "cached"));
+    // b with three queued requests (score 12) loses its 8-point credit.
+    let busy = vec![
+        ep("a:1", Role::Decode, "", 0),
+        ep("b:1", Role::Decode, "", 3),
+    ];
+    assert_eq!(
+        cached_route(&cfg, &busy, 420, Some("b:1=400"), None).decode,
+        "a:1"
+    );
+    // Unknown (`?`) and unlisted endpoints count as nothing cached; a
+    // prefix_weight of 0 is load-only.
+    assert_eq!(
+        cached_route(&cfg, &eps, 420, Some("a:1=?,b:1=?"), None).decode,
+        "a:1"
+    );
+    let load_only = PolicyConfig {
+        prefix_weight: 0.0,
+        ..PolicyConfig::default()
+    };
+    assert_eq!(
+        cached_route(&load_only, &eps, 420, Some("b:1=400"), None).decode,
+        "a:1"
+    );
+}
+
+/// (what, prompt, cache, goal ms, prefill queue, expected prefill, reason)
+type Row = (
+    &'static str,
+    u64,
+    Option<&'static str>,
+    Option<f64>,
+    u32,
+    Option<&'static str>,
+    &'static str,
+);
+
+#[test]
+fn pd_decision_rows() {
+    let cfg = PolicyConfig::default();
+    let eps = vec![
+        ep("d:1", Role::Decode, "", 0),
+        ep("p:1", Role::Prefill, "", 0),
+    ];
+    // (what, prompt, cache, goal ms, prefill queue, expected prefill, reason)
+    let rows: [Row; 8] = [
+        ("short prompt", 20, None, None, 0, None, "short_prompt"),
+        (
+            "few non-cached tokens",
+            300,
+            Some("d:1=288"),
+            None,
+            0,
+            None,
+            "cached",
+        ),
+        (
+            "long cold prompt",
+            300,
+            None,
+            None,
+            0,
+            Some("p:1"),
+            "disaggregated",
+        ),
+        (
+            "cached here: fewer tokens to compute than there",
+            300,
+            Some("d:1=160"),
+            None,
+            0,
+            None,
+            "faster_locally",
+        ),
+        (
+            "TTFT goal met locally",
+            300,
+            None,
+            Some(1000.0),
+            0,
+            None,
+            "ttft_goal_met_locally",
+        ),
+        (
+            "TTFT goal unmet locally",
+            300,
+            None,
+            Some(100.0),
+            0,
+            Some("p:1"),
+            "disaggregated",
+        ),
+        (
+            "prefill pool busier",
+            300,
+            None,
+            None,
+            5,
+            None,
+            "faster_locally",
+        ),
+        (
+            "prefill pool busier but cached there",
+            300,
+            Some("p:1=288"),
+            None,
+            2,
+            Some("p:1"),
+            "disaggregated",
+        ),
+    ];
+    for (what, prompt, cache, goal, pq, want, why) in rows {
+        let eps = vec![eps[0].clone(), ep("p:1", Role::Prefill, "", pq)];
+        let r = cached_route(&cfg, &eps, prompt, cache, goal);
+        assert_eq!(r.prefill.as_deref(), want, "{what}");
+        assert_eq!(reason(&r), why, "{what}");
+    }
+    // Streams running on the decode endpoint make a local prefill costly:
+    // with 4 running, the busier prefill endpoint still takes it.
+    let running = vec![
+        Endpoint {
+            running: 4,
+            ..ep("d:1", Role::Decode, "", 0)
+        },
+        ep("p:1", Role::Prefill, "", 5),
+    ];
+    let r = cached_route(&cfg, &running, 300, None, None);
+    assert_eq!(
+        (r.prefill.as_deref(), reason(&r)),
+        (Some("p:1"), "disaggregated")
+    );
+    // The configured goal applies when the request names none.
+    let with_goal = PolicyConfig {
+        ttft_goal_ms: Some(1000.0),
+        ..PolicyConfig::default()
+    };
+    let r = cached_route(&with_goal, &eps, 300, None, None);
+    assert_eq!(
+        (r.prefill.as_deref(), reason(&r)),
+        (None, "ttft_goal_met_locally")
+    );
+    // A solo endpoint never disaggregates.
+    let solo = vec![
+        ep("s:1", Role::Solo, "", 0),
+        ep("p:1", Role::Prefill, "", 0),
+    ];
+    assert_eq!(reason(&cached_route(&cfg, &solo, 300, None, None)), "solo");
+    // No prefill endpoint: local, said so.
+    let alone = vec![ep("d:1", Role::Decode, "", 0)];
+    assert_eq!(
+        reason(&cached_route(&cfg, &alone, 300, None, None)),
+        "no_prefill_endpoint"
+    );
+}
+
+#[test]
+fn the_prefill_endpoint_with_the_longest_cached_prefix_is_chosen() {
+    let cfg = PolicyConfig::default();
+    let eps = vec![
+        ep("d:1", Role::Decode, "", 0),
+        ep("p:1", Role::Prefill, "", 0),
+        ep("p:2", Role::Prefill, "", 1),
+    ];
+    assert_eq!(
+        cached_route(&cfg, &eps, 400, None, None).prefill.as_deref(),
+        Some("p:1")
+    );
+    assert_eq!(
+        cached_route(&cfg, &eps, 400, Some("p:2=320"), None)
+            .prefill
+            .as_deref(),
+        Some("p:2")
+    );
+}
+
+#[test]
+fn cache_property_and_goal_header_parsing() {
+    assert_eq!(cached_tokens(b"a:1=5, b:1=16 ,c:1=?", "b:1"), Some(16));
+    assert_eq!(cached_tokens(b"a:1=5,b:1=16,c:1=?", "c:1"), None);
+    assert_eq!(cached_tokens(b"a:1=5", "x:1"), None);
+    assert_eq!(cached_tokens(b"[::1]:8000=48", "[::1]:8000"), Some(48));
+    assert_eq!(cached_tokens(b"garbage,,=", "a:1"), None);
+    let json = serde_json::to_vec(&vec![ep("d:1", Role::Decode, "", 0)]).unwrap();
+    let mut p = PdPolicy::new(PolicyConfig::default());
+    let props = RequestProps {
+        body: Some(br#"{"prompt":"hi","max_tokens":1}"#),
+        prompt_tokens: Some(b"2"),
+        ttft_goal_ms: Some("fast"),
+        ..Default::default()
+    };
+    let d = p.decide(&props, None, || Some(json.clone()));
+    let l = d.rejection().expect("an unreadable goal is refused");
+    assert_eq!(l.status, 400);
+    assert!(l.message().unwrap().contains(headers::SLO_TTFT_MS));
+    let props = RequestProps {
+        ttft_goal_ms: Some("250"),
+        ..props
+    };
+    assert!(p.decide(&props, None, || Some(json)).route().is_some());
 }

@@ -125,6 +125,7 @@ pub(crate) fn canned_requests() -> Vec<(&'static str, PolicyRequest)> {
                 body: chat.clone(),
                 endpoints: Some(pool.clone().into()),
                 prompt_tokens: Some(200),
+                prefix_cache: None,
             },
         ),
         (
@@ -134,6 +135,7 @@ pub(crate) fn canned_requests() -> Vec<(&'static str, PolicyRequest)> {
                 body: chat.clone(),
                 endpoints: Some(pool.clone().into()),
                 prompt_tokens: Some(8),
+                prefix_cache: None,
             },
         ),
         (
@@ -143,6 +145,7 @@ pub(crate) fn canned_requests() -> Vec<(&'static str, PolicyRequest)> {
                 body: chat.clone(),
                 endpoints: Some(pool.into()),
                 prompt_tokens: Some(500),
+                prefix_cache: None,
             },
         ),
         (
@@ -152,6 +155,7 @@ pub(crate) fn canned_requests() -> Vec<(&'static str, PolicyRequest)> {
                 body: chat,
                 endpoints: Some(Arc::from([])),
                 prompt_tokens: Some(10),
+                prefix_cache: None,
             },
         ),
         (
@@ -161,6 +165,7 @@ pub(crate) fn canned_requests() -> Vec<(&'static str, PolicyRequest)> {
                 body: vec![],
                 endpoints: None,
                 prompt_tokens: None,
+                prefix_cache: None,
             },
         ),
     ]
