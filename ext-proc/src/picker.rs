@@ -263,6 +263,7 @@ impl Picker {
 
     async fn pick_inner(&self, input: PickInput, seen: &mut Seen) -> Result<Route, PrepareOrPick> {
         let mut prompt_tokens = None;
+        let mut prompt_ids = Vec::new();
         if let Some(body) = &input.body {
             // The OpenAI APIs get the gateway's rules; any other path with a
             // body only needs to be a JSON object naming a model (GIE).
@@ -286,6 +287,7 @@ impl Picker {
                     };
                     seen.model = Some(prepared.client_model);
                     prompt_tokens = Some(prepared.prompt_tokens);
+                    prompt_ids = prepared.prompt_ids;
                 }
                 (Some(kind), None) => {
                     seen.model = model_of(body);
@@ -305,6 +307,7 @@ impl Picker {
                 body: input.body.unwrap_or_default(),
                 prompt_tokens,
                 subset: input.subset,
+                prompt_ids,
             })
             .await
             .map_err(PrepareOrPick::Pick)

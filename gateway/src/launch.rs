@@ -37,6 +37,10 @@ pub struct LaunchOptions {
     pub config: GatewayConfig,
     /// Live load scraping of the workers' `/metrics`.
     pub scrape: ScrapeOptions,
+    /// The workers' KV-event streams (`--kv-events`), indexed so the policy
+    /// learns where each prompt's prefix is cached (`rngd_pd.prefix_cache`);
+    /// empty = no index, routing on load alone.
+    pub kv_events: Vec<rngd_kv_index::EndpointSpec>,
 }
 
 /// A running gateway.
@@ -55,6 +59,7 @@ pub struct Launched {
     tasks: Vec<tokio::task::JoinHandle<Result<(), GatewayError>>>,
     background: Vec<tokio::task::JoinHandle<()>>,
     _source: RunningSource,
+    _indexer: Option<Arc<rngd_kv_index::KvIndexer>>,
 }
 
 impl Launched {
@@ -132,7 +137,22 @@ pub async fn launch(opts: LaunchOptions) -> Result<Launched, GatewayError> {
         .map_err(|e| GatewayError::Policy(Box::new(e)))?;
     let background: Vec<tokio::task::JoinHandle<()>> = loaded.watch.into_iter().collect();
     let source = opts.endpoints.start(opts.scrape, None).await?;
-    let picker = rngd_pool::Picker::new(loaded.policy.clone(), source.source.clone());
+    let mut picker = rngd_pool::Picker::new(loaded.policy.clone(), source.source.clone());
+    let indexer = if opts.kv_events.is_empty() {
+        None
+    } else {
+        let ix = rngd_kv_index::KvIndexer::start(rngd_kv_index::Options::default())
+            .map_err(|e| GatewayError::Config(format!("the KV-event index: {e}")))?;
+        ix.set_endpoints(opts.kv_events.clone())
+            .map_err(|e| GatewayError::Config(format!("--kv-events: {e}")))?;
+        let ix = Arc::new(ix);
+        picker = picker.with_prefix_source(ix.clone());
+        tracing::info!(
+            streams = opts.kv_events.len(),
+            "indexing the workers' KV events"
+        );
+        Some(ix)
+    };
     let gateway = Gateway::new(config, picker, tokenizer)?;
     source
         .register_metrics(gateway.metrics().registry())
@@ -203,5 +223,6 @@ pub async fn launch(opts: LaunchOptions) -> Result<Launched, GatewayError> {
         tasks,
         background,
         _source: source,
+        _indexer: indexer,
     })
 }

@@ -512,6 +512,22 @@ async fn bring_up(
         "--seq-len".into(),
         args.seq_len.to_string(),
     ];
+    // The gateway indexes the workers' KV events (routing on cached prefixes).
+    for (name, ev) in &kv_events {
+        let url = if *name == "prefill" {
+            &prefill_url
+        } else {
+            &decode_url
+        };
+        let (publ, replay) = match ev.split_once(" replay ") {
+            Some((p, r)) => (p, format!(",{r}")),
+            None => (ev.as_str(), String::new()),
+        };
+        g.extend([
+            "--kv-events".into(),
+            format!("{}={publ}{replay}", url.trim_start_matches("http://")),
+        ]);
+    }
     g.extend(model_flags.iter().chain(&name_flags).cloned());
     if let Some(p) = args.metrics_port {
         g.extend([

@@ -111,6 +111,7 @@ async fn run_inner(
         body,
         prompt_tokens: Some(p.request.prompt_tokens),
         subset: None,
+        prompt_ids: p.request.prompt_ids.clone(),
     };
     let t = Instant::now();
     let picked = gw.picker.pick(pick).await;

@@ -23,6 +23,7 @@ pub mod admission;
 pub mod discovery;
 pub mod load;
 pub mod pick;
+pub mod prefix;
 pub mod prompt;
 pub mod scrape;
 pub mod source;

@@ -167,12 +167,17 @@ pub struct PickRequest {
     /// Subset hint (`ip:port` list) from a trusted source only (the picker:
     /// Envoy's filter metadata; never a client header); `None` = no hint.
     pub subset: Option<Vec<String>>,
+    /// The prompt's token ids as the engine will see them (from
+    /// [`crate::prompt::prepare`]); empty = unknown, then the policy gets no
+    /// `rngd_pd.prefix_cache`.
+    pub prompt_ids: Vec<u32>,
 }
 
 /// The endpoint pool and the policy that routes over it.
 pub struct Picker {
     policy: Arc<dyn Policy>,
     endpoints: Arc<dyn EndpointSource>,
+    prefix: Option<Arc<dyn crate::prefix::PrefixSource>>,
 }
 
 impl std::fmt::Debug for Picker {
@@ -188,7 +193,18 @@ fn listed(snapshot: &[Endpoint], address: &str) -> bool {
 impl Picker {
     /// A picker routing over `endpoints` with `policy`.
     pub fn new(policy: Arc<dyn Policy>, endpoints: Arc<dyn EndpointSource>) -> Self {
-        Picker { policy, endpoints }
+        Picker {
+            policy,
+            endpoints,
+            prefix: None,
+        }
+    }
+
+    /// The same picker telling the policy where each endpoint holds a
+    /// request's prefix (`rngd_pd.prefix_cache`), from `source`.
+    pub fn with_prefix_source(mut self, source: Arc<dyn crate::prefix::PrefixSource>) -> Self {
+        self.prefix = Some(source);
+        self
     }
 
     /// The endpoint source.
@@ -215,9 +231,19 @@ impl Picker {
             body: req.body,
             endpoints: Some(Arc::clone(&snapshot)),
             prompt_tokens: req.prompt_tokens,
-            // No KV-event index feeds the pool yet: the property stays
+            // Without a prefix source (or the prompt's ids) the property is
             // absent and the policy routes on load (docs/policy-abi.md).
-            prefix_cache: None,
+            prefix_cache: self
+                .prefix
+                .as_deref()
+                .filter(|_| !req.prompt_ids.is_empty())
+                .map(|src| {
+                    crate::prefix::property(
+                        src,
+                        snapshot.iter().map(|e| e.address.as_str()),
+                        &req.prompt_ids,
+                    )
+                }),
         };
         let route = match self.policy.decide(preq).await {
             Ok(Decision::Route(r)) => r,
@@ -433,6 +459,7 @@ mod tests {
                 body: body.clone(),
                 prompt_tokens: Some(2),
                 subset: None,
+                prompt_ids: Vec::new(),
             })
             .await
             .expect("route");
@@ -462,5 +489,47 @@ mod tests {
             .await
             .expect("route");
         assert_eq!(r.decode, "10.0.0.1:1");
+    }
+
+    /// Where a prefix source says a prompt is cached, the default policy
+    /// routes there and says why; without the prompt's ids (or a source)
+    /// the pick is on load alone.
+    #[tokio::test]
+    async fn the_prefix_source_steers_the_pick_to_the_cached_endpoint() {
+        struct HeldBy(&'static str);
+        impl crate::prefix::PrefixSource for HeldBy {
+            fn cached(&self, address: &str, ids: &[u32]) -> Option<usize> {
+                Some(if address == self.0 { ids.len() - 8 } else { 0 })
+            }
+        }
+        let a = local_endpoint("10.0.0.1:1".into(), Role::Decode, 512, &[]);
+        let b = local_endpoint("10.0.0.2:2".into(), Role::Decode, 512, &[]);
+        let pf = local_endpoint("10.0.0.9:9".into(), Role::Prefill, 512, &[]);
+        let p = Picker::new(
+            Arc::new(NativePolicy::default()),
+            StaticEndpoints::new(vec![a, b, pf]),
+        )
+        .with_prefix_source(Arc::new(HeldBy("10.0.0.2:2")));
+        let body = br#"{"model":"m","prompt":"hi","max_tokens":4}"#.to_vec();
+        let req = |ids: Vec<u32>| PickRequest {
+            body: body.clone(),
+            prompt_tokens: Some(300),
+            prompt_ids: ids,
+            ..Default::default()
+        };
+        let r = p.pick(req(vec![1; 300])).await.expect("route");
+        assert_eq!(r.decode, "10.0.0.2:2");
+        assert_eq!(r.prefill, None, "8 tokens left to prefill: local");
+        assert!(
+            r.headers
+                .iter()
+                .any(|(k, v)| k == headers::ROUTE_REASON && v == "cached"),
+            "{:?}",
+            r.headers
+        );
+        // Unknown ids: load alone (the lowest address), disaggregated.
+        let r = p.pick(req(Vec::new())).await.expect("route");
+        assert_eq!(r.decode, "10.0.0.1:1");
+        assert_eq!(r.prefill.as_deref(), Some("10.0.0.9:9"));
     }
 }
