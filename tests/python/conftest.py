@@ -160,10 +160,10 @@ class Stack:
         poll_ok(self.gateway + "/health", 60, proc)
 
 
-def start_stack(transport):
+def start_stack(transport, *extra):
     proc = Proc(
         f"rngd-pd up ({transport})",
-        [rngd_bin(), "up", "--gateway-port", "0", "--metrics-port", "0", "--kv-transport", transport],
+        [rngd_bin(), "up", "--gateway-port", "0", "--metrics-port", "0", "--kv-transport", transport, *extra],
     )
     try:
         return Stack(proc, transport)
@@ -174,8 +174,13 @@ def start_stack(transport):
 
 @pytest.fixture(scope="session", params=["shm", "tcp", "nixl-ucx"])
 def stack(request):
-    """`rngd-pd up` with the given KV transport; stopped (and checked clean) at the end."""
-    s = start_stack(request.param)
+    """`rngd-pd up` with the given KV transport; stopped (and checked clean) at the end.
+
+    Without KV events (`--no-kv-events`), so the gateway routes on load: the
+    PD suites send the same prompts again and count a prefill and a KV load
+    per request, which routing on cached prefixes would (rightly) skip.
+    `test_cache_routing.py` starts its own stack with them."""
+    s = start_stack(request.param, "--no-kv-events")
     yield s
     code = s.proc.stop()
     assert code == 0, f"rngd-pd up exited with {code} on SIGINT"

@@ -35,7 +35,9 @@ MODEL = []
 @pytest.fixture(scope="module")
 def pd():
     """`rngd-pd up` on the shm transport (the gateway drives PD)."""
-    s = start_stack("shm")
+    # Without KV events: each request here is to run PD (counted), which
+    # routing on cached prefixes would skip for a repeated prompt.
+    s = start_stack("shm", "--no-kv-events")
     MODEL[:] = [s.model]
     yield s
     assert s.proc.stop() == 0

@@ -383,13 +383,13 @@ impl Engine for CpuEngine {
     }
 
     fn running(&self) -> usize {
-        self.shared.running.load(Ordering::Relaxed)
+        self.shared.running.load(Ordering::Acquire)
     }
 
     /// As vLLM counts it: blocks held by running requests over the blocks
     /// there are (cached blocks no request uses are free, as in vLLM).
     fn kv_usage(&self) -> f64 {
-        let used = self.shared.used_blocks.load(Ordering::Relaxed);
+        let used = self.shared.used_blocks.load(Ordering::Acquire);
         (used as f64 / self.total_blocks.max(1) as f64).min(1.0)
     }
 
@@ -472,7 +472,6 @@ impl Scheduler {
 
     fn publish_running(&self) {
         let n = self.slots.iter().filter(|s| s.is_some()).count();
-        self.shared.running.store(n, Ordering::Relaxed);
         let used: usize = self
             .slots
             .iter()
@@ -480,7 +479,9 @@ impl Scheduler {
             .filter(|(s, _)| s.is_some())
             .map(|(_, c)| c.tokens.div_ceil(self.block_size))
             .sum();
-        self.shared.used_blocks.store(used, Ordering::Relaxed);
+        // The blocks first: whoever sees the stream running sees its blocks.
+        self.shared.used_blocks.store(used, Ordering::Release);
+        self.shared.running.store(n, Ordering::Release);
     }
 
     fn prefill(&mut self, job: PrefillJob) {

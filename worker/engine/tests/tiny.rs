@@ -211,7 +211,12 @@ async fn a_dropped_receiver_cancels_the_stream_and_frees_its_slot() {
         );
         tokio::task::yield_now().await;
     }
-    assert_eq!(e.kv_usage(), 1.0);
+    // Its blocks of 16 positions over the slot's 256 (vLLM's count).
+    assert!(
+        e.kv_usage() > 0.0 && e.kv_usage() <= 2.0 / 256.0,
+        "{}",
+        e.kv_usage()
+    );
     // Queue a second stream behind the first (batch 1).
     let second = {
         let e = e.clone();

@@ -270,7 +270,21 @@ async fn run(cmd: Cmd) -> Result<(), String> {
                 let _ = std::io::stdout().flush();
                 let mut sink = Vec::new();
                 let _ = tokio::io::stdin().read_to_end(&mut sink).await;
-                println!("slots {}", nixl.map_or(0, |n| n.slots()));
+                // The READ's notification is handled by the transport's
+                // housekeeping thread: give it up to 100 ms (on a loaded
+                // machine it may not have run yet), well under the tests'
+                // slot TTL, so a slot the READ did not free still shows.
+                let slots = match &nixl {
+                    None => 0,
+                    Some(n) => {
+                        let deadline = std::time::Instant::now() + Duration::from_millis(100);
+                        while n.slots() > 0 && std::time::Instant::now() < deadline {
+                            tokio::time::sleep(Duration::from_millis(2)).await;
+                        }
+                        n.slots()
+                    }
+                };
+                println!("slots {slots}");
             }
             Ok(())
         }
