@@ -15,57 +15,17 @@ socket, and a subscriber that joins late recovering everything by replay.
 import json
 import os
 import subprocess
-from typing import Any
 
 import msgspec
 import pytest
 import zmq
 
+from vllm_kv_events import DECODER, END_SEQ, AllBlocksCleared, BlockRemoved, BlockStored
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TOPIC = "kv@test-pod@SmolLM2-135M-Instruct"
-END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
 
-# --- vLLM's schema, as vLLM declares it ---------------------------------------
-class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    ts: float
-    events: list[Any]
-    data_parallel_rank: int | None = None
-
-
-class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
-    """Base class for all KV cache-related events"""
-
-
-class BlockStored(KVCacheEvent):
-    block_hashes: list[int]
-    parent_block_hash: int | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None
-    lora_name: str | None
-    extra_keys: list[tuple[Any, ...] | None] | None = None
-    group_idx: int | None = None
-    kv_cache_spec_kind: str | None = None
-    kv_cache_spec_sliding_window: int | None = None
-
-
-class BlockRemoved(KVCacheEvent):
-    block_hashes: list[int]
-    medium: str | None
-    group_idx: int | None = None
-
-
-class AllBlocksCleared(KVCacheEvent):
-    pass
-
-
-class KVEventBatch(EventBatch):
-    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
-
-
-DECODER = msgspec.msgpack.Decoder(type=KVEventBatch)
 
 
 # --- the publisher under test --------------------------------------------------

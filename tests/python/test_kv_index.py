@@ -1,5 +1,5 @@
 """The KV-event indexer (`rngd-kv-index`) against an INDEPENDENT publisher
-written here from vLLM's published schema (`vllm/distributed/kv_events.py`
+written here from vLLM's published schema (`vllm_kv_events.py`, from `vllm/distributed/kv_events.py`
 after vllm-project/vllm#42892: `EventBatch` array-like, each event a msgspec
 struct tagged by `type`, encoded as a map) over pyzmq: a PUB socket sending
 [topic, 8-byte big-endian sequence, msgpack batch] and a ROUTER replay socket
@@ -20,53 +20,14 @@ import os
 import subprocess
 import threading
 import time
-from typing import Any
 
 import msgspec
 import pytest
 import zmq
 
+from vllm_kv_events import END_SEQ, AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-END_SEQ = (-1).to_bytes(8, "big", signed=True)
-
-
-# --- vLLM's schema, as vLLM declares it ---------------------------------------
-class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    ts: float
-    events: list[Any]
-    data_parallel_rank: int | None = None
-
-
-class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
-    """Base class for all KV cache-related events"""
-
-
-class BlockStored(KVCacheEvent):
-    block_hashes: list[int]
-    parent_block_hash: int | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None
-    lora_name: str | None
-    extra_keys: list[tuple[Any, ...] | None] | None = None
-    group_idx: int | None = None
-    kv_cache_spec_kind: str | None = None
-    kv_cache_spec_sliding_window: int | None = None
-
-
-class BlockRemoved(KVCacheEvent):
-    block_hashes: list[int]
-    medium: str | None
-    group_idx: int | None = None
-
-
-class AllBlocksCleared(KVCacheEvent):
-    pass
-
-
-class KVEventBatch(EventBatch):
-    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
 
 
 ENCODER = msgspec.msgpack.Encoder()

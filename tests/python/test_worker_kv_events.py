@@ -18,7 +18,7 @@ import requests
 import zmq
 
 from conftest import Proc, model_path, poll_ok, rngd_bin, worker_env
-from test_kv_events import DECODER, END_SEQ, AllBlocksCleared, BlockRemoved, BlockStored
+from vllm_kv_events import DECODER, END_SEQ, AllBlocksCleared, BlockRemoved, BlockStored
 
 TOPIC = "kv@solo@SmolLM2"
 TOKEN = "python-tests-worker-admin-token"
