@@ -1,6 +1,7 @@
 //! Processes to watch, read from `/proc`: resident memory (`VmRSS` of
 //! `/proc/PID/status`), the children of a process, processes whose command
-//! line contains a pattern, and a label for each.
+//! line contains a pattern, and a label for each; and [`interrupt_and_wait`],
+//! how the harness stops a child it started.
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -136,4 +137,27 @@ pub fn by_name(pattern: &str) -> Vec<Watched> {
         .collect();
     out.sort_by_key(|w| w.pid);
     out
+}
+
+/// SIGINT to `child` (process `pid`), then waits up to `grace` for it to
+/// exit, else kills it. The error says which of the two went wrong.
+pub async fn interrupt_and_wait(
+    child: &mut tokio::process::Child,
+    pid: u32,
+    grace: std::time::Duration,
+) -> Result<(), String> {
+    if let Some(p) = rustix::process::Pid::from_raw(pid as i32) {
+        let _ = rustix::process::kill_process(p, rustix::process::Signal::INT);
+    }
+    match tokio::time::timeout(grace, child.wait()).await {
+        Ok(Ok(_)) => Ok(()),
+        Ok(Err(e)) => Err(format!("waiting for it to stop: {e}")),
+        Err(_) => {
+            let _ = child.kill().await;
+            Err(format!(
+                "did not stop within {} s of SIGINT; killed",
+                grace.as_secs()
+            ))
+        }
+    }
 }

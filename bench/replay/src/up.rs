@@ -170,19 +170,8 @@ impl Up {
     /// SIGINT, then waits up to `grace` for it to exit (it stops its
     /// children and removes its shm root), else kills it.
     pub async fn stop(mut self, grace: Duration) -> Result<(), Error> {
-        if let Some(pid) = rustix::process::Pid::from_raw(self.pid as i32) {
-            let _ = rustix::process::kill_process(pid, rustix::process::Signal::INT);
-        }
-        match tokio::time::timeout(grace, self.child.wait()).await {
-            Ok(Ok(_)) => Ok(()),
-            Ok(Err(e)) => Err(Error::Up(format!("waiting for it to stop: {e}"))),
-            Err(_) => {
-                let _ = self.child.kill().await;
-                Err(Error::Up(format!(
-                    "did not stop within {} s of SIGINT; killed",
-                    grace.as_secs()
-                )))
-            }
-        }
+        crate::procs::interrupt_and_wait(&mut self.child, self.pid, grace)
+            .await
+            .map_err(Error::Up)
     }
 }
