@@ -191,22 +191,12 @@ pub fn schedule(
     block_tokens: u32,
     budget: u32,
 ) -> Vec<Planned> {
-    let Some(first) = rows.get(skip) else {
-        return Vec::new();
-    };
-    let t0 = first.timestamp_ms;
-    let speedup = if speedup > 0.0 { speedup } else { 1.0 };
     let mut out = Vec::new();
-    for (i, r) in rows.iter().enumerate().skip(skip) {
-        if max_requests.is_some_and(|n| out.len() >= n) {
-            break;
-        }
-        // Out of order: fires at once.
-        let ms = r.timestamp_ms.saturating_sub(t0) as f64;
-        let offset = Duration::from_secs_f64(ms / 1e3 / speedup);
-        if duration.is_some_and(|d| offset > d) {
-            break;
-        }
+    // Out of order: fires at once.
+    let elapsed =
+        |r: &Row, first: &Row| r.timestamp_ms.saturating_sub(first.timestamp_ms) as f64 / 1e3;
+    for (i, r, offset) in crate::trace::window(rows, skip, max_requests, duration, speedup, elapsed)
+    {
         let c = cut(r, block_tokens, budget);
         out.push(Planned {
             row: i,

@@ -134,22 +134,12 @@ pub fn schedule(
     speedup: f64,
     budget: u32,
 ) -> Vec<Arrival> {
-    let Some(first) = rows.get(skip) else {
-        return Vec::new();
-    };
-    let t0 = first.timestamp_s;
-    let speedup = if speedup > 0.0 { speedup } else { 1.0 };
+    // A trace out of order is replayed in file order: a row earlier than
+    // the first one fires at once.
     let mut out = Vec::new();
-    for (row, r) in rows.iter().enumerate().skip(skip) {
-        if max_requests.is_some_and(|n| out.len() >= n) {
-            break;
-        }
-        // A trace out of order is replayed in file order: a row earlier than
-        // the first one fires at once.
-        let offset = Duration::from_secs_f64(((r.timestamp_s - t0) / speedup).max(0.0));
-        if duration.is_some_and(|d| offset > d) {
-            break;
-        }
+    for (row, r, offset) in window(rows, skip, max_requests, duration, speedup, |r, first| {
+        r.timestamp_s - first.timestamp_s
+    }) {
         let (prompt_tokens, max_tokens) = scale(r.context_tokens, r.generated_tokens, budget);
         out.push(Arrival {
             row,
@@ -157,6 +147,37 @@ pub fn schedule(
             prompt_tokens,
             max_tokens,
         });
+    }
+    out
+}
+
+/// The rows a run sends, with their send offsets: from row `skip` on, at
+/// most `max_requests`, each at `elapsed(row, first)` seconds after row
+/// `skip` divided by `speedup` (a non-positive speedup counts as 1; a row
+/// before the first fires at once), stopping at the first past `duration`.
+/// Both trace formats schedule with it.
+pub fn window<R>(
+    rows: &[R],
+    skip: usize,
+    max_requests: Option<usize>,
+    duration: Option<Duration>,
+    speedup: f64,
+    elapsed: impl Fn(&R, &R) -> f64,
+) -> Vec<(usize, &R, Duration)> {
+    let Some(first) = rows.get(skip) else {
+        return Vec::new();
+    };
+    let speedup = if speedup > 0.0 { speedup } else { 1.0 };
+    let mut out = Vec::new();
+    for (i, r) in rows.iter().enumerate().skip(skip) {
+        if max_requests.is_some_and(|n| out.len() >= n) {
+            break;
+        }
+        let offset = Duration::from_secs_f64((elapsed(r, first) / speedup).max(0.0));
+        if duration.is_some_and(|d| offset > d) {
+            break;
+        }
+        out.push((i, r, offset));
     }
     out
 }
