@@ -1,23 +1,28 @@
 //! `rngd-pd up`: the whole local stack in one command, on the CPU backend.
 //!
 //! Fetches the model if it is missing, then starts — as child processes of this
-//! same executable, on loopback — the KV relay, a prefill worker, a decode
-//! worker, the gateway and the Envoy ext-proc endpoint picker, reading each
-//! one's printed address. Prints the URLs
-//! and a ready-to-paste curl, then waits; Ctrl-C / SIGTERM (or any child
-//! exiting) stops every child and removes the stack's shm directory and its
-//! private scratch directory ([`scratch`]).
+//! same executable, on loopback — the KV relay, `--prefill-workers` prefill
+//! workers and `--decode-workers` decode workers (one of each by default;
+//! with no prefill worker the decode workers prefill locally), the gateway in
+//! front of all of them and the Envoy ext-proc endpoint picker, reading each
+//! one's printed address. Prints the URLs and a ready-to-paste curl, then
+//! waits; Ctrl-C / SIGTERM (or any child exiting) stops every child and
+//! removes the stack's shm directory and its private scratch directory
+//! ([`scratch`]). This file owns the flags and the order of the start-up;
+//! [`plan`] what each child is given, [`stack`] the children themselves.
 
 use std::path::{Path, PathBuf};
-use std::process::Stdio;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use anyhow::{Context, bail};
 use rngd_api::env;
-use tokio::io::{AsyncBufReadExt, BufReader};
-use tokio::process::{Child, Command};
 
+use plan::{SharedFlags, StartedWorker, WorkerPlan};
+use stack::{Stack, http_url};
+
+mod plan;
 mod scratch;
+mod stack;
 
 /// Flags.
 #[derive(Debug, clap::Args)]
@@ -28,12 +33,20 @@ pub struct Args {
     /// Gateway port (0 = pick).
     #[arg(long, default_value_t = 8000)]
     pub gateway_port: u16,
-    /// Prefill worker port (0 = pick).
+    /// Prefill worker port (0 = pick); prefill worker i binds this port + i.
     #[arg(long, default_value_t = 0)]
     pub prefill_port: u16,
-    /// Decode worker port (0 = pick).
+    /// Decode worker port (0 = pick); decode worker i binds this port + i.
     #[arg(long, default_value_t = 0)]
     pub decode_port: u16,
+    /// Prefill workers to start (0 to 16; 0 = no PD: the decode workers
+    /// prefill locally). Each has its own port, admin listener, KV-event
+    /// publisher and metrics, and the gateway is given every one.
+    #[arg(long, default_value_t = 1)]
+    pub prefill_workers: usize,
+    /// Decode workers to start (1 to 16), each as a prefill worker is.
+    #[arg(long, default_value_t = 1)]
+    pub decode_workers: usize,
     /// KV relay port (0 = pick).
     #[arg(long, default_value_t = 0)]
     pub relay_port: u16,
@@ -93,133 +106,6 @@ pub struct Args {
     pub no_enable_prefix_caching: bool,
 }
 
-/// A started child and what it printed.
-struct Proc {
-    name: &'static str,
-    child: Child,
-}
-
-/// The children, stopped (killed and reaped) on drop or `stop`.
-struct Stack {
-    procs: Vec<Proc>,
-    shm_root: PathBuf,
-    scratch: PathBuf,
-}
-
-impl Stack {
-    async fn stop(&mut self) {
-        // Reverse start order: the gateway first, the relay last.
-        for p in self.procs.iter_mut().rev() {
-            let _ = p.child.start_kill();
-        }
-        for p in self.procs.iter_mut().rev() {
-            match tokio::time::timeout(Duration::from_secs(10), p.child.wait()).await {
-                Ok(Ok(status)) => tracing::debug!(child = p.name, %status, "child stopped"),
-                Ok(Err(e)) => eprintln!("rngd-pd up: waiting for {}: {e}", p.name),
-                Err(_) => eprintln!("rngd-pd up: {} did not stop within 10 s", p.name),
-            }
-        }
-        self.procs.clear();
-        self.cleanup_dirs();
-    }
-
-    fn cleanup_dirs(&self) {
-        for d in [&self.shm_root, &self.scratch] {
-            if d.exists()
-                && let Err(e) = std::fs::remove_dir_all(d)
-            {
-                eprintln!("rngd-pd up: removing {}: {e}", d.display());
-            }
-        }
-    }
-}
-
-impl Drop for Stack {
-    fn drop(&mut self) {
-        for p in &mut self.procs {
-            let _ = p.child.start_kill();
-        }
-        self.cleanup_dirs();
-    }
-}
-
-/// Starts `exe ARGS`, returns once a stdout line starts with `prefix`: the
-/// rest of that line and the lines printed before it. Later stdout lines are
-/// echoed to stderr prefixed with the child's name.
-async fn start(
-    stack: &mut Stack,
-    name: &'static str,
-    args: &[String],
-    envs: &[(&str, String)],
-    prefix: &str,
-) -> anyhow::Result<(String, Vec<String>)> {
-    let exe = std::env::current_exe().context("locating this executable")?;
-    let mut cmd = Command::new(&exe);
-    cmd.args(args)
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .kill_on_drop(true);
-    for (k, v) in envs {
-        cmd.env(k, v);
-    }
-    // The child stops with this process even if it is SIGKILLed (see main.rs).
-    cmd.env(
-        rngd_api::env::RNGD_PD_UP_PARENT,
-        std::process::id().to_string(),
-    );
-    let mut child = cmd
-        .spawn()
-        .with_context(|| format!("starting {name}: {} {}", exe.display(), args.join(" ")))?;
-    let stdout = child.stdout.take().context("child stdout")?;
-    stack.procs.push(Proc { name, child });
-    let mut lines = BufReader::new(stdout).lines();
-    let mut before = Vec::new();
-    let found = loop {
-        match lines.next_line().await {
-            Ok(Some(line)) => {
-                if let Some(rest) = line.strip_prefix(prefix) {
-                    break rest.trim().to_string();
-                }
-                eprintln!("[{name}] {line}");
-                before.push(line);
-            }
-            Ok(None) => bail!("{name} exited before printing its address (see its log above)"),
-            Err(e) => bail!("reading {name}'s output: {e}"),
-        }
-    };
-    tokio::spawn(async move {
-        while let Ok(Some(line)) = lines.next_line().await {
-            eprintln!("[{name}] {line}");
-        }
-    });
-    Ok((found, before))
-}
-
-/// Polls `url` until it answers 200, a child exits, or the deadline passes.
-async fn wait_ready(
-    stack: &mut Stack,
-    what: &str,
-    url: &str,
-    timeout: Duration,
-) -> anyhow::Result<()> {
-    let deadline = Instant::now() + timeout;
-    loop {
-        if let Ok((200, _)) = rngd_gateway::probe::get(url, Duration::from_secs(2)).await {
-            return Ok(());
-        }
-        for p in &mut stack.procs {
-            if let Ok(Some(status)) = p.child.try_wait() {
-                bail!("{} exited ({status}) while waiting for {what}", p.name);
-            }
-        }
-        if Instant::now() > deadline {
-            bail!("{what} not ready at {url} after {} s", timeout.as_secs());
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-}
-
 fn ensure_model(model: Option<&Path>) -> anyhow::Result<PathBuf> {
     if let Some(p) = model {
         if !p.exists() {
@@ -275,6 +161,13 @@ async fn build_default_policy() -> anyhow::Result<PathBuf> {
 
 /// Runs the subcommand.
 pub async fn run(args: Args) -> anyhow::Result<()> {
+    // The flags first: a wrong count or port fails before any download.
+    let plans = plan::plan_workers(&args)?;
+    if let Some(t) = &args.chat_template
+        && !t.is_file()
+    {
+        bail!("chat template file {} does not exist", t.display());
+    }
     let known = rngd_kv_transport::registry::KNOWN;
     if !known.contains(&args.kv_transport.as_str()) {
         bail!(
@@ -299,26 +192,29 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         Err(named) => return Err(named.into()),
     };
     let pid = std::process::id();
-    let mut stack = Stack {
-        procs: Vec::new(),
-        shm_root: PathBuf::from(format!("/dev/shm/rngd_pd_up_{pid}")),
+    let mut stack = Stack::new(
+        PathBuf::from(format!("/dev/shm/rngd_pd_up_{pid}")),
         // Fresh and private (mkdtemp semantics), removed by `stop`/drop.
-        scratch: scratch::fresh_private_dir(&std::env::temp_dir(), "rngd_pd_up_")
+        scratch::fresh_private_dir(&std::env::temp_dir(), "rngd_pd_up_")
             .context("creating the scratch directory")?,
+    );
+    let shutdown = rngd_http_edge::shutdown_signal();
+    tokio::pin!(shutdown);
+    // Ctrl-C / SIGTERM while the stack starts stops what started, too.
+    let started = tokio::select! {
+        r = bring_up(&args, &model, &policy, &plans, &mut stack) => r,
+        _ = &mut shutdown => Err(anyhow::anyhow!("interrupted while starting")),
     };
-    let result = bring_up(&args, &model, &policy, &mut stack).await;
-    let outcome = match result {
-        Ok(()) => {
-            let mut exited = None;
-            tokio::select! {
-                _ = rngd_http_edge::shutdown_signal() => eprintln!("rngd-pd up: stopping"),
-                name = watch_children(&mut stack) => exited = Some(name),
+    let outcome = match started {
+        Ok(()) => tokio::select! {
+            _ = &mut shutdown => {
+                eprintln!("rngd-pd up: stopping");
+                Ok(())
             }
-            match exited {
-                Some(name) => Err(anyhow::anyhow!("{name} exited; stopping the stack")),
-                None => Ok(()),
+            exited = stack.watch_children() => {
+                Err(anyhow::anyhow!("{exited}; stopping the stack"))
             }
-        }
+        },
         Err(e) => Err(e),
     };
     stack.stop().await;
@@ -326,328 +222,280 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     outcome
 }
 
-/// Resolves with the name of the first child that exits.
-async fn watch_children(stack: &mut Stack) -> &'static str {
-    loop {
-        for p in &mut stack.procs {
-            if let Ok(Some(_)) = p.child.try_wait() {
-                return p.name;
-            }
-        }
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
-}
+// === the start-up, in order ===
 
+/// Starts the relay, the workers, the gateway and the picker, in that order
+/// (each waits for what it needs), then prints the stack's lines. On an
+/// error the caller stops whatever started.
 async fn bring_up(
     args: &Args,
     model: &Path,
     policy: &Path,
+    plans: &[WorkerPlan],
     stack: &mut Stack,
 ) -> anyhow::Result<()> {
-    let host = &args.host;
-    let model_s = model.display().to_string();
-    // The same chat template and names for every child: the gateway and the
-    // picker count prompt tokens as the workers render them.
-    let mut model_flags: Vec<String> = Vec::new();
-    if let Some(t) = &args.chat_template {
-        if !t.is_file() {
-            bail!("chat template file {} does not exist", t.display());
-        }
-        model_flags.extend(["--chat-template".into(), t.display().to_string()]);
-    }
-    let mut name_flags: Vec<String> = Vec::new();
-    for n in &args.served_model_name {
-        name_flags.extend(["--served-model-name".into(), n.clone()]);
-    }
-
+    let shared = SharedFlags::new(args, model);
     // One secret for this stack: the relay admits only its workers, and the
-    // decode worker takes only KV handles its prefill worker signed. Made
+    // decode workers take only KV handles its prefill workers signed. Made
     // fresh for every `up`, passed in the children's environment, never printed.
     let secret = rngd_worker::handles::random_hex(32);
-    // KV relay (the `tcp` transport's server).
-    let (relay, _) = start(
-        stack,
-        "relay",
-        &[
-            "relay".into(),
-            "--listen".into(),
-            format!("{host}:{}", args.relay_port),
-        ],
-        &[(env::AIRM_KV_TCP_SECRET, secret.clone())],
-        "relay listening on ",
-    )
-    .await?;
-    let relay = relay
-        .trim_start_matches("tcp://")
-        .trim_start_matches("http://")
-        .to_string();
-
+    let relay = start_relay(args, &secret, stack).await?;
     let envs = [
         (env::PD_SHM_ROOT, stack.shm_root.display().to_string()),
         (env::AIRM_KV_TCP_ADDR, relay.clone()),
-        (env::AIRM_KV_TCP_SECRET, secret.clone()),
+        (env::AIRM_KV_TCP_SECRET, secret),
     ];
-    let mut urls: Vec<String> = Vec::new();
-    let mut kv_events: Vec<(&'static str, String)> = Vec::new();
-    for (name, role, port) in [
-        ("prefill", "prefill", args.prefill_port),
-        ("decode", "decode", args.decode_port),
-    ] {
-        let mut a: Vec<String> = vec![
-            "worker".into(),
-            "--role".into(),
-            role.into(),
-            "--backend".into(),
-            "cpu".into(),
-            "--host".into(),
-            host.clone(),
-            "--port".into(),
-            port.to_string(),
-            "--model".into(),
-            model_s.clone(),
-            "--kv-transport".into(),
-            args.kv_transport.clone(),
-            "--seq-len".into(),
-            args.seq_len.to_string(),
-        ];
-        if let Some(t) = args.threads {
-            a.extend(["--threads".into(), t.to_string()]);
-        }
-        if let Some(b) = args.prefix_cache_bytes {
-            a.extend(["--prefix-cache-bytes".into(), b.to_string()]);
-        }
-        if args.no_enable_prefix_caching {
-            a.push("--no-enable-prefix-caching".into());
-        }
-        if !args.no_kv_events {
-            // Loopback, free ports (the worker prints the bound ones).
-            let cfg = serde_json::json!({
-                "enable_kv_cache_events": true,
-                "publisher": "zmq",
-                "endpoint": "tcp://127.0.0.1:*",
-                "replay_endpoint": "tcp://127.0.0.1:*",
-                "topic": format!("kv@{name}"),
-            });
-            a.extend(["--kv-events-config".into(), cfg.to_string()]);
-        }
-        // The worker admin API (/reset_prefix_cache) only with a token, on a
-        // free loopback port.
-        a.extend(["--admin-listen".into(), "127.0.0.1:0".into()]);
-        a.extend(model_flags.iter().chain(&name_flags).cloned());
-        if let Some(prefill) = urls.first() {
-            // The decode worker may orchestrate (`x-prefiller-host-port`, the
-            // picker's PD route) on this stack's prefill worker only.
-            a.extend([
-                "--prefill-allow".into(),
-                prefill.trim_start_matches("http://").to_string(),
-            ]);
-        }
-        let name: &'static str = if name == "prefill" {
-            "prefill"
-        } else {
-            "decode"
-        };
-        let (addr, before) = start(stack, name, &a, &envs, rngd_worker::LISTENING_PREFIX).await?;
-        if let Some(ev) = before
-            .iter()
-            .find_map(|l| l.strip_prefix(rngd_worker::KV_EVENTS_PREFIX))
-        {
-            kv_events.push((name, ev.trim().to_string()));
-        }
-        let url = if addr.starts_with("http://") {
-            addr
-        } else {
-            format!("http://{addr}")
-        };
-        urls.push(url);
-    }
-    let (prefill_url, decode_url) = (urls[0].clone(), urls[1].clone());
-    let ready = Duration::from_secs(args.ready_timeout_s);
-    wait_ready(
-        stack,
-        "the prefill worker",
-        &format!("{prefill_url}/ready"),
-        ready,
-    )
-    .await?;
-    wait_ready(
-        stack,
-        "the decode worker",
-        &format!("{decode_url}/ready"),
-        ready,
-    )
-    .await?;
-
-    // The policy's configuration: the user's, or the defaults with the chosen
-    // transport for these same-node workers.
-    let policy_config = match &args.policy_config {
-        Some(p) => p.clone(),
-        None => {
-            let p = stack.scratch.join("policy-config.json");
-            let cfg = serde_json::json!({
-                "same_node_transport": args.kv_transport,
-                "cross_node_transport": args.kv_transport,
-            });
-            std::fs::write(&p, serde_json::to_vec_pretty(&cfg)?)
-                .context("writing the policy configuration")?;
-            p
-        }
+    let workers = start_workers(args, &shared, plans, &envs, stack).await?;
+    let policy_config = policy_config(args, &stack.scratch)?;
+    let (gateway, kpis) =
+        start_gateway(args, &shared, policy, &policy_config, &workers, stack).await?;
+    let epp = if args.no_ext_proc {
+        None
+    } else {
+        start_ext_proc(args, &shared, policy, &policy_config, &workers, stack).await?
     };
+    let ready = Ready {
+        relay,
+        workers,
+        gateway,
+        kpis,
+        epp,
+    };
+    ready.print(args, stack).await
+}
 
-    // The gateway.
-    let mut g: Vec<String> = vec![
-        "gateway".into(),
-        "--listen".into(),
-        format!("{host}:{}", args.gateway_port),
-        "--prefill".into(),
-        prefill_url.clone(),
-        "--decode".into(),
-        decode_url.clone(),
-        "--policy".into(),
-        policy.display().to_string(),
-        "--policy-config".into(),
-        policy_config.display().to_string(),
-        "--model".into(),
-        model_s.clone(),
-        "--seq-len".into(),
-        args.seq_len.to_string(),
-    ];
-    // The gateway indexes the workers' KV events (routing on cached prefixes).
-    for (name, ev) in &kv_events {
-        let url = if *name == "prefill" {
-            &prefill_url
-        } else {
-            &decode_url
-        };
-        let (publ, replay) = match ev.split_once(" replay ") {
-            Some((p, r)) => (p, format!(",{r}")),
-            None => (ev.as_str(), String::new()),
-        };
-        g.extend([
-            "--kv-events".into(),
-            format!("{}={publ}{replay}", url.trim_start_matches("http://")),
-        ]);
+/// Starts the KV relay (the `tcp` transport's server); its `HOST:PORT`.
+async fn start_relay(args: &Args, secret: &str, stack: &mut Stack) -> anyhow::Result<String> {
+    let (relay, _) = stack
+        .start(
+            "relay",
+            &[
+                "relay".into(),
+                "--listen".into(),
+                format!("{}:{}", args.host, args.relay_port),
+            ],
+            &[(env::AIRM_KV_TCP_SECRET, secret.to_string())],
+            "relay listening on ",
+        )
+        .await?;
+    Ok(relay
+        .trim_start_matches("tcp://")
+        .trim_start_matches("http://")
+        .to_string())
+}
+
+/// Starts every planned worker (prefill workers first: the decode workers
+/// are told their addresses), then waits for each one's `/ready`.
+async fn start_workers(
+    args: &Args,
+    shared: &SharedFlags,
+    plans: &[WorkerPlan],
+    envs: &[(&str, String)],
+    stack: &mut Stack,
+) -> anyhow::Result<Vec<StartedWorker>> {
+    let mut workers: Vec<StartedWorker> = Vec::new();
+    for w in plans {
+        let peers: Vec<String> = workers
+            .iter()
+            .filter(|s| s.plan.role == plan::WorkerRole::Prefill)
+            .map(|s| s.url.trim_start_matches("http://").to_string())
+            .collect();
+        let a = plan::worker_args(args, shared, w, &peers);
+        workers.push(spawn_worker(w, &a, envs, stack).await?);
     }
-    g.extend(model_flags.iter().chain(&name_flags).cloned());
-    if let Some(p) = args.metrics_port {
-        g.extend([
-            "--metrics-port".into(),
-            p.to_string(),
-            "--metrics-host".into(),
-            host.clone(),
-        ]);
+    let timeout = Duration::from_secs(args.ready_timeout_s);
+    for w in &workers {
+        let what = format!("worker {}", w.plan.name);
+        stack
+            .wait_ready(&what, &format!("{}/ready", w.url), timeout)
+            .await?;
     }
-    let (gw, before) = start(stack, "gateway", &g, &[], "rngd-pd gateway listening on ").await?;
+    Ok(workers)
+}
+
+/// Starts one worker and reads its address and KV-event endpoints.
+async fn spawn_worker(
+    w: &WorkerPlan,
+    args: &[String],
+    envs: &[(&str, String)],
+    stack: &mut Stack,
+) -> anyhow::Result<StartedWorker> {
+    let (addr, before) = stack
+        .start(&w.name, args, envs, rngd_worker::LISTENING_PREFIX)
+        .await?;
+    let kv_events = before
+        .iter()
+        .find_map(|l| l.strip_prefix(rngd_worker::KV_EVENTS_PREFIX))
+        .map(|ev| ev.trim().to_string());
+    Ok(StartedWorker {
+        plan: w.clone(),
+        url: http_url(addr),
+        kv_events,
+    })
+}
+
+/// The policy's configuration: the user's, or (written into the scratch
+/// directory) the defaults with the chosen transport for these same-node
+/// workers.
+fn policy_config(args: &Args, scratch: &Path) -> anyhow::Result<PathBuf> {
+    if let Some(p) = &args.policy_config {
+        return Ok(p.clone());
+    }
+    let p = scratch.join("policy-config.json");
+    let cfg = serde_json::json!({
+        "same_node_transport": args.kv_transport,
+        "cross_node_transport": args.kv_transport,
+    });
+    std::fs::write(&p, serde_json::to_vec_pretty(&cfg)?)
+        .context("writing the policy configuration")?;
+    Ok(p)
+}
+
+/// Starts the gateway in front of every worker and waits for its
+/// `/health`; its URL and its KPI endpoint's, if any.
+async fn start_gateway(
+    args: &Args,
+    shared: &SharedFlags,
+    policy: &Path,
+    policy_config: &Path,
+    workers: &[StartedWorker],
+    stack: &mut Stack,
+) -> anyhow::Result<(String, Option<String>)> {
+    let g = plan::gateway_args(
+        args,
+        shared,
+        &policy.display().to_string(),
+        &policy_config.display().to_string(),
+        workers,
+    );
+    let (gw, before) = stack
+        .start("gateway", &g, &[], "rngd-pd gateway listening on ")
+        .await?;
     let kpis = before
         .iter()
         .find_map(|l| l.strip_prefix(crate::gateway::KPI_PREFIX))
         .map(|rest| format!("http://{rest}"));
-    let gw = if gw.starts_with("http://") {
-        gw
-    } else {
-        format!("http://{gw}")
-    };
-    wait_ready(
-        stack,
-        "the gateway",
-        &format!("{gw}/health"),
-        Duration::from_secs(60),
-    )
-    .await?;
+    let gw = http_url(gw);
+    stack
+        .wait_ready(
+            "the gateway",
+            &format!("{gw}/health"),
+            Duration::from_secs(60),
+        )
+        .await?;
+    Ok((gw, kpis))
+}
 
-    // The Envoy ext-proc endpoint picker, on the same workers and policy (for
-    // an Envoy in front; see docs/epp.md and deploy/envoy/).
-    let mut epp = None;
-    if !args.no_ext_proc {
-        let eps_file = stack.scratch.join("endpoints.json");
-        let eps = vec![
-            rngd_pool::source::local_endpoint(
-                rngd_pool::source::address_of(&prefill_url)?,
-                rngd_policy_core::Role::Prefill,
-                args.seq_len,
-                std::slice::from_ref(&args.kv_transport),
-            ),
-            rngd_pool::source::local_endpoint(
-                rngd_pool::source::address_of(&decode_url)?,
-                rngd_policy_core::Role::Decode,
-                args.seq_len,
-                std::slice::from_ref(&args.kv_transport),
-            ),
-        ];
-        std::fs::write(&eps_file, serde_json::to_vec_pretty(&eps)?)
-            .context("writing the endpoints file")?;
-        let mut e: Vec<String> = vec![
-            "ext-proc".into(),
-            "--host".into(),
-            host.clone(),
-            "--grpc-port".into(),
-            args.ext_proc_port.to_string(),
-            "--grpc-health-port".into(),
-            "0".into(),
-            // TLS with a self-signed certificate, as the reference picker and
-            // deploy/envoy/envoy.yaml (whose epp cluster accepts it).
-            "--secure-serving=true".into(),
-            "--metrics-port".into(),
-            "0".into(),
-            "--endpoints".into(),
-            eps_file.display().to_string(),
-            "--policy".into(),
-            policy.display().to_string(),
-            "--policy-config".into(),
-            policy_config.display().to_string(),
-            "--model".into(),
-            model_s.clone(),
-        ];
-        e.extend(model_flags.iter().cloned());
-        let (_, before) = start(
-            stack,
+/// Starts the Envoy ext-proc endpoint picker on the same workers and policy
+/// (for an Envoy in front; see docs/epp.md and deploy/envoy/); its gRPC
+/// address, if it printed one.
+async fn start_ext_proc(
+    args: &Args,
+    shared: &SharedFlags,
+    policy: &Path,
+    policy_config: &Path,
+    workers: &[StartedWorker],
+    stack: &mut Stack,
+) -> anyhow::Result<Option<String>> {
+    let eps_file = stack.scratch.join("endpoints.json");
+    let eps = plan::picker_endpoints(args, workers)?;
+    std::fs::write(&eps_file, serde_json::to_vec_pretty(&eps)?)
+        .context("writing the endpoints file")?;
+    let mut e: Vec<String> = [
+        "ext-proc",
+        "--host",
+        &args.host,
+        "--grpc-port",
+        &args.ext_proc_port.to_string(),
+        "--grpc-health-port",
+        "0",
+        // TLS with a self-signed certificate, as the reference picker and
+        // deploy/envoy/envoy.yaml (whose epp cluster accepts it).
+        "--secure-serving=true",
+        "--metrics-port",
+        "0",
+        "--endpoints",
+        &eps_file.display().to_string(),
+        "--policy",
+        &policy.display().to_string(),
+        "--policy-config",
+        &policy_config.display().to_string(),
+        "--model",
+        &shared.model,
+    ]
+    .map(String::from)
+    .to_vec();
+    e.extend(shared.template.iter().cloned());
+    let (_, before) = stack
+        .start(
             "ext-proc",
             &e,
             &[],
             "rngd-pd ext-proc metrics listening on ",
         )
         .await?;
-        epp = before
-            .iter()
-            .find_map(|l| l.strip_prefix("rngd-pd ext-proc grpc listening on "))
-            .map(str::to_string);
-    }
+    Ok(before
+        .iter()
+        .find_map(|l| l.strip_prefix("rngd-pd ext-proc grpc listening on "))
+        .map(str::to_string))
+}
 
-    let (_, models) =
-        rngd_gateway::probe::get(&format!("{gw}/v1/models"), Duration::from_secs(5)).await?;
-    let models: serde_json::Value = serde_json::from_str(&models).context("parsing /v1/models")?;
-    let model_name = models["data"][0]["id"]
-        .as_str()
-        .unwrap_or("default")
-        .to_string();
-    println!("rngd-pd up: relay     tcp://{relay}");
-    println!("rngd-pd up: prefill   {prefill_url}");
-    println!("rngd-pd up: decode    {decode_url}");
-    println!("rngd-pd up: shm root  {}", stack.shm_root.display());
-    println!("rngd-pd up: transport {}", args.kv_transport);
-    for (name, ev) in &kv_events {
-        println!("rngd-pd up: kv events {name:<8}{ev}");
+/// What started, for the lines `up` prints once everything is ready.
+struct Ready {
+    /// The relay's `HOST:PORT`.
+    relay: String,
+    /// Every worker.
+    workers: Vec<StartedWorker>,
+    /// The gateway's URL.
+    gateway: String,
+    /// The gateway's KPI endpoint, if on.
+    kpis: Option<String>,
+    /// The picker's gRPC address, if it runs.
+    epp: Option<String>,
+}
+
+// === impl Ready ===
+
+impl Ready {
+    /// Asks the gateway for the model's name, prints the stack's lines and
+    /// a curl line, then `rngd-pd up: ready`.
+    async fn print(&self, args: &Args, stack: &Stack) -> anyhow::Result<()> {
+        let gw = &self.gateway;
+        let (_, models) =
+            rngd_gateway::probe::get(&format!("{gw}/v1/models"), Duration::from_secs(5)).await?;
+        let models: serde_json::Value =
+            serde_json::from_str(&models).context("parsing /v1/models")?;
+        let model_name = models["data"][0]["id"].as_str().unwrap_or("default");
+        println!("rngd-pd up: relay     tcp://{}", self.relay);
+        for line in plan::address_lines(&self.workers) {
+            println!("{line}");
+        }
+        println!("rngd-pd up: shm root  {}", stack.shm_root.display());
+        println!("rngd-pd up: transport {}", args.kv_transport);
+        for line in plan::kv_event_lines(&self.workers) {
+            println!("{line}");
+        }
+        if let Some(k) = &self.kpis {
+            println!("rngd-pd up: kpis      {k}");
+        }
+        if let Some(g) = &self.epp {
+            println!("rngd-pd up: ext-proc  grpc {g} (TLS, self-signed certificate)");
+        }
+        println!("rngd-pd up: model     {model_name}");
+        println!("rngd-pd up: gateway   {gw}");
+        let body = serde_json::json!({
+            "model": model_name,
+            "prompt": "The capital of France is",
+            "max_tokens": 16,
+            "temperature": 0
+        });
+        println!(
+            "rngd-pd up: try       curl -s {gw}/v1/completions -H 'content-type: application/json' -d '{}'",
+            body.to_string().replace('\'', "'\\''")
+        );
+        println!("rngd-pd up: ready (Ctrl-C stops everything)");
+        use std::io::Write;
+        let _ = std::io::stdout().flush();
+        Ok(())
     }
-    if let Some(k) = kpis {
-        println!("rngd-pd up: kpis      {k}");
-    }
-    if let Some(g) = &epp {
-        println!("rngd-pd up: ext-proc  grpc {g} (TLS, self-signed certificate)");
-    }
-    println!("rngd-pd up: model     {model_name}");
-    println!("rngd-pd up: gateway   {gw}");
-    let body = serde_json::json!({
-        "model": model_name,
-        "prompt": "The capital of France is",
-        "max_tokens": 16,
-        "temperature": 0
-    });
-    println!(
-        "rngd-pd up: try       curl -s {gw}/v1/completions -H 'content-type: application/json' -d '{}'",
-        body.to_string().replace('\'', "'\\''")
-    );
-    println!("rngd-pd up: ready (Ctrl-C stops everything)");
-    use std::io::Write;
-    let _ = std::io::stdout().flush();
-    Ok(())
 }

@@ -1,0 +1,559 @@
+//! `rngd-pd up`'s plan, as pure functions of the flags and of what the
+//! children printed: the worker counts checked, one [`WorkerPlan`] per worker
+//! (name, role, port), each worker's command line, the gateway's command line,
+//! the picker's endpoints and the lines `up` prints about its workers. Nothing
+//! here starts a process or touches a file.
+
+use anyhow::bail;
+
+use super::Args;
+
+/// Most workers of one role `up` starts.
+pub(super) const MAX_WORKERS: usize = 16;
+
+/// What a worker does in the stack.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum WorkerRole {
+    /// Prefills prompts and hands their KV to a decode worker.
+    Prefill,
+    /// Decodes from a pulled KV cache (or prefills locally).
+    Decode,
+}
+
+// === impl WorkerRole ===
+
+impl WorkerRole {
+    /// `--role` of `rngd-pd worker`, and the start of the worker's name.
+    pub(super) fn as_str(self) -> &'static str {
+        match self {
+            WorkerRole::Prefill => "prefill",
+            WorkerRole::Decode => "decode",
+        }
+    }
+
+    /// The role in the policy's endpoint list.
+    pub(super) fn policy_role(self) -> rngd_policy_core::Role {
+        match self {
+            WorkerRole::Prefill => rngd_policy_core::Role::Prefill,
+            WorkerRole::Decode => rngd_policy_core::Role::Decode,
+        }
+    }
+}
+
+/// One worker to start.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) struct WorkerPlan {
+    /// Its role.
+    pub(super) role: WorkerRole,
+    /// Its index among the workers of its role, from 0.
+    pub(super) index: usize,
+    /// Its name in logs and in its KV-event topic: `prefill-0`, `decode-1`, ...
+    pub(super) name: String,
+    /// The port it binds (0 = the OS picks).
+    pub(super) port: u16,
+}
+
+// === impl WorkerPlan ===
+
+impl WorkerPlan {
+    /// The key of the lines `up` prints about this worker: the role alone
+    /// for worker 0 (`rngd-pd up: prefill   URL`, the line parsers read as
+    /// "the prefill worker"), its name for the others (`decode-1`).
+    pub(super) fn key(&self) -> String {
+        if self.index == 0 {
+            self.role.as_str().to_string()
+        } else {
+            self.name.clone()
+        }
+    }
+}
+
+/// A worker that started: its plan, its URL and its printed KV-event
+/// endpoints (`PUB[ replay REPLAY]`, when it publishes them).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) struct StartedWorker {
+    /// What was planned.
+    pub(super) plan: WorkerPlan,
+    /// `http://HOST:PORT`.
+    pub(super) url: String,
+    /// The rest of its `rngd-pd worker kv events on ` line.
+    pub(super) kv_events: Option<String>,
+}
+
+/// Checks `--prefill-workers` and `--decode-workers`.
+pub(super) fn check_counts(prefill: usize, decode: usize) -> anyhow::Result<()> {
+    if prefill == 0 && decode == 0 {
+        bail!(
+            "--prefill-workers 0 and --decode-workers 0: no worker would serve; \
+             give at least one decode worker"
+        );
+    }
+    if decode == 0 {
+        bail!(
+            "--decode-workers must be at least 1 (decode workers answer every request; \
+             prefill workers only hand them KV)"
+        );
+    }
+    for (flag, n) in [("--prefill-workers", prefill), ("--decode-workers", decode)] {
+        if n > MAX_WORKERS {
+            bail!("{flag} {n} is more than {MAX_WORKERS}, the most `rngd-pd up` starts");
+        }
+    }
+    Ok(())
+}
+
+/// Port of worker `index` given the base port `base` of `flag`: 0 stays 0
+/// (the OS picks), else `base + index`.
+fn worker_port(flag: &str, base: u16, index: usize) -> anyhow::Result<u16> {
+    if base == 0 {
+        return Ok(0);
+    }
+    match u16::try_from(usize::from(base) + index) {
+        Ok(p) => Ok(p),
+        Err(_) => {
+            bail!("{flag} {base}: worker {index} would need port {base} + {index}, past 65535")
+        }
+    }
+}
+
+/// Every worker to start, prefill workers first (the decode workers are
+/// told their addresses), after checking the counts and that no two workers
+/// were given the same explicit port.
+pub(super) fn plan_workers(args: &Args) -> anyhow::Result<Vec<WorkerPlan>> {
+    check_counts(args.prefill_workers, args.decode_workers)?;
+    let mut plans = Vec::new();
+    for (role, count, flag, base) in [
+        (
+            WorkerRole::Prefill,
+            args.prefill_workers,
+            "--prefill-port",
+            args.prefill_port,
+        ),
+        (
+            WorkerRole::Decode,
+            args.decode_workers,
+            "--decode-port",
+            args.decode_port,
+        ),
+    ] {
+        for index in 0..count {
+            plans.push(WorkerPlan {
+                role,
+                index,
+                name: format!("{}-{index}", role.as_str()),
+                port: worker_port(flag, base, index)?,
+            });
+        }
+    }
+    for (i, a) in plans.iter().enumerate() {
+        if let Some(b) = plans[i + 1..]
+            .iter()
+            .find(|b| a.port != 0 && b.port == a.port)
+        {
+            bail!(
+                "{} and {} would both bind port {} (worker i of a role takes its --*-port + i)",
+                a.name,
+                b.name,
+                a.port
+            );
+        }
+    }
+    Ok(plans)
+}
+
+/// Flags every child shares: the model, its chat template, its served names
+/// (so the gateway and the picker count prompt tokens as the workers render
+/// them).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) struct SharedFlags {
+    /// The model file.
+    pub(super) model: String,
+    /// `--chat-template FILE`, or nothing.
+    pub(super) template: Vec<String>,
+    /// `--served-model-name NAME`, repeated.
+    pub(super) names: Vec<String>,
+}
+
+// === impl SharedFlags ===
+
+impl SharedFlags {
+    /// From the flags (the template file is checked by the caller).
+    pub(super) fn new(args: &Args, model: &std::path::Path) -> Self {
+        let mut template = Vec::new();
+        if let Some(t) = &args.chat_template {
+            template.extend(["--chat-template".into(), t.display().to_string()]);
+        }
+        let mut names = Vec::new();
+        for n in &args.served_model_name {
+            names.extend(["--served-model-name".into(), n.clone()]);
+        }
+        SharedFlags {
+            model: model.display().to_string(),
+            template,
+            names,
+        }
+    }
+}
+
+/// `rngd-pd worker ...` for `w`; `prefill_peers` are the prefill workers'
+/// `HOST:PORT`, the peers a decode worker may orchestrate on.
+pub(super) fn worker_args(
+    args: &Args,
+    shared: &SharedFlags,
+    w: &WorkerPlan,
+    prefill_peers: &[String],
+) -> Vec<String> {
+    let mut a: Vec<String> = [
+        "worker",
+        "--role",
+        w.role.as_str(),
+        "--backend",
+        "cpu",
+        "--host",
+        &args.host,
+        "--port",
+        &w.port.to_string(),
+        "--model",
+        &shared.model,
+        "--kv-transport",
+        &args.kv_transport,
+        "--seq-len",
+        &args.seq_len.to_string(),
+    ]
+    .map(String::from)
+    .to_vec();
+    if let Some(t) = args.threads {
+        a.extend(["--threads".into(), t.to_string()]);
+    }
+    if let Some(b) = args.prefix_cache_bytes {
+        a.extend(["--prefix-cache-bytes".into(), b.to_string()]);
+    }
+    if args.no_enable_prefix_caching {
+        a.push("--no-enable-prefix-caching".into());
+    }
+    if !args.no_kv_events {
+        // Loopback, free ports (the worker prints the bound ones).
+        let cfg = serde_json::json!({
+            "enable_kv_cache_events": true,
+            "publisher": "zmq",
+            "endpoint": "tcp://127.0.0.1:*",
+            "replay_endpoint": "tcp://127.0.0.1:*",
+            "topic": format!("kv@{}", w.name),
+        });
+        a.extend(["--kv-events-config".into(), cfg.to_string()]);
+    }
+    // The worker admin API (/reset_prefix_cache) only with a token, on a
+    // free loopback port.
+    a.extend(["--admin-listen".into(), "127.0.0.1:0".into()]);
+    a.extend(shared.template.iter().chain(&shared.names).cloned());
+    if w.role == WorkerRole::Decode {
+        // A decode worker may orchestrate (`x-prefiller-host-port`, the
+        // picker's PD route) on this stack's prefill workers only.
+        for p in prefill_peers {
+            a.extend(["--prefill-allow".into(), p.clone()]);
+        }
+    }
+    a
+}
+
+/// The gateway's `--kv-events` value for a worker at `url` that printed
+/// `printed` (`PUB` or `PUB replay REPLAY`): `HOST:PORT=PUB[,REPLAY]`.
+pub(super) fn kv_events_spec(url: &str, printed: &str) -> String {
+    let (publ, replay) = match printed.split_once(" replay ") {
+        Some((p, r)) => (p, format!(",{r}")),
+        None => (printed, String::new()),
+    };
+    format!("{}={publ}{replay}", url.trim_start_matches("http://"))
+}
+
+/// `rngd-pd gateway ...` in front of `workers`, with the policy and its
+/// configuration; it indexes every worker's KV events.
+pub(super) fn gateway_args(
+    args: &Args,
+    shared: &SharedFlags,
+    policy: &str,
+    policy_config: &str,
+    workers: &[StartedWorker],
+) -> Vec<String> {
+    let mut g: Vec<String> = vec![
+        "gateway".into(),
+        "--listen".into(),
+        format!("{}:{}", args.host, args.gateway_port),
+    ];
+    for w in workers {
+        g.extend([format!("--{}", w.plan.role.as_str()), w.url.clone()]);
+    }
+    g.extend(
+        [
+            "--policy",
+            policy,
+            "--policy-config",
+            policy_config,
+            "--model",
+            &shared.model,
+            "--seq-len",
+            &args.seq_len.to_string(),
+        ]
+        .map(String::from),
+    );
+    // The gateway indexes the workers' KV events (routing on cached prefixes).
+    for w in workers {
+        if let Some(ev) = &w.kv_events {
+            g.extend(["--kv-events".into(), kv_events_spec(&w.url, ev)]);
+        }
+    }
+    g.extend(shared.template.iter().chain(&shared.names).cloned());
+    if let Some(p) = args.metrics_port {
+        g.extend([
+            "--metrics-port".into(),
+            p.to_string(),
+            "--metrics-host".into(),
+            args.host.clone(),
+        ]);
+    }
+    g
+}
+
+/// The picker's endpoints file: every worker, with its role.
+pub(super) fn picker_endpoints(
+    args: &Args,
+    workers: &[StartedWorker],
+) -> anyhow::Result<Vec<rngd_policy_core::Endpoint>> {
+    workers
+        .iter()
+        .map(|w| {
+            Ok(rngd_pool::source::local_endpoint(
+                rngd_pool::source::address_of(&w.url)?,
+                w.plan.role.policy_role(),
+                args.seq_len,
+                std::slice::from_ref(&args.kv_transport),
+            ))
+        })
+        .collect()
+}
+
+/// The lines `up` prints about its workers' addresses, in start order.
+pub(super) fn address_lines(workers: &[StartedWorker]) -> Vec<String> {
+    workers
+        .iter()
+        .map(|w| format!("rngd-pd up: {:<9} {}", w.plan.key(), w.url))
+        .collect()
+}
+
+/// The lines `up` prints about its workers' KV-event endpoints.
+pub(super) fn kv_event_lines(workers: &[StartedWorker]) -> Vec<String> {
+    workers
+        .iter()
+        .filter_map(|w| {
+            let key = format!("{} ", w.plan.key());
+            let ev = w.kv_events.as_ref()?;
+            Some(format!("rngd-pd up: kv events {key:<8}{ev}"))
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use super::*;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        up: Args,
+    }
+
+    fn args(flags: &[&str]) -> Args {
+        Cli::try_parse_from(std::iter::once("up").chain(flags.iter().copied()))
+            .unwrap()
+            .up
+    }
+
+    fn plan(flags: &[&str]) -> anyhow::Result<Vec<WorkerPlan>> {
+        plan_workers(&args(flags))
+    }
+
+    fn err(flags: &[&str]) -> String {
+        plan(flags).unwrap_err().to_string()
+    }
+
+    fn started(plans: &[WorkerPlan]) -> Vec<StartedWorker> {
+        plans
+            .iter()
+            .enumerate()
+            .map(|(i, p)| StartedWorker {
+                plan: p.clone(),
+                url: format!("http://127.0.0.1:{}", 7000 + i),
+                kv_events: Some(format!(
+                    "tcp://127.0.0.1:{} replay tcp://127.0.0.1:{}",
+                    8000 + i,
+                    9000 + i
+                )),
+            })
+            .collect()
+    }
+
+    #[test]
+    fn the_default_is_one_worker_of_each_role_on_picked_ports() {
+        let p = plan(&[]).unwrap();
+        let names: Vec<_> = p
+            .iter()
+            .map(|w| (w.name.as_str(), w.role, w.port))
+            .collect();
+        assert_eq!(
+            names,
+            [
+                ("prefill-0", WorkerRole::Prefill, 0),
+                ("decode-0", WorkerRole::Decode, 0)
+            ]
+        );
+        assert_eq!(p[0].key(), "prefill");
+        assert_eq!(p[1].key(), "decode");
+    }
+
+    #[test]
+    fn counts_are_checked_with_clear_errors() {
+        assert!(
+            err(&["--prefill-workers", "0", "--decode-workers", "0"])
+                .contains("no worker would serve")
+        );
+        assert!(err(&["--decode-workers", "0"]).contains("--decode-workers must be at least 1"));
+        assert!(err(&["--prefill-workers", "17"]).contains("--prefill-workers 17 is more than 16"));
+        assert!(err(&["--decode-workers", "17"]).contains("--decode-workers 17 is more than 16"));
+        assert_eq!(
+            plan(&["--prefill-workers", "16", "--decode-workers", "16"])
+                .unwrap()
+                .len(),
+            32
+        );
+        // No prefill worker: the decode workers prefill locally.
+        let p = plan(&["--prefill-workers", "0", "--decode-workers", "2"]).unwrap();
+        assert!(p.iter().all(|w| w.role == WorkerRole::Decode));
+        assert_eq!(p.len(), 2);
+    }
+
+    #[test]
+    fn explicit_ports_count_up_from_the_flag_and_are_checked() {
+        let p = plan(&[
+            "--prefill-port",
+            "9100",
+            "--decode-workers",
+            "3",
+            "--decode-port",
+            "9200",
+        ])
+        .unwrap();
+        let ports: Vec<_> = p.iter().map(|w| (w.name.as_str(), w.port)).collect();
+        assert_eq!(
+            ports,
+            [
+                ("prefill-0", 9100),
+                ("decode-0", 9200),
+                ("decode-1", 9201),
+                ("decode-2", 9202)
+            ]
+        );
+        // Port 0 stays 0 for every worker (the OS picks each).
+        assert!(
+            plan(&["--decode-workers", "3"])
+                .unwrap()
+                .iter()
+                .all(|w| w.port == 0)
+        );
+        assert!(err(&["--decode-port", "65535", "--decode-workers", "2"]).contains("past 65535"));
+        let e = err(&[
+            "--prefill-workers",
+            "2",
+            "--prefill-port",
+            "9000",
+            "--decode-port",
+            "9001",
+        ]);
+        assert!(
+            e.contains("prefill-1 and decode-0 would both bind port 9001"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn every_worker_has_its_own_port_topic_and_admin_listener() {
+        let a = args(&["--decode-workers", "2", "--decode-port", "9200"]);
+        let shared = SharedFlags::new(&a, std::path::Path::new("/m.gguf"));
+        let p = plan_workers(&a).unwrap();
+        let peers = ["127.0.0.1:7000".to_string()];
+        let d1 = worker_args(&a, &shared, &p[2], &peers).join(" ");
+        assert!(d1.starts_with(
+            "worker --role decode --backend cpu --host 127.0.0.1 --port 9201 --model /m.gguf"
+        ));
+        assert!(d1.contains(r#""topic":"kv@decode-1""#), "{d1}");
+        assert!(d1.contains("--admin-listen 127.0.0.1:0"));
+        assert!(d1.contains("--prefill-allow 127.0.0.1:7000"));
+        let p0 = worker_args(&a, &shared, &p[0], &peers).join(" ");
+        assert!(
+            p0.contains("--role prefill") && !p0.contains("--prefill-allow"),
+            "{p0}"
+        );
+        let quiet = args(&["--no-kv-events"]);
+        assert!(
+            !worker_args(&quiet, &shared, &p[0], &[])
+                .join(" ")
+                .contains("--kv-events-config")
+        );
+    }
+
+    #[test]
+    fn the_gateway_gets_every_worker_and_its_kv_events() {
+        let a = args(&[
+            "--prefill-workers",
+            "2",
+            "--decode-workers",
+            "2",
+            "--gateway-port",
+            "0",
+        ]);
+        let shared = SharedFlags::new(&a, std::path::Path::new("/m.gguf"));
+        let w = started(&plan_workers(&a).unwrap());
+        let g = gateway_args(&a, &shared, "/p.wasm", "/c.json", &w).join(" ");
+        assert!(g.starts_with(
+            "gateway --listen 127.0.0.1:0 --prefill http://127.0.0.1:7000 --prefill http://127.0.0.1:7001 \
+             --decode http://127.0.0.1:7002 --decode http://127.0.0.1:7003 --policy /p.wasm"
+        ), "{g}");
+        for i in 0..4 {
+            let spec = format!(
+                "--kv-events 127.0.0.1:{}=tcp://127.0.0.1:{},tcp://127.0.0.1:{}",
+                7000 + i,
+                8000 + i,
+                9000 + i
+            );
+            assert!(g.contains(&spec), "{g}");
+        }
+        assert_eq!(kv_events_spec("http://h:1", "tcp://h:2"), "h:1=tcp://h:2");
+        let eps = picker_endpoints(&a, &w).unwrap();
+        assert_eq!(eps.len(), 4);
+        assert_eq!(eps[3].role, rngd_policy_core::Role::Decode);
+    }
+
+    #[test]
+    fn worker_lines_keep_the_single_worker_format() {
+        let a = args(&["--decode-workers", "2"]);
+        let w = started(&plan_workers(&a).unwrap());
+        let mut lines = address_lines(&w);
+        lines.extend(kv_event_lines(&w));
+        assert_eq!(lines[0], "rngd-pd up: prefill   http://127.0.0.1:7000");
+        assert_eq!(lines[1], "rngd-pd up: decode    http://127.0.0.1:7001");
+        assert_eq!(lines[2], "rngd-pd up: decode-1  http://127.0.0.1:7002");
+        assert_eq!(
+            lines[3],
+            "rngd-pd up: kv events prefill tcp://127.0.0.1:8000 replay tcp://127.0.0.1:9000"
+        );
+        assert_eq!(
+            lines[4],
+            "rngd-pd up: kv events decode  tcp://127.0.0.1:8001 replay tcp://127.0.0.1:9001"
+        );
+        assert_eq!(
+            lines[5],
+            "rngd-pd up: kv events decode-1 tcp://127.0.0.1:8002 replay tcp://127.0.0.1:9002"
+        );
+    }
+}
