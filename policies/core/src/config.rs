@@ -59,6 +59,49 @@ pub struct PolicyConfig {
     /// a prompt whose predicted TTFT prefilled on its decode endpoint meets
     /// it is not disaggregated. Default none.
     pub ttft_goal_ms: Option<f64>,
+    /// How the decode and prefill endpoints are chosen ([`Routing`]):
+    /// `"cache"` (the cache credit in the scores and the PD decision on the
+    /// uncached tokens), `"load"` (`rngd_pd.prefix_cache` ignored: scores
+    /// and PD decision as if the host passed none) or `"round_robin"`
+    /// (eligible endpoints in turn, the PD decision as with `"load"`). Any
+    /// other value is a configuration error. Default `"cache"`.
+    pub routing: Routing,
+}
+
+/// The routing strategy of the default policy (`routing` in
+/// [`PolicyConfig`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Routing {
+    /// Load score less the cache credit (`prefix_weight`); the PD decision
+    /// weighs the tokens the chosen endpoints do not hold.
+    #[default]
+    Cache,
+    /// Load score alone; the PD decision weighs the whole prompt
+    /// (`rngd_pd.prefix_cache` is ignored).
+    Load,
+    /// The eligible decode endpoints in turn, and the eligible prefill
+    /// endpoints in turn; the PD decision as with [`Routing::Load`]. The
+    /// turn is counted per policy object ([`crate::PdPolicy`]): each wasm
+    /// instance (one per worker thread of a host) counts for itself, so the
+    /// rotation is exact per instance, not across a host's threads. The
+    /// stateless [`crate::decide`] always takes the first eligible one.
+    RoundRobin,
+}
+
+impl Routing {
+    /// The configuration value's spellings, as listed in errors.
+    pub const NAMES: &'static str = "\"cache\", \"load\", \"round_robin\"";
+
+    /// The strategy named `name` (exactly as written in the configuration).
+    pub fn from_name(name: &str) -> Option<Routing> {
+        match name {
+            "cache" => Some(Routing::Cache),
+            "load" => Some(Routing::Load),
+            "round_robin" => Some(Routing::RoundRobin),
+            _ => None,
+        }
+    }
 }
 
 impl Default for PolicyConfig {
@@ -79,6 +122,7 @@ impl Default for PolicyConfig {
             queue_ms_per_request: 100.0,
             decode_interference: 1.0,
             ttft_goal_ms: None,
+            routing: Routing::Cache,
         }
     }
 }

@@ -124,6 +124,19 @@ pub(crate) fn config(doc: &[u8]) -> Result<PolicyConfig, JsonError> {
                 seen.once(r, 13, &key)?;
                 c.ttft_goal_ms = if r.null() { None } else { Some(r.f64()?) };
             }
+            "routing" => {
+                seen.once(r, 15, &key)?;
+                let name = r.string().map_err(|e| JsonError {
+                    what: format!("field `routing`: {}", e.what),
+                    at: e.at,
+                })?;
+                c.routing = crate::config::Routing::from_name(&name).ok_or_else(|| {
+                    r.error(format!(
+                        "field `routing`: unknown value {name:?}, expected one of {}",
+                        crate::config::Routing::NAMES
+                    ))
+                })?;
+            }
             _ => return Err(r.error(format!("unknown field `{key}`"))),
         }
         Ok(())

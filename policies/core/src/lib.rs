@@ -7,7 +7,7 @@ mod config;
 mod json;
 mod pick;
 
-pub use config::PolicyConfig;
+pub use config::{PolicyConfig, Routing};
 pub use json::JsonError;
 pub use pick::{
     Outcome, PdPolicy, RequestInput, RequestProps, RouteRef, SnapshotCache, cached_tokens, choose,

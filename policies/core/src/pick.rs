@@ -1,11 +1,12 @@
-//! The default PD decision: admission, decode and prefill choice by load,
+//! The default PD decision: admission, decode and prefill choice by load
+//! (with the cache credit, or in turn: `routing` in [`PolicyConfig`]),
 //! conditional disaggregation, transport choice, subset hints. Runs the same
 //! inside the proxy-wasm guest and natively.
 
 use rngd_api::headers;
 use rngd_api::openai::{CONTEXT_LENGTH_CODE, context_length_message};
 
-use crate::{CoreError, Decision, Endpoint, LocalResponse, PolicyConfig, Role, Route};
+use crate::{CoreError, Decision, Endpoint, LocalResponse, PolicyConfig, Role, Route, Routing};
 
 /// What the decision reads from one request.
 #[derive(Debug, Clone, Copy, Default)]
@@ -179,16 +180,42 @@ pub fn decide(config: &PolicyConfig, endpoints: &[Endpoint], input: &RequestInpu
 }
 
 /// [`decide`] without allocating for a route: the result borrows from
-/// `config` and `endpoints`.
+/// `config` and `endpoints`. Stateless: with `routing: "round_robin"` it
+/// takes the first eligible endpoint each time ([`PdPolicy`] keeps the turn).
 pub fn choose<'a>(
     config: &'a PolicyConfig,
     endpoints: &'a [Endpoint],
     input: &RequestInput<'_>,
 ) -> Outcome<'a> {
     match parse(config, input) {
-        Ok(req) => pick(config, endpoints, None, input, req),
+        Ok(req) => pick(config, endpoints, None, input, req, &mut Turns::default()),
         Err(reject) => reject,
     }
+}
+
+/// Whose turn it is with `routing: "round_robin"`: how many decisions took a
+/// decode endpoint, and how many a remote prefill, through one policy object.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+struct Turns {
+    decode: u64,
+    prefill: u64,
+}
+
+/// The `turn`-th (modulo their number) of the endpoints `keep` accepts, in
+/// snapshot order; `None` when it accepts none.
+fn in_turn(
+    endpoints: &[Endpoint],
+    turn: u64,
+    keep: impl Fn(&Endpoint) -> bool,
+) -> Option<&Endpoint> {
+    let n = endpoints.iter().filter(|e| keep(e)).count() as u64;
+    if n == 0 {
+        return None;
+    }
+    endpoints
+        .iter()
+        .filter(|e| keep(e))
+        .nth((turn % n) as usize)
 }
 
 /// What the decision needs from the request besides the endpoints.
@@ -307,20 +334,28 @@ impl Ranking {
 /// The decision for a parsed request. With a `ranking` of `endpoints` the
 /// first qualifying endpoint in pick order is taken; without one, or to
 /// explain a rejection, every endpoint is scanned. Both give the same answer.
-/// With cache information (`input.prefix_cache` naming a cached prefix) the
-/// scores carry the cache credit, so the snapshot is scanned.
+/// With cache information (`input.prefix_cache` naming a cached prefix,
+/// `routing: "cache"`) the scores carry the cache credit, so the snapshot is
+/// scanned; `routing: "load"` ignores that information, and
+/// `routing: "round_robin"` takes the endpoints in `turns` (and ignores it).
 fn pick<'a>(
     config: &'a PolicyConfig,
     endpoints: &'a [Endpoint],
     ranking: Option<&Ranking>,
     input: &RequestInput<'_>,
     req: Parsed,
+    turns: &mut Turns,
 ) -> Outcome<'a> {
     let prompt = req.prompt;
-    let cache = input
-        .prefix_cache
-        .filter(|c| config.prefix_weight != 0.0 && any_cached(c));
-    let ranking = if cache.is_some() { None } else { ranking };
+    let round_robin = config.routing == Routing::RoundRobin;
+    let cache = input.prefix_cache.filter(|c| {
+        config.routing == Routing::Cache && config.prefix_weight != 0.0 && any_cached(c)
+    });
+    let ranking = if cache.is_some() || round_robin {
+        None
+    } else {
+        ranking
+    };
     let cached = |e: &Endpoint| {
         cache
             .and_then(|c| cached_tokens(c, &e.address))
@@ -334,6 +369,14 @@ fn pick<'a>(
     let decode = match ranked {
         Some(Some(e)) => e,
         _ => match scan_decode(config, endpoints, input, req, &cached) {
+            Ok(e) if round_robin => {
+                let e = in_turn(endpoints, turns.decode, |e| {
+                    decode_capable(input, e) && !req.too_long(e) && !req.queue_full(config, e)
+                })
+                .unwrap_or(e);
+                turns.decode = turns.decode.wrapping_add(1);
+                e
+            }
             Ok(e) => e,
             Err(reject) => return Outcome::Reject(reject),
         },
@@ -367,6 +410,7 @@ fn pick<'a>(
             && config.max_queue_depth.is_none_or(|q| e.queue_depth < q)
     };
     let prefill = match ranking {
+        None if round_robin => in_turn(endpoints, turns.prefill, eligible),
         Some(r) => r
             .prefill
             .iter()
@@ -416,6 +460,9 @@ fn pick<'a>(
     {
         Some(t) => {
             route.prefill = Some((&prefill.address, t));
+            if round_robin {
+                turns.prefill = turns.prefill.wrapping_add(1);
+            }
             route.reason = if prompt.is_some() {
                 "disaggregated"
             } else {
@@ -425,6 +472,11 @@ fn pick<'a>(
         None => route.reason = "no_common_transport",
     }
     Outcome::Route(route)
+}
+
+/// A healthy decode or solo endpoint the subset hint allows.
+fn decode_capable(input: &RequestInput<'_>, e: &Endpoint) -> bool {
+    matches!(e.role, Role::Decode | Role::Solo) && e.healthy && in_subset(input.subset, &e.address)
 }
 
 /// One pass over the snapshot, no allocation: is there a decode endpoint at
@@ -442,10 +494,7 @@ fn scan_decode<'a>(
     let mut fitting = 0usize;
     let mut best_decode: Option<(&Endpoint, f64)> = None;
     for e in endpoints {
-        if !(matches!(e.role, Role::Decode | Role::Solo)
-            && e.healthy
-            && in_subset(input.subset, &e.address))
-        {
+        if !decode_capable(input, e) {
             continue;
         }
         decoders += 1;
@@ -560,6 +609,8 @@ pub struct PdPolicy {
     /// The configuration.
     pub config: PolicyConfig,
     cache: SnapshotCache,
+    /// The round-robin turn (`routing: "round_robin"`), this object's own.
+    turns: Turns,
 }
 
 impl PdPolicy {
@@ -568,6 +619,7 @@ impl PdPolicy {
         PdPolicy {
             config,
             cache: SnapshotCache::default(),
+            turns: Turns::default(),
         }
     }
 
@@ -638,7 +690,7 @@ impl PdPolicy {
         };
         if snapshot {
             let (eps, ranking) = self.cache.ranked(&self.config);
-            pick(&self.config, eps, ranking, &input, req)
+            pick(&self.config, eps, ranking, &input, req, &mut self.turns)
         } else {
             pick(
                 &self.config,
@@ -646,6 +698,7 @@ impl PdPolicy {
                 None,
                 &input,
                 req,
+                &mut self.turns,
             )
         }
     }

@@ -702,3 +702,192 @@ fn cache_property_and_goal_header_parsing() {
     };
     assert!(p.decide(&props, None, || Some(json)).route().is_some());
 }
+
+// === the routing strategy (`routing`) ===
+
+fn routing(r: Routing) -> PolicyConfig {
+    PolicyConfig {
+        routing: r,
+        ..PolicyConfig::default()
+    }
+}
+
+#[test]
+fn routing_is_read_from_the_configuration() {
+    assert_eq!(PolicyConfig::default().routing, Routing::Cache);
+    for (json, want) in [
+        (r#"{}"#, Routing::Cache),
+        (r#"{"routing":"cache"}"#, Routing::Cache),
+        (r#"{"routing":"load"}"#, Routing::Load),
+        (r#"{"routing":"round_robin"}"#, Routing::RoundRobin),
+    ] {
+        let c = PolicyConfig::from_json(json.as_bytes()).expect(json);
+        assert_eq!(c.routing, want, "{json}");
+        // The direct reader and serde agree.
+        let serde: PolicyConfig = serde_json::from_str(json).expect(json);
+        assert_eq!(serde, c, "{json}");
+    }
+    for bad in [
+        r#"{"routing":"Load"}"#,
+        r#"{"routing":"round-robin"}"#,
+        r#"{"routing":""}"#,
+        r#"{"routing":1}"#,
+        r#"{"routing":null}"#,
+        r#"{"routing":"load","routing":"cache"}"#,
+    ] {
+        let e = PolicyConfig::from_json(bad.as_bytes()).expect_err(bad);
+        assert!(e.to_string().contains("routing"), "{bad}: {e}");
+        assert!(serde_json::from_str::<PolicyConfig>(bad).is_err(), "{bad}");
+    }
+    let e = PolicyConfig::from_json(br#"{"routing":"lru"}"#).unwrap_err();
+    assert!(
+        e.to_string().contains(r#""cache", "load", "round_robin""#),
+        "{e}"
+    );
+}
+
+/// (what, routing, cache, expected decode, expected prefill, reason)
+type RoutingRow = (
+    &'static str,
+    Routing,
+    Option<&'static str>,
+    &'static str,
+    Option<&'static str>,
+    &'static str,
+);
+
+#[test]
+fn routing_rows() {
+    let eps = vec![
+        ep("a:1", Role::Decode, "", 0),
+        ep("b:1", Role::Decode, "", 0),
+        ep("p:1", Role::Prefill, "", 0),
+    ];
+    let rows: [RoutingRow; 6] = [
+        (
+            "cache: the cached endpoint, its few uncached tokens locally",
+            Routing::Cache,
+            Some("a:1=0,b:1=400"),
+            "b:1",
+            None,
+            "cached",
+        ),
+        (
+            "cache: no information, the load order",
+            Routing::Cache,
+            None,
+            "a:1",
+            Some("p:1"),
+            "disaggregated",
+        ),
+        (
+            "load: the cached endpoint is ignored, the whole prompt prefilled remotely",
+            Routing::Load,
+            Some("a:1=0,b:1=400"),
+            "a:1",
+            Some("p:1"),
+            "disaggregated",
+        ),
+        (
+            "load: a prefill endpoint's cache is ignored too",
+            Routing::Load,
+            Some("a:1=400,p:1=400"),
+            "a:1",
+            Some("p:1"),
+            "disaggregated",
+        ),
+        (
+            "load: as with no information",
+            Routing::Load,
+            None,
+            "a:1",
+            Some("p:1"),
+            "disaggregated",
+        ),
+        (
+            "round robin (stateless: the first): the cache is ignored",
+            Routing::RoundRobin,
+            Some("a:1=0,b:1=400"),
+            "a:1",
+            Some("p:1"),
+            "disaggregated",
+        ),
+    ];
+    for (what, r, cache, decode, prefill, why) in rows {
+        let got = cached_route(&routing(r), &eps, 420, cache, None);
+        assert_eq!(got.decode, decode, "{what}");
+        assert_eq!(got.prefill.as_deref(), prefill, "{what}");
+        assert_eq!(reason(&got), why, "{what}");
+    }
+    // Cache mode is the default configuration's decision.
+    for cache in [None, Some("a:1=0,b:1=400"), Some("b:1=64,p:1=320")] {
+        for prompt in [20, 300, 420] {
+            assert_eq!(
+                cached_route(&routing(Routing::Cache), &eps, prompt, cache, None),
+                cached_route(&PolicyConfig::default(), &eps, prompt, cache, None),
+                "{cache:?} {prompt}"
+            );
+        }
+    }
+}
+
+#[test]
+fn round_robin_takes_the_endpoints_in_turn() {
+    let eps = vec![
+        ep("a:1", Role::Decode, "", 3),
+        ep("b:1", Role::Decode, "", 0),
+        Endpoint {
+            healthy: false,
+            ..ep("c:1", Role::Decode, "", 0)
+        },
+        ep("p:1", Role::Prefill, "", 0),
+        ep("p:2", Role::Prefill, "", 0),
+    ];
+    let json = serde_json::to_vec(&eps).unwrap();
+    let mut p = PdPolicy::new(routing(Routing::RoundRobin));
+    let b = body(10, 16);
+    let decide = |p: &mut PdPolicy, tokens: &[u8], cache: Option<&[u8]>| {
+        let props = RequestProps {
+            body: Some(&b),
+            prompt_tokens: Some(tokens),
+            prefix_cache: cache,
+            ..Default::default()
+        };
+        route(p.decide(&props, Some(&b"1"[..]), || Some(json.clone())))
+    };
+    // Load and cache make no difference; the unhealthy endpoint is skipped.
+    let got: Vec<(String, Option<String>)> = (0..4)
+        .map(|_| {
+            let r = decide(&mut p, b"300", Some(&b"b:1=300,p:2=300"[..]));
+            (r.decode, r.prefill)
+        })
+        .collect();
+    let want = [
+        ("a:1", "p:1"),
+        ("b:1", "p:2"),
+        ("a:1", "p:1"),
+        ("b:1", "p:2"),
+    ];
+    for (g, (d, pf)) in got.iter().zip(want) {
+        assert_eq!((g.0.as_str(), g.1.as_deref()), (d, Some(pf)));
+    }
+    // A short prompt takes a decode turn but no prefill turn.
+    let r = decide(&mut p, b"5", None);
+    assert_eq!((r.decode.as_str(), r.prefill), ("a:1", None));
+    let r = decide(&mut p, b"300", None);
+    assert_eq!(
+        (r.decode.as_str(), r.prefill.as_deref()),
+        ("b:1", Some("p:1"))
+    );
+    // Each policy object counts for itself.
+    let mut fresh = PdPolicy::new(routing(Routing::RoundRobin));
+    assert_eq!(decide(&mut fresh, b"300", None).decode, "a:1");
+    // The queue limit still excludes an endpoint from the rotation.
+    let mut limited = PdPolicy::new(PolicyConfig {
+        max_queue_depth: Some(3),
+        ..routing(Routing::RoundRobin)
+    });
+    for _ in 0..3 {
+        assert_eq!(decide(&mut limited, b"300", None).decode, "b:1");
+    }
+}
