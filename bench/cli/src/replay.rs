@@ -43,8 +43,8 @@ pub struct Args {
     /// front of the picker, or one worker), e.g. http://127.0.0.1:8000.
     #[arg(
         long,
-        conflicts_with_all = ["spawn_up", "spawn_worker"],
-        required_unless_present_any = ["spawn_up", "spawn_worker"]
+        conflicts_with_all = ["spawn_up", "spawn_worker", "policies", "llama_server"],
+        required_unless_present_any = ["spawn_up", "spawn_worker", "policies", "llama_server"]
     )]
     pub url: Option<String>,
     /// `model` of the requests; default: the first of /v1/models.
@@ -77,6 +77,10 @@ pub struct Args {
     /// TPOT SLO, ms (slo_share, goodput_rps).
     #[arg(long, default_value_t = 150.0)]
     pub slo_tpot_ms: f64,
+    /// TTFT SLO, ms: a request meets the SLO only with TTFT within it too
+    /// (default: TPOT alone).
+    #[arg(long)]
+    pub slo_ttft_ms: Option<f64>,
     /// Pids whose RSS is sampled at start and end.
     #[arg(long, value_delimiter = ',')]
     pub pids: Vec<u32>,
@@ -95,12 +99,42 @@ pub struct Args {
     pub settle_s: f64,
     /// Start `rngd-pd up` (gateway port 0), replay against it, watch its
     /// processes and shm root, stop it (SIGINT) at the end.
-    #[arg(long, conflicts_with = "spawn_worker")]
+    #[arg(long, conflicts_with_all = ["spawn_worker", "policies", "llama_server"])]
     pub spawn_up: bool,
     /// Start one solo `rngd-pd worker` (port 0), replay against it, read
     /// its metrics and watch its RSS, stop it (SIGINT) at the end.
-    #[arg(long)]
+    #[arg(long, conflicts_with_all = ["policies", "llama_server"])]
     pub spawn_worker: bool,
+    /// Compare routing strategies of the default policy in one run
+    /// (cache, load, round_robin, comma-separated): for each, start `rngd-pd
+    /// up --decode-workers D --prefill-workers P` with `{"routing": …}` as
+    /// its policy configuration, replay the same requests, stop it. The
+    /// JSON line gets a `systems` array.
+    #[arg(long, value_delimiter = ',')]
+    pub policies: Vec<String>,
+    /// Decode workers of each `rngd-pd up` of --policies.
+    #[arg(long, default_value_t = 2)]
+    pub decode_workers: u32,
+    /// Prefill workers of each `rngd-pd up` of --policies.
+    #[arg(long, default_value_t = 1)]
+    pub prefill_workers: u32,
+    /// llama.cpp's `llama-server` binary: after the policies, the same
+    /// requests against it (`-t`, `-np`, `-c` = np × --seq-len, its prompt
+    /// cache on), as a system of the comparison.
+    #[arg(long)]
+    pub llama_server: Option<PathBuf>,
+    /// The GGUF llama-server loads; default: what `rngd-pd model fetch` prints.
+    #[arg(long)]
+    pub llama_model: Option<PathBuf>,
+    /// llama-server's `-t`.
+    #[arg(long, default_value_t = 2)]
+    pub llama_threads: u32,
+    /// llama-server's `-np`.
+    #[arg(long, default_value_t = 4)]
+    pub llama_parallel: u32,
+    /// Extra argument of llama-server (repeat it).
+    #[arg(long = "llama-arg", allow_hyphen_values = true)]
+    pub llama_args: Vec<String>,
     /// The rngd-pd binary for --spawn-up and --spawn-worker; default: $RNGD_PD_BIN, else
     /// $CARGO_TARGET_DIR/release/rngd-pd, else beside this executable.
     #[arg(long)]
@@ -137,6 +171,7 @@ impl From<Args> for rngd_bench_replay::Options {
             max_in_flight: a.max_in_flight,
             request_timeout_s: a.request_timeout_s,
             slo_tpot_ms: a.slo_tpot_ms,
+            slo_ttft_ms: a.slo_ttft_ms,
             pids: a.pids,
             proc_names: a.proc_names,
             kv_metrics: a.kv_metrics,
@@ -148,6 +183,14 @@ impl From<Args> for rngd_bench_replay::Options {
             up_args: a.up_args,
             worker_args: a.worker_args,
             up_timeout_s: a.up_timeout_s,
+            policies: a.policies,
+            decode_workers: a.decode_workers,
+            prefill_workers: a.prefill_workers,
+            llama_server: a.llama_server,
+            llama_model: a.llama_model,
+            llama_threads: a.llama_threads,
+            llama_parallel: a.llama_parallel,
+            llama_args: a.llama_args,
             json: a.json,
         }
     }
@@ -255,5 +298,33 @@ mod tests {
             (o.max_in_flight, o.request_timeout_s, o.seq_len),
             (8, 5.0, 256)
         );
+    }
+
+    /// `--policies` and `--llama-server` make a comparison run of their own:
+    /// neither `--url` nor a spawn flag, the policy list split on commas.
+    #[test]
+    fn comparison_flags_parse() {
+        let o = parse(&[
+            "--policies",
+            "cache,load,round_robin",
+            "--llama-server",
+            "/x/llama-server",
+            "--llama-arg=--metrics",
+            "--slo-ttft-ms",
+            "2000",
+            "--slo-tpot-ms",
+            "100",
+        ])
+        .expect("parses");
+        assert_eq!(o.policies, ["cache", "load", "round_robin"]);
+        assert_eq!((o.decode_workers, o.prefill_workers), (2, 1));
+        assert_eq!(o.llama_server.as_deref(), Some("/x/llama-server".as_ref()));
+        assert_eq!((o.llama_threads, o.llama_parallel), (2, 4));
+        assert_eq!(o.llama_args, ["--metrics"]);
+        assert_eq!((o.slo_ttft_ms, o.slo_tpot_ms), (Some(2000.0), 100.0));
+        assert!(o.url.is_none() && !o.spawn_up);
+        assert!(parse(&["--policies", "cache", "--spawn-up"]).is_err());
+        assert!(parse(&["--policies", "cache", "--url", "http://h:1"]).is_err());
+        assert!(parse(&["--llama-server", "l", "--spawn-worker"]).is_err());
     }
 }

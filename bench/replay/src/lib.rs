@@ -21,16 +21,23 @@
 //!   (tokens - 1)), status; every request has a deadline;
 //! - around the run: RSS of watched processes at start and end, KV left after
 //!   it ([`kv`]); with `spawn_up`, the whole stack started and stopped here
-//!   ([`up`]); with `spawn_worker`, one solo worker ([`worker`]).
+//!   ([`up`]); with `spawn_worker`, one solo worker ([`worker`]);
+//! - with `policies` (and `llama_server`): the same requests against
+//!   `rngd-pd up` once per routing strategy of the default policy, then
+//!   against llama.cpp's `llama-server`, one JSON line with a `systems`
+//!   array and the ratios of issue 26 ([`compare`], [`llama`]).
 //!
 //! Modules: [`trace`] (CSV, offsets, scaling, prompts), [`mooncake`] (its
 //! JSON lines, blocks, cuts, reuse), [`client`] (one request), [`stats`]
 //! (outcomes, percentiles, summary), [`procs`] (`/proc`), [`kv`],
-//! [`metrics`] (prefix-cache counters), [`up`], [`worker`]; this file:
+//! [`metrics`] (prefix-cache counters), [`up`], [`worker`], [`compare`],
+//! [`llama`]; this file:
 //! [`Options`], [`Error`], [`run`] and the [`Report`] it prints.
 
 pub mod client;
+pub mod compare;
 pub mod kv;
+pub mod llama;
 pub mod metrics;
 pub mod mooncake;
 pub mod procs;
@@ -74,6 +81,9 @@ pub enum Error {
     /// The spawned `rngd-pd worker` failed to start or stop.
     #[error("rngd-pd worker: {0}")]
     Worker(String),
+    /// The `llama-server` peer failed to start or stop.
+    #[error("llama-server: {0}")]
+    LlamaServer(String),
     /// Building the HTTP client failed.
     #[error("http client: {0}")]
     Client(#[source] reqwest::Error),
@@ -140,6 +150,9 @@ pub struct Options {
     pub request_timeout_s: f64,
     /// TPOT SLO, ms (`slo_share`, `goodput_rps`). Default 150.
     pub slo_tpot_ms: f64,
+    /// TTFT SLO, ms: with it a request meets the SLO only if its TTFT is
+    /// within it too. Default `None`: TPOT alone.
+    pub slo_ttft_ms: Option<f64>,
     /// Pids whose RSS is sampled at start and end (keyed by pid). Default none.
     pub pids: Vec<u32>,
     /// Command-line substrings; matching processes are sampled (keyed
@@ -171,6 +184,26 @@ pub struct Options {
     pub worker_args: Vec<String>,
     /// How long `rngd-pd up` (or the worker) may take to be ready, seconds. Default 900.
     pub up_timeout_s: f64,
+    /// Routing strategies of the default policy to compare
+    /// ([`compare::POLICIES`]): `rngd-pd up` is started once for each and
+    /// replayed against ([`compare`]). Default none: a single run.
+    pub policies: Vec<String>,
+    /// `rngd-pd up --decode-workers` of a comparison run. Default 2.
+    pub decode_workers: u32,
+    /// `rngd-pd up --prefill-workers` of a comparison run. Default 1.
+    pub prefill_workers: u32,
+    /// llama.cpp's `llama-server` binary: replayed against after the
+    /// policies ([`llama`]). Default `None`: no peer.
+    pub llama_server: Option<PathBuf>,
+    /// The GGUF the peer loads. Default `None`: what `rngd-pd model fetch`
+    /// prints (rngd-pd's default model).
+    pub llama_model: Option<PathBuf>,
+    /// The peer's `-t`. Default 2.
+    pub llama_threads: u32,
+    /// The peer's `-np`. Default 4.
+    pub llama_parallel: u32,
+    /// More arguments of the peer. Default none.
+    pub llama_args: Vec<String>,
     /// Print only the JSON line (no progress on stderr). Default off.
     pub json: bool,
 }
@@ -199,6 +232,7 @@ impl Default for Options {
             max_in_flight: 256,
             request_timeout_s: 120.0,
             slo_tpot_ms: 150.0,
+            slo_ttft_ms: None,
             pids: Vec::new(),
             proc_names: Vec::new(),
             kv_metrics: Vec::new(),
@@ -210,6 +244,14 @@ impl Default for Options {
             up_args: Vec::new(),
             worker_args: Vec::new(),
             up_timeout_s: 900.0,
+            policies: Vec::new(),
+            decode_workers: 2,
+            prefill_workers: 1,
+            llama_server: None,
+            llama_model: None,
+            llama_threads: 2,
+            llama_parallel: 4,
+            llama_args: Vec::new(),
             json: false,
         }
     }
@@ -246,6 +288,8 @@ pub struct Settings {
     pub request_timeout_s: f64,
     /// TPOT SLO, ms.
     pub slo_tpot_ms: f64,
+    /// TTFT SLO, ms (`null`: none).
+    pub slo_ttft_ms: Option<f64>,
     /// Whether the stack was started here.
     pub spawn_up: bool,
     /// Whether one solo worker was started here.
@@ -330,7 +374,8 @@ pub struct Report {
     pub tpot_p90_ms: Option<f64>,
     /// TPOT p99, ms.
     pub tpot_p99_ms: Option<f64>,
-    /// Share of successful requests with TPOT ≤ the SLO (one-token answers meet it).
+    /// Share of successful requests with TPOT ≤ the SLO (one-token answers
+    /// meet it) and, with a TTFT SLO, TTFT within it.
     pub slo_share: Option<f64>,
     /// Successful requests meeting the SLO per second of wall time.
     pub goodput_rps: f64,
@@ -371,11 +416,16 @@ impl Report {
     }
 }
 
-/// Runs the replay and prints the JSON line (the last line of stdout).
-pub async fn run(opts: Options) -> Result<Report, Error> {
-    let report = launch(opts).await?;
-    println!("{}", report.json_line());
-    Ok(report)
+/// Runs the replay (or the comparison, [`compare::wanted`]) and prints the
+/// JSON line (the last line of stdout).
+pub async fn run(opts: Options) -> Result<(), Error> {
+    let line = if compare::wanted(&opts) {
+        compare::launch(opts).await?.json_line()
+    } else {
+        launch(opts).await?.json_line()
+    };
+    println!("{line}");
+    Ok(())
 }
 
 /// One request of the run, whichever trace it came from.
@@ -452,18 +502,28 @@ fn plan(opts: &Options, format: TraceFormat, budget: u32) -> Result<Vec<Planned>
     Ok(planned)
 }
 
-/// Runs the replay and returns its report without printing it.
-pub async fn launch(opts: Options) -> Result<Report, Error> {
+/// The options checked and the run's requests planned (a single run or a
+/// comparison, [`compare`]).
+fn prepare(opts: &Options) -> Result<(TraceFormat, Vec<Planned>), Error> {
     if !opts.speedup.is_finite() || opts.speedup <= 0.0 {
         return Err(Error::Options("--speedup must be > 0".into()));
     }
     if opts.max_in_flight == 0 {
         return Err(Error::Options("--max-in-flight must be ≥ 1".into()));
     }
-    let targets = [opts.url.is_some(), opts.spawn_up, opts.spawn_worker];
+    if opts.slo_ttft_ms.is_some_and(|t| !t.is_finite() || t <= 0.0) {
+        return Err(Error::Options("--slo-ttft-ms must be > 0".into()));
+    }
+    let targets = [
+        opts.url.is_some(),
+        opts.spawn_up,
+        opts.spawn_worker,
+        compare::wanted(opts),
+    ];
     if targets.iter().filter(|t| **t).count() != 1 {
         return Err(Error::Options(
-            "give exactly one of --url, --spawn-up and --spawn-worker".into(),
+            "give exactly one of --url, --spawn-up, --spawn-worker and --policies/--llama-server"
+                .into(),
         ));
     }
     let budget = opts.seq_len.saturating_sub(opts.margin);
@@ -473,7 +533,18 @@ pub async fn launch(opts: Options) -> Result<Report, Error> {
         ));
     }
     let format = opts.trace_format.of(&opts.trace);
-    let planned = plan(&opts, format, budget)?;
+    let planned = plan(opts, format, budget)?;
+    Ok((format, planned))
+}
+
+/// Runs the replay and returns its report without printing it.
+pub async fn launch(opts: Options) -> Result<Report, Error> {
+    if compare::wanted(&opts) {
+        return Err(Error::Options(
+            "--policies/--llama-server make a comparison run (compare::launch)".into(),
+        ));
+    }
+    let (format, planned) = prepare(&opts)?;
     let mut stack = None;
     let mut solo = None;
     if opts.spawn_up || opts.spawn_worker {
@@ -503,6 +574,7 @@ pub async fn launch(opts: Options) -> Result<Report, Error> {
     result
 }
 
+/// One replay of `planned` against the stack, the worker or `opts.url`.
 async fn replay(
     opts: &Options,
     format: TraceFormat,
@@ -553,6 +625,9 @@ async fn replay(
                 if let Some(u) = url {
                     kv_metrics.push(format!("{label}={u}"));
                 }
+            }
+            for (label, u) in &s.info.more_workers {
+                kv_metrics.push(format!("{label}={u}"));
             }
         }
         if shm_root.is_none() {
@@ -644,10 +719,11 @@ async fn replay(
     };
     let rss_mb_end = procs::sample(&watched);
 
-    let s = stats::summarize(
+    let s = stats::summarize_with(
         &outcomes,
         wall,
         Duration::from_secs_f64(opts.slo_tpot_ms / 1e3),
+        opts.slo_ttft_ms.map(|t| Duration::from_secs_f64(t / 1e3)),
     );
     let prefix = if mooncake {
         let worker_end = metrics::scrape(&client, &base).await;
@@ -739,6 +815,7 @@ async fn replay(
             max_in_flight: opts.max_in_flight,
             request_timeout_s: opts.request_timeout_s,
             slo_tpot_ms: opts.slo_tpot_ms,
+            slo_ttft_ms: opts.slo_ttft_ms,
             spawn_up: opts.spawn_up,
             spawn_worker: opts.spawn_worker,
         },

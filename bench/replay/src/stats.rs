@@ -128,7 +128,8 @@ pub struct Summary {
     /// TPOT of successful requests with at least two tokens, ms.
     pub tpot_ms: Percentiles,
     /// Successful requests meeting the TPOT SLO (TPOT ≤ the SLO; a request
-    /// of one token has no TPOT and meets it).
+    /// of one token has no TPOT and meets it) and the TTFT SLO when one is
+    /// given ([`summarize_with`]).
     pub slo_met: u64,
     /// `slo_met / ok` (`None` without successes).
     pub slo_share: Option<f64>,
@@ -149,6 +150,17 @@ pub struct Summary {
 
 /// Summarizes `outcomes` over `wall` seconds of wall time with the TPOT SLO `slo`.
 pub fn summarize(outcomes: &[Outcome], wall: Duration, slo: Duration) -> Summary {
+    summarize_with(outcomes, wall, slo, None)
+}
+
+/// [`summarize`] with a TTFT SLO as well: a request meets the SLO when its
+/// TPOT is within `slo` and, with `slo_ttft`, its TTFT within that.
+pub fn summarize_with(
+    outcomes: &[Outcome],
+    wall: Duration,
+    slo: Duration,
+    slo_ttft: Option<Duration>,
+) -> Summary {
     let mut s = Summary {
         requests: outcomes.len() as u64,
         ..Summary::default()
@@ -170,14 +182,16 @@ pub fn summarize(outcomes: &[Outcome], wall: Duration, slo: Duration) -> Summary
                 if let Some(t) = o.ttft {
                     ttft.push(ms(t));
                 }
-                match o.tpot() {
+                let ttft_met = slo_ttft.is_none_or(|b| o.ttft.is_some_and(|t| t <= b));
+                let tpot_met = match o.tpot() {
                     Some(t) => {
                         tpot.push(ms(t));
-                        if t <= slo {
-                            s.slo_met += 1;
-                        }
+                        t <= slo
                     }
-                    None => s.slo_met += 1,
+                    None => true,
+                };
+                if ttft_met && tpot_met {
+                    s.slo_met += 1;
                 }
             }
             Status::Http429 => s.http_429 += 1,

@@ -25,6 +25,9 @@ pub struct UpInfo {
     pub decode: Option<String>,
     /// `shm root` directory.
     pub shm_root: Option<PathBuf>,
+    /// Workers past the first of their role (`--decode-workers N`,
+    /// `--prefill-workers N`): (`decode-1`, URL), … in the order printed.
+    pub more_workers: Vec<(String, String)>,
     /// The `ready` line was seen.
     pub ready: bool,
 }
@@ -46,6 +49,14 @@ impl UpInfo {
             self.prefill = Some(v);
         } else if let Some(v) = field("decode") {
             self.decode = Some(v);
+        } else if let Some((key, url)) = rest.split_once(' ')
+            && let Some((role, n)) = key.split_once('-')
+            && matches!(role, "prefill" | "decode")
+            && !n.is_empty()
+            && n.bytes().all(|b| b.is_ascii_digit())
+        {
+            self.more_workers
+                .push((key.to_string(), url.trim().to_string()));
         } else if let Some(v) = field("shm root") {
             self.shm_root = Some(PathBuf::from(v));
         } else if rest.starts_with("ready") {

@@ -193,6 +193,32 @@ fn the_summary_counts_and_rates() {
 }
 
 #[test]
+fn a_ttft_slo_counts_as_well() {
+    let outcomes = vec![
+        ok(100, 900, 10),  // ttft 100, tpot 100: meets both
+        ok(2500, 900, 10), // ttft 2.5 s: misses the TTFT bound
+        ok(300, 0, 1),     // one token, ttft 300: meets
+        ok(200, 1800, 10), // tpot 200 ms: misses the TPOT bound
+    ];
+    let s = stats::summarize_with(
+        &outcomes,
+        Duration::from_secs(1),
+        Duration::from_millis(100),
+        Some(Duration::from_secs(2)),
+    );
+    assert_eq!((s.slo_met, s.slo_share), (2, Some(0.5)));
+    assert_eq!(s.goodput_rps, 2.0);
+    // Without it, TPOT alone.
+    let s = stats::summarize_with(
+        &outcomes,
+        Duration::from_secs(1),
+        Duration::from_millis(100),
+        None,
+    );
+    assert_eq!(s.slo_met, 3);
+}
+
+#[test]
 fn proc_and_up_lines_parse() {
     assert_eq!(
         procs::parse_vm_rss_kb("Name:\tx\nVmRSS:\t  123456 kB\nVmSwap: 0 kB\n"),
@@ -221,6 +247,8 @@ fn proc_and_up_lines_parse() {
         "rngd-pd up: relay     tcp://127.0.0.1:1",
         "rngd-pd up: prefill   http://127.0.0.1:2",
         "rngd-pd up: decode    http://127.0.0.1:3",
+        "rngd-pd up: decode-1  http://127.0.0.1:6",
+        "rngd-pd up: kv events decode-1 tcp://127.0.0.1:8002 replay tcp://127.0.0.1:9002",
         "rngd-pd up: shm root  /dev/shm/rngd_pd_up_9",
         "rngd-pd up: kpis      http://127.0.0.1:4",
         "rngd-pd up: gateway   http://127.0.0.1:5",
@@ -237,6 +265,7 @@ fn proc_and_up_lines_parse() {
             prefill: Some("http://127.0.0.1:2".into()),
             decode: Some("http://127.0.0.1:3".into()),
             shm_root: Some("/dev/shm/rngd_pd_up_9".into()),
+            more_workers: vec![("decode-1".into(), "http://127.0.0.1:6".into())],
             ready: true,
         }
     );
