@@ -103,7 +103,7 @@ async fn doors(tokenizer: TokenizerChoice) -> Doors {
             every: None,
             stale_after: Duration::from_secs(2),
         },
-        kv_events: Vec::new(),
+        cache: None,
     })
     .await
     .unwrap();

@@ -92,7 +92,7 @@ async fn stack(token_delay: Duration) -> Stack {
             every: Some(Duration::from_millis(50)),
             stale_after: Duration::from_secs(2),
         },
-        kv_events: Vec::new(),
+        cache: None,
     })
     .await
     .unwrap();
@@ -324,7 +324,7 @@ async fn the_admin_api_is_on_its_own_loopback_listener_and_always_authenticated(
             every: None,
             stale_after: Duration::from_secs(2),
         },
-        kv_events: Vec::new(),
+        cache: None,
     })
     .await
     .unwrap();

@@ -1,5 +1,5 @@
 //! Assembles a running endpoint picker from [`Options`]: the policy, the
-//! endpoint source and its scraper, the tokenizer (all loaded through
+//! endpoint source and its scraper, the prefix cache, the tokenizer (all loaded through
 //! `rngd_pool::wiring`, as the gateway loads them) and the gRPC, health and
 //! metrics listeners. Used by `rngd-pd ext-proc` and the benchmark; the same
 //! shape as `rngd_gateway::launch`.
@@ -28,6 +28,11 @@ pub struct Options {
     pub metrics: Option<SocketAddr>,
     /// Where the endpoints come from.
     pub endpoints: SourceChoice,
+    /// Where each prompt's prefix is cached (`rngd_pd.prefix_cache`): the
+    /// KV-event index over the given streams and those the endpoint source
+    /// names, with the router's estimates (`rngd_pool::cache`); `None` =
+    /// routing on load alone.
+    pub cache: Option<rngd_pool::CacheOptions>,
     /// Live load scraping of the endpoints.
     pub scrape: ScrapeOptions,
     /// The policy.
@@ -63,6 +68,7 @@ pub struct Launched {
     pub admin_addr: Option<SocketAddr>,
     _admin: Option<rngd_policy_host::admin::AdminServer>,
     _source: RunningSource,
+    _cache: Option<rngd_pool::RunningCache>,
     _policy_watch: AbortOnDrop,
 }
 
@@ -121,8 +127,19 @@ pub async fn launch(opts: Options) -> Result<Launched, ExtProcError> {
             None
         }
     };
+    let mut pool = rngd_pool::Picker::new(loaded.policy.clone(), source.source.clone());
+    pool.register_metrics(&metrics.registry)?;
+    let cache = match &opts.cache {
+        Some(c) => {
+            let running = rngd_pool::PrefixCache::start(c.clone(), source.source.clone()).await?;
+            running.cache.register_metrics(&metrics.registry)?;
+            pool = pool.with_prefix_source(running.cache.clone());
+            Some(running)
+        }
+        None => None,
+    };
     let picker = Arc::new(Picker::with_limits(
-        rngd_pool::Picker::new(loaded.policy.clone(), source.source.clone()),
+        pool,
         counter,
         metrics,
         opts.limits.clone(),
@@ -171,6 +188,7 @@ pub async fn launch(opts: Options) -> Result<Launched, ExtProcError> {
         admin_addr: admin.as_ref().map(|a| a.local_addr()),
         _admin: admin,
         _source: source,
+        _cache: cache,
         _policy_watch: AbortOnDrop(loaded.watch),
     })
 }

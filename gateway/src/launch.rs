@@ -37,10 +37,11 @@ pub struct LaunchOptions {
     pub config: GatewayConfig,
     /// Live load scraping of the workers' `/metrics`.
     pub scrape: ScrapeOptions,
-    /// The workers' KV-event streams (`--kv-events`), indexed so the policy
-    /// learns where each prompt's prefix is cached (`rngd_pd.prefix_cache`);
-    /// empty = no index, routing on load alone.
-    pub kv_events: Vec<rngd_kv_index::EndpointSpec>,
+    /// Where each prompt's prefix is cached (`rngd_pd.prefix_cache`): the
+    /// KV-event index over the streams given here (`--kv-events`) and those
+    /// the endpoint source names, with the router's estimates
+    /// (`rngd_pool::cache`); `None` = routing on load alone.
+    pub cache: Option<rngd_pool::CacheOptions>,
 }
 
 /// A running gateway.
@@ -59,7 +60,7 @@ pub struct Launched {
     tasks: Vec<tokio::task::JoinHandle<Result<(), GatewayError>>>,
     background: Vec<tokio::task::JoinHandle<()>>,
     _source: RunningSource,
-    _indexer: Option<Arc<rngd_kv_index::KvIndexer>>,
+    _cache: Option<rngd_pool::RunningCache>,
 }
 
 impl Launched {
@@ -138,25 +139,27 @@ pub async fn launch(opts: LaunchOptions) -> Result<Launched, GatewayError> {
     let background: Vec<tokio::task::JoinHandle<()>> = loaded.watch.into_iter().collect();
     let source = opts.endpoints.start(opts.scrape, None).await?;
     let mut picker = rngd_pool::Picker::new(loaded.policy.clone(), source.source.clone());
-    let indexer = if opts.kv_events.is_empty() {
-        None
-    } else {
-        let ix = rngd_kv_index::KvIndexer::start(rngd_kv_index::Options::default())
-            .map_err(|e| GatewayError::Config(format!("the KV-event index: {e}")))?;
-        ix.set_endpoints(opts.kv_events.clone())
-            .map_err(|e| GatewayError::Config(format!("--kv-events: {e}")))?;
-        let ix = Arc::new(ix);
-        picker = picker.with_prefix_source(ix.clone());
-        tracing::info!(
-            streams = opts.kv_events.len(),
-            "indexing the workers' KV events"
-        );
-        Some(ix)
+    let cache = match &opts.cache {
+        Some(c) => {
+            let running = rngd_pool::PrefixCache::start(c.clone(), source.source.clone()).await?;
+            picker = picker.with_prefix_source(running.cache.clone());
+            Some(running)
+        }
+        None => None,
     };
     let gateway = Gateway::new(config, picker, tokenizer)?;
     source
         .register_metrics(gateway.metrics().registry())
         .map_err(GatewayError::Pool)?;
+    gateway
+        .picker
+        .register_metrics(gateway.metrics().registry())
+        .map_err(GatewayError::Pool)?;
+    if let Some(c) = &cache {
+        c.cache
+            .register_metrics(gateway.metrics().registry())
+            .map_err(GatewayError::Pool)?;
+    }
     let app = server::router(gateway.clone());
     let mut admin = None;
     if let Some(rt) = &loaded.runtime {
@@ -223,6 +226,6 @@ pub async fn launch(opts: LaunchOptions) -> Result<Launched, GatewayError> {
         tasks,
         background,
         _source: source,
-        _indexer: indexer,
+        _cache: cache,
     })
 }

@@ -51,6 +51,9 @@ pub struct Args {
     /// InferencePool discovery.
     #[command(flatten)]
     pub pool: crate::pool::PoolArgs,
+    /// Prefix-cache routing.
+    #[command(flatten)]
+    pub prefix: crate::pool::PrefixArgs,
     /// Policy module (`.wasm`, hot-reloaded when the file changes).
     #[arg(long, env = env::RNGD_PD_POLICY)]
     pub policy: PathBuf,
@@ -150,18 +153,20 @@ fn options(args: &Args) -> anyhow::Result<Options> {
         };
         Some(TokenizerChoice::Gguf(path, overrides))
     };
+    let endpoints = match (args.pool.options(), &args.endpoints) {
+        (Some(kube), _) => SourceChoice::Kube(kube),
+        (None, Some(path)) => SourceChoice::File {
+            path: path.clone(),
+            poll: watch,
+        },
+        (None, None) => anyhow::bail!("give --endpoints FILE or --pool-name NAME"),
+    };
     Ok(Options {
         grpc: SocketAddr::new(args.host, args.grpc_port),
         health: SocketAddr::new(args.host, args.grpc_health_port),
         metrics: Some(SocketAddr::new(args.host, args.metrics_port)),
-        endpoints: match (args.pool.options(), &args.endpoints) {
-            (Some(kube), _) => SourceChoice::Kube(kube),
-            (None, Some(path)) => SourceChoice::File {
-                path: path.clone(),
-                poll: watch,
-            },
-            (None, None) => anyhow::bail!("give --endpoints FILE or --pool-name NAME"),
-        },
+        cache: args.prefix.options(&endpoints),
+        endpoints,
         scrape: ScrapeOptions {
             every: (args.scrape_interval_ms > 0)
                 .then(|| Duration::from_millis(args.scrape_interval_ms)),

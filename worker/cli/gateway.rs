@@ -110,13 +110,8 @@ pub struct Args {
     /// Load data older than this marks an endpoint unhealthy, ms.
     #[arg(long, default_value_t = 2_000)]
     pub stale_after_ms: u64,
-    /// A worker's KV-event stream to index (repeat per worker):
-    /// `ADDRESS=PUB[,REPLAY]`, ADDRESS the worker's `host:port` as the
-    /// endpoints name it, PUB and REPLAY its `--kv-events-config` endpoints
-    /// (`tcp://host:port`). With any, the policy learns where each prompt's
-    /// prefix is cached (docs/kv-index.md); without, it routes on load.
-    #[arg(long = "kv-events", value_name = "ADDRESS=PUB[,REPLAY]", value_parser = parse_kv_events)]
-    pub kv_events: Vec<rngd_kv_index::EndpointSpec>,
+    #[command(flatten)]
+    pub prefix: crate::pool::PrefixArgs,
     /// Policy file change check period, ms (0 = no hot reload).
     #[arg(long, default_value_t = 1_000)]
     pub policy_watch_ms: u64,
@@ -211,6 +206,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         println!("ok");
         return Ok(());
     }
+    let cache = args.prefix.options(&endpoints);
     let opts = LaunchOptions {
         listen: args.listen.clone(),
         kpi_listen: args
@@ -245,7 +241,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
             every: Some(Duration::from_millis(args.scrape_interval_ms.max(1))),
             stale_after: Duration::from_millis(args.stale_after_ms),
         },
-        kv_events: args.kv_events.clone(),
+        cache,
     };
     let launched = rngd_gateway::launch::launch(opts).await?;
     // The KPI line comes first: readers stop at the listening line.
@@ -302,22 +298,3 @@ impl ListenerArgs {
     }
 }
 
-/// `--kv-events ADDRESS=PUB[,REPLAY]`.
-fn parse_kv_events(s: &str) -> Result<rngd_kv_index::EndpointSpec, String> {
-    let (id, rest) = s
-        .split_once('=')
-        .ok_or_else(|| format!("{s}: expected ADDRESS=PUB[,REPLAY]"))?;
-    let (publ, replay) = match rest.split_once(',') {
-        Some((p, r)) => (p, Some(r.to_string())),
-        None => (rest, None),
-    };
-    if id.is_empty() || publ.is_empty() || replay.as_deref() == Some("") {
-        return Err(format!("{s}: expected ADDRESS=PUB[,REPLAY]"));
-    }
-    Ok(rngd_kv_index::EndpointSpec {
-        id: id.to_string(),
-        endpoint: publ.to_string(),
-        replay_endpoint: replay,
-        topic: String::new(),
-    })
-}

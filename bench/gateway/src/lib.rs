@@ -219,7 +219,7 @@ pub async fn run(args: Options) -> Result<Report, Error> {
             every: Some(Duration::from_millis(50)),
             stale_after: Duration::from_secs(2),
         },
-        kv_events: Vec::new(),
+        cache: None,
     })
     .await?;
     // Ready once the first scrape has marked the worker healthy.

@@ -38,8 +38,8 @@ use std::time::Instant;
 
 use envoy_types::pb::envoy::extensions::filters::http::ext_proc::v3::processing_mode::BodySendMode;
 use envoy_types::pb::envoy::service::ext_proc::v3::{
-    BodyResponse, CommonResponse, HeadersResponse, HttpBody, HttpHeaders, ProcessingRequest,
-    ProcessingResponse, TrailersResponse, processing_request, processing_response,
+    BodyResponse, CommonResponse, HttpBody, HttpHeaders, ProcessingRequest, ProcessingResponse,
+    TrailersResponse, processing_request, processing_response,
 };
 use rngd_policy_core::{Decision, LocalResponse};
 use rngd_pool::admission::{BodyReservation, Slot};
@@ -49,8 +49,8 @@ use crate::picker::{PickInput, Picker, overloaded_response, too_large_response};
 pub use service::{ExtProcService, ResponseStream, respond};
 pub use wire::immediate;
 use wire::{
-    header_pairs, lb_metadata, mode_of, request_headers_response, routed_common, streamed_body,
-    subset_from_metadata,
+    header_pairs, lb_metadata, mode_of, request_headers_response, response_headers, routed_common,
+    streamed_body, subset_from_metadata,
 };
 
 /// Largest body chunk re-sent to Envoy (GIE's limit, below Envoy's 64 KiB buffers).
@@ -125,6 +125,9 @@ pub struct StreamState {
     body: Vec<u8>,
     /// Destination picked (for logs).
     pub destination: Option<String>,
+    /// The policy's reason for the route, added to the response headers
+    /// (`x-rngd-pd-route-reason`).
+    reason: Option<String>,
     /// A routed request not answered yet (for the per-model metrics).
     open: Option<OpenRequest>,
     /// The admission slot, held from the headers to the pick.
@@ -178,6 +181,7 @@ impl StreamState {
             subset: None,
             body: Vec::new(),
             destination: None,
+            reason: None,
             open: None,
             slot: None,
             reserved: None,
@@ -287,7 +291,7 @@ impl StreamState {
                 Step {
                     responses: vec![ProcessingResponse {
                         response: Some(processing_response::Response::ResponseHeaders(
-                            HeadersResponse::default(),
+                            response_headers(self.reason.take().as_deref()),
                         )),
                         ..Default::default()
                     }],
@@ -516,6 +520,7 @@ impl StreamState {
         match &pick {
             Decision::Route(r) => {
                 self.destination = Some(r.decode.clone());
+                self.reason = rngd_pool::pick::route_reason(r).map(String::from);
                 self.open = Some(OpenRequest {
                     metrics: picker.metrics().clone(),
                     model: model.unwrap_or_default(),

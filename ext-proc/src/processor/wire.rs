@@ -160,6 +160,20 @@ pub(super) fn route_mutation(
     }
 }
 
+/// The response-headers answer: the route's reason added for the client
+/// (`x-rngd-pd-route-reason`), when the policy gave one.
+pub(super) fn response_headers(reason: Option<&str>) -> HeadersResponse {
+    HeadersResponse {
+        response: reason.map(|r| CommonResponse {
+            header_mutation: Some(HeaderMutation {
+                set_headers: vec![set_header(headers::ROUTE_REASON, r)],
+                remove_headers: vec![],
+            }),
+            ..Default::default()
+        }),
+    }
+}
+
 pub(super) fn routed_common(
     route: &Route,
     content_length: Option<usize>,

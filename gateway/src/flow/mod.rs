@@ -127,7 +127,8 @@ async fn run_inner(
         }
         Err(e) => return Err(ApiError::Policy(e)),
     };
-    tracing::debug!(decode = %route.decode, prefill = ?route.prefill, kv_transport = ?route.kv_transport, "routed");
+    let reason = rngd_pool::pick::route_reason(&route).and_then(|r| HeaderValue::from_str(r).ok());
+    tracing::debug!(decode = %route.decode, prefill = ?route.prefill, kv_transport = ?route.kv_transport, reason = ?reason, "routed");
 
     // Prefill (PD), or none: the decode worker prefills itself.
     let mut decode_req = p.request.upstream.clone();
@@ -197,8 +198,8 @@ async fn run_inner(
         kv_transport,
         address: route.decode.clone(),
     };
-    if p.request.upstream.sampling.stream {
-        Ok(stream_response(ctx, resp, p.request.include_usage))
+    let mut resp = if p.request.upstream.sampling.stream {
+        stream_response(ctx, resp, p.request.include_usage)
     } else {
         let bytes =
             read_with_timeout(Stage::Decode, &route.decode, resp, gw.config.decode_timeout).await?;
@@ -209,6 +210,13 @@ async fn run_inner(
                 detail: "its response is not a completion".into(),
                 source: Some(Box::new(e)),
             })?;
-        Ok(full_response(ctx, body))
+        full_response(ctx, body)
+    };
+    // Why the policy routed it so, for the client (as the picker's Envoy
+    // path adds it to the response headers).
+    if let Some(v) = reason {
+        resp.headers_mut()
+            .insert(rngd_api::headers::ROUTE_REASON, v);
     }
+    Ok(resp)
 }

@@ -3,8 +3,8 @@
 //! source watches that `InferencePool` (`inference.networking.k8s.io/v1`) and
 //! the pods its `spec.selector.matchLabels` selects; every Running, Ready pod
 //! with an IP is an endpoint at `podIP:spec.targetPorts[0]`, its role, vendor,
-//! node, context length and transports read from its labels, spec and
-//! annotations ([`objects`] has the names). Pods that turn unready, start
+//! node, context length, transports and KV-event stream read from its
+//! labels, spec and annotations ([`objects`] has the names). Pods that turn unready, start
 //! terminating or vanish leave the snapshot with the event that says so.
 //!
 //! The list/watch protocol (resource versions, `410 Gone` relists, bookmarks,
@@ -102,6 +102,7 @@ fn check_name(flag: &str, s: &str, max: usize, dots: bool) -> Result<(), PoolErr
 #[derive(Debug)]
 pub struct KubeEndpoints {
     list: RwLock<Arc<[Endpoint]>>,
+    streams: RwLock<Arc<[crate::source::KvStream]>>,
     health: Mutex<WatchHealth>,
     stale_after: Duration,
     metrics: DiscoveryMetrics,
@@ -177,6 +178,7 @@ impl KubeEndpoints {
         }
         KubeEndpoints {
             list: RwLock::new(Vec::new().into()),
+            streams: RwLock::new(Vec::new().into()),
             health: Mutex::new(WatchHealth::default()),
             stale_after,
             metrics,
@@ -207,7 +209,18 @@ impl KubeEndpoints {
     }
 
     /// Replaces the list if it differs (an unchanged list keeps its `Arc`).
-    fn publish(&self, list: Vec<Endpoint>, skipped: &[(&'static str, i64)]) {
+    fn publish(
+        &self,
+        list: Vec<Endpoint>,
+        streams: Vec<crate::source::KvStream>,
+        skipped: &[(&'static str, i64)],
+    ) {
+        {
+            let mut cur = self.streams.write().unwrap_or_else(|e| e.into_inner());
+            if cur[..] != streams[..] {
+                *cur = streams.into();
+            }
+        }
         let m = &self.metrics;
         m.endpoints.set(list.len() as i64);
         for (reason, n) in skipped {
@@ -267,6 +280,10 @@ impl KubeEndpoints {
 impl EndpointSource for KubeEndpoints {
     fn snapshot(&self) -> Arc<[Endpoint]> {
         Arc::clone(&self.list.read().unwrap_or_else(|e| e.into_inner()))
+    }
+
+    fn kv_streams(&self) -> Arc<[crate::source::KvStream]> {
+        Arc::clone(&self.streams.read().unwrap_or_else(|e| e.into_inner()))
     }
 }
 

@@ -9,6 +9,10 @@
 //!   and [`prepare`], which validates a client body and counts its prompt.
 //! - [`pick`]: the [`Policy`] seam and [`Picker::pick`], the one routing call
 //!   (client-sent steering headers never reach the policy).
+//! - [`prefix`]: the [`prefix::PrefixSource`] seam (where each endpoint
+//!   holds a prompt's prefix) and the `rngd_pd.prefix_cache` text;
+//!   [`cache`]: its implementation, the KV-event index following the
+//!   endpoints' streams, with the router's own estimates and metrics.
 //! - [`admission`]: the concurrency limit, bounded waiting room and body-byte
 //!   budget both doors apply (429s).
 //! - [`wiring`]: the policy, tokenizer and source choices both doors start from.
@@ -19,6 +23,7 @@
 //! the `test-util` feature.
 
 pub mod admission;
+pub mod cache;
 #[cfg(feature = "kube")]
 pub mod discovery;
 pub mod load;
@@ -32,6 +37,7 @@ pub mod wiring;
 use std::path::PathBuf;
 
 pub use admission::{Admission, AdmissionOptions, Overloaded};
+pub use cache::{CacheOptions, EstimateOptions, PrefixCache, RunningCache};
 pub use load::{LoadSample, parse_load};
 pub use pick::{PickError, PickRequest, Picker, Policy, PolicyFailure};
 pub use prompt::{
@@ -39,7 +45,7 @@ pub use prompt::{
     gguf_counter_with, prepare,
 };
 pub use scrape::{HttpFetcher, MetricsFetcher, ScrapedEndpoints};
-pub use source::{EndpointSource, FileEndpoints, StaticEndpoints, can_serve};
+pub use source::{EndpointSource, FileEndpoints, KvStream, StaticEndpoints, can_serve};
 pub use wiring::{PolicyChoice, ScrapeOptions, SourceChoice, TokenizerChoice};
 
 /// A boxed error from an implementation of one of this crate's traits.

@@ -136,6 +136,36 @@ pub fn is_steering_header(name: &str) -> bool {
         || n == headers::ROUTE_REASON
 }
 
+/// The reason the policy gave for `route` (`x-rngd-pd-route-reason`:
+/// `cached`, `short_prompt`, `disaggregated`, …), if it gave one.
+pub fn route_reason(route: &Route) -> Option<&str> {
+    route
+        .headers
+        .iter()
+        .find(|(k, _)| k.eq_ignore_ascii_case(headers::ROUTE_REASON))
+        .map(|(_, v)| v.as_str())
+}
+
+/// Longest route reason counted under its own label (a policy's own
+/// reasons are free text; longer or non-`[a-z0-9_]` ones count as `other`).
+const MAX_REASON_LABEL: usize = 32;
+
+/// The `reason` label of `rngd_pd_route_decisions_total` for a route.
+fn reason_label(route: &Route) -> &str {
+    match route_reason(route) {
+        None => "none",
+        Some(r)
+            if r.len() <= MAX_REASON_LABEL
+                && !r.is_empty()
+                && r.bytes()
+                    .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_') =>
+        {
+            r
+        }
+        Some(_) => "other",
+    }
+}
+
 /// The headers the policy sees: `client`'s without the steering headers
 /// ([`is_steering_header`]), plus the trusted subset hint, if any, as
 /// `x-gateway-destination-endpoint-subset`.
@@ -178,6 +208,7 @@ pub struct Picker {
     policy: Arc<dyn Policy>,
     endpoints: Arc<dyn EndpointSource>,
     prefix: Option<Arc<dyn crate::prefix::PrefixSource>>,
+    decisions: prometheus::IntCounterVec,
 }
 
 impl std::fmt::Debug for Picker {
@@ -197,7 +228,26 @@ impl Picker {
             policy,
             endpoints,
             prefix: None,
+            decisions: prometheus::IntCounterVec::new(
+                prometheus::Opts::new(
+                    rngd_telemetry::names::ROUTE_DECISIONS_TOTAL,
+                    "Routes chosen, by the policy's reason (x-rngd-pd-route-reason).",
+                ),
+                &["reason"],
+            )
+            .expect("a valid metric definition"),
         }
+    }
+
+    /// Registers the picker's own metrics (`rngd_pd_route_decisions_total`)
+    /// in `r`.
+    pub fn register_metrics(&self, r: &prometheus::Registry) -> Result<(), crate::PoolError> {
+        r.register(Box::new(self.decisions.clone())).map_err(|e| {
+            crate::PoolError::Config(format!(
+                "metric {}: {e}",
+                rngd_telemetry::names::ROUTE_DECISIONS_TOTAL
+            ))
+        })
     }
 
     /// The same picker telling the policy where each endpoint holds a
@@ -236,13 +286,11 @@ impl Picker {
             prefix_cache: self
                 .prefix
                 .as_deref()
-                .filter(|_| !req.prompt_ids.is_empty())
+                .filter(|src| !req.prompt_ids.is_empty() && src.active())
                 .map(|src| {
-                    crate::prefix::property(
-                        src,
-                        snapshot.iter().map(|e| e.address.as_str()),
-                        &req.prompt_ids,
-                    )
+                    let addresses: Vec<&str> =
+                        snapshot.iter().map(|e| e.address.as_str()).collect();
+                    crate::prefix::property(src, &addresses, &req.prompt_ids)
                 }),
         };
         let route = match self.policy.decide(preq).await {
@@ -257,6 +305,14 @@ impl Picker {
                 });
             }
         }
+        if let Some(src) = &self.prefix
+            && !req.prompt_ids.is_empty()
+        {
+            src.routed(&route, &req.prompt_ids);
+        }
+        self.decisions
+            .with_label_values(&[reason_label(&route)])
+            .inc();
         Ok(route)
     }
 }
@@ -358,6 +414,28 @@ mod tests {
         .into_iter()
         .map(|(k, v)| (k.to_string(), v.to_string()))
         .collect()
+    }
+
+    #[test]
+    fn route_reasons_label_their_decisions_boundedly() {
+        let with = |v: &str| Route {
+            decode: "a:1".into(),
+            prefill: None,
+            kv_transport: None,
+            headers: vec![("X-Rngd-Pd-Route-Reason".into(), v.into())],
+        };
+        assert_eq!(route_reason(&with("cached")), Some("cached"));
+        assert_eq!(
+            reason_label(&with("ttft_goal_met_locally")),
+            "ttft_goal_met_locally"
+        );
+        assert_eq!(reason_label(&with("Not A Label")), "other");
+        assert_eq!(reason_label(&with(&"x".repeat(40))), "other");
+        let none = Route {
+            headers: vec![],
+            ..with("")
+        };
+        assert_eq!(reason_label(&none), "none");
     }
 
     #[test]
@@ -498,8 +576,11 @@ mod tests {
     async fn the_prefix_source_steers_the_pick_to_the_cached_endpoint() {
         struct HeldBy(&'static str);
         impl crate::prefix::PrefixSource for HeldBy {
-            fn cached(&self, address: &str, ids: &[u32]) -> Option<usize> {
-                Some(if address == self.0 { ids.len() - 8 } else { 0 })
+            fn cached_all(&self, addresses: &[&str], ids: &[u32]) -> Vec<Option<usize>> {
+                addresses
+                    .iter()
+                    .map(|a| Some(if *a == self.0 { ids.len() - 8 } else { 0 }))
+                    .collect()
             }
         }
         let a = local_endpoint("10.0.0.1:1".into(), Role::Decode, 512, &[]);

@@ -1,39 +1,43 @@
 //! Where each endpoint holds a prompt's prefix in its KV cache, for the
-//! policy's `rngd_pd.prefix_cache` property: the [`PrefixSource`] trait, its
-//! real implementation over the KV-event index
-//! (`rngd_kv_index::KvIndexer`, `docs/kv-index.md`), and the property text.
+//! policy's `rngd_pd.prefix_cache` property: the [`PrefixSource`] seam the
+//! picker asks (its real implementation is [`crate::cache::PrefixCache`],
+//! over the KV-event index; `docs/kv-index.md`), and the property text.
 
-use rngd_kv_index::KvIndexer;
+use rngd_policy_core::Route;
 
-/// Answers how many of a prompt's leading tokens an endpoint has cached.
+/// Answers how many of a prompt's leading tokens an endpoint has cached,
+/// and hears which endpoints a prompt was routed to.
 pub trait PrefixSource: Send + Sync {
-    /// Cached prompt tokens of `prompt_ids` on `address` (`ip:port`);
-    /// `None` when there is no cache information for it (no event stream,
-    /// or a stream that is stale, broken or still replaying).
-    fn cached(&self, address: &str, prompt_ids: &[u32]) -> Option<usize>;
-}
+    /// Cached prompt tokens of `prompt_ids` on each of `addresses`
+    /// (`ip:port`), in order; `None` where there is no cache information
+    /// (no event stream, or one that is stale, broken or still replaying).
+    fn cached_all(&self, addresses: &[&str], prompt_ids: &[u32]) -> Vec<Option<usize>>;
 
-impl PrefixSource for KvIndexer {
-    fn cached(&self, address: &str, prompt_ids: &[u32]) -> Option<usize> {
-        self.match_prefix(address, prompt_ids)
+    /// Whether it has anything to say (an endpoint with a stream, or
+    /// estimates); when not, the policy gets no property at all.
+    fn active(&self) -> bool {
+        true
     }
+
+    /// The picker routed `prompt_ids` along `route` (the source may
+    /// remember it until the endpoints' events confirm it). Default: nothing.
+    fn routed(&self, _route: &Route, _prompt_ids: &[u32]) {}
 }
 
 /// The `rngd_pd.prefix_cache` text for `addresses`: `ADDRESS=TOKENS` or
 /// `ADDRESS=?` (no information), joined by `,`.
-pub fn property<'a>(
-    source: &dyn PrefixSource,
-    addresses: impl IntoIterator<Item = &'a str>,
-    prompt_ids: &[u32],
-) -> String {
+pub fn property(source: &dyn PrefixSource, addresses: &[&str], prompt_ids: &[u32]) -> String {
     let mut out = String::new();
-    for a in addresses {
+    for (a, n) in addresses
+        .iter()
+        .zip(source.cached_all(addresses, prompt_ids))
+    {
         if !out.is_empty() {
             out.push(',');
         }
         out.push_str(a);
         out.push('=');
-        match source.cached(a, prompt_ids) {
+        match n {
             Some(n) => out.push_str(&n.to_string()),
             None => out.push('?'),
         }
@@ -48,12 +52,15 @@ mod tests {
     struct Fixed;
 
     impl PrefixSource for Fixed {
-        fn cached(&self, address: &str, prompt_ids: &[u32]) -> Option<usize> {
-            match address {
-                "a:1" => Some(prompt_ids.len() / 2),
-                "b:1" => Some(0),
-                _ => None,
-            }
+        fn cached_all(&self, addresses: &[&str], prompt_ids: &[u32]) -> Vec<Option<usize>> {
+            addresses
+                .iter()
+                .map(|a| match *a {
+                    "a:1" => Some(prompt_ids.len() / 2),
+                    "b:1" => Some(0),
+                    _ => None,
+                })
+                .collect()
         }
     }
 
@@ -61,9 +68,9 @@ mod tests {
     fn property_lists_every_address_with_its_count_or_unknown() {
         let ids = vec![7u32; 64];
         assert_eq!(
-            property(&Fixed, ["a:1", "b:1", "c:1"], &ids),
+            property(&Fixed, &["a:1", "b:1", "c:1"], &ids),
             "a:1=32,b:1=0,c:1=?"
         );
-        assert_eq!(property(&Fixed, [], &ids), "");
+        assert_eq!(property(&Fixed, &[], &ids), "");
     }
 }

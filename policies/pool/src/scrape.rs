@@ -346,6 +346,10 @@ impl EndpointSource for ScrapedEndpoints {
     fn snapshot(&self) -> Arc<[Endpoint]> {
         self.snapshot_at(Instant::now())
     }
+
+    fn kv_streams(&self) -> Arc<[crate::source::KvStream]> {
+        self.inner.kv_streams()
+    }
 }
 
 #[cfg(test)]

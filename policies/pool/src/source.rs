@@ -1,7 +1,8 @@
 //! Where the endpoint list comes from: the [`EndpointSource`] seam and its
 //! configured sources — a fixed list ([`StaticEndpoints`], also what the
 //! gateway's `--prefill`/`--decode` flags make) and a JSON file reloaded when
-//! it changes ([`FileEndpoints`]). Live load is added on top by
+//! it changes ([`FileEndpoints`], whose entries may also name the worker's
+//! KV-event stream). Live load is added on top by
 //! [`crate::scrape::ScrapedEndpoints`].
 
 use std::path::{Path, PathBuf};
@@ -22,7 +23,18 @@ pub trait EndpointSource: Send + Sync + 'static {
     /// unchanged, so a consumer can recognise an unchanged list by pointer
     /// (the policy host then skips re-serializing it).
     fn snapshot(&self) -> Arc<[Endpoint]>;
+
+    /// The KV-event streams of the endpoints this source knows of (an
+    /// endpoints-file field, a discovery annotation), indexed by
+    /// [`crate::cache::PrefixCache`]; the spec's id is the endpoint's
+    /// `ip:port`. Default: none.
+    fn kv_streams(&self) -> Arc<[KvStream]> {
+        Arc::from([])
+    }
 }
+
+/// One endpoint's KV-event stream (its id is the endpoint's `ip:port`).
+pub type KvStream = rngd_kv_index::EndpointSpec;
 
 /// Whether at least one endpoint that can decode is healthy in `snapshot`.
 pub fn can_serve(snapshot: &[Endpoint]) -> bool {
@@ -68,7 +80,86 @@ impl EndpointSource for StaticEndpoints {
 #[derive(Debug)]
 pub struct FileEndpoints {
     path: PathBuf,
-    state: RwLock<(Vec<u8>, Arc<[Endpoint]>)>,
+    state: RwLock<FileState>,
+}
+
+/// The file's bytes and what they parse to.
+#[derive(Debug)]
+struct FileState {
+    raw: Vec<u8>,
+    list: Arc<[Endpoint]>,
+    streams: Arc<[KvStream]>,
+}
+
+/// The stream fields an endpoints-file entry may carry beside the
+/// [`Endpoint`] fields.
+#[derive(Debug, serde::Deserialize)]
+struct StreamFields {
+    address: String,
+    /// The worker's KV-event PUB endpoint (`tcp://HOST:PORT`).
+    #[serde(default)]
+    kv_events: Option<String>,
+    /// Its replay (ROUTER) endpoint.
+    #[serde(default)]
+    kv_events_replay: Option<String>,
+    /// The topic prefix to subscribe to (default: every topic).
+    #[serde(default)]
+    kv_events_topic: Option<String>,
+}
+
+/// Whether `s` is a ZMQ address the index may connect to: `tcp://HOST:PORT`
+/// with a numeric port.
+pub fn stream_address_ok(s: &str) -> bool {
+    let Some(rest) = s.strip_prefix("tcp://") else {
+        return false;
+    };
+    match rest.rsplit_once(':') {
+        Some((host, port)) => {
+            !host.is_empty()
+                && !host.contains(['/', '*', ' '])
+                && port.parse::<u16>().is_ok_and(|p| p != 0)
+        }
+        None => false,
+    }
+}
+
+/// The KV-event streams named in the text of an endpoints file (entries
+/// without `kv_events` have none); `path` names the file in the error.
+pub fn parse_streams(path: &Path, raw: &[u8]) -> Result<Vec<KvStream>, PoolError> {
+    let entries: Vec<StreamFields> =
+        serde_json::from_slice(raw).map_err(|source| PoolError::EndpointsParse {
+            path: path.to_path_buf(),
+            source,
+        })?;
+    let mut out = Vec::new();
+    for e in entries {
+        let Some(pub_addr) = e.kv_events else {
+            if e.kv_events_replay.is_some() {
+                return Err(PoolError::Config(format!(
+                    "{}: endpoint {}: kv_events_replay without kv_events",
+                    path.display(),
+                    e.address
+                )));
+            }
+            continue;
+        };
+        for a in std::iter::once(&pub_addr).chain(e.kv_events_replay.as_ref()) {
+            if !stream_address_ok(a) {
+                return Err(PoolError::Config(format!(
+                    "{}: endpoint {}: {a:?} is not tcp://HOST:PORT",
+                    path.display(),
+                    e.address
+                )));
+            }
+        }
+        out.push(KvStream {
+            id: e.address,
+            endpoint: pub_addr,
+            replay_endpoint: e.kv_events_replay,
+            topic: e.kv_events_topic.unwrap_or_default(),
+        });
+    }
+    Ok(out)
 }
 
 /// Parses the text of an endpoints file (`path` names it in the error).
@@ -79,22 +170,25 @@ pub fn parse_endpoints(path: &Path, raw: &[u8]) -> Result<Vec<Endpoint>, PoolErr
     })
 }
 
-/// Reads and parses an endpoints file.
+/// Reads and parses an endpoints file (its KV-event stream fields are
+/// checked too).
 pub fn load_endpoints_file(path: &Path) -> Result<Vec<Endpoint>, PoolError> {
-    let raw = std::fs::read(path).map_err(|source| PoolError::EndpointsRead {
-        path: path.to_path_buf(),
-        source,
-    })?;
-    parse_endpoints(path, &raw)
+    let state = read_endpoints(path)?;
+    Ok(state.list.to_vec())
 }
 
-fn read_endpoints(path: &Path) -> Result<(Vec<u8>, Arc<[Endpoint]>), PoolError> {
+fn read_endpoints(path: &Path) -> Result<FileState, PoolError> {
     let raw = std::fs::read(path).map_err(|source| PoolError::EndpointsRead {
         path: path.to_path_buf(),
         source,
     })?;
     let list = parse_endpoints(path, &raw)?;
-    Ok((raw, list.into()))
+    let streams = parse_streams(path, &raw)?;
+    Ok(FileState {
+        raw,
+        list: list.into(),
+        streams: streams.into(),
+    })
 }
 
 impl FileEndpoints {
@@ -102,7 +196,7 @@ impl FileEndpoints {
     pub fn load(path: impl Into<PathBuf>) -> Result<Arc<Self>, PoolError> {
         let path = path.into();
         let state = read_endpoints(&path)?;
-        tracing::info!(path = %path.display(), endpoints = state.1.len(), "endpoints loaded");
+        tracing::info!(path = %path.display(), endpoints = state.list.len(), kv_streams = state.streams.len(), "endpoints loaded");
         Ok(Arc::new(FileEndpoints {
             path,
             state: RwLock::new(state),
@@ -111,13 +205,13 @@ impl FileEndpoints {
 
     /// Re-reads the file; returns whether the list changed.
     pub fn reload(&self) -> Result<bool, PoolError> {
-        let (raw, list) = read_endpoints(&self.path)?;
+        let new = read_endpoints(&self.path)?;
         let mut state = self.state.write().unwrap_or_else(|e| e.into_inner());
-        if state.0 == raw {
+        if state.raw == new.raw {
             return Ok(false);
         }
-        tracing::info!(path = %self.path.display(), endpoints = list.len(), "endpoints reloaded");
-        *state = (raw, list);
+        tracing::info!(path = %self.path.display(), endpoints = new.list.len(), kv_streams = new.streams.len(), "endpoints reloaded");
+        *state = new;
         Ok(true)
     }
 
@@ -146,9 +240,19 @@ impl FileEndpoints {
     }
 }
 
+impl FileEndpoints {
+    fn state(&self) -> std::sync::RwLockReadGuard<'_, FileState> {
+        self.state.read().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
 impl EndpointSource for FileEndpoints {
     fn snapshot(&self) -> Arc<[Endpoint]> {
-        Arc::clone(&self.state.read().unwrap_or_else(|e| e.into_inner()).1)
+        Arc::clone(&self.state().list)
+    }
+
+    fn kv_streams(&self) -> Arc<[KvStream]> {
+        Arc::clone(&self.state().streams)
     }
 }
 
@@ -236,6 +340,33 @@ mod tests {
             Err(PoolError::EndpointsParse { .. })
         ));
         assert_eq!(src.snapshot().len(), 2, "last good list stays");
+    }
+
+    #[test]
+    fn file_entries_may_name_their_kv_event_stream() {
+        let path = Path::new("e.json");
+        let raw = br#"[
+            {"address":"10.0.0.1:8000","role":"decode","vendor":"cpu","seq_len":512,
+             "kv_events":"tcp://10.0.0.1:5557","kv_events_replay":"tcp://10.0.0.1:5558"},
+            {"address":"10.0.0.2:8000","role":"prefill","vendor":"cpu","seq_len":512}
+        ]"#;
+        assert_eq!(parse_endpoints(path, raw).unwrap().len(), 2);
+        let s = parse_streams(path, raw).unwrap();
+        assert_eq!(s.len(), 1);
+        assert_eq!(s[0].id, "10.0.0.1:8000");
+        assert_eq!(s[0].endpoint, "tcp://10.0.0.1:5557");
+        assert_eq!(s[0].replay_endpoint.as_deref(), Some("tcp://10.0.0.1:5558"));
+        assert_eq!(s[0].topic, "");
+        for bad in [
+            r#"[{"address":"a:1","kv_events":"ipc:///tmp/x"}]"#,
+            r#"[{"address":"a:1","kv_events":"tcp://*:5557"}]"#,
+            r#"[{"address":"a:1","kv_events":"tcp://h:0"}]"#,
+            r#"[{"address":"a:1","kv_events":"tcp://h:1","kv_events_replay":"h:2"}]"#,
+            r#"[{"address":"a:1","kv_events_replay":"tcp://h:2"}]"#,
+        ] {
+            let e = parse_streams(path, bad.as_bytes()).unwrap_err();
+            assert!(e.to_string().contains("a:1"), "{e}");
+        }
     }
 
     #[test]

@@ -314,20 +314,35 @@ pub(super) fn gateway_args(
     g
 }
 
-/// The picker's endpoints file: every worker, with its role.
+/// The picker's endpoints file: every worker, with its role and, when it
+/// publishes them, its KV-event endpoints (`kv_events`,
+/// `kv_events_replay`), so the picker routes on the workers' caches as the
+/// gateway does.
 pub(super) fn picker_endpoints(
     args: &Args,
     workers: &[StartedWorker],
-) -> anyhow::Result<Vec<rngd_policy_core::Endpoint>> {
+) -> anyhow::Result<Vec<serde_json::Value>> {
     workers
         .iter()
         .map(|w| {
-            Ok(rngd_pool::source::local_endpoint(
+            let ep = rngd_pool::source::local_endpoint(
                 rngd_pool::source::address_of(&w.url)?,
                 w.plan.role.policy_role(),
                 args.seq_len,
                 std::slice::from_ref(&args.kv_transport),
-            ))
+            );
+            let mut v = serde_json::to_value(ep)?;
+            if let Some(printed) = &w.kv_events {
+                let (publ, replay) = match printed.split_once(" replay ") {
+                    Some((p, r)) => (p, Some(r)),
+                    None => (printed.as_str(), None),
+                };
+                v["kv_events"] = publ.into();
+                if let Some(r) = replay {
+                    v["kv_events_replay"] = r.into();
+                }
+            }
+            Ok(v)
         })
         .collect()
 }
@@ -531,7 +546,12 @@ mod tests {
         assert_eq!(kv_events_spec("http://h:1", "tcp://h:2"), "h:1=tcp://h:2");
         let eps = picker_endpoints(&a, &w).unwrap();
         assert_eq!(eps.len(), 4);
-        assert_eq!(eps[3].role, rngd_policy_core::Role::Decode);
+        assert_eq!(eps[3]["role"], "decode");
+        // The picker follows the same streams as the gateway.
+        let text = serde_json::to_vec(&eps).unwrap();
+        let streams = rngd_pool::source::parse_streams(std::path::Path::new("e"), &text).unwrap();
+        assert_eq!(streams.len(), 4);
+        assert_eq!(streams[3].endpoint, format!("tcp://127.0.0.1:{}", 8000 + 3));
     }
 
     #[test]

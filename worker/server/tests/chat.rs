@@ -456,7 +456,7 @@ async fn a_chat_through_the_gateway_equals_the_chat_sent_to_the_worker() {
             every: None,
             stale_after: Duration::from_secs(2),
         },
-        kv_events: Vec::new(),
+        cache: None,
     })
     .await
     .unwrap();

@@ -169,3 +169,37 @@ pub const VLLM_CACHE_CONFIG_INFO: &str = "vllm:cache_config_info";
 pub const RELAY_HANDSHAKE_FAILURES_TOTAL: &str = "rngd_pd_relay_handshake_failures_total";
 /// Relay sockets in the handshake now, under the pre-auth cap (gauge).
 pub const RELAY_HANDSHAKES: &str = "rngd_pd_relay_handshakes";
+
+// The routers' KV-event index and prefix lookups (`rngd_pool::cache`, in the
+// gateway's and the picker's `/metrics`). Label `endpoint` is the pool
+// member's `ip:port` (series leave with the member).
+/// Events applied from an endpoint's stream (counter, label `endpoint`).
+pub const KV_INDEX_EVENTS_TOTAL: &str = "rngd_pd_kv_index_events_total";
+/// Stream faults by `fault`: `gap`, `replay_failed`, `unknown_parent`,
+/// `restart`, `stale`, `undecodable` (counter, labels `endpoint`, `fault`).
+pub const KV_INDEX_STREAM_FAULTS_TOTAL: &str = "rngd_pd_kv_index_stream_faults_total";
+/// Replays that completed (counter, label `endpoint`).
+pub const KV_INDEX_REPLAYS_TOTAL: &str = "rngd_pd_kv_index_replays_total";
+/// Blocks indexed now (gauge, label `endpoint`).
+pub const KV_INDEX_BLOCKS: &str = "rngd_pd_kv_index_blocks";
+/// Blocks evicted by the index's block cap (counter).
+pub const KV_INDEX_EVICTED_BLOCKS_TOTAL: &str = "rngd_pd_kv_index_evicted_blocks_total";
+/// Seconds since the endpoint's last batch or answered probe (gauge, label
+/// `endpoint`; absent before the first).
+pub const KV_INDEX_SECONDS_SINCE_EVENT: &str = "rngd_pd_kv_index_seconds_since_event";
+/// 1 when the endpoint's stream is live (its cache information is used),
+/// else 0 and it is routed on load alone (gauge, label `endpoint`).
+pub const KV_INDEX_STREAM_UP: &str = "rngd_pd_kv_index_stream_up";
+/// Per-endpoint prefix lookups of routed requests by `result`: `indexed`
+/// (from events), `estimated` (approximate mode), `stream_down` (a stream
+/// without current information: load alone), `no_stream` (counter).
+pub const PREFIX_LOOKUPS_TOTAL: &str = "rngd_pd_prefix_lookups_total";
+/// Blocks the router remembers having sent, by `kind`: `speculative`
+/// (awaiting events), `approximate` (endpoints without a stream) (gauge).
+pub const PREFIX_ESTIMATED_BLOCKS: &str = "rngd_pd_prefix_estimated_blocks";
+/// Routes chosen by the policy, by `reason` (`x-rngd-pd-route-reason`:
+/// `cached`, `short_prompt`, `ttft_goal_met_locally`, `faster_locally`,
+/// `disaggregated`, `unknown_prompt`, `no_prefill_endpoint`,
+/// `no_common_transport`, `solo`; `none` without one, `other` for a reason
+/// that is not a short `[a-z0-9_]` word) (counter, both doors).
+pub const ROUTE_DECISIONS_TOTAL: &str = "rngd_pd_route_decisions_total";

@@ -2,7 +2,8 @@
 //! `InferencePool` resource (`inference.networking.k8s.io/v1`, the fields a
 //! picker needs), its selector as a label-selector string, and
 //! [`endpoint_of`], which turns one Pod into one [`Endpoint`] (or says why it
-//! is not one). Pure functions: the watch in `super::watch` calls them.
+//! is not one), and [`kv_stream_of`], its KV-event stream. Pure functions:
+//! the watch in `super::watch` calls them.
 
 use std::borrow::Cow;
 use std::collections::BTreeMap;
@@ -12,6 +13,8 @@ use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use rngd_policy_core::{Endpoint, Role, Vendor};
 use serde::{Deserialize, Serialize};
+
+use crate::source::KvStream;
 
 /// Pod label naming the llm-d role of a model server: `prefill`, `decode` or
 /// `both` (absent = `both`).
@@ -24,6 +27,11 @@ pub const SEQ_LEN_ANNOTATION: &str = "rngd-pd.io/seq-len";
 /// Pod annotation listing the KV transports the worker speaks, comma
 /// separated (absent = [`DEFAULT_TRANSPORTS`]).
 pub const TRANSPORTS_ANNOTATION: &str = "rngd-pd.io/transports";
+/// Pod annotation with the port of the worker's KV-event publisher (PUB);
+/// the router subscribes at `tcp://POD_IP:PORT` (never another host).
+pub const KV_EVENTS_PORT_ANNOTATION: &str = "rngd-pd.io/kv-events-port";
+/// Pod annotation with the port of its replay (ROUTER) socket.
+pub const KV_EVENTS_REPLAY_PORT_ANNOTATION: &str = "rngd-pd.io/kv-events-replay-port";
 /// Transports of a pod without [`TRANSPORTS_ANNOTATION`].
 pub const DEFAULT_TRANSPORTS: &[&str] = &["shm", "tcp"];
 /// Extended resource of a FuriosaAI RNGD card.
@@ -269,6 +277,47 @@ pub fn endpoint_of(pod: &Pod, port: u16) -> Result<Endpoint, Skip> {
     })
 }
 
+/// The KV-event stream of `endpoint` (a pod [`endpoint_of`] accepted), from
+/// its [`KV_EVENTS_PORT_ANNOTATION`] / [`KV_EVENTS_REPLAY_PORT_ANNOTATION`]:
+/// always at the pod's own IP. `None` without the annotation.
+pub fn kv_stream_of(pod: &Pod, endpoint: &Endpoint) -> Result<Option<KvStream>, Skip> {
+    let annotations = pod.metadata.annotations.as_ref();
+    let annotation = |k: &str| annotations.and_then(|a| a.get(k)).map(String::as_str);
+    let port = |k: &str| -> Result<Option<u16>, Skip> {
+        match annotation(k) {
+            None => Ok(None),
+            Some(s) => s
+                .trim()
+                .parse::<u16>()
+                .ok()
+                .filter(|p| *p > 0)
+                .map(Some)
+                .ok_or_else(|| Skip::Invalid(format!("annotation {k}={s:?} is not a port number"))),
+        }
+    };
+    let publish = port(KV_EVENTS_PORT_ANNOTATION)?;
+    let replay = port(KV_EVENTS_REPLAY_PORT_ANNOTATION)?;
+    let Some(publish) = publish else {
+        if replay.is_some() {
+            return Err(Skip::Invalid(format!(
+                "annotation {KV_EVENTS_REPLAY_PORT_ANNOTATION} without {KV_EVENTS_PORT_ANNOTATION}"
+            )));
+        }
+        return Ok(None);
+    };
+    let addr: std::net::SocketAddr = endpoint
+        .address
+        .parse()
+        .map_err(|_| Skip::Invalid(format!("address {:?} is not ip:port", endpoint.address)))?;
+    let at = |p: u16| format!("tcp://{}", std::net::SocketAddr::new(addr.ip(), p));
+    Ok(Some(KvStream {
+        id: endpoint.address.clone(),
+        endpoint: at(publish),
+        replay_endpoint: replay.map(at),
+        topic: String::new(),
+    }))
+}
+
 /// The vendor a pod's device resource limits name (cpu when none).
 fn vendor_from_resources(pod: &Pod) -> Vendor {
     let asks = |name: &str| {
@@ -410,6 +459,34 @@ mod tests {
                 Err(Skip::Invalid(msg)) => assert!(msg.contains(needle), "{msg}"),
                 other => panic!("{needle}: {other:?}"),
             }
+        }
+    }
+
+    #[test]
+    fn the_kv_event_stream_is_at_the_pods_own_ip() {
+        let p = ready_pod(
+            serde_json::json!({}),
+            serde_json::json!({SEQ_LEN_ANNOTATION: "512",
+                KV_EVENTS_PORT_ANNOTATION: "5557", KV_EVENTS_REPLAY_PORT_ANNOTATION: "5558"}),
+        );
+        let e = endpoint_of(&p, 8000).expect("endpoint");
+        let s = kv_stream_of(&p, &e).expect("ok").expect("a stream");
+        assert_eq!(s.id, e.address);
+        let ip = e.address.rsplit_once(':').unwrap().0.to_string();
+        assert_eq!(s.endpoint, format!("tcp://{ip}:5557"));
+        assert_eq!(s.replay_endpoint, Some(format!("tcp://{ip}:5558")));
+        let none = ready_pod(
+            serde_json::json!({}),
+            serde_json::json!({SEQ_LEN_ANNOTATION: "512"}),
+        );
+        assert_eq!(kv_stream_of(&none, &e).expect("ok"), None);
+        for annotations in [
+            serde_json::json!({KV_EVENTS_PORT_ANNOTATION: "tcp://evil:1"}),
+            serde_json::json!({KV_EVENTS_PORT_ANNOTATION: "0"}),
+            serde_json::json!({KV_EVENTS_REPLAY_PORT_ANNOTATION: "5558"}),
+        ] {
+            let p = ready_pod(serde_json::json!({}), annotations);
+            assert!(matches!(kv_stream_of(&p, &e), Err(Skip::Invalid(_))));
         }
     }
 

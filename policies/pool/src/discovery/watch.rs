@@ -15,7 +15,7 @@ use kube::runtime::WatchStreamExt;
 use kube::runtime::watcher::{self, Event};
 use kube::{Api, Client};
 
-use super::objects::{InferencePool, PoolTarget, Skip, endpoint_of, pool_target};
+use super::objects::{InferencePool, PoolTarget, Skip, endpoint_of, kv_stream_of, pool_target};
 use super::{KubeEndpoints, KubeOptions};
 
 type Events<K> = BoxStream<'static, Result<Event<K>, watcher::Error>>;
@@ -62,17 +62,29 @@ fn apply(pods: &mut Pods, ev: Event<Pod>) -> bool {
     }
 }
 
-/// The endpoints of the live pods at `port`, and the skip counts by reason.
-fn endpoints(
-    pods: &mut Pods,
-    port: u16,
-) -> (Vec<rngd_policy_core::Endpoint>, [(&'static str, i64); 2]) {
+/// The live pods as the source publishes them.
+pub(super) struct Listed {
+    /// Their endpoints at the pool's port.
+    pub endpoints: Vec<rngd_policy_core::Endpoint>,
+    /// The KV-event streams of those that announce one.
+    pub streams: Vec<crate::source::KvStream>,
+    /// Skip counts by reason.
+    pub skipped: [(&'static str, i64); 2],
+}
+
+/// The endpoints (and KV-event streams) of the live pods at `port`, and the
+/// skip counts by reason.
+fn endpoints(pods: &mut Pods, port: u16) -> Listed {
     let mut list = Vec::new();
+    let mut streams = Vec::new();
     let (mut not_ready, mut invalid) = (0, 0);
     let mut warned = BTreeMap::new();
     for (name, pod) in &pods.live {
-        match endpoint_of(pod, port) {
-            Ok(e) => list.push(e),
+        match endpoint_of(pod, port).and_then(|e| Ok((kv_stream_of(pod, &e)?, e))) {
+            Ok((stream, e)) => {
+                streams.extend(stream);
+                list.push(e);
+            }
             Err(Skip::NotReady) => not_ready += 1,
             Err(Skip::Invalid(why)) => {
                 invalid += 1;
@@ -84,7 +96,11 @@ fn endpoints(
         }
     }
     pods.warned = warned;
-    (list, [("not_ready", not_ready), ("invalid", invalid)])
+    Listed {
+        endpoints: list,
+        streams,
+        skipped: [("not_ready", not_ready), ("invalid", invalid)],
+    }
 }
 
 fn pod_watch(api: &Api<Pod>, target: &PoolTarget) -> Events<Pod> {
@@ -194,10 +210,10 @@ pub(super) async fn run(client: Client, opts: KubeOptions, out: Arc<KubeEndpoint
         if changed {
             match &target {
                 Some(t) => {
-                    let (list, skipped) = endpoints(&mut pods, t.port);
-                    out.publish(list, &skipped);
+                    let listed = endpoints(&mut pods, t.port);
+                    out.publish(listed.endpoints, listed.streams, &listed.skipped);
                 }
-                None => out.publish(Vec::new(), &[("not_ready", 0), ("invalid", 0)]),
+                None => out.publish(Vec::new(), Vec::new(), &[("not_ready", 0), ("invalid", 0)]),
             }
         }
         if pool_synced && (target.is_none() || pods_synced) {
