@@ -69,7 +69,9 @@ def model_path():
 class Proc:
     """A child process whose stdout lines are collected by a reader thread."""
 
-    def __init__(self, name, args, env=None):
+    def __init__(self, name, args, env=None, stderr=None):
+        """`stderr`: a file to write the child's standard error (its log) to;
+        None = inherited (pytest shows it on failure)."""
         self.name = name
         self.lines = []
         self.cond = threading.Condition()
@@ -78,7 +80,7 @@ class Proc:
             args,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
-            stderr=None,  # inherited: pytest shows it on failure
+            stderr=stderr,
             text=True,
             env=env,
             start_new_session=True,

@@ -182,7 +182,8 @@ class ExtProc:
     """A running `rngd-pd ext-proc` with all ports picked by the OS (`endpoints_file`
     None: the endpoints come from `extra`, e.g. `--pool-name`)."""
 
-    def __init__(self, endpoints_file, policy, policy_config=None, model=None, extra=(), tls=True, cert_path=None):
+    def __init__(self, endpoints_file, policy, policy_config=None, model=None, extra=(), tls=True, cert_path=None,
+                 log=None):
         self.tls = tls
         args = [
             rngd_bin(), "ext-proc", "--host", "127.0.0.1",
@@ -197,7 +198,8 @@ class ExtProc:
             args += ["--policy-config", str(policy_config)]
         args += ["--model", str(model)] if model else ["--no-tokenizer"]
         args += list(extra)
-        self.proc = Proc("rngd-pd ext-proc", args, env=dict(os.environ, RUST_LOG=os.environ.get("RUST_LOG", "warn")))
+        self.proc = Proc("rngd-pd ext-proc", args, env=dict(os.environ, RUST_LOG=os.environ.get("RUST_LOG", "warn")),
+                         stderr=log)
         try:
             self.grpc = self.proc.wait_line("rngd-pd ext-proc grpc listening on", 120)
             self.health = self.proc.wait_line("rngd-pd ext-proc health listening on", 5)
