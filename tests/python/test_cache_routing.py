@@ -1,22 +1,35 @@
-"""Routing on cached prefixes through `rngd-pd up` (its gateway indexes both
-workers' KV events, `--kv-events`), seen with the real `openai` client: a
-three-turn conversation reports `cached_tokens` on every later turn, and the
-workers' hit counters account for them.
+"""Routing on cached prefixes through `rngd-pd up` with one prefill and two
+decode workers (its gateway indexes every worker's KV events, `--kv-events`),
+seen with the real `openai` client: a three-turn conversation stays on the
+decode worker that holds it, turns 2 and 3 skip the remote prefill (the
+`x-rngd-pd-route-reason: cached` response header), `cached_tokens` grows, and
+the workers' hit counters account for it.
+
+The policy configuration weighs the cache more than the defaults
+(`prefix_weight` 10, `disaggregation_threshold_tokens` 48), as
+`test_envoy_cache_routing.py` does, so the assertions do not depend on the
+load figures the gateway scraped a few milliseconds earlier.
 """
 
+import json
 import os
 
 import openai
 import pytest
+import requests
 
 from conftest import counter, start_stack
 
 
 @pytest.fixture(scope="module")
-def stack():
+def stack(tmp_path_factory):
     """`rngd-pd up` as a user runs it: the workers publish KV events and the
     gateway indexes them."""
-    s = start_stack("shm")
+    cfg = tmp_path_factory.mktemp("cache-routing") / "policy.json"
+    cfg.write_text(json.dumps({"disaggregation_threshold_tokens": 48, "prefix_weight": 10,
+                               "same_node_transport": "shm"}))
+    s = start_stack("shm", "--decode-workers", "2", "--policy-config", str(cfg))
+    s.decode_1 = s.proc.wait_line("rngd-pd up: decode-1", 5)
     yield s
     assert s.proc.stop() == 0
     assert not os.path.exists(s.shm_root)
@@ -30,33 +43,41 @@ SYSTEM = ("You are the archivist of a small harbour town. You answer questions a
           "its fishing fleet and the storms of the last century in two or three plain sentences.")
 
 
-def test_a_conversation_reuses_its_cached_prefix_every_turn(stack):
+def served(stack):
+    return [counter(w.removeprefix("http://"), "vllm:request_success_total") for w in (stack.decode, stack.decode_1)]
+
+
+def test_a_conversation_stays_on_the_worker_that_holds_it(stack):
     c = client(stack)
     messages = [{"role": "system", "content": SYSTEM + f" (transport {stack.transport})"},
                 {"role": "user", "content": "When was the lighthouse built?"}]
-    cached = []
-    prompt_tokens = []
-    for turn in range(3):
-        r = c.chat.completions.create(model=stack.model, messages=messages, max_tokens=12, temperature=0)
+    cached, prompt_tokens, reasons, where = [], [], [], []
+    for question in ["Why?", "And then?", None]:
+        before = served(stack)
+        raw = c.chat.completions.with_raw_response.create(model=stack.model, messages=messages, max_tokens=4,
+                                                          temperature=0)
+        r = raw.parse()
+        after = served(stack)
+        where.append([i for i in range(2) if after[i] > before[i]])
+        reasons.append(raw.headers.get("x-rngd-pd-route-reason"))
         cached.append(r.usage.prompt_tokens_details.cached_tokens)
         prompt_tokens.append(r.usage.prompt_tokens)
+        if question is None:
+            break
         messages += [{"role": "assistant", "content": r.choices[0].message.content},
-                     {"role": "user", "content": f"And what happened in storm number {turn + 2}?"}]
-    # The first turn is new; each later one finds a prefix of the
-    # conversation cached on the worker it is prefilled on, in whole blocks
-    # of 16. (Measured: 0, 64, 48 for 60, 92, 124 prompt tokens: the third
-    # turn went to the prefill worker, which holds only the first turn's
-    # prompt, instead of staying on the decode worker that prefilled the
-    # second. By the policy's arithmetic that follows from the decode
-    # worker's last scrape still counting the second turn's stream as
-    # running: a local prefill of the 44 new tokens is then charged to it
-    # (`decode_interference`), which tips the choice to the prefill worker.
-    # So the test asks only for a hit on each later turn.)
+                     {"role": "user", "content": question}]
+    # One decode worker served every turn; the first (cold, long) was
+    # disaggregated, the later ones found the conversation cached there and
+    # prefilled only the new tokens, in whole blocks of 16.
+    assert all(len(w) == 1 for w in where) and where[0] == where[1] == where[2], where
+    assert reasons == ["disaggregated", "cached", "cached"], reasons
     assert cached[0] == 0, cached
-    assert 0 < cached[1] < prompt_tokens[1], (cached, prompt_tokens)
-    assert 0 < cached[2] < prompt_tokens[2], (cached, prompt_tokens)
+    assert 0 < cached[1] < cached[2] < prompt_tokens[2], (cached, prompt_tokens)
     assert all(n % 16 == 0 for n in cached), cached
-    # Both workers' caches were looked up and hit in total as reported.
+    # The workers' caches were hit in total as reported.
     hits = sum(counter(w.removeprefix("http://"), "vllm:prefix_cache_hits_total")
-               for w in (stack.prefill, stack.decode))
+               for w in (stack.prefill, stack.decode, stack.decode_1))
     assert hits >= sum(cached)
+    # The gateway counts its decisions by reason.
+    text = requests.get(stack.gateway + "/metrics", timeout=10).text
+    assert 'rngd_pd_route_decisions_total{reason="cached"} 2' in text, text
