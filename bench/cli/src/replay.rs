@@ -105,6 +105,32 @@ pub struct Args {
     /// its metrics and watch its RSS, stop it (SIGINT) at the end.
     #[arg(long, conflicts_with_all = ["policies", "llama_server"])]
     pub spawn_worker: bool,
+    /// The comparison run's flags (--policies, --llama-server, …).
+    #[command(flatten)]
+    pub compare: Box<CompareArgs>,
+    /// The rngd-pd binary for --spawn-up and --spawn-worker; default: $RNGD_PD_BIN, else
+    /// $CARGO_TARGET_DIR/release/rngd-pd, else beside this executable.
+    #[arg(long)]
+    pub rngd_pd: Option<PathBuf>,
+    /// Extra argument of `rngd-pd up` (repeat it), e.g. --up-arg=--kv-transport --up-arg=tcp.
+    #[arg(long = "up-arg", allow_hyphen_values = true)]
+    pub up_args: Vec<String>,
+    /// Extra argument of the spawned `rngd-pd worker` (repeat it), e.g.
+    /// --worker-arg=--prefix-cache-bytes --worker-arg=1000000.
+    #[arg(long = "worker-arg", allow_hyphen_values = true)]
+    pub worker_args: Vec<String>,
+    /// How long `rngd-pd up` (or the spawned worker) may take to be ready, seconds.
+    #[arg(long, default_value_t = 900.0)]
+    pub up_timeout_s: f64,
+    /// Print only the JSON line (no progress on stderr).
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// Flags of a comparison run (`rngd_bench_replay::compare`), boxed in
+/// [`Args`] to keep the subcommand enum small.
+#[derive(Debug, Clone, clap::Args)]
+pub struct CompareArgs {
     /// Compare routing strategies of the default policy in one run
     /// (cache, load, round_robin, comma-separated): for each, start `rngd-pd
     /// up --decode-workers D --prefill-workers P` with `{"routing": …}` as
@@ -135,27 +161,11 @@ pub struct Args {
     /// Extra argument of llama-server (repeat it).
     #[arg(long = "llama-arg", allow_hyphen_values = true)]
     pub llama_args: Vec<String>,
-    /// The rngd-pd binary for --spawn-up and --spawn-worker; default: $RNGD_PD_BIN, else
-    /// $CARGO_TARGET_DIR/release/rngd-pd, else beside this executable.
-    #[arg(long)]
-    pub rngd_pd: Option<PathBuf>,
-    /// Extra argument of `rngd-pd up` (repeat it), e.g. --up-arg=--kv-transport --up-arg=tcp.
-    #[arg(long = "up-arg", allow_hyphen_values = true)]
-    pub up_args: Vec<String>,
-    /// Extra argument of the spawned `rngd-pd worker` (repeat it), e.g.
-    /// --worker-arg=--prefix-cache-bytes --worker-arg=1000000.
-    #[arg(long = "worker-arg", allow_hyphen_values = true)]
-    pub worker_args: Vec<String>,
-    /// How long `rngd-pd up` (or the spawned worker) may take to be ready, seconds.
-    #[arg(long, default_value_t = 900.0)]
-    pub up_timeout_s: f64,
-    /// Print only the JSON line (no progress on stderr).
-    #[arg(long)]
-    pub json: bool,
 }
 
 impl From<Args> for rngd_bench_replay::Options {
     fn from(a: Args) -> Self {
+        let c = *a.compare;
         rngd_bench_replay::Options {
             trace: a.trace.unwrap_or_else(rngd_bench_replay::default_trace),
             trace_format: a.trace_format.into(),
@@ -183,14 +193,14 @@ impl From<Args> for rngd_bench_replay::Options {
             up_args: a.up_args,
             worker_args: a.worker_args,
             up_timeout_s: a.up_timeout_s,
-            policies: a.policies,
-            decode_workers: a.decode_workers,
-            prefill_workers: a.prefill_workers,
-            llama_server: a.llama_server,
-            llama_model: a.llama_model,
-            llama_threads: a.llama_threads,
-            llama_parallel: a.llama_parallel,
-            llama_args: a.llama_args,
+            policies: c.policies,
+            decode_workers: c.decode_workers,
+            prefill_workers: c.prefill_workers,
+            llama_server: c.llama_server,
+            llama_model: c.llama_model,
+            llama_threads: c.llama_threads,
+            llama_parallel: c.llama_parallel,
+            llama_args: c.llama_args,
             json: a.json,
         }
     }
