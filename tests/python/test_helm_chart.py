@@ -327,6 +327,19 @@ def test_picker_and_gateway_discover_the_release_pool():
         assert not any(a.startswith("--kubeconfig") for a in args), "in-cluster config is the default"
 
 
+def test_prefix_routing_flags_come_from_values():
+    """Both doors route on the workers' cached prefixes by default (no flag:
+    discovery names the streams); the values turn on approximate mode or
+    turn it all off."""
+    for name in ("demo-epp", "demo-gateway"):
+        args = container(render(), name)["args"]
+        assert not any("prefix" in a for a in args), args
+        approx = container(render({"prefixRouting": {"approximate": True, "approximateTtlMs": 5000}}), name)["args"]
+        assert "--approximate-prefix" in approx and "--approximate-prefix-ttl-ms=5000" in approx, approx
+        off = container(render({"prefixRouting": {"enabled": False}}), name)["args"]
+        assert "--no-prefix-routing" in off and "--approximate-prefix" not in off, off
+
+
 def test_discovery_role_allows_exactly_the_watch():
     objs = render()
     roles = [o for (kind, _), o in objs.items() if kind in ("Role", "ClusterRole")]

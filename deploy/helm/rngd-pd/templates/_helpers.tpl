@@ -80,6 +80,16 @@ InferencePool of the release (discovery) or the endpoints file. */}}
 {{- end }}
 {{- end -}}
 
+{{/* The prefix-routing flags both doors take (values.prefixRouting). */}}
+{{- define "rngd-pd.prefixArgs" -}}
+{{- if not .Values.prefixRouting.enabled }}
+- --no-prefix-routing
+{{- else if .Values.prefixRouting.approximate }}
+- --approximate-prefix
+- --approximate-prefix-ttl-ms={{ .Values.prefixRouting.approximateTtlMs }}
+{{- end }}
+{{- end -}}
+
 {{/* The file `rngd-pd model fetch --cache <model.mountPath>` writes. */}}
 {{- define "rngd-pd.fetchedModel" -}}
 {{- printf "%s/models/SmolLM2-135M-Instruct.Q4_1.gguf" (trimSuffix "/" .Values.model.mountPath) -}}
