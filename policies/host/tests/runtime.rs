@@ -197,6 +197,44 @@ async fn default_policy_decision_table() {
     }
 }
 
+/// `routing` through the wasm guest: with `"load"` the cached endpoint is
+/// ignored (the load order's first, the whole prompt prefilled remotely);
+/// the default (`"cache"`) takes it.
+#[tokio::test]
+async fn routing_load_ignores_the_cache() {
+    let cluster = vec![
+        ep("10.0.0.1:8000", Role::Decode, "n1", 0, true),
+        ep("10.0.0.2:8000", Role::Decode, "n1", 0, true),
+        ep("10.0.1.1:9000", Role::Prefill, "n1", 0, true),
+    ];
+    let body = r#"{"model":"m","prompt":"hello","max_tokens":32}"#;
+    let mut r = req(body, Some(cluster), Some(420));
+    r.prefix_cache = Some("10.0.0.2:8000=400".into());
+    // (config, decode, prefill)
+    let rows = [
+        ("{}", "10.0.0.2:8000", None),
+        (
+            r#"{"routing":"load"}"#,
+            "10.0.0.1:8000",
+            Some("10.0.1.1:9000"),
+        ),
+    ];
+    for target in TARGETS {
+        for (config, decode, prefill) in rows {
+            let rt = runtime("pd-default", target, config).expect("loads");
+            let route = rt
+                .decide(r.clone())
+                .await
+                .expect("decides")
+                .route()
+                .cloned()
+                .expect("a route");
+            assert_eq!(route.decode, decode, "{target} {config}");
+            assert_eq!(route.prefill.as_deref(), prefill, "{target} {config}");
+        }
+    }
+}
+
 #[tokio::test]
 async fn static_pool_and_queue_limit() {
     let cfg = r#"{"static_endpoints":[{"address":"192.0.2.1:80","role":"decode","vendor":"cpu","seq_len":256,"queue_depth":9}],
