@@ -148,9 +148,17 @@ impl PolicyConfig {
         self.score(e) - self.prefix_weight * cached as f64 / 100.0
     }
 
-    /// Predicted TTFT of prefilling `uncached` tokens on `e`, ms.
+    /// Predicted TTFT of prefilling `uncached` tokens on `e`, ms: the
+    /// requests ahead of it (those waiting and, on a prefill endpoint, whose
+    /// every running request is a prefill still being computed, those
+    /// running too) at `queue_ms_per_request` each, then its own tokens.
     pub fn predicted_ttft_ms(&self, e: &Endpoint, uncached: u64) -> f64 {
-        f64::from(e.queue_depth) * self.queue_ms_per_request
+        let running_prefills = if e.role == crate::Role::Prefill {
+            e.running
+        } else {
+            0
+        };
+        f64::from(e.queue_depth.saturating_add(running_prefills)) * self.queue_ms_per_request
             + uncached as f64 * self.prefill_ms_per_token
     }
 }

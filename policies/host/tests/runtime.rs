@@ -235,6 +235,132 @@ async fn routing_load_ignores_the_cache() {
     }
 }
 
+/// One row of the cache-aware table: (what, queue of the two decode
+/// endpoints, prefill queue, `rngd_pd.prefix_cache`, `x-llm-d-slo-ttft-ms`,
+/// decode, prefill, reason).
+type CacheRow = (
+    &'static str,
+    [u32; 2],
+    u32,
+    Option<&'static str>,
+    Option<&'static str>,
+    &'static str,
+    Option<&'static str>,
+    &'static str,
+);
+
+/// The cache-aware decision through both guests, as the core's tables have
+/// it: the cached endpoint wins unless overloaded, and the PD decision's
+/// rows (few non-cached tokens → local; a long cold prompt → PD; a TTFT goal
+/// met or unmet locally; a busier prefill endpoint → local).
+#[tokio::test]
+async fn cache_aware_decision_table() {
+    let body = r#"{"model":"m","prompt":"hello","max_tokens":32}"#;
+    let (d1, d2, p) = ("10.0.0.1:8000", "10.0.0.2:8000", "10.0.1.1:9000");
+    let rows: [CacheRow; 7] = [
+        (
+            "cached endpoint wins",
+            [0, 0],
+            0,
+            Some("10.0.0.2:8000=288"),
+            None,
+            d2,
+            None,
+            "cached",
+        ),
+        (
+            "an overloaded cached endpoint loses",
+            [0, 9],
+            0,
+            Some("10.0.0.2:8000=288"),
+            None,
+            d1,
+            Some(p),
+            "disaggregated",
+        ),
+        (
+            "long cold prompt",
+            [0, 0],
+            0,
+            None,
+            None,
+            d1,
+            Some(p),
+            "disaggregated",
+        ),
+        (
+            "TTFT goal met locally",
+            [0, 0],
+            0,
+            None,
+            Some("1000"),
+            d1,
+            None,
+            "ttft_goal_met_locally",
+        ),
+        (
+            "TTFT goal unmet locally",
+            [0, 0],
+            0,
+            None,
+            Some("100"),
+            d1,
+            Some(p),
+            "disaggregated",
+        ),
+        (
+            "prefill endpoint busier",
+            [0, 0],
+            5,
+            None,
+            None,
+            d1,
+            None,
+            "faster_locally",
+        ),
+        (
+            "no information (stream down) is load alone",
+            [0, 0],
+            0,
+            Some("10.0.0.1:8000=?,10.0.0.2:8000=?"),
+            None,
+            d1,
+            Some(p),
+            "disaggregated",
+        ),
+    ];
+    for target in TARGETS {
+        let rt = runtime("pd-default", target, "{}").expect("loads");
+        for (what, [q1, q2], pq, cache, goal, decode, prefill, reason) in rows {
+            let cluster = vec![
+                ep(d1, Role::Decode, "n1", q1, true),
+                ep(d2, Role::Decode, "n1", q2, true),
+                ep(p, Role::Prefill, "n1", pq, true),
+            ];
+            let mut r = req(body, Some(cluster), Some(300));
+            r.prefix_cache = cache.map(String::from);
+            if let Some(g) = goal {
+                r.headers.push(("x-llm-d-slo-ttft-ms".into(), g.into()));
+            }
+            let route = rt
+                .decide(r)
+                .await
+                .expect("decides")
+                .route()
+                .cloned()
+                .expect("a route");
+            assert_eq!(route.decode, decode, "{target} {what}");
+            assert_eq!(route.prefill.as_deref(), prefill, "{target} {what}");
+            let got = route
+                .headers
+                .iter()
+                .find(|(k, _)| k == headers::ROUTE_REASON)
+                .map(|(_, v)| v.as_str());
+            assert_eq!(got, Some(reason), "{target} {what}");
+        }
+    }
+}
+
 #[tokio::test]
 async fn static_pool_and_queue_limit() {
     let cfg = r#"{"static_endpoints":[{"address":"192.0.2.1:80","role":"decode","vendor":"cpu","seq_len":256,"queue_depth":9}],

@@ -633,6 +633,17 @@ fn pd_decision_rows() {
         (r.prefill.as_deref(), reason(&r)),
         (Some("p:1"), "disaggregated")
     );
+    // A prefill endpoint's running requests are prefills still being
+    // computed: five of them count as five ahead, the same as queued ones.
+    let prefilling = vec![
+        ep("d:1", Role::Decode, "", 0),
+        Endpoint {
+            running: 5,
+            ..ep("p:1", Role::Prefill, "", 0)
+        },
+    ];
+    let r = cached_route(&cfg, &prefilling, 300, None, None);
+    assert_eq!((r.prefill.as_deref(), reason(&r)), (None, "faster_locally"));
     // The configured goal applies when the request names none.
     let with_goal = PolicyConfig {
         ttft_goal_ms: Some(1000.0),
