@@ -297,4 +297,3 @@ impl ListenerArgs {
         }
     }
 }
-
