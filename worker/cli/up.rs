@@ -247,12 +247,18 @@ async fn bring_up(
     ];
     let workers = start_workers(args, &shared, plans, &envs, stack).await?;
     let policy_config = policy_config(args, &stack.scratch)?;
-    let (gateway, kpis) =
-        start_gateway(args, &shared, policy, &policy_config, &workers, stack).await?;
+    let front = Front {
+        args,
+        shared: &shared,
+        policy,
+        policy_config: &policy_config,
+        workers: &workers,
+    };
+    let (gateway, kpis) = start_gateway(&front, stack).await?;
     let epp = if args.no_ext_proc {
         None
     } else {
-        start_ext_proc(args, &shared, policy, &policy_config, &workers, stack).await?
+        start_ext_proc(&front, stack).await?
     };
     let ready = Ready {
         relay,
@@ -351,16 +357,29 @@ fn policy_config(args: &Args, scratch: &Path) -> anyhow::Result<PathBuf> {
     Ok(p)
 }
 
+/// What both front doors are started from: the flags, the policy and its
+/// configuration, the workers they route over.
+struct Front<'a> {
+    args: &'a Args,
+    shared: &'a SharedFlags,
+    policy: &'a Path,
+    policy_config: &'a Path,
+    workers: &'a [StartedWorker],
+}
+
 /// Starts the gateway in front of every worker and waits for its
 /// `/health`; its URL and its KPI endpoint's, if any.
 async fn start_gateway(
-    args: &Args,
-    shared: &SharedFlags,
-    policy: &Path,
-    policy_config: &Path,
-    workers: &[StartedWorker],
+    front: &Front<'_>,
     stack: &mut Stack,
 ) -> anyhow::Result<(String, Option<String>)> {
+    let Front {
+        args,
+        shared,
+        policy,
+        policy_config,
+        workers,
+    } = *front;
     let g = plan::gateway_args(
         args,
         shared,
@@ -389,14 +408,14 @@ async fn start_gateway(
 /// Starts the Envoy ext-proc endpoint picker on the same workers and policy
 /// (for an Envoy in front; see docs/epp.md and deploy/envoy/); its gRPC
 /// address, if it printed one.
-async fn start_ext_proc(
-    args: &Args,
-    shared: &SharedFlags,
-    policy: &Path,
-    policy_config: &Path,
-    workers: &[StartedWorker],
-    stack: &mut Stack,
-) -> anyhow::Result<Option<String>> {
+async fn start_ext_proc(front: &Front<'_>, stack: &mut Stack) -> anyhow::Result<Option<String>> {
+    let Front {
+        args,
+        shared,
+        policy,
+        policy_config,
+        workers,
+    } = *front;
     let eps_file = stack.scratch.join("endpoints.json");
     let eps = plan::picker_endpoints(args, workers)?;
     std::fs::write(&eps_file, serde_json::to_vec_pretty(&eps)?)
