@@ -202,3 +202,25 @@ def solo():
         yield url
     finally:
         proc.stop(signal.SIGTERM)
+
+
+def converse(client, model, messages, follow_ups, served):
+    """A conversation through the `openai` client: `messages`, then each of
+    `follow_ups` after the assistant's answer (greedy, 4 tokens a turn). Per
+    turn: the indexes of the decode workers whose `served()` count rose, the
+    `x-rngd-pd-route-reason` response header, `cached_tokens`, `prompt_tokens`."""
+    messages = list(messages)
+    turns = []
+    for question in [*follow_ups, None]:
+        before = served()
+        raw = client.chat.completions.with_raw_response.create(model=model, messages=messages, max_tokens=4,
+                                                               temperature=0)
+        r = raw.parse()
+        after = served()
+        turns.append(([i for i in range(len(after)) if after[i] > before[i]],
+                      raw.headers.get("x-rngd-pd-route-reason"),
+                      r.usage.prompt_tokens_details.cached_tokens, r.usage.prompt_tokens))
+        if question is not None:
+            messages += [{"role": "assistant", "content": r.choices[0].message.content},
+                         {"role": "user", "content": question}]
+    return [list(column) for column in zip(*turns)]

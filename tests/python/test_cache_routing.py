@@ -18,7 +18,7 @@ import openai
 import pytest
 import requests
 
-from conftest import counter, start_stack
+from conftest import converse, counter, start_stack
 
 
 @pytest.fixture(scope="module")
@@ -48,24 +48,10 @@ def served(stack):
 
 
 def test_a_conversation_stays_on_the_worker_that_holds_it(stack):
-    c = client(stack)
     messages = [{"role": "system", "content": SYSTEM + f" (transport {stack.transport})"},
                 {"role": "user", "content": "When was the lighthouse built?"}]
-    cached, prompt_tokens, reasons, where = [], [], [], []
-    for question in ["Why?", "And then?", None]:
-        before = served(stack)
-        raw = c.chat.completions.with_raw_response.create(model=stack.model, messages=messages, max_tokens=4,
-                                                          temperature=0)
-        r = raw.parse()
-        after = served(stack)
-        where.append([i for i in range(2) if after[i] > before[i]])
-        reasons.append(raw.headers.get("x-rngd-pd-route-reason"))
-        cached.append(r.usage.prompt_tokens_details.cached_tokens)
-        prompt_tokens.append(r.usage.prompt_tokens)
-        if question is None:
-            break
-        messages += [{"role": "assistant", "content": r.choices[0].message.content},
-                     {"role": "user", "content": question}]
+    where, reasons, cached, prompt_tokens = converse(client(stack), stack.model, messages, ["Why?", "And then?"],
+                                                     lambda: served(stack))
     # One decode worker served every turn; the first (cold, long) was
     # disaggregated, the later ones found the conversation cached there and
     # prefilled only the new tokens, in whole blocks of 16.

@@ -31,7 +31,7 @@ import time
 import openai
 import pytest
 
-from conftest import Proc, counter, free_port, model_path, poll_ok, start_worker
+from conftest import Proc, converse, counter, free_port, model_path, poll_ok, start_worker
 from epp.helpers import ExtProc, envoy_binary, policy_module
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -131,21 +131,8 @@ def test_a_conversation_stays_on_the_worker_that_holds_it(stack):
     c = openai.OpenAI(base_url=stack.url + "/v1", api_key="unused", max_retries=0, timeout=300)
     messages = [{"role": "system", "content": SYSTEM},
                 {"role": "user", "content": "Which telescope is the oldest?"}]
-    cached, prompts, reasons, where = [], [], [], []
-    for question in ["Why?", "And then?", None]:
-        before = served(stack)
-        raw = c.chat.completions.with_raw_response.create(model="SmolLM2-135M-Instruct", messages=messages,
-                                                          max_tokens=4, temperature=0)
-        r = raw.parse()
-        after = served(stack)
-        where.append([i for i in range(2) if after[i] > before[i]])
-        reasons.append(raw.headers.get("x-rngd-pd-route-reason"))
-        cached.append(r.usage.prompt_tokens_details.cached_tokens)
-        prompts.append(r.usage.prompt_tokens)
-        if question is None:
-            break
-        messages += [{"role": "assistant", "content": r.choices[0].message.content},
-                     {"role": "user", "content": question}]
+    where, reasons, cached, prompts = converse(c, "SmolLM2-135M-Instruct", messages, ["Why?", "And then?"],
+                                               lambda: served(stack))
     # One decode worker served all three turns.
     assert all(len(w) == 1 for w in where), where
     assert where[0] == where[1] == where[2], where
