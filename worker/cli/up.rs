@@ -408,16 +408,10 @@ async fn start_gateway(
 /// Starts the Envoy ext-proc endpoint picker on the same workers and policy
 /// (for an Envoy in front; see docs/epp.md and deploy/envoy/); its gRPC
 /// address, if it printed one.
-async fn start_ext_proc(front: &Front<'_>, stack: &mut Stack) -> anyhow::Result<Option<String>> {
-    let Front {
-        args,
-        shared,
-        policy,
-        policy_config,
-        workers,
-    } = *front;
+async fn start_ext_proc(f: &Front<'_>, stack: &mut Stack) -> anyhow::Result<Option<String>> {
+    let (args, shared) = (f.args, f.shared);
     let eps_file = stack.scratch.join("endpoints.json");
-    let eps = plan::picker_endpoints(args, workers)?;
+    let eps = plan::picker_endpoints(args, f.workers)?;
     std::fs::write(&eps_file, serde_json::to_vec_pretty(&eps)?)
         .context("writing the endpoints file")?;
     let mut e: Vec<String> = [
@@ -436,9 +430,9 @@ async fn start_ext_proc(front: &Front<'_>, stack: &mut Stack) -> anyhow::Result<
         "--endpoints",
         &eps_file.display().to_string(),
         "--policy",
-        &policy.display().to_string(),
+        &f.policy.display().to_string(),
         "--policy-config",
-        &policy_config.display().to_string(),
+        &f.policy_config.display().to_string(),
         "--model",
         &shared.model,
     ]
