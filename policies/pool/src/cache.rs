@@ -333,50 +333,58 @@ impl crate::prefix::PrefixSource for PrefixCache {
         } else {
             self.indexer.match_all(prompt_ids).into_iter().collect()
         };
-        let keys = self.estimate_keys(prompt_ids);
         let bs = self.estimate.block_size;
         let now = Instant::now();
         let lookups = &self.metrics.lookups;
-        addresses
-            .iter()
-            .map(|a| {
-                if streamed.contains(*a) {
-                    match indexed.get(*a).copied().flatten() {
-                        Some(n) => {
-                            lookups.with_label_values(&["indexed"]).inc();
-                            let spec = lock(&self.speculative).matched(a, &keys, now) * bs;
-                            Some(n.max(spec))
-                        }
-                        None => {
-                            lookups.with_label_values(&["stream_down"]).inc();
-                            None
-                        }
+        // The estimates' key chain is hashed only when an estimate store is
+        // consulted (approximate mode, or speculative entries held).
+        let mut keys: Option<Vec<u64>> = None;
+        let mut matched = |store: &Mutex<Estimates>, a: &str| {
+            let store = lock(store);
+            if store.is_empty() {
+                return 0;
+            }
+            let k = keys.get_or_insert_with(|| self.estimate_keys(prompt_ids));
+            store.matched(a, k, now) * bs
+        };
+        let mut out = Vec::with_capacity(addresses.len());
+        for a in addresses {
+            out.push(if streamed.contains(*a) {
+                match indexed.get(*a).copied().flatten() {
+                    Some(n) => {
+                        lookups.with_label_values(&["indexed"]).inc();
+                        Some(n.max(matched(&self.speculative, a)))
                     }
-                } else if self.estimate.approximate {
-                    lookups.with_label_values(&["estimated"]).inc();
-                    Some(lock(&self.approximate).matched(a, &keys, now) * bs)
-                } else {
-                    lookups.with_label_values(&["no_stream"]).inc();
-                    None
+                    None => {
+                        lookups.with_label_values(&["stream_down"]).inc();
+                        None
+                    }
                 }
-            })
-            .collect()
+            } else if self.estimate.approximate {
+                lookups.with_label_values(&["estimated"]).inc();
+                Some(matched(&self.approximate, a))
+            } else {
+                lookups.with_label_values(&["no_stream"]).inc();
+                None
+            });
+        }
+        out
     }
 
     fn routed(&self, route: &Route, prompt_ids: &[u32]) {
-        let keys = self.estimate_keys(prompt_ids);
-        if keys.is_empty() {
-            return;
-        }
         let streamed = self.streamed();
         let now = Instant::now();
+        // Hashed once, and only when some endpoint of the route is recorded.
+        let mut keys: Option<Vec<u64>> = None;
         for a in std::iter::once(&route.decode).chain(route.prefill.as_ref()) {
-            if streamed.contains(a.as_str()) {
-                if !self.estimate.speculative_ttl.is_zero() {
-                    lock(&self.speculative).record(a, &keys, now);
-                }
-            } else if self.estimate.approximate {
-                lock(&self.approximate).record(a, &keys, now);
+            let store = if streamed.contains(a.as_str()) {
+                (!self.estimate.speculative_ttl.is_zero()).then_some(&self.speculative)
+            } else {
+                self.estimate.approximate.then_some(&self.approximate)
+            };
+            if let Some(store) = store {
+                let k = keys.get_or_insert_with(|| self.estimate_keys(prompt_ids));
+                lock(store).record(a, k, now);
             }
         }
     }
