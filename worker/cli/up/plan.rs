@@ -259,11 +259,18 @@ pub(super) fn worker_args(
 /// The gateway's `--kv-events` value for a worker at `url` that printed
 /// `printed` (`PUB` or `PUB replay REPLAY`): `HOST:PORT=PUB[,REPLAY]`.
 pub(super) fn kv_events_spec(url: &str, printed: &str) -> String {
-    let (publ, replay) = match printed.split_once(" replay ") {
-        Some((p, r)) => (p, format!(",{r}")),
-        None => (printed, String::new()),
-    };
+    let (publ, replay) = printed_streams(printed);
+    let replay = replay.map(|r| format!(",{r}")).unwrap_or_default();
     format!("{}={publ}{replay}", url.trim_start_matches("http://"))
+}
+
+/// A worker's printed KV-event endpoints (`PUB` or `PUB replay REPLAY`) as
+/// (PUB, REPLAY).
+fn printed_streams(printed: &str) -> (&str, Option<&str>) {
+    match printed.split_once(" replay ") {
+        Some((p, r)) => (p, Some(r)),
+        None => (printed, None),
+    }
 }
 
 /// `rngd-pd gateway ...` in front of `workers`, with the policy and its
@@ -333,10 +340,7 @@ pub(super) fn picker_endpoints(
             );
             let mut v = serde_json::to_value(ep)?;
             if let Some(printed) = &w.kv_events {
-                let (publ, replay) = match printed.split_once(" replay ") {
-                    Some((p, r)) => (p, Some(r)),
-                    None => (printed.as_str(), None),
-                };
+                let (publ, replay) = printed_streams(printed);
                 v["kv_events"] = publ.into();
                 if let Some(r) = replay {
                     v["kv_events_replay"] = r.into();
