@@ -189,6 +189,12 @@ async fn doctor() -> anyhow::Result<()> {
         }
     };
     ok.insert("nixl-ucx", nixl);
+
+    // nixl (HETERO_NPU): known, never usable in this build.
+    if let Err(e) = rngd_kv_transport::registry::check_name(rngd_kv_transport::nixl_route::NAME) {
+        println!("{e}");
+    }
+    ok.insert(rngd_kv_transport::nixl_route::NAME, false);
     anyhow::ensure!(
         ok.get(default.as_str()).copied().unwrap_or(false),
         "the default transport `{default}` is not usable here (see above)"

@@ -168,14 +168,10 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     {
         bail!("chat template file {} does not exist", t.display());
     }
-    let known = rngd_kv_transport::registry::KNOWN;
-    if !known.contains(&args.kv_transport.as_str()) {
-        bail!(
-            "--kv-transport must be one of {}, not {}",
-            known.join(", "),
-            args.kv_transport
-        );
-    }
+    // An unknown name, or a known one this build cannot run (`nixl`), fails
+    // here with its reason, before any worker starts.
+    rngd_kv_transport::registry::check_name(&args.kv_transport)
+        .with_context(|| format!("--kv-transport {}", args.kv_transport))?;
     let model = {
         let m = args.model.clone();
         tokio::task::spawn_blocking(move || ensure_model(m.as_deref())).await??

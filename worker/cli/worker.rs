@@ -259,12 +259,9 @@ fn check_options(opts: &WorkerOptions) -> anyhow::Result<()> {
         opts.seq_len > 0 && opts.batch > 0,
         "--seq-len and --batch must be at least 1"
     );
-    anyhow::ensure!(
-        rngd_kv_transport::registry::KNOWN.contains(&opts.kv_transport.as_str()),
-        "--kv-transport {}: this build has {}",
-        opts.kv_transport,
-        rngd_kv_transport::registry::KNOWN.join(", ")
-    );
+    // A known name this build cannot run (`nixl`) fails here with its reason.
+    rngd_kv_transport::registry::check_name(&opts.kv_transport)
+        .with_context(|| format!("--kv-transport {}", opts.kv_transport))?;
     let kv =
         rngd_kv_transport::TransportConfig::from_env().context("KV transport configuration")?;
     rngd_worker::kv_auth(opts.role, &kv)?;

@@ -9,6 +9,9 @@
 //!   is the relay's binary protocol, which both ends build on.
 //! - `nixl`: the `nixl-ucx` transport (NIXL over UCX, one-sided READ of a
 //!   registered arena, descriptors through the relay); with the `nixl` feature.
+//! - [`nixl_route`]: the `nixl` transport (RNGD → ATOM over NIXL's HETERO_NPU
+//!   backend): its route table as a plan step; the name is known, and this
+//!   build refuses to create it ([`KvError::NotInThisBuild`]).
 //! - `fake`: an in-memory transport for other crates' tests, and
 //!   `conformance`: the behaviour suite every transport must pass; both only
 //!   with the `test-util` feature.
@@ -28,6 +31,7 @@ pub mod fake;
 pub mod frame;
 #[cfg(feature = "nixl")]
 pub mod nixl;
+pub mod nixl_route;
 pub mod registry;
 pub mod relay;
 pub mod shm;
@@ -150,6 +154,18 @@ pub enum KvError {
         /// Comma-separated list of [`registry::KNOWN`].
         known: String,
     },
+    /// A transport name this build knows but cannot run (`nixl`: it needs
+    /// NPUs and a NIXL backend this build lacks). A worker asked for it
+    /// refuses to start; a request naming it is refused (400).
+    #[error(
+        "KV transport `{transport}` is known, but this build cannot move bytes over it: {detail}"
+    )]
+    NotInThisBuild {
+        /// Transport name.
+        transport: &'static str,
+        /// What it would need and why this build does not have it.
+        detail: String,
+    },
     /// A configuration value (environment variable or flag) is invalid.
     #[error("invalid KV transport configuration: {detail}")]
     Config {
@@ -170,7 +186,8 @@ impl KvError {
             | KvError::BadRequest { transport, .. }
             | KvError::Protocol { transport, .. }
             | KvError::Unauthorized { transport, .. }
-            | KvError::Timeout { transport, .. } => Some(transport),
+            | KvError::Timeout { transport, .. }
+            | KvError::NotInThisBuild { transport, .. } => Some(transport),
             KvError::UnknownTransport { .. } | KvError::Config { .. } => None,
         }
     }
@@ -192,7 +209,7 @@ pub struct KvPayload {
 /// A KV transport.
 #[async_trait::async_trait]
 pub trait KvTransport: Send + Sync + 'static {
-    /// Registry name (`shm`, `tcp`, `nixl-ucx`).
+    /// Registry name (`shm`, `tcp`, `nixl-ucx`; `nixl` is known but never created).
     fn name(&self) -> &'static str;
     /// Publishes the blobs; returns the handle the other side pulls with.
     async fn push(&self, payload: KvPayload) -> Result<KvHandle, KvError>;

@@ -34,6 +34,10 @@ pub const KV_EVENTS_PORT_ANNOTATION: &str = "rngd-pd.io/kv-events-port";
 pub const KV_EVENTS_REPLAY_PORT_ANNOTATION: &str = "rngd-pd.io/kv-events-replay-port";
 /// Transports of a pod without [`TRANSPORTS_ANNOTATION`].
 pub const DEFAULT_TRANSPORTS: &[&str] = &["shm", "tcp"];
+/// Transport names [`TRANSPORTS_ANNOTATION`] may list (`nixl`, RNGD → ATOM
+/// over NIXL's HETERO_NPU backend, is a known name; this build's workers
+/// refuse to run it).
+pub const KNOWN_TRANSPORTS: &[&str] = &["shm", "tcp", "nixl-ucx", "nixl"];
 /// Extended resource of a FuriosaAI RNGD card.
 pub const RNGD_RESOURCE: &str = "furiosa.ai/rngd";
 /// Extended resource of a Rebellions ATOM card.
@@ -247,12 +251,10 @@ pub fn endpoint_of(pod: &Pod, port: u16) -> Result<Endpoint, Skip> {
                 .filter(|s| !s.is_empty())
                 .map(String::from)
                 .collect();
-            if let Some(bad) = t
-                .iter()
-                .find(|s| !matches!(s.as_str(), "shm" | "tcp" | "nixl-ucx"))
-            {
+            if let Some(bad) = t.iter().find(|s| !KNOWN_TRANSPORTS.contains(&s.as_str())) {
                 return Err(Skip::Invalid(format!(
-                    "annotation {TRANSPORTS_ANNOTATION} names {bad:?} (known: shm, tcp, nixl-ucx)"
+                    "annotation {TRANSPORTS_ANNOTATION} names {bad:?} (known: {})",
+                    KNOWN_TRANSPORTS.join(", ")
                 )));
             }
             t
@@ -360,7 +362,7 @@ mod tests {
     fn a_ready_pod_is_an_endpoint_with_its_labels_and_annotations() {
         let p = ready_pod(
             serde_json::json!({"llm-d.ai/role": "prefill", "ai-rm.io/accelerator": "furiosa"}),
-            serde_json::json!({"rngd-pd.io/seq-len": "512", "rngd-pd.io/transports": "shm, tcp,nixl-ucx"}),
+            serde_json::json!({"rngd-pd.io/seq-len": "512", "rngd-pd.io/transports": "shm, tcp,nixl-ucx, nixl"}),
         );
         let e = endpoint_of(&p, 8000).unwrap();
         assert_eq!(e.address, "10.1.2.3:8000");
@@ -368,7 +370,7 @@ mod tests {
         assert_eq!(e.vendor, Vendor::Rngd);
         assert_eq!(e.node, "node-a");
         assert_eq!(e.seq_len, 512);
-        assert_eq!(e.transports, ["shm", "tcp", "nixl-ucx"]);
+        assert_eq!(e.transports, ["shm", "tcp", "nixl-ucx", "nixl"]);
         assert!(e.healthy);
     }
 
