@@ -131,9 +131,27 @@ class _FakeHandler(http.server.BaseHTTPRequestHandler):
     def do_POST(self):
         self._echo()
 
-    def _echo(self):
+    def _body(self) -> bytes:
+        """The whole request body, framed by content-length or chunked.
+
+        Envoy forwards a body the picker streams back (FULL_DUPLEX_STREAMED)
+        chunked, without a content-length. A body left unread would stay on
+        the kept-alive connection and be parsed as the next request line."""
+        if "chunked" in self.headers.get("transfer-encoding", "").lower():
+            out = b""
+            while True:
+                size = int(self.rfile.readline().split(b";")[0].strip() or b"0", 16)
+                if size == 0:
+                    while self.rfile.readline() not in (b"\r\n", b"\n", b""):
+                        pass  # trailers
+                    return out
+                out += self.rfile.read(size)
+                self.rfile.readline()  # the CRLF after the chunk
         n = int(self.headers.get("content-length") or 0)
-        body = self.rfile.read(n) if n else b""
+        return self.rfile.read(n) if n else b""
+
+    def _echo(self):
+        body = self._body()
         report = {"server": self.server.address, "path": self.path, "headers": {k.lower(): v for k, v in self.headers.items()}, "body_len": len(body)}
         self.server.seen.append(report)
         self._send(200, json.dumps(report).encode())
