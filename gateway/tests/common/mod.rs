@@ -166,7 +166,7 @@ async fn tap(State(t): State<Arc<Tap>>, req: Request) -> Response {
 }
 
 /// Every transport name resolves to the one shared in-memory transport.
-struct Shared(Arc<MemoryTransport>);
+pub struct Shared(pub Arc<MemoryTransport>);
 
 impl TransportFactory for Shared {
     fn create(&self, _name: &str) -> Result<Arc<dyn KvTransport>, KvError> {

@@ -87,13 +87,22 @@ def envoy_version() -> str:
 
 
 class ModelServerFake(http.server.ThreadingHTTPServer):
-    """A fake model server: `/metrics` with settable vLLM gauges, and any request echoed."""
+    """A fake model server: `/metrics` with settable vLLM gauges, and any request echoed.
+
+    A request whose JSON body says `"stream": true` is answered as a
+    completion stream instead: `max_tokens` SSE chunks (token `i` is the text
+    `t<i>`), then `[DONE]`. The first chunk is written at once; each later one
+    waits for a release of `gate` (a test's `gate.release()`), and `sent`
+    counts the token chunks written so far, so a test can check what a client
+    received before the next token existed."""
 
     daemon_threads = True
 
     def __init__(self, waiting=0, running=0, kv=0.0):
         self.waiting, self.running, self.kv = waiting, running, kv
         self.seen = []
+        self.gate = threading.Semaphore(0)
+        self.sent = 0
         super().__init__(("127.0.0.1", 0), _FakeHandler)
         self.thread = threading.Thread(target=self.serve_forever, daemon=True)
         self.thread.start()
@@ -154,7 +163,33 @@ class _FakeHandler(http.server.BaseHTTPRequestHandler):
         body = self._body()
         report = {"server": self.server.address, "path": self.path, "headers": {k.lower(): v for k, v in self.headers.items()}, "body_len": len(body)}
         self.server.seen.append(report)
+        try:
+            req = json.loads(body) if body else {}
+        except ValueError:
+            req = {}
+        if isinstance(req, dict) and req.get("stream") is True:
+            return self._stream(int(req.get("max_tokens") or 1))
         self._send(200, json.dumps(report).encode())
+
+    def _stream(self, n: int):
+        self.send_response(200)
+        self.send_header("content-type", "text/event-stream")
+        self.send_header("transfer-encoding", "chunked")
+        self.end_headers()
+
+        def chunk(data: bytes):
+            self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+
+        for i in range(n):
+            if i > 0 and not self.server.gate.acquire(timeout=30):
+                self.close_connection = True
+                return  # never released: end without the terminating chunk
+            event = {"id": "cmpl-fake", "object": "text_completion", "model": "fake",
+                     "choices": [{"index": 0, "text": f"t{i}", "finish_reason": None if i + 1 < n else "length"}]}
+            chunk(b"data: " + json.dumps(event).encode() + b"\n\n")
+            self.server.sent += 1
+        chunk(b"data: [DONE]\n\n")
+        chunk(b"")
 
     def log_message(self, *a):
         pass

@@ -13,13 +13,17 @@
 //!   does not match), then streams token `i` = `prompt[i % len]` until
 //!   `max_tokens` (finish `Length`) or a stop sequence (finish `Stop`);
 //!   sampling parameters other than `max_tokens`, `stop` and `logprobs` are
-//!   ignored, and asked-for log-probabilities say the echoed token is certain.
+//!   ignored, and asked-for log-probabilities say the echoed token is certain;
+//! - with a gate ([`EchoEngine::with_gate`]), each decoded token after the
+//!   first waits for one permit the test releases, so a test can check what a
+//!   client saw *before* the next token existed (ordering, not wall time).
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use rngd_kv_wire::{Dtype, KvLayout};
-use tokio::sync::mpsc;
+use tokio::sync::{Semaphore, mpsc};
 
 use crate::sampling::StopScanner;
 use crate::{
@@ -32,6 +36,7 @@ use crate::{
 pub struct EchoEngine {
     info: ModelInfo,
     token_delay: Duration,
+    gate: Option<Arc<Semaphore>>,
 }
 
 impl EchoEngine {
@@ -51,7 +56,15 @@ impl EchoEngine {
                 vocab_size: 256,
             },
             token_delay: Duration::ZERO,
+            gate: None,
         }
+    }
+
+    /// Each decoded token after the first takes one permit of `gate` (the
+    /// test adds them with [`Semaphore::add_permits`]) before it is made.
+    pub fn with_gate(mut self, gate: Arc<Semaphore>) -> Self {
+        self.gate = Some(gate);
+        self
     }
 
     /// Sleeps this long before each decoded token (default: none).
@@ -161,6 +174,7 @@ impl Engine for EchoEngine {
         let cached_tokens = prefilled.cached_tokens;
         let mut stops = StopScanner::new(&params.stop);
         let delay = self.token_delay;
+        let gate = self.gate.clone();
         let emit = move |i: usize, stops: &mut StopScanner| {
             let id = prompt[i % prompt.len()];
             let scanned = stops.push(&String::from_utf8_lossy(&[id as u8]));
@@ -168,7 +182,7 @@ impl Engine for EchoEngine {
         };
         let mut finish = FinishReason::Length;
         let mut n = 0;
-        if delay.is_zero() {
+        if delay.is_zero() && gate.is_none() {
             while n < max {
                 let (id, s) = emit(n, &mut stops);
                 n += 1;
@@ -192,6 +206,14 @@ impl Engine for EchoEngine {
         } else {
             tokio::spawn(async move {
                 while n < max {
+                    if n > 0
+                        && let Some(g) = &gate
+                    {
+                        match g.acquire().await {
+                            Ok(p) => p.forget(),
+                            Err(_) => return,
+                        }
+                    }
                     tokio::time::sleep(delay).await;
                     let (id, s) = emit(n, &mut stops);
                     n += 1;

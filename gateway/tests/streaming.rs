@@ -1,0 +1,195 @@
+//! A streamed answer leaves the worker and the gateway chunk by chunk.
+//!
+//! The decode worker runs the echo engine with a gate: each token after the
+//! first is made only when the test releases it. The test reads each token
+//! chunk before releasing the next token, so a listener or a proxy that held
+//! chunks back (until the answer's end, or until more bytes came) would leave
+//! the client waiting for a token that does not exist yet. This checks
+//! ordering, not wall time; the time a chunk takes is measured by
+//! `rngd-pd-bench gateway --stream`.
+
+mod common;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::{FAKE_TOKENIZER, TestPolicy, client};
+use futures::StreamExt;
+use rngd_engine::fake::EchoEngine;
+use rngd_gateway::{Gateway, GatewayConfig};
+use rngd_kv_transport::fake::MemoryTransport;
+use rngd_policy_core::Role;
+use rngd_pool::source::{self as endpoints, EndpointSource};
+use rngd_pool::{HttpFetcher, ScrapedEndpoints, StaticEndpoints};
+use rngd_worker::{Transports, WorkerConfig};
+use serde_json::{Value, json};
+use tokio::sync::Semaphore;
+
+/// How long the test waits for one chunk before calling it held back.
+const CHUNK_WAIT: Duration = Duration::from_secs(20);
+
+struct Stack {
+    worker_url: String,
+    gateway_url: String,
+    gate: Arc<Semaphore>,
+    _worker: rngd_worker::RunningWorker,
+}
+
+async fn stack() -> Stack {
+    let gate = Arc::new(Semaphore::new(0));
+    let engine = Arc::new(EchoEngine::new(512).with_gate(gate.clone()));
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let kv = Arc::new(MemoryTransport::new());
+    let worker = rngd_worker::serve(
+        l,
+        engine,
+        Transports::new("memory", common::Shared(kv)),
+        WorkerConfig::new(Role::Decode).with_kv_secret(b"test-kv-secret-0123456789abcdef"),
+    )
+    .await
+    .unwrap();
+    let table = ScrapedEndpoints::new(
+        StaticEndpoints::new(vec![endpoints::local_endpoint(
+            worker.addr.to_string(),
+            Role::Decode,
+            512,
+            &["memory".to_string()],
+        )]),
+        Arc::new(HttpFetcher::new(Duration::from_secs(2)).unwrap()),
+        Duration::from_secs(30),
+        None,
+    );
+    table.scrape_all().await;
+    assert!(
+        rngd_pool::can_serve(&table.snapshot()),
+        "worker not healthy"
+    );
+    let config = GatewayConfig::default();
+    let edge = config.edge.clone();
+    // A threshold no test prompt reaches: every request is served by the
+    // decode worker alone.
+    let gw = Gateway::new(
+        config,
+        rngd_pool::Picker::new(TestPolicy::new(10_000), table),
+        Arc::new(FAKE_TOKENIZER),
+    )
+    .unwrap();
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let gateway_url = format!("http://{}", l.local_addr().unwrap());
+    // Served as `rngd-pd gateway` serves it (the listener of `rngd-http-edge`).
+    tokio::spawn(rngd_gateway::serve(
+        l,
+        rngd_gateway::router(gw),
+        edge,
+        std::future::pending(),
+    ));
+    Stack {
+        worker_url: worker.url(),
+        gateway_url,
+        gate,
+        _worker: worker,
+    }
+}
+
+/// The token texts of the complete SSE events in `text` (a completion's
+/// `text` or a chat chunk's `delta.content`; the role-only chat chunk and
+/// `[DONE]` carry none).
+fn tokens(text: &str) -> Vec<String> {
+    let mut events: Vec<&str> = text.split("\n\n").collect();
+    events.pop(); // not terminated yet
+    events
+        .into_iter()
+        .filter_map(|e| e.trim().strip_prefix("data: "))
+        .filter(|d| *d != "[DONE]")
+        .filter_map(|d| {
+            let v: Value = serde_json::from_str(d).unwrap();
+            let c = &v["choices"][0];
+            c["text"]
+                .as_str()
+                .or_else(|| c["delta"]["content"].as_str())
+                .filter(|t| !t.is_empty())
+                .map(str::to_string)
+        })
+        .collect()
+}
+
+/// Streams `body` to `url` and reads it token by token, releasing the next
+/// token only once the previous one has reached the client.
+///
+/// `echoed`: the text the echo engine repeats (the prompt it sees), when the
+/// test knows it.
+async fn read_token_by_token(
+    url: &str,
+    path: &str,
+    body: Value,
+    echoed: Option<&str>,
+    gate: &Semaphore,
+) {
+    let n = body["max_tokens"].as_u64().unwrap() as usize;
+    let resp = client()
+        .post(format!("{url}{path}"))
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200, "{url}{path}");
+    let mut chunks = resp.bytes_stream();
+    let mut text = String::new();
+    for i in 0..n {
+        while tokens(&text).len() <= i {
+            let chunk = tokio::time::timeout(CHUNK_WAIT, chunks.next())
+                .await
+                .unwrap_or_else(|_| {
+                    panic!(
+                        "{url}{path}: token {i} held back (the next is not released); got {text:?}"
+                    )
+                })
+                .expect("stream ended early")
+                .unwrap();
+            text.push_str(std::str::from_utf8(&chunk).unwrap());
+        }
+        let got = tokens(&text);
+        assert_eq!(got.len(), i + 1, "{url}{path}: {text:?}");
+        // The echo engine repeats the prompt's bytes ("abcdef" → a, b, c, …).
+        if let Some(p) = echoed {
+            let want: Vec<String> = p.chars().take(i + 1).map(String::from).collect();
+            assert_eq!(got, want, "{url}{path}");
+        }
+        if i + 1 < n {
+            assert_eq!(gate.available_permits(), 0);
+            gate.add_permits(1);
+        }
+    }
+    while let Some(chunk) = tokio::time::timeout(CHUNK_WAIT, chunks.next())
+        .await
+        .expect("the stream's end held back")
+    {
+        text.push_str(std::str::from_utf8(&chunk.unwrap()).unwrap());
+    }
+    assert!(text.trim_end().ends_with("data: [DONE]"), "{text}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_token_chunk_leaves_before_the_next_token_exists() {
+    let s = stack().await;
+    for url in [&s.worker_url, &s.gateway_url] {
+        read_token_by_token(
+            url,
+            "/v1/completions",
+            json!({"model": "fake-model", "prompt": "abcdef", "max_tokens": 4, "stream": true}),
+            Some("abcdef"),
+            &s.gate,
+        )
+        .await;
+    }
+    // Chat through the gateway: the role chunk, then one content chunk per token.
+    read_token_by_token(
+        &s.gateway_url,
+        "/v1/chat/completions",
+        json!({"model": "fake-model", "messages": [{"role": "user", "content": "abcdef"}],
+               "max_tokens": 3, "stream": true}),
+        None,
+        &s.gate,
+    )
+    .await;
+}
