@@ -42,6 +42,10 @@ pub struct Args {
     /// `response_trailer_mode: SKIP`) instead of the deploy config.
     #[arg(long)]
     pub skip_response_processing: bool,
+    /// Stream the answers (the backend sends a completion stream) and time
+    /// each request to its first chunk: the TTFT the path adds.
+    #[arg(long)]
+    pub stream: bool,
     /// Print the JSON report as the last line (always done; accepted for
     /// symmetry with the other harnesses).
     #[arg(long)]
@@ -60,6 +64,7 @@ impl From<Args> for rngd_bench_epp::Options {
             envoy_concurrency: a.envoy_concurrency,
             profile: a.profile,
             skip_response_processing: a.skip_response_processing,
+            stream: a.stream,
             json: a.json,
         }
     }

@@ -127,6 +127,11 @@ pub struct Options {
     /// (`response_header_mode: SKIP`, `response_body_mode: NONE`,
     /// `response_trailer_mode: SKIP`) instead of the deploy config. Default off.
     pub skip_response_processing: bool,
+    /// Stream the answers: the backend sends a completion stream (the first
+    /// token's chunk at once, then three more 1 ms apart, then `[DONE]`) and
+    /// the figures are the time to the first chunk (the TTFT the path adds).
+    /// Default off (one JSON body, timed to its end).
+    pub stream: bool,
     /// Print the JSON report as the last line (always done; accepted for
     /// symmetry with the other harnesses). Default off.
     pub json: bool,
@@ -144,6 +149,7 @@ impl Default for Options {
             envoy_concurrency: 1,
             profile: false,
             skip_response_processing: false,
+            stream: false,
             json: false,
         }
     }
@@ -172,6 +178,9 @@ pub struct Report {
     pub epp_serving: &'static str,
     /// `deploy` (the deploy config's response processing) or `skipped`.
     pub response_processing: &'static str,
+    /// What each sample times: `whole_response` (one JSON body, to its end)
+    /// or `first_chunk` (`--stream`: to the first token's chunk).
+    pub measured: &'static str,
     /// 1-minute load average when the run started.
     pub loadavg_1m_start: Option<f64>,
     /// 1-minute load average when the run ended.
