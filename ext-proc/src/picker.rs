@@ -127,6 +127,16 @@ fn reject(e: PrepareOrPick) -> LocalResponse {
             "tokenize_failed",
             e.to_string(),
         ),
+        PrepareOrPick::Task(e) => {
+            // The cause stays in the log: a panic's text is not the client's.
+            tracing::error!(error = %e, "preparing the request failed");
+            error_response(
+                500,
+                "server_error",
+                "internal_error",
+                "internal error".to_string(),
+            )
+        }
         PrepareOrPick::Pick(PickError::Rejected(local)) => local,
         PrepareOrPick::Pick(e @ PickError::NoEndpointInSubset) => error_response(
             503,
@@ -153,6 +163,7 @@ pub fn rule_response(r: &RuleError) -> LocalResponse {
 enum PrepareOrPick {
     Rule(RuleError),
     Tokenize(rngd_pool::BoxError),
+    Task(PrepareError),
     Pick(PickError),
 }
 
@@ -161,6 +172,7 @@ impl From<PrepareError> for PrepareOrPick {
         match e {
             PrepareError::Rule(r) => PrepareOrPick::Rule(r),
             PrepareError::Tokenize(t) => PrepareOrPick::Tokenize(t),
+            e @ PrepareError::Task { .. } => PrepareOrPick::Task(e),
         }
     }
 }
@@ -270,14 +282,10 @@ impl Picker {
             let kind = path_of(&input.headers).and_then(ApiKind::from_path);
             match (kind, &self.counter) {
                 (Some(kind), Some(counter)) => {
-                    let counter = Arc::clone(counter);
-                    let owned = body.clone();
-                    // Tokenizing a long prompt is CPU work: off the async threads.
-                    let prepared = tokio::task::spawn_blocking(move || {
-                        rngd_pool::prepare(kind, &owned, counter.as_ref(), None)
-                    })
-                    .await
-                    .map_err(|e| PrepareOrPick::Tokenize(Box::new(e)))?;
+                    // A long prompt is tokenized off the async threads.
+                    let prepared =
+                        rngd_pool::prepare_async(kind, body.clone(), Arc::clone(counter), None)
+                            .await;
                     let prepared = match prepared {
                         Ok(p) => p,
                         Err(e) => {

@@ -158,16 +158,14 @@ async fn handle(gw: Arc<Gateway>, kind: ApiKind, req: Request) -> Result<Respons
     let slot = gw.admission.admit().await?;
     let counter = Arc::clone(&gw.tokenizer);
     let seq_len = gw.config.seq_len;
-    // Tokenizing a long prompt is CPU work: off the async threads.
-    let prepared = tokio::task::spawn_blocking(move || {
-        rngd_pool::prepare(kind, &bytes, counter.as_ref(), Some(seq_len))
-    })
-    .await
-    .map_err(|e| ApiError::Internal(format!("tokenizer task: {e}")))?
-    .map_err(|e| match e {
-        PrepareError::Rule(r) => ApiError::Rule(r),
-        PrepareError::Tokenize(t) => ApiError::Tokenize(t),
-    })?;
+    // A long prompt is tokenized off the async threads.
+    let prepared = rngd_pool::prepare_async(kind, bytes, counter, Some(seq_len))
+        .await
+        .map_err(|e| match e {
+            PrepareError::Rule(r) => ApiError::Rule(r),
+            PrepareError::Tokenize(t) => ApiError::Tokenize(t),
+            e @ PrepareError::Task { .. } => ApiError::Internal(e.to_string()),
+        })?;
     gw.check_model(&prepared.client_model)?;
     let prepared = Prepared {
         request: prepared,

@@ -48,6 +48,15 @@ async fn start_backend(rt: &tokio::runtime::Handle) -> Result<SocketAddr, BenchE
                 return;
             }
         };
+        // Like every listener of ours (and vLLM's uvicorn): without
+        // TCP_NODELAY a stream's later small chunks wait for Envoy's delayed ACK
+        // of the first (~40 ms each).
+        use axum::serve::ListenerExt;
+        let l = l.tap_io(|tcp| {
+            if let Err(e) = tcp.set_nodelay(true) {
+                tracing::warn!(error = %e, "bench backend TCP_NODELAY");
+            }
+        });
         if let Err(e) = axum::serve(l, app).await {
             tracing::error!(error = %e, "bench backend stopped");
         }

@@ -41,8 +41,8 @@ pub use cache::{CacheOptions, EstimateOptions, PrefixCache, RunningCache};
 pub use load::{LoadSample, parse_load};
 pub use pick::{PickError, PickRequest, Picker, Policy, PolicyFailure};
 pub use prompt::{
-    ApiKind, PrepareError, Prepared, PromptCounter, TokenizerOverrides, gguf_counter,
-    gguf_counter_with, prepare,
+    ApiKind, PREPARE_INLINE_BYTES, PrepareError, Prepared, PromptCounter, TokenizerOverrides,
+    gguf_counter, gguf_counter_with, prepare, prepare_async,
 };
 pub use scrape::{HttpFetcher, MetricsFetcher, ScrapedEndpoints};
 pub use source::{EndpointSource, FileEndpoints, KvStream, StaticEndpoints, can_serve};

@@ -189,6 +189,13 @@ pub enum PrepareError {
     /// The tokenizer or chat template failed on this prompt (400).
     #[error("tokenizing the prompt: {0}")]
     Tokenize(#[source] BoxError),
+    /// Preparing the request panicked, or its blocking task was cancelled
+    /// (500: a bug or a shutdown, not the client's request).
+    #[error("preparing the prompt failed: {reason}")]
+    Task {
+        /// The panic's message, or why the task ended.
+        reason: String,
+    },
 }
 
 /// A validated client request, in the completion form the workers speak.
@@ -236,6 +243,56 @@ pub fn check(kind: ApiKind, body: &[u8]) -> Result<(), RuleError> {
         ApiKind::Completion => completion(body).map(drop),
         ApiKind::Chat => chat(body).map(drop),
     }
+}
+
+/// Bodies up to this size are prepared on the calling async thread; longer
+/// ones on tokio's blocking pool. Tokenizing measured ~0.19 ms per KiB of
+/// text here (`rngd-pd-bench tokenize`, 200 texts of 1 KiB against 1), so a
+/// body this small blocks its thread for well under 0.1 ms, less than the
+/// two thread wake-ups a hop to the blocking pool and back costs on an idle
+/// machine (docs/epp.md, "Where a streamed request's time goes").
+pub const PREPARE_INLINE_BYTES: usize = 512;
+
+/// [`prepare`] for an async door: inline for a body of at most
+/// [`PREPARE_INLINE_BYTES`], else on the blocking pool (tokenizing a long
+/// prompt is CPU work that would stall the door's other requests). A panic
+/// in the tokenizer or template is [`PrepareError::Task`] either way, never
+/// a lost connection.
+pub async fn prepare_async<B>(
+    kind: ApiKind,
+    body: B,
+    counter: Arc<dyn PromptCounter>,
+    seq_len: Option<u32>,
+) -> Result<Prepared, PrepareError>
+where
+    B: AsRef<[u8]> + Send + 'static,
+{
+    let inline = body.as_ref().len() <= PREPARE_INLINE_BYTES;
+    let run = move || {
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            prepare(kind, body.as_ref(), counter.as_ref(), seq_len)
+        }))
+        .map_err(|panic| PrepareError::Task {
+            reason: panic_message(panic.as_ref()),
+        })?
+    };
+    if inline {
+        return run();
+    }
+    tokio::task::spawn_blocking(run)
+        .await
+        .map_err(|e| PrepareError::Task {
+            reason: e.to_string(),
+        })?
+}
+
+/// The text of a panic's payload (a `&str` or `String`, as `panic!` makes).
+fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
+    payload
+        .downcast_ref::<&str>()
+        .map(|s| (*s).to_string())
+        .or_else(|| payload.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "a panic without a message".to_string())
 }
 
 /// Parses and validates a client body of `kind`, renders a chat with the
@@ -482,6 +539,71 @@ mod tests {
         )
         .unwrap();
         assert_eq!(p.prompt_ids, vec![5, 6, 7]);
+    }
+
+    /// Panics on every text: a bug in a tokenizer or template.
+    struct Panicking;
+    impl PromptCounter for Panicking {
+        fn model_name(&self) -> &str {
+            "m"
+        }
+        fn tokenize(&self, _: &str) -> Result<Vec<u32>, BoxError> {
+            panic!("tokenizer bug")
+        }
+        fn chat_prompt(&self, _: &[(String, String)]) -> Result<String, BoxError> {
+            panic!("template bug")
+        }
+    }
+
+    fn completion_body(prompt_bytes: usize) -> Vec<u8> {
+        format!(r#"{{"model":"m","prompt":"{}"}}"#, "a".repeat(prompt_bytes)).into_bytes()
+    }
+
+    #[tokio::test]
+    async fn prepare_async_equals_prepare_inline_and_off_thread() {
+        // One body under the inline limit, one over it: same answer as the
+        // synchronous prepare either way.
+        for n in [3, PREPARE_INLINE_BYTES] {
+            let body = completion_body(n);
+            let want = prepare(ApiKind::Completion, &body, &ByteCounter, Some(4096)).unwrap();
+            let got = prepare_async(ApiKind::Completion, body, Arc::new(ByteCounter), Some(4096))
+                .await
+                .unwrap();
+            assert_eq!(got.prompt_ids, want.prompt_ids, "{n} bytes");
+            assert_eq!(got.prompt_tokens, n);
+        }
+        // Rule failures come back as the same rule error on both paths.
+        for n in [3, PREPARE_INLINE_BYTES] {
+            let e = prepare_async(
+                ApiKind::Completion,
+                completion_body(n),
+                Arc::new(ByteCounter),
+                Some(2),
+            )
+            .await
+            .unwrap_err();
+            assert!(matches!(e, PrepareError::Rule(_)), "{n} bytes: {e:?}");
+        }
+    }
+
+    #[tokio::test]
+    async fn a_panicking_tokenizer_is_a_task_error_on_both_paths() {
+        for n in [3, PREPARE_INLINE_BYTES] {
+            let e = prepare_async(
+                ApiKind::Completion,
+                completion_body(n),
+                Arc::new(Panicking),
+                None,
+            )
+            .await
+            .unwrap_err();
+            match e {
+                PrepareError::Task { reason } => {
+                    assert!(reason.contains("tokenizer bug"), "{reason}")
+                }
+                other => panic!("{n} bytes: {other:?}"),
+            }
+        }
     }
 
     #[test]

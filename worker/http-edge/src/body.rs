@@ -115,6 +115,12 @@ impl Buffered {
     }
 }
 
+impl AsRef<[u8]> for Buffered {
+    fn as_ref(&self) -> &[u8] {
+        &self.bytes
+    }
+}
+
 impl std::ops::Deref for Buffered {
     type Target = [u8];
     fn deref(&self) -> &[u8] {
