@@ -19,8 +19,7 @@ use rngd_engine::fake::EchoEngine;
 use rngd_gateway::{Gateway, GatewayConfig};
 use rngd_kv_transport::fake::MemoryTransport;
 use rngd_policy_core::Role;
-use rngd_pool::source::{self as endpoints, EndpointSource};
-use rngd_pool::{HttpFetcher, ScrapedEndpoints, StaticEndpoints};
+use rngd_pool::source as endpoints;
 use rngd_worker::{Transports, WorkerConfig};
 use serde_json::{Value, json};
 use tokio::sync::Semaphore;
@@ -48,22 +47,13 @@ async fn stack() -> Stack {
     )
     .await
     .unwrap();
-    let table = ScrapedEndpoints::new(
-        StaticEndpoints::new(vec![endpoints::local_endpoint(
-            worker.addr.to_string(),
-            Role::Decode,
-            512,
-            &["memory".to_string()],
-        )]),
-        Arc::new(HttpFetcher::new(Duration::from_secs(2)).unwrap()),
-        Duration::from_secs(30),
-        None,
-    );
-    table.scrape_all().await;
-    assert!(
-        rngd_pool::can_serve(&table.snapshot()),
-        "worker not healthy"
-    );
+    let table = common::scraped_servable(vec![endpoints::local_endpoint(
+        worker.addr.to_string(),
+        Role::Decode,
+        512,
+        &["memory".to_string()],
+    )])
+    .await;
     let config = GatewayConfig::default();
     let edge = config.edge.clone();
     // A threshold no test prompt reaches: every request is served by the

@@ -302,15 +302,9 @@ impl Cluster {
     }
 }
 
-pub async fn cluster(config: GatewayConfig, token_delay: Duration) -> Cluster {
-    let kv = Arc::new(MemoryTransport::new());
-    let (prefill_worker, prefill, pa) = spawn_worker(Role::Prefill, kv.clone(), token_delay).await;
-    let (decode_worker, decode, da) = spawn_worker(Role::Decode, kv.clone(), token_delay).await;
-    let transports = ["memory".to_string()];
-    let eps = vec![
-        endpoints::local_endpoint(pa, Role::Prefill, 64, &transports),
-        endpoints::local_endpoint(da, Role::Decode, 64, &transports),
-    ];
+/// An endpoint table over `eps`, scraped once, that can serve (a healthy
+/// decode endpoint); panics otherwise.
+pub async fn scraped_servable(eps: Vec<rngd_policy_core::Endpoint>) -> Arc<ScrapedEndpoints> {
     let table = ScrapedEndpoints::new(
         StaticEndpoints::new(eps),
         Arc::new(HttpFetcher::new(Duration::from_secs(2)).unwrap()),
@@ -322,6 +316,19 @@ pub async fn cluster(config: GatewayConfig, token_delay: Duration) -> Cluster {
         rngd_pool::can_serve(&table.snapshot()),
         "decode worker not scraped healthy"
     );
+    table
+}
+
+pub async fn cluster(config: GatewayConfig, token_delay: Duration) -> Cluster {
+    let kv = Arc::new(MemoryTransport::new());
+    let (prefill_worker, prefill, pa) = spawn_worker(Role::Prefill, kv.clone(), token_delay).await;
+    let (decode_worker, decode, da) = spawn_worker(Role::Decode, kv.clone(), token_delay).await;
+    let transports = ["memory".to_string()];
+    let eps = vec![
+        endpoints::local_endpoint(pa, Role::Prefill, 64, &transports),
+        endpoints::local_endpoint(da, Role::Decode, 64, &transports),
+    ];
+    let table = scraped_servable(eps).await;
     let policy = TestPolicy::new(4);
     let edge = config.edge.clone();
     let gw = Gateway::new(
