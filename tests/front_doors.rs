@@ -60,17 +60,16 @@ impl Policy for Recording {
     }
 }
 
-async fn worker() -> RunningWorker {
+/// A solo echo worker that also serves `model` (the doors' tokenizer's name:
+/// workers and doors serve the same names).
+async fn worker(model: &str) -> RunningWorker {
     let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let transports = Transports::from_env("shm".to_string()).unwrap();
-    rngd_worker::serve(
-        l,
-        Arc::new(EchoEngine::new(512)),
-        transports,
-        WorkerConfig::new(Role::Solo),
-    )
-    .await
-    .unwrap()
+    let mut config = WorkerConfig::new(Role::Solo);
+    config.model_aliases = vec![model.to_string()];
+    rngd_worker::serve(l, Arc::new(EchoEngine::new(512)), transports, config)
+        .await
+        .unwrap()
 }
 
 struct Doors {
@@ -81,7 +80,8 @@ struct Doors {
 }
 
 async fn doors(tokenizer: TokenizerChoice) -> Doors {
-    let worker = worker().await;
+    let counter: Arc<dyn PromptCounter> = tokenizer.load().await.unwrap();
+    let worker = worker(counter.model_name()).await;
     let endpoints = vec![local_endpoint(
         worker.addr.to_string(),
         Role::Solo,
@@ -107,7 +107,6 @@ async fn doors(tokenizer: TokenizerChoice) -> Doors {
     })
     .await
     .unwrap();
-    let counter: Arc<dyn PromptCounter> = tokenizer.load().await.unwrap();
     let picker = EppPicker::new(
         rngd_pool::Picker::new(policy.clone(), StaticEndpoints::new(endpoints)),
         Some(counter),

@@ -144,7 +144,7 @@ async fn eventually(limit: Duration, what: &str, mut cond: impl FnMut() -> bool)
 }
 
 fn request(prompt: &str) -> Value {
-    json!({"model": "smollm2", "prompt": prompt, "max_tokens": 8, "temperature": 0})
+    json!({"model": common::SERVED_MODEL, "prompt": prompt, "max_tokens": 8, "temperature": 0})
 }
 
 const PROMPT: &str = "The capital of France is";

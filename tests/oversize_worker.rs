@@ -48,7 +48,8 @@ async fn a_worker_refuses_oversize_prompts_before_tokenizing() {
     let normal = || {
         post(
             w.url("/v1/completions"),
-            json!({"model": "m", "prompt": "Hello there", "max_tokens": 4}).to_string(),
+            json!({"model": common::SERVED_MODEL, "prompt": "Hello there", "max_tokens": 4})
+                .to_string(),
         )
     };
     let (s, v) = normal().await;
@@ -57,11 +58,11 @@ async fn a_worker_refuses_oversize_prompts_before_tokenizing() {
     let bodies = [
         (
             "/v1/completions",
-            json!({"model": "m", "prompt": text, "max_tokens": 4}),
+            json!({"model": common::SERVED_MODEL, "prompt": text, "max_tokens": 4}),
         ),
         (
             "/v1/chat/completions",
-            json!({"model": "m", "messages": [{"role": "user", "content": text}]}),
+            json!({"model": common::SERVED_MODEL, "messages": [{"role": "user", "content": text}]}),
         ),
     ];
     for (path, body) in &bodies {

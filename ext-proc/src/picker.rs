@@ -6,6 +6,7 @@
 //! | condition                                          | status |
 //! |----------------------------------------------------|--------|
 //! | body breaks a request rule (not JSON, no `model`, bad sampling field, …) | 400 (with `param`) |
+//! | body names a model the workers do not serve       | 404 `model_not_found` |
 //! | the tokenizer fails on the prompt                  | 400    |
 //! | subset hint empty or matching no endpoint          | 503    |
 //! | policy reject (`LocalResponse`)                    | the policy's status and body (429/503/400 …) |
@@ -21,6 +22,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use rngd_api::headers;
+use rngd_api::models::{ModelNotFound, ServedModels};
 use rngd_api::openai::ErrorBody;
 use rngd_api::rules::RuleError;
 use rngd_policy_core::{Decision, LocalResponse, Route};
@@ -48,8 +50,12 @@ pub struct PickerLimits {
     /// Slots, waiting room and body-byte budget of the request phase
     /// (headers to the pick); the gateway's defaults.
     pub admission: AdmissionOptions,
-    /// Model names that label metric series of their own besides the
-    /// tokenizer's model name; any other model is counted as `other`.
+    /// The model names the workers serve besides the tokenizer's model name
+    /// (their extra `--served-model-name` values, else the model file's
+    /// stem). A request naming any other model is a 404 `model_not_found`;
+    /// each name labels metric series of its own, any other model is
+    /// counted as `other`. With no tokenizer and no names the picker cannot
+    /// know what is served and lets every model through (it warns once).
     pub served_models: Vec<String>,
 }
 
@@ -57,6 +63,7 @@ pub struct PickerLimits {
 pub struct Picker {
     pool: rngd_pool::Picker,
     counter: Option<Arc<dyn PromptCounter>>,
+    served: Option<Arc<ServedModels>>,
     metrics: EppMetrics,
     admission: Admission,
 }
@@ -121,6 +128,9 @@ fn json_response(status: u16, body: &ErrorBody) -> LocalResponse {
 fn reject(e: PrepareOrPick) -> LocalResponse {
     match e {
         PrepareOrPick::Rule(r) => rule_response(&r),
+        PrepareOrPick::ModelNotFound(m) => {
+            json_response(ModelNotFound::STATUS, &ErrorBody::from(&m))
+        }
         PrepareOrPick::Tokenize(e) => error_response(
             400,
             "invalid_request_error",
@@ -162,6 +172,7 @@ pub fn rule_response(r: &RuleError) -> LocalResponse {
 
 enum PrepareOrPick {
     Rule(RuleError),
+    ModelNotFound(ModelNotFound),
     Tokenize(rngd_pool::BoxError),
     Task(PrepareError),
     Pick(PickError),
@@ -171,6 +182,7 @@ impl From<PrepareError> for PrepareOrPick {
     fn from(e: PrepareError) -> Self {
         match e {
             PrepareError::Rule(r) => PrepareOrPick::Rule(r),
+            PrepareError::ModelNotFound(m) => PrepareOrPick::ModelNotFound(m),
             PrepareError::Tokenize(t) => PrepareOrPick::Tokenize(t),
             e @ PrepareError::Task { .. } => PrepareOrPick::Task(e),
         }
@@ -203,14 +215,28 @@ impl Picker {
         limits: PickerLimits,
     ) -> Self {
         metrics.watch_pool(DEFAULT_POOL_NAME, Arc::clone(pool.endpoints()));
-        if let Some(c) = &counter {
-            metrics.set_models([c.model_name()]);
+        let mut names = limits.served_models.into_iter();
+        let primary = match &counter {
+            Some(c) => Some(c.model_name().to_string()),
+            None => names.next(),
+        };
+        let served = match primary {
+            Some(p) => Some(Arc::new(ServedModels::new(p, names))),
+            None => {
+                tracing::warn!(
+                    "no tokenizer and no --served-model-name: the picker cannot check the model a request names"
+                );
+                None
+            }
+        };
+        if let Some(s) = &served {
+            metrics.set_models(s.names().iter().map(String::as_str));
         }
-        metrics.set_models(limits.served_models);
         let admission = Admission::with_metrics(limits.admission, metrics.admission.clone());
         Picker {
             pool,
             counter,
+            served,
             metrics,
             admission,
         }
@@ -283,9 +309,14 @@ impl Picker {
             match (kind, &self.counter) {
                 (Some(kind), Some(counter)) => {
                     // A long prompt is tokenized off the async threads.
-                    let prepared =
-                        rngd_pool::prepare_async(kind, body.clone(), Arc::clone(counter), None)
-                            .await;
+                    let prepared = rngd_pool::prepare_async(
+                        kind,
+                        body.clone(),
+                        Arc::clone(counter),
+                        None,
+                        self.served.clone(),
+                    )
+                    .await;
                     let prepared = match prepared {
                         Ok(p) => p,
                         Err(e) => {
@@ -299,12 +330,14 @@ impl Picker {
                 }
                 (Some(kind), None) => {
                     seen.model = model_of(body);
-                    rngd_pool::prompt::check(kind, body).map_err(PrepareOrPick::Rule)?
+                    rngd_pool::prompt::check(kind, body).map_err(PrepareOrPick::Rule)?;
+                    self.check_model(seen.model.as_deref())?;
                 }
                 (None, _) => {
                     seen.model = model_of(body);
                     rngd_api::rules::parse_body::<serde_json::Value>(body)
                         .map_err(PrepareOrPick::Rule)?;
+                    self.check_model(seen.model.as_deref())?;
                 }
             }
         }
@@ -319,6 +352,17 @@ impl Picker {
             })
             .await
             .map_err(PrepareOrPick::Pick)
+    }
+}
+
+impl Picker {
+    /// `Ok` when the served names are unknown or include `model` (a body
+    /// that parsed always names one).
+    fn check_model(&self, model: Option<&str>) -> Result<(), PrepareOrPick> {
+        match (&self.served, model) {
+            (Some(s), Some(m)) => s.check(m).map_err(PrepareOrPick::ModelNotFound),
+            _ => Ok(()),
+        }
     }
 }
 

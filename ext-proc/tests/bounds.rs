@@ -232,7 +232,8 @@ async fn random_model_names_never_become_label_values() {
     let before = h.metrics.render();
     for i in 0..300 {
         let model = format!("client-model-{i:04}-{}", "z".repeat(40));
-        // Half routed, half refused by a request rule (bad temperature).
+        // Half refused as unknown models (404), half by a request rule
+        // first (bad temperature: 400).
         let body = if i % 2 == 0 {
             format!(r#"{{"model":"{model}","prompt":"hi"}}"#)
         } else {
@@ -248,7 +249,7 @@ async fn random_model_names_never_become_label_values() {
         .await;
         assert_eq!(
             immediate_status(&resps).map(|s| s.0),
-            (i % 2 == 1).then_some(400)
+            Some(if i % 2 == 1 { 400 } else { 404 })
         );
     }
     let after = h.metrics.render();
@@ -264,9 +265,11 @@ async fn random_model_names_never_become_label_values() {
     assert!(after.contains(
         "inference_objective_request_total{model_name=\"other\",target_model_name=\"other\"} 300"
     ));
-    assert!(after.contains(
-        "inference_objective_request_error_total{error_code=\"400\",model_name=\"other\",target_model_name=\"other\"} 150"
-    ));
+    for code in [400, 404] {
+        assert!(after.contains(&format!(
+            "inference_objective_request_error_total{{error_code=\"{code}\",model_name=\"other\",target_model_name=\"other\"}} 150"
+        )));
+    }
     assert!(
         after.contains(
             "inference_objective_request_total{model_name=\"m\",target_model_name=\"m\"} 1"
@@ -274,4 +277,36 @@ async fn random_model_names_never_become_label_values() {
     );
     let r = rngd_telemetry::promtool::check(&after);
     assert_eq!(r.code, Some(0), "promtool: {:?}", r.findings);
+}
+
+#[tokio::test]
+async fn an_unknown_model_is_a_404_naming_the_served_ones_before_the_policy() {
+    let mut l = limits(8, 8, 1 << 20);
+    l.served_models = vec!["alias".into()];
+    let h = harness_with(default_endpoints(), false, l, ProcessorConfig::default()).await;
+    for (model, status) in [("gpt-4o", Some(404)), ("alias", None), ("m", None)] {
+        let body = format!(r#"{{"model":"{model}","prompt":"hi","max_tokens":2}}"#);
+        let resps = exchange(
+            h.server.grpc_addr,
+            vec![
+                post_headers(BodySendMode::FullDuplexStreamed),
+                body_msg(body.as_bytes(), true),
+            ],
+        )
+        .await;
+        let got = immediate_status(&resps);
+        assert_eq!(got.as_ref().map(|s| s.0), status, "{model}");
+        if let Some((_, body)) = got {
+            assert_eq!(error_code(&body), "model_not_found");
+            let v: serde_json::Value = serde_json::from_slice(&body).unwrap();
+            assert_eq!(v["error"]["param"], "model");
+            let msg = v["error"]["message"].as_str().unwrap();
+            assert!(
+                msg.contains("'gpt-4o'") && msg.ends_with("m, alias"),
+                "{msg}"
+            );
+        }
+    }
+    // Only the two served requests reached the policy.
+    assert_eq!(h.policy.seen.lock().unwrap().len(), 2);
 }

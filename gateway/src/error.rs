@@ -94,8 +94,16 @@ pub enum ApiError {
         param: Option<String>,
     },
     /// The requested model is not served → 404.
-    #[error("model '{0}' does not exist")]
-    ModelNotFound(String),
+    #[error(transparent)]
+    ModelNotFound(rngd_api::models::ModelNotFound),
+    /// A route that exists, called with another method → 405.
+    #[error("method {method} is not allowed on {path}")]
+    MethodNotAllowed {
+        /// The method as sent.
+        method: String,
+        /// The path, cut to 200 characters.
+        path: String,
+    },
     /// No route → 404.
     #[error("no route for {0}")]
     NotFound(String),
@@ -198,6 +206,7 @@ impl ApiError {
                 StatusCode::BAD_REQUEST
             }
             ApiError::ModelNotFound(_) | ApiError::NotFound(_) => StatusCode::NOT_FOUND,
+            ApiError::MethodNotAllowed { .. } => StatusCode::METHOD_NOT_ALLOWED,
             ApiError::Body(e) => e.status(),
             ApiError::PolicyReject { status, .. } => {
                 StatusCode::from_u16(*status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR)
@@ -236,12 +245,9 @@ impl ApiError {
                 }
             }
             ApiError::Rule(r) => ErrorBody::from(r),
-            ApiError::ModelNotFound(m) => {
-                ErrorBody::new(kind, format!("The model '{m}' does not exist"))
-                    .with_param("model")
-                    .with_code("model_not_found")
-            }
+            ApiError::ModelNotFound(m) => ErrorBody::from(m),
             ApiError::NotFound(p) => ErrorBody::new(kind, format!("no route for {p}")),
+            ApiError::MethodNotAllowed { .. } => ErrorBody::new(kind, self.to_string()),
             ApiError::Body(e) => e.body(),
             ApiError::PolicyReject { status, body } => policy_body(*status, body),
             ApiError::Policy(rngd_pool::PickError::NoEndpointInSubset) => {
@@ -363,7 +369,10 @@ mod tests {
     #[test]
     fn statuses() {
         assert_eq!(ApiError::bad_request("x").status(), 400);
-        assert_eq!(ApiError::ModelNotFound("m".into()).status(), 404);
+        let unknown = rngd_api::models::ServedModels::new("m", [])
+            .check("x")
+            .unwrap_err();
+        assert_eq!(ApiError::ModelNotFound(unknown).status(), 404);
         let too_large = ApiError::from(rngd_http_edge::BodyError::TooLarge { limit: 1 });
         assert_eq!(too_large.status(), 413);
         assert_eq!(

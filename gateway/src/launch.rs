@@ -128,8 +128,8 @@ pub async fn launch(opts: LaunchOptions) -> Result<Launched, GatewayError> {
         .map_err(|e| GatewayError::Config(e.to_string()))?;
     let mut config = opts.config.clone();
     let tokenizer = opts.tokenizer.load().await?;
-    if let Some(stem) = opts.tokenizer.file_stem() {
-        config.model_aliases.push(stem);
+    if config.model_root.is_none() {
+        config.model_root = opts.tokenizer.file_name();
     }
     let loaded = opts
         .policy

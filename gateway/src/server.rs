@@ -12,7 +12,7 @@ use axum::http::{StatusCode, header};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
-use rngd_api::openai::{Model, ModelList};
+use rngd_api::openai::ModelList;
 use rngd_pool::{ApiKind, PrepareError};
 
 use crate::error::{ApiError, GatewayError};
@@ -29,8 +29,11 @@ pub fn router(gw: Arc<Gateway>) -> Router {
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/models", get(models))
         .route("/health", get(health))
+        .route("/ping", get(health).post(health))
+        .route("/version", get(rngd_http_edge::surface::version))
         .route("/metrics", get(metrics_text))
         .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
         .with_state(gw)
         .layer(middleware::from_fn_with_state(metrics, count_responses))
 }
@@ -88,6 +91,13 @@ async fn not_found(req: Request) -> ApiError {
     ApiError::NotFound(req.uri().path().chars().take(200).collect())
 }
 
+async fn method_not_allowed(req: Request) -> ApiError {
+    ApiError::MethodNotAllowed {
+        method: req.method().to_string(),
+        path: req.uri().path().chars().take(200).collect(),
+    }
+}
+
 async fn metrics_text(State(gw): State<Arc<Gateway>>) -> impl IntoResponse {
     (
         [(header::CONTENT_TYPE, rngd_telemetry::CONTENT_TYPE)],
@@ -122,16 +132,8 @@ async fn health(State(gw): State<Arc<Gateway>>) -> Response {
 }
 
 async fn models(State(gw): State<Arc<Gateway>>) -> axum::Json<ModelList> {
-    axum::Json(ModelList {
-        object: "list".into(),
-        data: vec![Model {
-            id: gw.model_name().to_string(),
-            object: "model".into(),
-            created: unix_now(),
-            owned_by: "rngd-pd".into(),
-            max_model_len: Some(gw.config.seq_len),
-        }],
-    })
+    let root = gw.config.model_root.as_deref().unwrap_or_default();
+    axum::Json(gw.served.list(root, gw.config.seq_len, unix_now()))
 }
 
 impl rngd_http_edge::HasBodyLimits for Gateway {
@@ -159,14 +161,15 @@ async fn handle(gw: Arc<Gateway>, kind: ApiKind, req: Request) -> Result<Respons
     let counter = Arc::clone(&gw.tokenizer);
     let seq_len = gw.config.seq_len;
     // A long prompt is tokenized off the async threads.
-    let prepared = rngd_pool::prepare_async(kind, bytes, counter, Some(seq_len))
+    let served = Some(Arc::clone(&gw.served));
+    let prepared = rngd_pool::prepare_async(kind, bytes, counter, Some(seq_len), served)
         .await
         .map_err(|e| match e {
             PrepareError::Rule(r) => ApiError::Rule(r),
+            PrepareError::ModelNotFound(m) => ApiError::ModelNotFound(m),
             PrepareError::Tokenize(t) => ApiError::Tokenize(t),
             e @ PrepareError::Task { .. } => ApiError::Internal(e.to_string()),
         })?;
-    gw.check_model(&prepared.client_model)?;
     let prepared = Prepared {
         request: prepared,
         path: parts.uri.path().to_string(),

@@ -7,16 +7,22 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use axum::http::HeaderMap;
+use rngd_api::models::ServedModels;
 use rngd_pool::{EndpointSource, Picker, PromptCounter};
 
-use crate::error::{ApiError, GatewayError};
+use crate::error::GatewayError;
 use crate::metrics::GatewayMetrics;
 
 /// Gateway settings.
 #[derive(Debug, Clone)]
 pub struct GatewayConfig {
-    /// Extra model names accepted besides the tokenizer's (aliases, e.g. the file stem).
+    /// Model names accepted besides the tokenizer's: the extra
+    /// `--served-model-name` values, else the model file's stem
+    /// ([`rngd_api::models::aliases`], as the workers derive them).
     pub model_aliases: Vec<String>,
+    /// The model file's name, shown as `root` in `/v1/models`; `None`: the
+    /// tokenizer's file when it has one ([`crate::launch`] sets it).
+    pub model_root: Option<String>,
     /// Compiled context length the workers run with (for `/v1/models` and the
     /// default `max_tokens` of a chat).
     pub seq_len: u32,
@@ -49,6 +55,7 @@ impl Default for GatewayConfig {
     fn default() -> Self {
         GatewayConfig {
             model_aliases: Vec::new(),
+            model_root: None,
             seq_len: 512,
             body_limit: 1 << 20,
             prefill_timeout: Duration::from_secs(120),
@@ -69,6 +76,7 @@ pub struct Gateway {
     pub(crate) config: GatewayConfig,
     pub(crate) picker: Picker,
     pub(crate) tokenizer: Arc<dyn PromptCounter>,
+    pub(crate) served: Arc<ServedModels>,
     pub(crate) client: reqwest::Client,
     pub(crate) metrics: Arc<GatewayMetrics>,
     pub(crate) admission: crate::admission::Admission,
@@ -110,10 +118,15 @@ impl Gateway {
             config.queue_timeout,
             metrics.registry(),
         )?;
+        let served = Arc::new(ServedModels::new(
+            tokenizer.model_name(),
+            config.model_aliases.clone(),
+        ));
         Ok(Arc::new(Gateway {
             config,
             picker,
             tokenizer,
+            served,
             client,
             metrics,
             admission,
@@ -149,13 +162,8 @@ impl Gateway {
         format!("{}-{n}", self.id_prefix)
     }
 
-    pub(crate) fn check_model(&self, model: &str) -> Result<(), ApiError> {
-        if model == self.tokenizer.model_name()
-            || self.config.model_aliases.iter().any(|a| a == model)
-        {
-            Ok(())
-        } else {
-            Err(ApiError::ModelNotFound(model.chars().take(200).collect()))
-        }
+    /// The names this gateway serves the model under.
+    pub fn served(&self) -> &ServedModels {
+        &self.served
     }
 }

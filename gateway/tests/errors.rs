@@ -83,16 +83,20 @@ async fn bad_input_matrix() {
     .await;
     assert!(m.contains("image_url"), "{m}");
 
-    // Unknown model → 404.
-    let m = error_of(
-        post(r#"{"model":"gpt-9","prompt":"a"}"#.into())
-            .send()
-            .await
-            .unwrap(),
-        404,
-    )
-    .await;
-    assert!(m.contains("gpt-9"));
+    // Unknown model → 404 naming what is served, even for a prompt too
+    // long for the context (the model is checked before the prompt is
+    // counted).
+    for prompt in ["a".to_string(), "a ".repeat(600)] {
+        let m = error_of(
+            post(format!(r#"{{"model":"gpt-9","prompt":"{prompt}"}}"#))
+                .send()
+                .await
+                .unwrap(),
+            404,
+        )
+        .await;
+        assert!(m.contains("gpt-9") && m.ends_with("fake-model"), "{m}");
+    }
 
     // Over the body limit → 413, with and without Content-Length.
     let big = format!(
@@ -177,7 +181,7 @@ async fn bad_input_matrix() {
     assert!(m.contains("decode"), "{m}");
     c.decode.set_mode(Mode::Ok);
 
-    // Unknown route → 404 JSON.
+    // Unknown route → 404 JSON; a known route with another method → 405 JSON.
     error_of(
         client()
             .get(format!("{}/v2/nothing", c.url))
@@ -187,6 +191,33 @@ async fn bad_input_matrix() {
         404,
     )
     .await;
+    let m = error_of(
+        client()
+            .get(format!("{}/v1/completions", c.url))
+            .send()
+            .await
+            .unwrap(),
+        405,
+    )
+    .await;
+    assert!(m.contains("GET"), "{m}");
+
+    // vLLM's small routes: /version and /ping (GET and POST).
+    let v: serde_json::Value = client()
+        .get(format!("{}/version", c.url))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(v["version"], rngd_http_edge::surface::VERSION);
+    for req in [
+        client().get(format!("{}/ping", c.url)),
+        client().post(format!("{}/ping", c.url)),
+    ] {
+        assert_eq!(req.send().await.unwrap().status(), 200);
+    }
 }
 
 #[tokio::test]

@@ -48,8 +48,9 @@ async fn door() -> Door {
         .unwrap()
         .unwrap();
     let kv = Arc::new(MemoryTransport::new());
-    let (pw, _, pa) = spawn_worker(Role::Prefill, kv.clone(), Duration::ZERO).await;
-    let (dw, _, da) = spawn_worker(Role::Decode, kv.clone(), Duration::ZERO).await;
+    let name = counter.model_name().to_string();
+    let (pw, _, pa) = spawn_worker_serving(Role::Prefill, kv.clone(), Duration::ZERO, &name).await;
+    let (dw, _, da) = spawn_worker_serving(Role::Decode, kv.clone(), Duration::ZERO, &name).await;
     let transports = ["memory".to_string()];
     let eps = vec![
         endpoints::local_endpoint(pa, Role::Prefill, 512, &transports),

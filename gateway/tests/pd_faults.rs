@@ -65,7 +65,7 @@ async fn worker(
     token_delay: Duration,
     tweak: impl FnOnce(&mut WorkerConfig),
 ) -> RunningWorker {
-    let mut config = WorkerConfig::new(role).with_kv_secret(b"test-kv-secret-0123456789abcdef");
+    let mut config = common::worker_config(role);
     tweak(&mut config);
     let engine = Arc::new(EchoEngine::new(512).with_token_delay(token_delay));
     let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();

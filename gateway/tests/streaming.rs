@@ -20,7 +20,7 @@ use rngd_gateway::{Gateway, GatewayConfig};
 use rngd_kv_transport::fake::MemoryTransport;
 use rngd_policy_core::Role;
 use rngd_pool::source as endpoints;
-use rngd_worker::{Transports, WorkerConfig};
+use rngd_worker::Transports;
 use serde_json::{Value, json};
 use tokio::sync::Semaphore;
 
@@ -43,7 +43,7 @@ async fn stack() -> Stack {
         l,
         engine,
         Transports::new("memory", common::Shared(kv)),
-        WorkerConfig::new(Role::Decode).with_kv_secret(b"test-kv-secret-0123456789abcdef"),
+        common::worker_config(Role::Decode),
     )
     .await
     .unwrap();

@@ -8,7 +8,7 @@ use super::Proc;
 
 /// A greedy completion of 12 tokens.
 pub fn request(prompt: &str) -> Value {
-    json!({"model": "smollm2", "prompt": prompt, "max_tokens": 12, "temperature": 0})
+    json!({"model": super::SERVED_MODEL, "prompt": prompt, "max_tokens": 12, "temperature": 0})
 }
 
 /// A client that never goes through a proxy the environment names.

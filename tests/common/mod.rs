@@ -12,6 +12,10 @@ use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
 use std::time::Duration;
 
+/// The name the default model is served under (from its GGUF metadata;
+/// docs/engine.md): every door refuses any other with 404.
+pub const SERVED_MODEL: &str = "smollm2-135M-instruct";
+
 /// Longest wait for a process's ready line (a worker loads the model).
 pub const STARTUP: Duration = Duration::from_secs(600);
 

@@ -30,6 +30,11 @@ def rngd_bin():
 # (a prefill or decode worker does not start without one).
 KV_SECRET = "python-tests-kv-secret-0123456789"
 
+# The name the default model is served under (from its GGUF metadata; see
+# docs/engine.md). Every door refuses any other name with 404, so tests that
+# talk to a door running the default model send this one.
+SERVED_MODEL = "smollm2-135M-instruct"
+
 
 def worker_env(**extra):
     """The environment of a worker the tests start (the KV secret added)."""

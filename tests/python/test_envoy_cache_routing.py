@@ -31,7 +31,7 @@ import time
 import openai
 import pytest
 
-from conftest import Proc, converse, counter, free_port, model_path, poll_ok, start_worker
+from conftest import SERVED_MODEL, Proc, converse, counter, free_port, model_path, poll_ok, start_worker
 from epp.helpers import ExtProc, envoy_binary, policy_module
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -131,7 +131,7 @@ def test_a_conversation_stays_on_the_worker_that_holds_it(stack):
     c = openai.OpenAI(base_url=stack.url + "/v1", api_key="unused", max_retries=0, timeout=300)
     messages = [{"role": "system", "content": SYSTEM},
                 {"role": "user", "content": "Which telescope is the oldest?"}]
-    where, reasons, cached, prompts = converse(c, "SmolLM2-135M-Instruct", messages, ["Why?", "And then?"],
+    where, reasons, cached, prompts = converse(c, SERVED_MODEL, messages, ["Why?", "And then?"],
                                                lambda: served(stack))
     # One decode worker served all three turns.
     assert all(len(w) == 1 for w in where), where
@@ -170,7 +170,7 @@ def test_a_stream_that_goes_down_falls_back_to_load_with_a_metric_and_a_log_line
                     f"{down}'s stream down after a failed replay")
         before = sample(stack.epp.metrics_text(), "rngd_pd_prefix_lookups_total", result="stream_down")
         c = openai.OpenAI(base_url=stack.url + "/v1", api_key="unused", max_retries=0, timeout=300)
-        r = c.completions.create(model="SmolLM2-135M-Instruct", prompt="The summit weather today is", max_tokens=2,
+        r = c.completions.create(model=SERVED_MODEL, prompt="The summit weather today is", max_tokens=2,
                                  temperature=0)
         assert r.choices[0].text is not None
         m = stack.epp.metrics_text()

@@ -29,7 +29,7 @@ import pathlib
 import pytest
 import requests
 
-from conftest import Proc, counter, free_port, model_path, poll_ok, start_worker
+from conftest import SERVED_MODEL, Proc, counter, free_port, model_path, poll_ok, start_worker
 from epp.helpers import ExtProc, envoy_binary, policy_module
 import kube_api
 from kube_api import KubeApi, PODS, POOLS
@@ -38,7 +38,7 @@ REPO = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "deploy" / "envoy"))
 import render  # noqa: E402
 
-MODEL = "SmolLM2-135M-Instruct"
+MODEL = SERVED_MODEL
 LONG_PROMPT = (
     "The history of the printing press begins in the fifteenth century, when movable type changed how books "
     "were made, how ideas travelled between cities, and how ordinary people learned to read. Summarize it:"

@@ -36,13 +36,13 @@ import requests
 from epp.envoy_stack import SUBSET_HINT_HEADER as HINT
 from epp.envoy_stack import with_subset_hint_filter
 from epp.helpers import ExtProc, envoy_binary, policy_module, teapot_module
-from conftest import Proc, counter, free_port, model_path, poll_ok, start_worker
+from conftest import SERVED_MODEL, Proc, counter, free_port, model_path, poll_ok, start_worker
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "deploy" / "envoy"))
 import render  # noqa: E402  (deploy/envoy/render.py)
 
-MODEL = "SmolLM2-135M-Instruct"
+MODEL = SERVED_MODEL
 LONG_PROMPT = (
     "The history of the printing press begins in the fifteenth century, when movable type changed how books "
     "were made, how ideas travelled between cities, and how ordinary people learned to read. Summarize it:"

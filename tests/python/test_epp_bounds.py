@@ -38,14 +38,14 @@ import time
 import pytest
 import requests
 
-from conftest import Proc, counter, free_port, model_path, poll_ok
+from conftest import SERVED_MODEL, Proc, counter, free_port, model_path, poll_ok
 from epp.envoy_stack import SUBSET_HINT_HEADER, open_post, read_response, rss_kb, with_subset_hint_filter
 from epp.helpers import REPO, ExtProc, ModelServerFake, endpoint_json, envoy_binary, policy_module
 
 sys.path.insert(0, str(REPO / "deploy" / "envoy"))
 import render  # noqa: E402  (deploy/envoy/render.py)
 
-MODEL = "SmolLM2-135M-Instruct"
+MODEL = SERVED_MODEL
 BUDGET = 8 << 20
 MIB = 1 << 20
 
@@ -236,9 +236,12 @@ def test_random_model_names_leave_metrics_bounded(st):
     rng = random.Random(7)
     for i in range(300):
         model = "".join(rng.choices(string.ascii_lowercase, k=24))
-        extra = {} if i % 2 == 0 else {"temperature": -1}  # half routed, half refused (400)
+        # Half refused as models nobody serves (404), half by a rule first (400).
+        extra = {} if i % 2 == 0 else {"temperature": -1}
         r = normal(st, check=False, model=model, **extra)
-        assert r.status_code == (200 if i % 2 == 0 else 400), r.text
+        assert r.status_code == (404 if i % 2 == 0 else 400), r.text
+        if i % 2 == 0:
+            assert r.json()["error"]["code"] == "model_not_found", r.text
     text = st.epp.metrics_text()
     print(f"300 random models: /metrics {before} -> {len(text)} bytes")
     assert len(text) < before + 20_000, f"/metrics grew from {before} to {len(text)} bytes"

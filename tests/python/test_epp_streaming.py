@@ -24,13 +24,13 @@ import time
 import pytest
 import requests
 
-from conftest import Proc, free_port, model_path, poll_ok
+from conftest import SERVED_MODEL, Proc, free_port, model_path, poll_ok
 from epp.helpers import REPO, ExtProc, ModelServerFake, endpoint_json, envoy_binary, policy_module
 
 sys.path.insert(0, str(REPO / "deploy" / "envoy"))
 import render  # noqa: E402  (deploy/envoy/render.py)
 
-MODEL = "SmolLM2-135M-Instruct"
+MODEL = SERVED_MODEL
 
 
 class Stack:

@@ -19,6 +19,7 @@ import grpc
 
 import pytest
 
+from conftest import SERVED_MODEL
 from epp.helpers import (
     BUFFERED,
     ExtProc,
@@ -65,7 +66,7 @@ def epp(tmp_path_factory):
 
 
 def completion(prompt="Hello there", **extra) -> bytes:
-    return json.dumps({"model": "SmolLM2-135M-Instruct", "prompt": prompt, "max_tokens": 4, **extra}).encode()
+    return json.dumps({"model": SERVED_MODEL, "prompt": prompt, "max_tokens": 4, **extra}).encode()
 
 
 def test_body_split_across_many_chunks(epp):

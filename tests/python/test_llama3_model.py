@@ -164,8 +164,9 @@ def test_a_worker_serves_the_llama3_gguf_with_llama_cpp_s_greedy_tokens(models):
             url = "http://" + url
         poll_ok(url + "/ready", 300, p)
         prompt = tokenize(m, LONG)
+        served = requests.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
         r = requests.post(url + "/v1/completions", json={
-            "model": "any", "prompt": prompt, "max_tokens": 12, "temperature": 0,
+            "model": served, "prompt": prompt, "max_tokens": 12, "temperature": 0,
         }, timeout=120)
         assert r.status_code == 200, r.text
         ours = r.json()["choices"][0]["token_ids"]

@@ -14,6 +14,8 @@ import openai
 import pytest
 import requests
 
+from conftest import SERVED_MODEL
+
 # Long enough (> the default policy's 32-token threshold) to be disaggregated.
 PROMPT = (
     "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg "
@@ -31,7 +33,7 @@ def client(stack):
 def solo_completion(solo, prompt, max_tokens):
     r = requests.post(
         solo + "/v1/completions",
-        json={"model": "x", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0},
+        json={"model": SERVED_MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0},
         timeout=300,
     )
     assert r.status_code == 200, r.text
@@ -53,8 +55,22 @@ def chatml(messages):
 
 
 def test_models_lists_the_served_model(stack):
+    """The served name first, then the file's stem (the alias every door
+    accepts without --served-model-name), with vLLM's fields; any other
+    model is a 404 naming them, as the openai client sees it."""
     models = client(stack).models.list()
-    assert [m.id for m in models.data] == [stack.model]
+    assert [m.id for m in models.data] == [stack.model, "SmolLM2-135M-Instruct.Q4_1"]
+    for m in models.data:
+        assert m.model_extra["root"] == "SmolLM2-135M-Instruct.Q4_1.gguf"
+        assert m.model_extra["parent"] is None
+        assert m.model_extra["max_model_len"] == 512
+        assert m.model_extra["permission"][0]["object"] == "model_permission"
+    with pytest.raises(openai.NotFoundError) as err:
+        client(stack).completions.create(model="gpt-4o", prompt="hi", max_tokens=2)
+    assert err.value.code == "model_not_found"
+    assert stack.model in err.value.message
+    alias = client(stack).completions.create(model="SmolLM2-135M-Instruct.Q4_1", prompt="hi", max_tokens=2)
+    assert alias.model == stack.model and len(alias.choices) == 1
 
 
 def test_completion_equals_solo_and_runs_pd(stack, solo):

@@ -29,13 +29,13 @@ import pytest
 import requests
 
 from epp.helpers import ExtProc, envoy_binary, policy_module
-from conftest import Proc, free_port, model_path, poll_ok
+from conftest import SERVED_MODEL, Proc, free_port, model_path, poll_ok
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "deploy" / "envoy"))
 import render  # noqa: E402  (deploy/envoy/render.py)
 
-MODEL = "SmolLM2-135M-Instruct"
+MODEL = SERVED_MODEL
 
 
 def rss(pid: int) -> int:

@@ -17,7 +17,7 @@ import pytest
 import requests
 import zmq
 
-from conftest import Proc, model_path, poll_ok, rngd_bin, worker_env
+from conftest import SERVED_MODEL, Proc, model_path, poll_ok, rngd_bin, worker_env
 from vllm_kv_events import DECODER, END_SEQ, AllBlocksCleared, BlockRemoved, BlockStored
 
 TOPIC = "kv@solo@SmolLM2"
@@ -126,7 +126,7 @@ def client(w):
 
 def render_ids(w, prompt):
     r = requests.post(w["url"] + "/v1/completions/render",
-                      json={"model": "SmolLM2-135M-Instruct", "prompt": prompt, "max_tokens": 4}, timeout=30)
+                      json={"model": SERVED_MODEL, "prompt": prompt, "max_tokens": 4}, timeout=30)
     assert r.status_code == 200, r.text
     return r.json()[0]["token_ids"]
 
@@ -142,7 +142,7 @@ def test_the_cache_seen_through_events_render_and_cached_tokens(worker):
     ids = render_ids(worker, PROMPT)
     assert len(ids) >= 3 * BLOCK, len(ids)
 
-    first = c.completions.create(model="SmolLM2-135M-Instruct", prompt=PROMPT, max_tokens=4, temperature=0)
+    first = c.completions.create(model=SERVED_MODEL, prompt=PROMPT, max_tokens=4, temperature=0)
     assert first.usage.prompt_tokens == len(ids)
     assert first.usage.prompt_tokens_details.cached_tokens == 0
     # The prompt's full blocks are announced, their token ids those render gave.
@@ -151,7 +151,7 @@ def test_the_cache_seen_through_events_render_and_cached_tokens(worker):
 
     # The same prompt again, streamed: the cached blocks are reused, and the
     # final usage chunk says how many tokens came from the cache.
-    stream = c.completions.create(model="SmolLM2-135M-Instruct", prompt=PROMPT, max_tokens=4, temperature=0,
+    stream = c.completions.create(model=SERVED_MODEL, prompt=PROMPT, max_tokens=4, temperature=0,
                                   stream=True, stream_options={"include_usage": True})
     chunks = list(stream)
     usage = chunks[-1].usage
@@ -161,7 +161,7 @@ def test_the_cache_seen_through_events_render_and_cached_tokens(worker):
     assert text == first.choices[0].text, "a warm prefill gave other tokens"
 
     # A different salt never hits.
-    salted = c.completions.create(model="SmolLM2-135M-Instruct", prompt=PROMPT, max_tokens=4, temperature=0,
+    salted = c.completions.create(model=SERVED_MODEL, prompt=PROMPT, max_tokens=4, temperature=0,
                                   extra_body={"cache_salt": "tenant-b"})
     assert salted.usage.prompt_tokens_details.cached_tokens == 0
     assert salted.choices[0].text == first.choices[0].text
@@ -170,7 +170,7 @@ def test_the_cache_seen_through_events_render_and_cached_tokens(worker):
     # announced as removed; the index never holds more than the budget.
     for i in range(4):
         p = f"Variation {i}: " + PROMPT[::-1] + f" ({i})"
-        r = c.completions.create(model="SmolLM2-135M-Instruct", prompt=p, max_tokens=2, temperature=0)
+        r = c.completions.create(model=SERVED_MODEL, prompt=p, max_tokens=2, temperature=0)
         assert r.usage.prompt_tokens_details.cached_tokens == 0
     ev.drain(lambda e: any(isinstance(x, BlockRemoved) for x in e.events))
     ev.drain(lambda e: len(e.index) <= BLOCKS, timeout_ms=5_000)
@@ -188,7 +188,7 @@ def test_the_cache_seen_through_events_render_and_cached_tokens(worker):
     assert r.status_code == 200, r.text
     ev.drain(lambda e: isinstance(e.events[-1], AllBlocksCleared))
     assert ev.index == {}
-    again = c.completions.create(model="SmolLM2-135M-Instruct", prompt=PROMPT, max_tokens=4, temperature=0)
+    again = c.completions.create(model=SERVED_MODEL, prompt=PROMPT, max_tokens=4, temperature=0)
     assert again.usage.prompt_tokens_details.cached_tokens == 0
     assert again.choices[0].text == first.choices[0].text
     # The public listener has no admin route.

@@ -101,12 +101,13 @@ pub struct Args {
     /// `Retry-After` before anything is buffered.
     #[arg(long, default_value_t = admission::DEFAULT_MAX_INFLIGHT_BODY_BYTES)]
     pub max_inflight_body_bytes: usize,
-    /// The model name the workers serve (their `--served-model-name`): the
-    /// tokenizer reports it instead of the GGUF's, and it labels the
-    /// per-model metrics; requests for any model but the served one are
-    /// counted under `model_name="other"`.
-    #[arg(long, value_name = "NAME")]
-    pub served_model_name: Option<String>,
+    /// The model names the workers serve (their `--served-model-name`,
+    /// repeated the same way): the tokenizer reports the first instead of
+    /// the GGUF's; a request naming none of them (nor, when none is given,
+    /// the model file's stem) is refused with 404 `model_not_found`. Each
+    /// labels the per-model metrics.
+    #[arg(long = "served-model-name", value_name = "NAME")]
+    pub served_model_name: Vec<String>,
     /// Longest wait for Envoy's next ext_proc message before the pick, ms
     /// (a stalled request stream is ended; Envoy fails the request).
     #[arg(long, default_value_t = rngd_ext_proc::processor::DEFAULT_REQUEST_IDLE_TIMEOUT.as_millis() as u64)]
@@ -149,7 +150,7 @@ fn options(args: &Args) -> anyhow::Result<Options> {
             .context("model for the tokenizer")?;
         let overrides = rngd_pool::TokenizerOverrides {
             chat_template: args.chat_template.clone(),
-            served_model_name: args.served_model_name.clone(),
+            served_model_name: args.served_model_name.first().cloned(),
         };
         Some(TokenizerChoice::Gguf(path, overrides))
     };
@@ -161,6 +162,7 @@ fn options(args: &Args) -> anyhow::Result<Options> {
         },
         (None, None) => anyhow::bail!("give --endpoints FILE or --pool-name NAME"),
     };
+    let served_models = served_models(args, tokenizer.as_ref());
     Ok(Options {
         grpc: SocketAddr::new(args.host, args.grpc_port),
         health: SocketAddr::new(args.host, args.grpc_health_port),
@@ -196,12 +198,25 @@ fn options(args: &Args) -> anyhow::Result<Options> {
                 queue_timeout: Duration::from_millis(args.queue_timeout_ms),
                 max_inflight_body_bytes: args.max_inflight_body_bytes,
             },
-            served_models: args.served_model_name.iter().cloned().collect(),
+            served_models,
         },
         admin_token: args.admin_token.clone(),
         admin_listen: args.admin_listen,
         tls: TlsChoice::from_flags(args.secure_serving, args.cert_path.clone(), watch),
     })
+}
+
+/// The names the picker serves besides the tokenizer's, by the workers' rule
+/// ([`rngd_api::models::aliases`]): the flags, else the model file's stem.
+fn served_models(args: &Args, tokenizer: Option<&TokenizerChoice>) -> Vec<String> {
+    if !args.served_model_name.is_empty() {
+        return args.served_model_name.clone();
+    }
+    let file = match tokenizer {
+        Some(TokenizerChoice::Gguf(p, _)) => Some(p.as_path()),
+        _ => None,
+    };
+    rngd_api::models::aliases(&[], file)
 }
 
 /// Runs the subcommand.

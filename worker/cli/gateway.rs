@@ -222,9 +222,9 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         },
         admin_token: args.admin_token.clone(),
         admin_listen: args.admin_listen,
-        tokenizer: TokenizerChoice::Gguf(model, overrides),
+        tokenizer: TokenizerChoice::Gguf(model.clone(), overrides),
         config: GatewayConfig {
-            model_aliases: args.served_model_name.iter().skip(1).cloned().collect(),
+            model_aliases: rngd_api::models::aliases(&args.served_model_name, Some(&model)),
             seq_len: args.seq_len,
             body_limit: args.body_limit,
             prefill_timeout: Duration::from_millis(args.prefill_timeout_ms),

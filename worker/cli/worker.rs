@@ -73,7 +73,8 @@ pub struct Args {
     pub chat_template: Option<PathBuf>,
     /// Model name to serve (`/v1/models`, `model` in answers, the
     /// `model_name` metric label) instead of the one from the file's metadata.
-    /// May be repeated as for the gateway; the worker serves the first.
+    /// May be repeated as for the gateway: the first is served, the others
+    /// are accepted aliases; any other `model` is a 404 `model_not_found`.
     #[arg(long = "served-model-name", value_name = "NAME")]
     pub served_model_name: Vec<String>,
     /// Compiled context length S.
@@ -180,7 +181,7 @@ impl Args {
             kv_transport: self.kv_transport,
             model: self.model,
             chat_template: self.chat_template,
-            served_model_name: self.served_model_name.into_iter().next(),
+            served_model_name: self.served_model_name,
             seq_len: self.seq_len,
             batch: self.batch,
             threads: self.threads,
@@ -268,7 +269,7 @@ fn check_options(opts: &WorkerOptions) -> anyhow::Result<()> {
     let model = rngd_engine::model_fetch::resolve(opts.model.as_deref())?;
     let overrides = rngd_engine::tokenizer::TokenizerOverrides {
         chat_template: opts.chat_template.clone(),
-        served_model_name: opts.served_model_name.clone(),
+        served_model_name: opts.served_model_name.first().cloned(),
     };
     rngd_engine::tokenizer::Tokenizer::from_gguf(&model)
         .and_then(|t| t.with_overrides(&overrides))

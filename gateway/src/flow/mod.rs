@@ -190,7 +190,9 @@ async fn run_inner(
             ApiKind::Completion => format!("cmpl-{rid}"),
             ApiKind::Chat => format!("chatcmpl-{rid}"),
         },
-        model: p.request.client_model.clone(),
+        // Answers carry the served name, whichever alias the client sent
+        // (as the workers and vLLM answer).
+        model: gw.served().primary().to_string(),
         created: unix_now(),
         started: p.started,
         decode_sent,

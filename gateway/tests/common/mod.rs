@@ -180,16 +180,24 @@ pub async fn spawn_worker(
     kv: Arc<MemoryTransport>,
     token_delay: Duration,
 ) -> (RunningWorker, Arc<Tap>, String) {
+    spawn_worker_serving(role, kv, token_delay, FAKE_TOKENIZER.model).await
+}
+
+/// [`spawn_worker`] serving `model` besides the echo engine's own name (the
+/// gateway's tokenizer's name).
+pub async fn spawn_worker_serving(
+    role: Role,
+    kv: Arc<MemoryTransport>,
+    token_delay: Duration,
+    model: &str,
+) -> (RunningWorker, Arc<Tap>, String) {
     let engine = Arc::new(EchoEngine::new(512).with_token_delay(token_delay));
     let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let worker = rngd_worker::serve(
-        l,
-        engine,
-        Transports::new("memory", Shared(kv)),
-        WorkerConfig::new(role).with_kv_secret(b"test-kv-secret-0123456789abcdef"),
-    )
-    .await
-    .unwrap();
+    let mut config = worker_config(role);
+    config.model_aliases = vec![model.to_string()];
+    let worker = rngd_worker::serve(l, engine, Transports::new("memory", Shared(kv)), config)
+        .await
+        .unwrap();
     let t = Arc::new(Tap {
         upstream: worker.url(),
         client: reqwest::Client::new(),
@@ -205,6 +213,15 @@ pub async fn spawn_worker(
 /// The echo engine's text for `n` tokens of `prompt`: its bytes, cyclically.
 pub fn expected_text(prompt: &str, n: usize) -> String {
     prompt.bytes().cycle().take(n).map(char::from).collect()
+}
+
+/// A test worker's configuration: PD on (a test secret), and `fake-model`
+/// served besides the echo engine's own name, as the gateway's
+/// [`FAKE_TOKENIZER`] serves it (workers and doors serve the same names).
+pub fn worker_config(role: Role) -> WorkerConfig {
+    let mut config = WorkerConfig::new(role).with_kv_secret(b"test-kv-secret-0123456789abcdef");
+    config.model_aliases = vec![FAKE_TOKENIZER.model.to_string()];
+    config
 }
 
 /// Whitespace "tokenizer" with a ChatML-like template, serving `fake-model`.

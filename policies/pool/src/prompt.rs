@@ -11,6 +11,7 @@
 use std::path::Path;
 use std::sync::Arc;
 
+use rngd_api::models::{ModelNotFound, ServedModels};
 use rngd_api::openai::{ChatCompletionRequest, CompletionRequest, Prompt, StreamOptions};
 use rngd_api::rules::{self, RuleError};
 pub use rngd_engine::tokenizer::{TokenizerOverrides, Within};
@@ -186,6 +187,10 @@ pub enum PrepareError {
     /// A request rule is broken (400, with the rule's `param`).
     #[error(transparent)]
     Rule(#[from] RuleError),
+    /// The request names a model this door does not serve (404
+    /// `model_not_found`, naming the served ones).
+    #[error(transparent)]
+    ModelNotFound(#[from] ModelNotFound),
     /// The tokenizer or chat template failed on this prompt (400).
     #[error("tokenizing the prompt: {0}")]
     Tokenize(#[source] BoxError),
@@ -263,6 +268,7 @@ pub async fn prepare_async<B>(
     body: B,
     counter: Arc<dyn PromptCounter>,
     seq_len: Option<u32>,
+    served: Option<Arc<ServedModels>>,
 ) -> Result<Prepared, PrepareError>
 where
     B: AsRef<[u8]> + Send + 'static,
@@ -270,7 +276,13 @@ where
     let inline = body.as_ref().len() <= PREPARE_INLINE_BYTES;
     let run = move || {
         std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            prepare(kind, body.as_ref(), counter.as_ref(), seq_len)
+            prepare(
+                kind,
+                body.as_ref(),
+                counter.as_ref(),
+                seq_len,
+                served.as_deref(),
+            )
         }))
         .map_err(|panic| PrepareError::Task {
             reason: panic_message(panic.as_ref()),
@@ -307,12 +319,22 @@ fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
 /// counter) is the context-length 400 before it is tokenized whole (its
 /// bytes prove it, or a bounded prefix does: `Tokenizer::encode_within`),
 /// so no prompt is tokenized past the context.
+///
+/// `served`: the model names this door serves; a request naming another is
+/// [`PrepareError::ModelNotFound`] once its body parses, before its prompt
+/// is rendered or tokenized. `None` accepts any model (a door that does not
+/// know what its workers serve).
 pub fn prepare(
     kind: ApiKind,
     body: &[u8],
     counter: &dyn PromptCounter,
     seq_len: Option<u32>,
+    served: Option<&ServedModels>,
 ) -> Result<Prepared, PrepareError> {
+    let check_model = |model: &str| match served {
+        Some(s) => s.check(model).map_err(PrepareError::ModelNotFound),
+        None => Ok(()),
+    };
     let context = seq_len.or_else(|| counter.max_context());
     let ids_of = |text: &str, max_tokens: Option<u32>| -> Result<Vec<u32>, PrepareError> {
         let Some(context) = context else {
@@ -333,6 +355,7 @@ pub fn prepare(
     let (client_model, mut upstream, prompt_ids) = match kind {
         ApiKind::Completion => {
             let mut req = completion(body)?;
+            check_model(&req.model)?;
             req.prompt = rules::single_prompt(&req.prompt)?;
             let max_tokens = rules::max_tokens_or_default(req.sampling.max_tokens);
             let ids = match &req.prompt {
@@ -347,6 +370,7 @@ pub fn prepare(
         }
         ApiKind::Chat => {
             let chat = chat(body)?;
+            check_model(&chat.model)?;
             let messages = rules::chat_messages(&chat)?;
             let prompt = counter
                 .chat_prompt(&messages)
@@ -386,6 +410,7 @@ mod tests {
             br#"{"model":"m","prompt":["hello"],"stream":true}"#,
             &ByteCounter,
             Some(512),
+            None,
         )
         .expect("prepared");
         assert_eq!(p.prompt_tokens, 5);
@@ -399,6 +424,7 @@ mod tests {
             br#"{"model":"m","prompt":[1,2,3]}"#,
             &ByteCounter,
             None,
+            None,
         )
         .unwrap();
         assert_eq!(p.prompt_tokens, 3);
@@ -411,6 +437,7 @@ mod tests {
             br#"{"model":"m","messages":[{"role":"user","content":"hi"}]}"#,
             &ByteCounter,
             Some(100),
+            None,
         )
         .unwrap();
         assert_eq!(p.upstream.prompt, Prompt::Text("user: hi\n".into()));
@@ -443,7 +470,7 @@ mod tests {
             ),
             (ApiKind::Chat, b"nope", None),
         ] {
-            match prepare(kind, body, &ByteCounter, None) {
+            match prepare(kind, body, &ByteCounter, None, None) {
                 Err(PrepareError::Rule(e)) => assert_eq!(e.param, param),
                 other => panic!("{other:?}"),
             }
@@ -505,7 +532,7 @@ mod tests {
             ),
         ] {
             let body = serde_json::to_vec(&body).unwrap();
-            match prepare(kind, &body, &c, ctx) {
+            match prepare(kind, &body, &c, ctx, None) {
                 Err(PrepareError::Rule(e)) => {
                     assert_eq!(e.param, Some("max_tokens"));
                     assert_eq!(e.code, Some(rngd_api::openai::CONTEXT_LENGTH_CODE));
@@ -528,6 +555,7 @@ mod tests {
             br#"{"model":"m","prompt":"abcdefgh"}"#,
             &c,
             Some(512),
+            None,
         )
         .unwrap();
         assert_eq!((p.prompt_tokens, p.prompt_ids.clone()), (2, vec![0, 1]));
@@ -536,6 +564,7 @@ mod tests {
             br#"{"model":"m","prompt":[5,6,7]}"#,
             &c,
             Some(512),
+            None,
         )
         .unwrap();
         assert_eq!(p.prompt_ids, vec![5, 6, 7]);
@@ -565,10 +594,16 @@ mod tests {
         // synchronous prepare either way.
         for n in [3, PREPARE_INLINE_BYTES] {
             let body = completion_body(n);
-            let want = prepare(ApiKind::Completion, &body, &ByteCounter, Some(4096)).unwrap();
-            let got = prepare_async(ApiKind::Completion, body, Arc::new(ByteCounter), Some(4096))
-                .await
-                .unwrap();
+            let want = prepare(ApiKind::Completion, &body, &ByteCounter, Some(4096), None).unwrap();
+            let got = prepare_async(
+                ApiKind::Completion,
+                body,
+                Arc::new(ByteCounter),
+                Some(4096),
+                None,
+            )
+            .await
+            .unwrap();
             assert_eq!(got.prompt_ids, want.prompt_ids, "{n} bytes");
             assert_eq!(got.prompt_tokens, n);
         }
@@ -579,6 +614,7 @@ mod tests {
                 completion_body(n),
                 Arc::new(ByteCounter),
                 Some(2),
+                None,
             )
             .await
             .unwrap_err();
@@ -593,6 +629,7 @@ mod tests {
                 ApiKind::Completion,
                 completion_body(n),
                 Arc::new(Panicking),
+                None,
                 None,
             )
             .await

@@ -131,10 +131,10 @@ impl TokenizerChoice {
         }
     }
 
-    /// The model file's stem (an accepted alias of the model name), if a file.
-    pub fn file_stem(&self) -> Option<String> {
+    /// The model file's name (the `root` of `/v1/models`), if a file.
+    pub fn file_name(&self) -> Option<String> {
         match self {
-            TokenizerChoice::Gguf(p, _) => p.file_stem().and_then(|s| s.to_str()).map(String::from),
+            TokenizerChoice::Gguf(p, _) => Some(rngd_api::models::root(p)),
             TokenizerChoice::Custom(_) => None,
         }
     }

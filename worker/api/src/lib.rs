@@ -4,6 +4,8 @@
 //!   stream turned back into the chat format), for the gateway and the workers.
 //! - [`env`]: every environment variable rngd-pd reads, as constants.
 //! - [`headers`]: HTTP header names of the routing conventions (GIE, llm-d).
+//! - [`models`]: the model names a server answers to (the 404 for any other,
+//!   the `/v1/models` list).
 //! - [`openai`]: the OpenAI-compatible request/response/error bodies.
 //! - [`pd`]: the prefill/decode protocol (`kv_transfer_params`, vLLM-compatible).
 //! - [`rules`]: the request rules every door applies (sampling ranges, defaults,
@@ -12,6 +14,7 @@
 pub mod chat;
 pub mod env;
 pub mod headers;
+pub mod models;
 pub mod openai;
 pub mod pd;
 pub mod rules;

@@ -483,9 +483,70 @@ pub struct Model {
     pub created: u64,
     /// `rngd-pd`.
     pub owned_by: String,
-    /// Compiled context length (extension).
+    /// The model this name serves: its file's name (vLLM: the model path).
+    #[serde(default)]
+    pub root: Option<String>,
+    /// The model this one was derived from; always null here (no adapters).
+    #[serde(default)]
+    pub parent: Option<String>,
+    /// Compiled context length (vLLM's extension).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_model_len: Option<u32>,
+    /// What a client may do with the model (vLLM's shape of OpenAI's
+    /// retired field; clients written for vLLM read it).
+    #[serde(default)]
+    pub permission: Vec<ModelPermission>,
+}
+
+/// One entry of a model's `permission` list.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ModelPermission {
+    /// `modelperm-` and the model name.
+    pub id: String,
+    /// `model_permission`.
+    pub object: String,
+    /// Unix seconds.
+    pub created: u64,
+    /// Whether a client may create engines from it (no).
+    pub allow_create_engine: bool,
+    /// Whether a client may sample from it (yes).
+    pub allow_sampling: bool,
+    /// Whether logprobs may be asked for (yes).
+    pub allow_logprobs: bool,
+    /// Whether search indices may be built (no).
+    pub allow_search_indices: bool,
+    /// Whether the model may be listed (yes).
+    pub allow_view: bool,
+    /// Whether it may be fine-tuned (no).
+    pub allow_fine_tuning: bool,
+    /// `*`.
+    pub organization: String,
+    /// Always null.
+    pub group: Option<String>,
+    /// Always false.
+    pub is_blocking: bool,
+}
+
+// === impl ModelPermission ===
+
+impl ModelPermission {
+    /// The one permission every served model has: sample and view, nothing else.
+    pub fn read_only(model: &str, created: u64) -> Self {
+        ModelPermission {
+            id: format!("modelperm-{model}"),
+            object: "model_permission".into(),
+            created,
+            allow_create_engine: false,
+            allow_sampling: true,
+            allow_logprobs: true,
+            allow_search_indices: false,
+            allow_view: true,
+            allow_fine_tuning: false,
+            organization: "*".into(),
+            group: None,
+            is_blocking: false,
+        }
+    }
 }
 
 /// Body of `GET /v1/models`.

@@ -13,7 +13,8 @@
 //! - [`hold_until_sent`]: a response whose body holds a guard (an admission
 //!   slot, an engine slot) until it is sent or dropped;
 //! - [`shutdown_signal`]: SIGINT / SIGTERM;
-//! - [`admin`]: the bearer-token guard of every admin listener.
+//! - [`admin`]: the bearer-token guard of every admin listener;
+//! - [`surface`]: the small routes every server answers alike (`/version`).
 //!
 //! `docs/gateway.md` ("Listener limits") describes the limits and their
 //! defaults.
@@ -22,6 +23,7 @@ pub mod admin;
 mod body;
 mod hold;
 mod serve;
+pub mod surface;
 
 use std::time::Duration;
 

@@ -52,9 +52,12 @@ pub struct WorkerOptions {
     /// Jinja chat template file used instead of the model's own
     /// `tokenizer.chat_template` (`--chat-template`).
     pub chat_template: Option<PathBuf>,
-    /// Model name served in `/v1/models`, answers and metrics instead of the
-    /// one derived from the file's metadata (`--served-model-name`).
-    pub served_model_name: Option<String>,
+    /// Model names served (`--served-model-name`, repeated): the first in
+    /// `/v1/models`, answers and metrics instead of the one derived from the
+    /// file's metadata, the others accepted as aliases. Empty: the
+    /// metadata's name, with the file's stem as the alias
+    /// ([`rngd_api::models::aliases`]).
+    pub served_model_name: Vec<String>,
     /// Compiled context length S.
     pub seq_len: usize,
     /// Decode streams stepped together.
@@ -114,7 +117,7 @@ impl Default for WorkerOptions {
             kv_transport: "shm".into(),
             model: None,
             chat_template: None,
-            served_model_name: None,
+            served_model_name: Vec::new(),
             seq_len: 512,
             batch: 8,
             threads: None,

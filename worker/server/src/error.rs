@@ -62,6 +62,21 @@ pub enum ApiError {
     /// A request rule is broken (`rngd_api::rules`, the same at every door).
     #[error(transparent)]
     Rule(#[from] rngd_api::rules::RuleError),
+    /// The request names a model this worker does not serve → 404
+    /// `model_not_found`, naming the served ones.
+    #[error(transparent)]
+    ModelNotFound(#[from] rngd_api::models::ModelNotFound),
+    /// No route for this path → 404 with a JSON body.
+    #[error("no route for {0}")]
+    NotFound(String),
+    /// A route that exists, called with another method → 405.
+    #[error("method {method} is not allowed on {path}")]
+    MethodNotAllowed {
+        /// The method as sent.
+        method: String,
+        /// The path, cut to 200 characters.
+        path: String,
+    },
     /// `prompt + max_tokens > S` (message from `context_length_message`).
     #[error("{0}")]
     ContextLength(String),
@@ -252,6 +267,8 @@ impl ApiError {
             | ApiError::WrongRole(_) => StatusCode::BAD_REQUEST,
             ApiError::UnknownTransport { .. } => StatusCode::BAD_REQUEST,
             ApiError::NotReady => StatusCode::SERVICE_UNAVAILABLE,
+            ApiError::ModelNotFound(_) | ApiError::NotFound(_) => StatusCode::NOT_FOUND,
+            ApiError::MethodNotAllowed { .. } => StatusCode::METHOD_NOT_ALLOWED,
             ApiError::BadHandle(_) => StatusCode::BAD_REQUEST,
             ApiError::KvHandleUsed { .. } => StatusCode::GONE,
             ApiError::PdRefused(_) => StatusCode::FORBIDDEN,
@@ -300,6 +317,7 @@ impl ApiError {
                 body.with_code(CONTEXT_LENGTH_CODE).with_param("max_tokens")
             }
             ApiError::Rule(r) => ErrorBody::from(r),
+            ApiError::ModelNotFound(m) => ErrorBody::from(m),
             ApiError::Body(e) => e.body(),
             ApiError::PrefillPeerRejected {
                 code: Some(code), ..

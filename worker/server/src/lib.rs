@@ -35,6 +35,7 @@ pub mod state;
 pub mod transports;
 
 use std::net::SocketAddr;
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{SystemTime, UNIX_EPOCH};
@@ -44,7 +45,6 @@ use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
-use rngd_api::openai::{Model, ModelList};
 use rngd_engine::Engine;
 use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
@@ -86,13 +86,33 @@ pub fn router(state: WorkerState) -> Router {
     Router::new()
         .route("/v1/completions", post(completions::completions))
         .route("/v1/chat/completions", post(completions::chat_completions))
-        .route("/health", get(|| async { "ok" }))
+        .route("/health", get(health))
+        .route("/ping", get(health).post(health))
         .route("/ready", get(ready))
         .route("/metrics", get(metrics_text))
         .route("/v1/models", get(models))
+        .route("/version", get(rngd_http_edge::surface::version))
         .merge(render::routes())
+        .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
         .layer(axum::extract::DefaultBodyLimit::max(limit))
         .with_state(state)
+}
+
+/// `/health` and `/ping` (vLLM's alias, GET or POST): the process serves.
+async fn health() -> &'static str {
+    "ok"
+}
+
+async fn not_found(uri: axum::http::Uri) -> ApiError {
+    ApiError::NotFound(uri.path().chars().take(200).collect())
+}
+
+async fn method_not_allowed(method: axum::http::Method, uri: axum::http::Uri) -> ApiError {
+    ApiError::MethodNotAllowed {
+        method: method.to_string(),
+        path: uri.path().chars().take(200).collect(),
+    }
 }
 
 async fn ready(State(state): State<WorkerState>) -> Response {
@@ -109,25 +129,12 @@ async fn metrics_text(State(state): State<WorkerState>) -> Response {
 }
 
 async fn models(State(state): State<WorkerState>) -> Response {
-    let Some(engine) = state.engine() else {
+    let (Some(engine), Some(served)) = (state.engine(), state.served()) else {
         return ApiError::NotReady.into_response();
     };
-    let info = engine.info();
-    let created = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_secs())
-        .unwrap_or(0);
-    axum::Json(ModelList {
-        object: "list".into(),
-        data: vec![Model {
-            id: info.name.clone(),
-            object: "model".into(),
-            created,
-            owned_by: "rngd-pd".into(),
-            max_model_len: Some(info.seq_len as u32),
-        }],
-    })
-    .into_response()
+    let seq_len = u32::try_from(engine.info().seq_len).unwrap_or(u32::MAX);
+    let root = state.config().model_root.as_deref().unwrap_or_default();
+    axum::Json(served.list(root, seq_len, rngd_api::rules::unix_now())).into_response()
 }
 
 /// The request id: `x-request-id` if the client sent a usable one, else a new one.
@@ -312,6 +319,10 @@ pub async fn launch(
             "--seq-len and --batch must be at least 1".into(),
         ));
     }
+    // The file is found now (a missing model fails before anything binds);
+    // its name is the `root` of `/v1/models`, its stem an accepted alias.
+    let model_file = rngd_engine::model_fetch::resolve(args.model.as_deref())
+        .map_err(|e| WorkerError::Engine(Box::new(e)))?;
     match select_device(&args) {
         Ok(d) => tracing::info!(
             role = args.role.as_str(),
@@ -381,6 +392,8 @@ pub async fn launch(
     let config = WorkerConfig {
         kv_auth,
         handle_ttl,
+        model_aliases: rngd_api::models::aliases(&args.served_model_name, Some(&model_file)),
+        model_root: Some(rngd_api::models::root(&model_file)),
         ..WorkerConfig::from_args(&args)
     };
     let state = WorkerState::new(config, transports)?;
@@ -393,7 +406,7 @@ pub async fn launch(
     }
     let running = serve_state(listener, state.clone())?;
     tracing::info!(addr = %running.addr, "serving; loading the model");
-    let engine = load_engine(&args).await?;
+    let engine = load_engine(&args, model_file).await?;
     tracing::info!(model = %engine.info().name, seq_len = engine.info().seq_len, "model loaded");
     if let Some(p) = &publisher {
         let sink = Arc::new(events::PublisherSink(p.clone()));
@@ -426,17 +439,15 @@ pub async fn launch(
     stopped
 }
 
-async fn load_engine(args: &WorkerOptions) -> Result<Arc<dyn Engine>, WorkerError> {
-    let model = args.model.clone();
+async fn load_engine(args: &WorkerOptions, path: PathBuf) -> Result<Arc<dyn Engine>, WorkerError> {
     let (seq_len, batch, threads) = (args.seq_len, args.batch, args.threads);
     let prefix_cache = args.prefix_cache.clone();
     let overrides = rngd_engine::tokenizer::TokenizerOverrides {
         chat_template: args.chat_template.clone(),
-        served_model_name: args.served_model_name.clone(),
+        served_model_name: args.served_model_name.first().cloned(),
     };
     tokio::task::spawn_blocking(
         move || -> Result<Arc<dyn Engine>, Box<rngd_engine::EngineError>> {
-            let path = rngd_engine::model_fetch::resolve(model.as_deref()).map_err(Box::new)?;
             let mut opts = rngd_engine::cpu::CpuEngineOptions::new(path);
             opts.seq_len = seq_len;
             opts.batch = batch;

@@ -11,6 +11,9 @@
 //!   `{"count","max_model_len","tokens","token_strs"}`;
 //! - `POST /detokenize` (`{"model","tokens"}`) → `{"prompt"}`.
 //!
+//! A `model` that is not served is the serving path's 404 (optional on the
+//! tokenizer routes, checked when given).
+//!
 //! The ids are those the serving path prefills: the body is parsed with the
 //! same rules, a chat rendered with the engine's template, and the prompt
 //! turned into ids by the completion path's own [`prompt_ids`] (bounded by
@@ -27,6 +30,7 @@ use axum::extract::State;
 use axum::http::{Extensions, HeaderMap};
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
+use rngd_api::models::ServedModels;
 use rngd_api::openai::{ChatCompletionRequest, CompletionRequest, Prompt};
 use rngd_api::rules::{self, RuleError};
 use rngd_engine::{Engine, SamplingParams};
@@ -53,10 +57,11 @@ async fn render_completion(
     body: Body,
 ) -> Response {
     answer(async {
-        let (engine, body) = start(&state, &headers, &ext, body).await?;
+        let (engine, served, body) = start(&state, &headers, &ext, body).await?;
         let req: CompletionRequest = blocking(move || {
             let req: CompletionRequest = rules::parse_body(&body)?;
             rules::check_completion(&req)?;
+            served.check(&req.model)?;
             Ok(req)
         })
         .await?;
@@ -74,8 +79,8 @@ async fn render_chat(
     body: Body,
 ) -> Response {
     answer(async {
-        let (engine, body) = start(&state, &headers, &ext, body).await?;
-        let (req, ids) = chat_ids(&engine, body).await?;
+        let (engine, served, body) = start(&state, &headers, &ext, body).await?;
+        let (req, ids) = chat_ids(&engine, served, body).await?;
         let params = sampling(&req, &ids, engine.info(), client_seed(&req).unwrap_or(0))?;
         Ok(generate_request("chatcmpl", &req, ids, &params))
     })
@@ -86,12 +91,14 @@ async fn render_chat(
 /// becomes and the prompt's ids.
 async fn chat_ids(
     engine: &Arc<dyn Engine>,
+    served: Arc<ServedModels>,
     body: Bytes,
 ) -> Result<(CompletionRequest, Vec<u32>), ApiError> {
     let e = Arc::clone(engine);
     let (chat, prompt) = blocking(move || {
         let chat: ChatCompletionRequest = rules::parse_body(&body)?;
         rules::check_chat(&chat)?;
+        served.check(&chat.model)?;
         let messages = rules::chat_messages(&chat)?;
         let prompt = e
             .chat_prompt(&messages)
@@ -177,8 +184,12 @@ async fn tokenize(
     body: Body,
 ) -> Response {
     answer(async {
-        let (engine, body) = start(&state, &headers, &ext, body).await?;
+        let (engine, served, body) = start(&state, &headers, &ext, body).await?;
         let b: TokenizeBody = parse(&body)?;
+        // `model` may be left out; when given it must be served.
+        if let Some(m) = &b.model {
+            served.check(m)?;
+        }
         let refuse = |param: &'static str, what: &str| -> ApiError {
             RuleError::param(
                 param,
@@ -226,7 +237,7 @@ async fn tokenize(
                 let bytes = Bytes::from(
                     serde_json::to_vec(&chat).map_err(|e| ApiError::Internal(e.to_string()))?,
                 );
-                chat_ids(&engine, bytes).await?.1
+                chat_ids(&engine, served, bytes).await?.1
             }
             (Some(_), Some(_)) => {
                 return Err(RuleError::param(
@@ -257,7 +268,6 @@ async fn tokenize(
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct DetokenizeBody {
-    #[allow(dead_code)]
     model: Option<String>,
     tokens: Vec<u32>,
 }
@@ -269,8 +279,11 @@ async fn detokenize(
     body: Body,
 ) -> Response {
     answer(async {
-        let (engine, body) = start(&state, &headers, &ext, body).await?;
+        let (engine, served, body) = start(&state, &headers, &ext, body).await?;
         let b: DetokenizeBody = parse(&body)?;
+        if let Some(m) = &b.model {
+            served.check(m)?;
+        }
         check_vocab(&b.tokens, engine.info().vocab_size)
             .map_err(|e| RuleError::param("tokens", e.to_string()))?;
         let e = Arc::clone(&engine);
@@ -301,15 +314,18 @@ fn parse<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
 /// The engine (503 while loading) and the body within the completion
 /// endpoints' size (413) and time (408) limits and the listener's body budget
 /// (503): the completion path's own reader.
+/// The engine, the names it is served under, and the body read within the
+/// worker's limits.
 async fn start(
     state: &WorkerState,
     headers: &HeaderMap,
     ext: &Extensions,
     body: Body,
-) -> Result<(Arc<dyn Engine>, Bytes), ApiError> {
+) -> Result<(Arc<dyn Engine>, Arc<ServedModels>, Bytes), ApiError> {
     let engine = state.engine().ok_or(ApiError::NotReady)?.clone();
+    let served = state.served().ok_or(ApiError::NotReady)?.clone();
     let body = crate::completions::read_body(state, headers, ext, body).await?;
-    Ok((engine, body.bytes().clone()))
+    Ok((engine, served, body.bytes().clone()))
 }
 
 /// CPU work (parsing up to `body_limit` bytes, templates) off the async threads.

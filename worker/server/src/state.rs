@@ -4,6 +4,7 @@
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
+use rngd_api::models::ServedModels;
 use rngd_engine::Engine;
 
 use crate::allow::{ClientAllow, PrefillAllow};
@@ -47,6 +48,12 @@ pub struct WorkerConfig {
     /// connection cap, in-flight body bytes; `docs/pd-protocol.md`,
     /// "Listener limits").
     pub edge: rngd_http_edge::Options,
+    /// Model names accepted besides the engine's own
+    /// ([`rngd_api::models::aliases`]); any other is a 404.
+    pub model_aliases: Vec<String>,
+    /// The model file's name, the `root` of `/v1/models`; `None`: the
+    /// engine's model name.
+    pub model_root: Option<String>,
 }
 
 /// Default of [`WorkerConfig::max_in_flight`].
@@ -74,6 +81,8 @@ impl WorkerConfig {
             body_timeout: Duration::from_secs(30),
             max_in_flight: DEFAULT_MAX_IN_FLIGHT,
             edge: rngd_http_edge::Options::default(),
+            model_aliases: Vec::new(),
+            model_root: None,
         }
     }
 
@@ -105,6 +114,7 @@ struct Inner {
     slots: Arc<tokio::sync::Semaphore>,
     config: WorkerConfig,
     engine: OnceLock<Arc<dyn Engine>>,
+    served: OnceLock<Arc<ServedModels>>,
     transports: Transports,
     metrics: WorkerMetrics,
     peer: Arc<dyn PrefillPeer>,
@@ -141,6 +151,7 @@ impl WorkerState {
             slots: Arc::new(tokio::sync::Semaphore::new(config.max_in_flight.max(1))),
             config,
             engine: OnceLock::new(),
+            served: OnceLock::new(),
             transports,
             metrics: WorkerMetrics::new().map_err(WorkerError::Metrics)?,
             peer,
@@ -149,8 +160,22 @@ impl WorkerState {
     }
 
     /// Installs the loaded engine; returns false if one was already installed.
+    /// The served names become the engine's model name and the configured
+    /// aliases.
     pub fn set_engine(&self, engine: Arc<dyn Engine>) -> bool {
+        let served = Arc::new(ServedModels::new(
+            engine.info().name.clone(),
+            self.0.config.model_aliases.clone(),
+        ));
+        // Names first: whoever sees the engine sees its names (a second
+        // engine is refused, and the first one's names stay).
+        let _ = self.0.served.set(served);
         self.0.engine.set(engine).is_ok()
+    }
+
+    /// The names the model is served under, once loaded.
+    pub fn served(&self) -> Option<&Arc<ServedModels>> {
+        self.0.served.get()
     }
 
     /// The engine, once loaded.

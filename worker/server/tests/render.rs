@@ -194,6 +194,26 @@ async fn refusals_are_openai_errors_naming_the_param() {
     let (s, _) = post(&w, "/tokenize", json!({"model": "echo", "prompt": long})).await;
     assert_eq!(s, 400);
 
+    // A model that is not served: the serving path's 404 on every route.
+    let chat = json!([{"role": "user", "content": "hi"}]);
+    for (path, body) in [
+        (
+            "/v1/completions/render",
+            json!({"model": "nope", "prompt": "hi"}),
+        ),
+        (
+            "/v1/chat/completions/render",
+            json!({"model": "nope", "messages": chat}),
+        ),
+        ("/tokenize", json!({"model": "nope", "prompt": "hi"})),
+        ("/tokenize", json!({"model": "nope", "messages": chat})),
+        ("/detokenize", json!({"model": "nope", "tokens": [104]})),
+    ] {
+        refused(&w, path, body.clone(), 404, "model").await;
+        let (_, e) = post(&w, path, body).await;
+        assert_eq!(e["error"]["code"], "model_not_found", "{path}: {e}");
+    }
+
     refused(
         &w,
         "/v1/completions/render",

@@ -249,7 +249,7 @@ async fn errors_map_to_statuses_with_openai_bodies() {
     assert_eq!(error(&decode, &pre, &[]).await.0, 400);
 
     // Bad bodies.
-    let (status, body) = error(&decode, &json!({"model": "m"}), &[]).await;
+    let (status, body) = error(&decode, &json!({"model": "echo"}), &[]).await;
     assert_eq!(
         (status, body.error.kind.as_str()),
         (400, "invalid_request_error")
@@ -257,7 +257,7 @@ async fn errors_map_to_statuses_with_openai_bodies() {
     assert_eq!(
         error(
             &decode,
-            &json!({"model": "m", "prompt": "", "max_tokens": 2}),
+            &json!({"model": "echo", "prompt": "", "max_tokens": 2}),
             &[]
         )
         .await
@@ -265,15 +265,19 @@ async fn errors_map_to_statuses_with_openai_bodies() {
         400
     );
     assert_eq!(
-        error(&decode, &json!({"model": "m", "prompt": "a", "n": 2}), &[])
-            .await
-            .0,
+        error(
+            &decode,
+            &json!({"model": "echo", "prompt": "a", "n": 2}),
+            &[]
+        )
+        .await
+        .0,
         400
     );
     assert_eq!(
         error(
             &decode,
-            &json!({"model": "m", "prompt": [1, 999], "max_tokens": 2}),
+            &json!({"model": "echo", "prompt": [1, 999], "max_tokens": 2}),
             &[]
         )
         .await
@@ -526,4 +530,86 @@ async fn pd_through_an_in_process_tcp_relay() {
     assert_eq!(sample(&m, "rngd_pd_worker_kv_loads_total"), 1.0);
     stop.cancel();
     relay.await.unwrap().unwrap();
+}
+
+#[tokio::test]
+async fn the_model_is_checked_and_the_server_surface_answers_as_vllm() {
+    let mem = Arc::new(MemoryTransport::new());
+    let w = start_with(Role::Solo, &mem, |c| {
+        c.model_aliases = vec!["alias".into()];
+        c.model_root = Some("echo.gguf".into());
+    })
+    .await;
+    // Any model but the served names is a 404 naming them, before any work
+    // (completion and chat alike); an alias is served.
+    let mut unknown = request("hi", 2);
+    unknown["model"] = json!("gpt-4o");
+    let (status, body) = error(&w, &unknown, &[]).await;
+    assert_eq!(status, 404);
+    assert_eq!(body.error.code.as_deref(), Some("model_not_found"));
+    assert_eq!(body.error.param.as_deref(), Some("model"));
+    assert!(
+        body.error.message.contains("'gpt-4o'") && body.error.message.ends_with("echo, alias"),
+        "{}",
+        body.error.message
+    );
+    let chat = reqwest::Client::new()
+        .post(format!("{}/v1/chat/completions", w.url()))
+        .json(&json!({"model": "gpt-4o", "messages": [{"role": "user", "content": "hi"}]}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(chat.status(), 404);
+    let chat: Value = chat.json().await.unwrap();
+    assert_eq!(chat["error"]["code"], "model_not_found");
+    let mut alias = request("hi", 2);
+    alias["model"] = json!("alias");
+    assert_eq!(completion(&w, &alias, &[]).await.choices[0].text, "hi");
+
+    // /v1/models: one entry per name, with vLLM's fields.
+    let models: Value = reqwest::get(format!("{}/v1/models", w.url()))
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let data = models["data"].as_array().unwrap();
+    assert_eq!(data.len(), 2, "{models}");
+    assert_eq!(
+        (data[0]["id"].as_str(), data[1]["id"].as_str()),
+        (Some("echo"), Some("alias"))
+    );
+    for m in data {
+        assert_eq!(m["root"], "echo.gguf");
+        assert!(m["parent"].is_null());
+        assert_eq!(m["max_model_len"], SEQ_LEN);
+        assert_eq!(m["permission"][0]["object"], "model_permission");
+    }
+
+    // /version, /ping (GET and POST), and JSON bodies on 404 and 405.
+    let v: Value = reqwest::get(format!("{}/version", w.url()))
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(v["version"], rngd_http_edge::surface::VERSION);
+    let client = reqwest::Client::new();
+    for req in [
+        client.get(format!("{}/ping", w.url())),
+        client.post(format!("{}/ping", w.url())),
+    ] {
+        assert_eq!(req.send().await.unwrap().status(), 200);
+    }
+    for (req, status) in [
+        (client.get(format!("{}/no/such/route", w.url())), 404),
+        (client.get(format!("{}/v1/completions", w.url())), 405),
+        (client.delete(format!("{}/v1/models", w.url())), 405),
+    ] {
+        let resp = req.send().await.unwrap();
+        assert_eq!(resp.status(), status);
+        let body: Value = resp.json().await.unwrap();
+        assert!(body["error"]["message"].is_string(), "{body}");
+    }
+    w.stop().await.unwrap();
 }

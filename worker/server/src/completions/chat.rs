@@ -5,16 +5,23 @@
 //! context (`rngd_api::chat::to_completion`).
 
 use rngd_api::chat::to_completion;
+use rngd_api::models::ServedModels;
 use rngd_api::openai::{ChatCompletionRequest, CompletionRequest};
 use rngd_api::rules;
 use rngd_engine::Engine;
 
 use crate::error::ApiError;
 
-/// Parses, checks and renders a chat body for `engine`.
-pub(super) fn render(engine: &dyn Engine, body: &[u8]) -> Result<CompletionRequest, ApiError> {
+/// Parses, checks and renders a chat body for `engine`; a chat naming a
+/// model not in `served` is refused before it is rendered.
+pub(super) fn render(
+    engine: &dyn Engine,
+    served: &ServedModels,
+    body: &[u8],
+) -> Result<CompletionRequest, ApiError> {
     let chat: ChatCompletionRequest = rules::parse_body(body)?;
     rules::check_chat(&chat)?;
+    served.check(&chat.model)?;
     let messages = rules::chat_messages(&chat)?;
     // As the front doors: a prompt the template or tokenizer refuses is a 400.
     let tokenize =

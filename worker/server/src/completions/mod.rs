@@ -134,6 +134,7 @@ async fn handle(
 ) -> Result<Response, ApiError> {
     let started = Instant::now();
     let engine = state.engine().ok_or(ApiError::NotReady)?.clone();
+    let served = state.served().ok_or(ApiError::NotReady)?.clone();
     // Parsing a body of up to `body_limit` bytes and rendering a chat (its
     // template, its token count) is CPU work: off the async threads.
     let e = Arc::clone(&engine);
@@ -141,10 +142,11 @@ async fn handle(
         Api::Completion => {
             let req: CompletionRequest = rules::parse_body(&body)?;
             rules::check_completion(&req)?;
+            served.check(&req.model)?;
             Ok(req)
         }
         // A chat has no kv_transfer_params: it is served whole or orchestrated.
-        Api::Chat => chat::render(&*e, &body),
+        Api::Chat => chat::render(&*e, &served, &body),
     })
     .await
     .map_err(|e| ApiError::Internal(format!("request parsing task: {e}")))??;
