@@ -537,3 +537,113 @@ def test_workers_cache_prefixes_and_publish_kv_events_as_vllm():
         assert not any(a.startswith(("--kv-events-config", "--block-size")) for a in args)
         meta = off[("Deployment", f"demo-{role}")]["spec"]["template"]["metadata"]
         assert "rngd-pd.io/kv-events-port" not in meta["annotations"]
+
+
+# === every value is read ===
+
+# Values that only matter once another value turns their part on: the test
+# changes them on top of these (the path prefix, then the enabling values).
+CONTEXT = [
+    (("kvTransport", "nixl"), {"kvTransport": {"crossNode": "nixl-ucx"}}),
+    (("httpRoute", "parentGateway"), {"httpRoute": {"enabled": True}}),
+    (("prefixRouting", "approximateTtlMs"), {"prefixRouting": {"approximate": True}}),
+    (("decode", "deviceResource"), {"decode": {"backend": "atom"}}),
+    (("prefill", "deviceResource"), {"prefill": {"backend": "rngd"}}),
+    (("model", "fetchResources"), {"model": {"fetch": True}}),
+]
+
+# What a value becomes when changing it needs a value of its own kind.
+CHANGED = {
+    ("image", "pullPolicy"): "Always",
+    ("kvTransport", "crossNode"): "shm",
+    ("kvTransport", "nixl", "ucxTls"): "rc",
+    ("prefill", "backend"): "rngd",
+    ("decode", "backend"): "atom",
+    ("inferencePool", "failureMode"): "FailOpen",
+    ("gateway", "serviceType"): "NodePort",
+    ("prefill", "frontDoorAllow"): ["10.1.0.0/16"],
+    ("decode", "prefillAllow"): ["10.1.0.0/16"],
+    ("endpoints",): [{"url": "http://10.1.2.3:8000", "role": "decode"}],
+    ("networkPolicy", "gatewayPeers"): [{"namespaceSelector": {"matchLabels": {"probe": "x"}}}],
+    ("networkPolicy", "metricsPeers"): [{"namespaceSelector": {"matchLabels": {"probe": "x"}}}],
+    ("model", "volume"): {"emptyDir": None, "persistentVolumeClaim": {"claimName": "probe"}},
+}
+
+
+def leaves(values, prefix=()):
+    """Every settable value of `values` as (path, value); an empty map or list
+    is a value of its own."""
+    for k, v in values.items():
+        if isinstance(v, dict) and v and prefix + (k,) not in CHANGED:
+            yield from leaves(v, prefix + (k,))
+        else:
+            yield prefix + (k,), v
+
+
+def changed(path, v):
+    if path in CHANGED:
+        return CHANGED[path]
+    if isinstance(v, bool):
+        return not v
+    if isinstance(v, int):
+        return v + 1
+    if isinstance(v, str):
+        return v + "-probe" if v else "probe"
+    if isinstance(v, list):
+        return [{"key": "probe", "operator": "Exists"}]
+    if isinstance(v, dict):
+        return {"probe": "1"} if path[-1] == "nodeSelector" else {"limits": {"cpu": "3"}}
+    raise AssertionError(f"no change for {path}: {v!r}")
+
+
+def nest(path, v):
+    out = v
+    for k in reversed(path):
+        out = {k: out}
+    return out
+
+
+def merged(a, b):
+    out = dict(a)
+    for k, v in b.items():
+        out[k] = merged(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def test_every_value_changes_some_rendered_object():
+    """A value in values.yaml that nothing reads is a setting that silently
+    does nothing: each one, changed, must change the rendered objects (or be
+    refused by the chart's own checks, which read it too)."""
+    defaults = yaml.safe_load((CHART / "values.yaml").read_text())
+    # An object that differs between two renders of the same values (the
+    # generated KV secret) says nothing about a value: left out.
+    random = {k for k, o in render().items() if render().get(k) != o}
+    assert random <= {("Secret", "demo-kv")}, random
+
+    def stable(values):
+        return {k: o for k, o in render(values).items() if k not in random}
+
+    unused = []
+    for path, v in leaves(defaults):
+        base = {}
+        for prefix, ctx in CONTEXT:
+            if path[: len(prefix)] == prefix:
+                base = merged(base, ctx)
+        before = stable(base)
+        try:
+            after = stable(merged(base, nest(path, changed(path, v))))
+        except helm.errors.HelmRenderError:
+            continue
+        if after == before:
+            unused.append(".".join(path))
+    assert unused == [], f"values that change nothing: {unused}"
+
+
+def test_the_served_name_reaches_every_door():
+    """`model.name` is what the workers, the gateway and the picker serve
+    (each refuses any other model with 404); empty leaves the GGUF's name."""
+    for name, want in [("my-model", ["--served-model-name=my-model"]), ("", [])]:
+        objs = render({"model": {"name": name}})
+        for d in ["demo-prefill", "demo-decode", "demo-gateway", "demo-epp"]:
+            args = container(objs, d)["args"]
+            assert [a for a in args if a.startswith("--served-model-name")] == want, (d, args)

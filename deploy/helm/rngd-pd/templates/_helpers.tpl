@@ -90,6 +90,14 @@ InferencePool of the release (discovery) or the endpoints file. */}}
 {{- end }}
 {{- end -}}
 
+{{/* `--served-model-name` for every component that checks `model` (workers,
+gateway, picker): they serve model.name, and refuse any other with 404. */}}
+{{- define "rngd-pd.servedNameArgs" -}}
+{{- with .Values.model.name }}
+{{- printf "--served-model-name=%s" . | quote | printf "- %s" }}
+{{- end }}
+{{- end -}}
+
 {{/* The file `rngd-pd model fetch --cache <model.mountPath>` writes. */}}
 {{- define "rngd-pd.fetchedModel" -}}
 {{- printf "%s/models/SmolLM2-135M-Instruct.Q4_1.gguf" (trimSuffix "/" .Values.model.mountPath) -}}
