@@ -304,3 +304,54 @@ async fn models_health_and_metrics() {
     let kv_ms = k.kv_transfer_ms["memory"];
     assert!(kv_ms.is_finite() && kv_ms >= 0.0, "{kv_ms}");
 }
+
+#[tokio::test]
+async fn continuous_usage_stats_reach_the_client_through_the_pd_path() {
+    let c = cluster(GatewayConfig::default(), Duration::ZERO).await;
+    let msgs = json!([{"role": "user", "content": "hello there"}]);
+    for (path, body) in [
+        (
+            "/v1/completions",
+            json!({"model": "fake-model", "prompt": LONG, "max_tokens": 5}),
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"model": "fake-model", "messages": msgs, "max_tokens": 5}),
+        ),
+    ] {
+        let mut body = body;
+        body["stream"] = json!(true);
+        body["stream_options"] = json!({"include_usage": true, "continuous_usage_stats": true});
+        let resp = client()
+            .post(format!("{}{path}", c.url))
+            .json(&body)
+            .send()
+            .await
+            .unwrap();
+        let events = sse_events(resp).await;
+        assert_eq!(events.last().unwrap(), "[DONE]");
+        let chunks: Vec<Value> = events[..events.len() - 1]
+            .iter()
+            .map(|e| serde_json::from_str(e).unwrap())
+            .collect();
+        // Every chunk carries the usage so far; it never goes down and ends at 5.
+        let done: Vec<u64> = chunks
+            .iter()
+            .map(|ch| {
+                ch["usage"]["completion_tokens"]
+                    .as_u64()
+                    .unwrap_or_else(|| panic!("{path}: no usage on {ch}"))
+            })
+            .collect();
+        assert!(done.windows(2).all(|w| w[0] <= w[1]), "{path}: {done:?}");
+        assert_eq!(done.last(), Some(&5), "{path}: {done:?}");
+        assert!(
+            done.iter().filter(|d| **d < 5).count() >= 4,
+            "{path}: {done:?}"
+        );
+        // The upstream decode was asked for it too.
+        let sent = c.decode.last_request.lock().unwrap().clone().unwrap();
+        let opts = sent.sampling.stream_options.unwrap();
+        assert!(opts.include_usage && opts.continuous_usage_stats);
+    }
+}

@@ -206,3 +206,20 @@ def test_metrics_pass_promtool_and_kpis_are_exported(stack):
     problems = [l for l in (p.stdout + p.stderr).splitlines() if l.strip()]
     assert p.returncode in (0, 3), p.stdout + p.stderr
     assert all("abbreviated units" in l for l in problems), problems
+
+
+def test_stream_options_are_checked_and_continuous_usage_is_served(stack):
+    """`stream_options` is validated field by field (an unknown key is a 400
+    naming it, never ignored), and `continuous_usage_stats` puts the usage
+    so far on every chunk, through the gateway's PD path."""
+    c = client(stack)
+    with pytest.raises(openai.BadRequestError) as err:
+        c.completions.create(model=stack.model, prompt=PROMPT, max_tokens=2, stream=True,
+                             stream_options={"include_usage": True, "bogus": 1})
+    assert err.value.code == "unknown_parameter" and err.value.param == "stream_options.bogus"
+    chunks = list(c.completions.create(
+        model=stack.model, prompt=PROMPT, max_tokens=6, temperature=0, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    done = [ch.usage.completion_tokens for ch in chunks]
+    assert all(ch.usage.prompt_tokens == chunks[-1].usage.prompt_tokens for ch in chunks)
+    assert done == sorted(done) and done[-1] == 6 and len([d for d in done if d < 6]) >= 5, done

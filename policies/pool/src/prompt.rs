@@ -385,8 +385,14 @@ pub fn prepare(
     let s = &mut upstream.sampling;
     let include_usage = s.stream_options.as_ref().is_some_and(|o| o.include_usage);
     if s.stream {
+        // Usage on every chunk only when the client asked for it.
+        let continuous = s
+            .stream_options
+            .as_ref()
+            .is_some_and(StreamOptions::continuous);
         s.stream_options = Some(StreamOptions {
             include_usage: true,
+            continuous_usage_stats: continuous,
         });
     }
     Ok(Prepared {

@@ -146,9 +146,13 @@ impl ChatChunker {
         }
     }
 
-    /// The chat chunks (none, one or several) for one completion chunk.
+    /// The chat chunks (none, one or several) for one completion chunk. A
+    /// chunk with choices and usage (`continuous_usage_stats`) gives chat
+    /// chunks that each carry the usage so far (the role chunk: none
+    /// generated yet); usage alone is the usage chunk.
     pub fn push(&mut self, chunk: &CompletionResponse) -> Vec<ChatCompletionChunk> {
         let mut out = Vec::new();
+        let running = chunk.usage.filter(|_| self.include_usage);
         if let Some(choice) = chunk.choices.first() {
             if !self.role_sent {
                 self.role_sent = true;
@@ -163,7 +167,7 @@ impl ChatChunker {
                         finish_reason: None,
                         stop_reason: None,
                     }],
-                    None,
+                    running.map(|u| Usage::new(u.prompt_tokens, 0)),
                 ));
             }
             let logprobs = chat_logprobs(choice.logprobs.clone());
@@ -179,13 +183,12 @@ impl ChatChunker {
                         finish_reason: choice.finish_reason.clone(),
                         stop_reason: choice.stop_reason.clone(),
                     }],
-                    None,
+                    running,
                 ));
             }
+            return out;
         }
-        if self.include_usage
-            && let Some(u) = chunk.usage
-        {
+        if let Some(u) = running {
             out.push(self.chunk(Vec::new(), Some(u)));
         }
         out

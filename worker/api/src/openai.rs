@@ -52,6 +52,19 @@ pub struct StreamOptions {
     /// Send a final chunk with `usage`.
     #[serde(default)]
     pub include_usage: bool,
+    /// With `include_usage`, every chunk also carries the usage so far
+    /// (vLLM's extension); without it, nothing changes (as vLLM).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub continuous_usage_stats: bool,
+}
+
+// === impl StreamOptions ===
+
+impl StreamOptions {
+    /// Whether every chunk carries the usage so far: both flags set.
+    pub fn continuous(&self) -> bool {
+        self.include_usage && self.continuous_usage_stats
+    }
 }
 
 /// Sampling fields common to completions and chat.

@@ -491,3 +491,39 @@ async fn a_chat_through_the_gateway_equals_the_chat_sent_to_the_worker() {
         512 - RENDERED.len()
     );
 }
+
+#[tokio::test]
+async fn continuous_usage_stats_are_on_every_chat_chunk() {
+    let mem = Arc::new(MemoryTransport::new());
+    let solo = start(Role::Solo, &mem).await;
+    let mut body =
+        json!({"model": "echo", "messages": messages(), "max_tokens": 3, "temperature": 0});
+    body["stream"] = json!(true);
+    body["stream_options"] = json!({"include_usage": true, "continuous_usage_stats": true});
+    let (status, _, text) = post(&solo.url(), &body, &[]).await;
+    assert_eq!(status, 200, "{text}");
+    let chunks: Vec<Value> = text
+        .split("\n\n")
+        .filter_map(|e| e.strip_prefix("data: "))
+        .filter(|d| *d != "[DONE]")
+        .map(|d| serde_json::from_str(d).unwrap())
+        .collect();
+    let prompt = RENDERED.len();
+    // The role chunk (nothing generated), one per token, the finish, then
+    // the usage chunk: each with the usage so far, none repeated twice.
+    let completions: Vec<u64> = chunks
+        .iter()
+        .map(|c| {
+            assert_eq!(c["usage"]["prompt_tokens"], prompt, "{c}");
+            c["usage"]["completion_tokens"].as_u64().unwrap()
+        })
+        .collect();
+    assert_eq!(completions, [0, 1, 2, 3, 3, 3], "{text}");
+    assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
+    assert!(
+        chunks.last().unwrap()["choices"]
+            .as_array()
+            .unwrap()
+            .is_empty()
+    );
+}

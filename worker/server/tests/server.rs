@@ -613,3 +613,41 @@ async fn the_model_is_checked_and_the_server_surface_answers_as_vllm() {
     }
     w.stop().await.unwrap();
 }
+
+#[tokio::test]
+async fn continuous_usage_stats_put_the_usage_so_far_on_every_chunk() {
+    let mem = Arc::new(MemoryTransport::new());
+    let w = start(Role::Solo, &mem).await;
+    let mut req = request("hello", 4);
+    req["stream"] = json!(true);
+    req["stream_options"] = json!({"include_usage": true, "continuous_usage_stats": true});
+    let (status, _, body) = post(&w, &req, &[]).await;
+    assert_eq!(status, 200, "{body}");
+    let events = sse_events(&body);
+    assert_eq!(events.last().unwrap(), "[DONE]");
+    let chunks: Vec<Value> = events[..events.len() - 1]
+        .iter()
+        .map(|e| serde_json::from_str(e).unwrap())
+        .collect();
+    // Each token chunk: the prompt's 5 tokens and the tokens sent so far.
+    let tokens: Vec<&Value> = chunks
+        .iter()
+        .filter(|c| c["choices"][0]["token_ids"].is_array())
+        .collect();
+    assert_eq!(tokens.len(), 4, "{body}");
+    for (i, c) in tokens.iter().enumerate() {
+        assert_eq!(c["usage"]["prompt_tokens"], 5, "{c}");
+        assert_eq!(c["usage"]["completion_tokens"], i + 1, "{c}");
+        assert_eq!(c["usage"]["total_tokens"], 5 + i + 1, "{c}");
+    }
+    // The finish chunk has it too, and the usage chunk still ends the stream.
+    let last = chunks.last().unwrap();
+    assert!(last["choices"].as_array().unwrap().is_empty(), "{last}");
+    assert_eq!(last["usage"]["completion_tokens"], 4);
+    assert!(chunks.iter().all(|c| c["usage"].is_object()), "{body}");
+    // Without include_usage the flag changes nothing (as vLLM): no usage at all.
+    req["stream_options"] = json!({"continuous_usage_stats": true});
+    let (_, _, body) = post(&w, &req, &[]).await;
+    assert!(!body.contains("\"usage\""), "{body}");
+    w.stop().await.unwrap();
+}

@@ -30,6 +30,9 @@ pub enum How {
     },
     /// Accepted, without effect on the answer.
     Informational,
+    /// Honoured, and an object whose own fields are checked against this
+    /// table the same way (an unknown one is named as `outer.inner`).
+    Object(&'static [Field]),
 }
 
 /// One field of a request body.
@@ -82,7 +85,10 @@ fn no_tool(v: &Value) -> bool {
     v.is_null() || v.as_str() == Some("none")
 }
 fn text_format(v: &Value) -> bool {
-    v.is_null() || v.get("type").and_then(Value::as_str) == Some("text")
+    // `{"type": "text"}` and nothing else: a schema beside it would be ignored.
+    v.is_null()
+        || v.as_object()
+            .is_some_and(|o| o.len() == 1 && o.get("type").and_then(Value::as_str) == Some("text"))
 }
 fn any_bool(v: &Value) -> bool {
     v.is_null() || v.is_boolean()
@@ -106,6 +112,14 @@ const fn only(name: &'static str, off: &'static str, is_off: Off) -> Field {
         how: How::OnlyOff { off, is_off },
     }
 }
+const fn object(name: &'static str, fields: &'static [Field]) -> Field {
+    Field {
+        name,
+        how: How::Object(fields),
+    }
+}
+/// The fields of `stream_options`.
+pub const STREAM_OPTIONS: &[Field] = &[served("include_usage"), served("continuous_usage_stats")];
 const fn info(name: &'static str) -> Field {
     Field {
         name,
@@ -126,7 +140,7 @@ macro_rules! shared {
             served("seed"),
             served("stop"),
             served("stream"),
-            served("stream_options"),
+            object("stream_options", STREAM_OPTIONS),
             served("presence_penalty"),
             served("frequency_penalty"),
             served("repetition_penalty"),
@@ -221,9 +235,22 @@ pub(super) fn check(
     obj: &serde_json::Map<String, Value>,
     table: &[Field],
 ) -> Result<(), RuleError> {
+    check_in(obj, table, None)
+}
+
+/// [`check`] of an object nested in the field `outer` (`None`: the body).
+fn check_in(
+    obj: &serde_json::Map<String, Value>,
+    table: &[Field],
+    outer: Option<&'static str>,
+) -> Result<(), RuleError> {
+    let path = |name: &str| match outer {
+        Some(o) => format!("{o}.{name}"),
+        None => name.to_string(),
+    };
     for (name, v) in obj {
         let Some(field) = table.iter().find(|f| f.name == name) else {
-            let shown: String = name.chars().take(64).collect();
+            let shown: String = path(name).chars().take(64).collect();
             return Err(RuleError {
                 param: None,
                 field: None,
@@ -232,18 +259,33 @@ pub(super) fn check(
             }
             .naming(shown));
         };
-        if let How::OnlyOff { off, is_off } = field.how
-            && !is_off(v)
-        {
-            return Err(RuleError {
-                param: Some(field.name),
-                field: None,
-                code: Some("unsupported_parameter"),
-                message: format!(
-                    "`{}` is not supported by this server; only its default ({off}) is accepted",
-                    field.name
-                ),
-            });
+        match field.how {
+            How::OnlyOff { off, is_off } if !is_off(v) => {
+                let shown = path(field.name);
+                let e = RuleError {
+                    param: None,
+                    field: None,
+                    code: Some("unsupported_parameter"),
+                    message: format!(
+                        "`{shown}` is not supported by this server; only its default ({off}) is accepted"
+                    ),
+                };
+                return Err(match outer {
+                    None => RuleError {
+                        param: Some(field.name),
+                        ..e
+                    },
+                    Some(_) => e.naming(shown),
+                });
+            }
+            // Nested objects are checked only at the top level's depth + 1
+            // (no table nests deeper); a non-object is the type check's.
+            How::Object(inner) if outer.is_none() => {
+                if let Some(o) = v.as_object() {
+                    check_in(o, inner, Some(field.name))?;
+                }
+            }
+            _ => {}
         }
     }
     Ok(())
@@ -289,6 +331,52 @@ mod tests {
         assert_eq!(e.param_name(), Some("prompt"));
         let e = completion(r#"{"model":"m","prompt":"x","top_logprobs":2}"#).unwrap_err();
         assert_eq!(e.param_name(), Some("top_logprobs"));
+    }
+
+    #[test]
+    fn nested_objects_are_checked_field_by_field() {
+        // stream_options: its two fields are served, any other is named.
+        for ok in [
+            r#"{"include_usage":true}"#,
+            r#"{"include_usage":true,"continuous_usage_stats":true}"#,
+            "{}",
+        ] {
+            let body =
+                format!(r#"{{"model":"m","prompt":"x","stream":true,"stream_options":{ok}}}"#);
+            assert!(completion(&body).is_ok(), "{body}");
+        }
+        let e = completion(
+            r#"{"model":"m","prompt":"x","stream":true,"stream_options":{"include_usage":true,"bogus":1}}"#,
+        )
+        .unwrap_err();
+        assert_eq!(
+            (e.param_name(), e.code),
+            (Some("stream_options.bogus"), Some("unknown_parameter"))
+        );
+        let e = chat(
+            r#"{"model":"m","messages":[{"role":"user","content":"x"}],"stream":true,"stream_options":{"continuous_usage":true}}"#,
+        )
+        .unwrap_err();
+        assert_eq!(e.param_name(), Some("stream_options.continuous_usage"));
+        // A wrongly typed nested field is the type check's 400.
+        let e = completion(
+            r#"{"model":"m","prompt":"x","stream":true,"stream_options":{"include_usage":"yes"}}"#,
+        )
+        .unwrap_err();
+        assert_eq!(e.code, Some("invalid_request"));
+        // stream_options without a stream would do nothing: refused.
+        let e = completion(r#"{"model":"m","prompt":"x","stream_options":{"include_usage":true}}"#)
+            .unwrap_err();
+        assert_eq!(e.param_name(), Some("stream_options"));
+        // response_format: `{"type": "text"}` and nothing beside it.
+        let e = completion(
+            r#"{"model":"m","prompt":"x","response_format":{"type":"text","json_schema":{}}}"#,
+        )
+        .unwrap_err();
+        assert_eq!(
+            (e.param_name(), e.code),
+            (Some("response_format"), Some("unsupported_parameter"))
+        );
     }
 
     #[test]

@@ -105,6 +105,12 @@ pub fn check_sampling(s: &SamplingFields) -> Result<(), RuleError> {
             format!("n = {n} is not supported; only n = 1 is served"),
         ));
     }
+    if s.stream_options.is_some() && !s.stream {
+        return Err(RuleError::param(
+            "stream_options",
+            "stream_options is only allowed with stream: true",
+        ));
+    }
     if s.max_tokens == Some(0) {
         return Err(RuleError::param(
             "max_tokens",

@@ -13,7 +13,7 @@ use futures::StreamExt;
 use rngd_api::chat::ChatChunker;
 use rngd_api::openai::{
     ChatCompletionResponse, CompletionChoice, CompletionRequest, CompletionResponse, ErrorBody,
-    Prompt, Timings, Usage,
+    Prompt, StreamOptions, Timings, Usage,
 };
 use rngd_api::rules::{ms, unix_now};
 use rngd_engine::{Engine, FinishReason, GenEvent, StopReason};
@@ -50,6 +50,8 @@ pub(super) struct Meta {
     started: Instant,
     timings: Timings,
     include_usage: bool,
+    /// Every chunk carries the usage so far (`continuous_usage_stats`).
+    continuous_usage: bool,
 }
 
 impl Meta {
@@ -95,6 +97,11 @@ impl Meta {
                 .stream_options
                 .as_ref()
                 .is_some_and(|o| o.include_usage),
+            continuous_usage: req
+                .sampling
+                .stream_options
+                .as_ref()
+                .is_some_and(StreamOptions::continuous),
         })
     }
 
@@ -103,6 +110,13 @@ impl Meta {
         let offset = self.echo.as_ref().map_or(0, |e| e.chars().count());
         self.logprobs
             .map(|f| Builder::new(Arc::clone(&self.engine), f, offset))
+    }
+
+    /// The usage so far on a chunk, with `continuous_usage_stats`.
+    fn running_usage(&self, chunk: &mut CompletionResponse, generated: usize) {
+        if self.continuous_usage {
+            chunk.usage = Some(Usage::new(self.prompt_tokens as u32, generated as u32));
+        }
     }
 
     fn chunk(&self, choices: Vec<CompletionChoice>) -> CompletionResponse {
@@ -264,7 +278,7 @@ pub(super) async fn respond(
             let mut builder = meta.builder();
             if let Some(echo) = &meta.echo {
                 // The prompt first, as its own chunk (no token ids: it is not generated).
-                let c = meta.chunk(vec![CompletionChoice {
+                let mut c = meta.chunk(vec![CompletionChoice {
                     index: 0,
                     text: echo.clone(),
                     logprobs: None,
@@ -272,6 +286,7 @@ pub(super) async fn respond(
                     stop_reason: None,
                     token_ids: None,
                 }]);
+                meta.running_usage(&mut c, 0);
                 if tx.send(send(&c)).await.is_err() {
                     return;
                 }
@@ -295,7 +310,7 @@ pub(super) async fn respond(
                             }
                             _ => None,
                         };
-                        let c = meta.chunk(vec![CompletionChoice {
+                        let mut c = meta.chunk(vec![CompletionChoice {
                             index: 0,
                             text,
                             logprobs,
@@ -303,6 +318,7 @@ pub(super) async fn respond(
                             stop_reason: None,
                             token_ids: Some(vec![id]),
                         }]);
+                        meta.running_usage(&mut c, n);
                         (render(&c), false)
                     }
                     GenEvent::Done {
@@ -320,6 +336,7 @@ pub(super) async fn respond(
                             token_ids: None,
                         }]);
                         c.timings = Some(meta.finish_timings(first, last, n, &state));
+                        meta.running_usage(&mut c, n);
                         meta.record(&state, first, n, finish_reason);
                         let mut events = render(&c);
                         if meta.include_usage {
