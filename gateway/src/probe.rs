@@ -18,6 +18,16 @@ pub struct ProbeError {
 
 /// `GET url` with a timeout; returns the status and the body text.
 pub async fn get(url: &str, timeout: Duration) -> Result<(u16, String), ProbeError> {
+    get_with_key(url, timeout, None).await
+}
+
+/// [`get`] sending `key` as `Authorization: Bearer` (a route behind
+/// `--api-key`).
+pub async fn get_with_key(
+    url: &str,
+    timeout: Duration,
+    key: Option<&rngd_http_edge::api_key::ApiKey>,
+) -> Result<(u16, String), ProbeError> {
     let err = |source| ProbeError {
         url: url.to_string(),
         source,
@@ -26,7 +36,11 @@ pub async fn get(url: &str, timeout: Duration) -> Result<(u16, String), ProbeErr
         .timeout(timeout)
         .build()
         .map_err(err)?;
-    let resp = client.get(url).send().await.map_err(err)?;
+    let mut req = client.get(url);
+    if let Some(k) = key {
+        req = req.header(reqwest::header::AUTHORIZATION, k.authorization());
+    }
+    let resp = req.send().await.map_err(err)?;
     let status = resp.status().as_u16();
     let text = resp.text().await.map_err(err)?;
     Ok((status, text))

@@ -24,7 +24,8 @@ use crate::state::Gateway;
 /// admin routes in with [`Router::merge`].
 pub fn router(gw: Arc<Gateway>) -> Router {
     let metrics = gw.metrics.clone();
-    Router::new()
+    let key = gw.config.api_key.clone();
+    let routes = Router::new()
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/models", get(models))
@@ -33,7 +34,8 @@ pub fn router(gw: Arc<Gateway>) -> Router {
         .route("/version", get(rngd_http_edge::surface::version))
         .route("/metrics", get(metrics_text))
         .fallback(not_found)
-        .method_not_allowed_fallback(method_not_allowed)
+        .method_not_allowed_fallback(method_not_allowed);
+    rngd_http_edge::api_key::guard(routes, key)
         .with_state(gw)
         .layer(middleware::from_fn_with_state(metrics, count_responses))
 }

@@ -23,6 +23,10 @@ pub struct GatewayConfig {
     /// The model file's name, shown as `root` in `/v1/models`; `None`: the
     /// tokenizer's file when it has one ([`crate::launch`] sets it).
     pub model_root: Option<String>,
+    /// The API key every route but the probes and metrics wants
+    /// (`--api-key`), also sent to the workers (they serve under the same
+    /// key); `None`: open.
+    pub api_key: Option<rngd_http_edge::api_key::ApiKey>,
     /// Compiled context length the workers run with (for `/v1/models` and the
     /// default `max_tokens` of a chat).
     pub seq_len: u32,
@@ -56,6 +60,7 @@ impl Default for GatewayConfig {
         GatewayConfig {
             model_aliases: Vec::new(),
             model_root: None,
+            api_key: None,
             seq_len: 512,
             body_limit: 1 << 20,
             prefill_timeout: Duration::from_secs(120),
@@ -101,7 +106,12 @@ impl Gateway {
         picker: Picker,
         tokenizer: Arc<dyn PromptCounter>,
     ) -> Result<Arc<Self>, GatewayError> {
+        let mut upstream_headers = reqwest::header::HeaderMap::new();
+        if let Some(k) = &config.api_key {
+            upstream_headers.insert(reqwest::header::AUTHORIZATION, k.authorization());
+        }
         let client = reqwest::Client::builder()
+            .default_headers(upstream_headers)
             .connect_timeout(config.connect_timeout)
             .tcp_nodelay(true)
             .pool_idle_timeout(Duration::from_secs(60))

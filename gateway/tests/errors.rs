@@ -290,3 +290,53 @@ async fn unreachable_prefill_worker_is_502() {
     .await;
     assert!(m.contains("prefill") && m.contains(&dead), "{m}");
 }
+
+#[tokio::test]
+async fn an_api_key_guards_the_gateway_and_the_gateway_sends_it_to_the_workers() {
+    let key = rngd_http_edge::api_key::ApiKey::new("gw-key");
+    let config = GatewayConfig {
+        api_key: key.clone(),
+        ..GatewayConfig::default()
+    };
+    let c = common::cluster_with(config, Duration::ZERO, |w| w.api_key = key.clone()).await;
+    let body = json!({"model": "fake-model", "prompt": LONG, "max_tokens": 3});
+    // No key or a wrong one: 401 before any work, counted.
+    for auth in [None, Some("Bearer nope")] {
+        let mut req = client()
+            .post(format!("{}/v1/completions", c.url))
+            .json(&body);
+        if let Some(a) = auth {
+            req = req.header("authorization", a);
+        }
+        let resp = req.send().await.unwrap();
+        assert_eq!(resp.headers()["www-authenticate"], "Bearer");
+        error_of(resp, 401).await;
+    }
+    assert!(
+        c.policy.seen.lock().unwrap().is_empty(),
+        "the policy ran for a refused request"
+    );
+    // The probes stay open.
+    for path in ["/health", "/metrics", "/version", "/ping"] {
+        let resp = client()
+            .get(format!("{}{path}", c.url))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), 200, "{path}");
+    }
+    // With the key: served over PD, the gateway authenticated to both workers.
+    let resp = client()
+        .post(format!("{}/v1/completions", c.url))
+        .header("authorization", "Bearer gw-key")
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200, "{}", resp.text().await.unwrap());
+    let m = common::metrics(&c.url).await;
+    assert!(
+        m.contains("rngd_pd_gateway_requests_total{code=\"401\"} 2"),
+        "{m}"
+    );
+}

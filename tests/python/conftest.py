@@ -41,14 +41,14 @@ def worker_env(**extra):
     return dict(os.environ, AIRM_KV_TCP_SECRET=KV_SECRET, **extra)
 
 
-def start_worker(role, *extra, host="127.0.0.1", port=0):
-    """A real worker (the KV secret in its environment) on `host:port`
-    (port 0: any), ready (`/ready` 200); returns (proc, "host:port")."""
+def start_worker(role, *extra, host="127.0.0.1", port=0, env=None):
+    """A real worker (the KV secret in its environment, and `env`) on
+    `host:port` (port 0: any), ready (`/ready` 200); returns (proc, "host:port")."""
     m = model_path()
     if not os.path.isfile(m):
         pytest.fail(f"model {m} not found: run `rngd-pd model fetch` or set RNGD_PD_MODEL")
     p = Proc(f"{role} worker {host}", [rngd_bin(), "worker", "--role", role, "--host", host, "--port", str(port),
-                                       "--model", m, *extra], env=worker_env())
+                                       "--model", m, *extra], env=worker_env(**(env or {})))
     url = p.wait_line("rngd-pd worker listening on", 300)
     if not url.startswith("http"):
         url = "http://" + url

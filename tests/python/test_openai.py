@@ -14,7 +14,7 @@ import openai
 import pytest
 import requests
 
-from conftest import SERVED_MODEL
+from conftest import SERVED_MODEL, start_worker
 
 # Long enough (> the default policy's 32-token threshold) to be disaggregated.
 PROMPT = (
@@ -223,3 +223,24 @@ def test_stream_options_are_checked_and_continuous_usage_is_served(stack):
     done = [ch.usage.completion_tokens for ch in chunks]
     assert all(ch.usage.prompt_tokens == chunks[-1].usage.prompt_tokens for ch in chunks)
     assert done == sorted(done) and done[-1] == 6 and len([d for d in done if d < 6]) >= 5, done
+
+
+def test_an_api_key_is_required_as_the_openai_client_sends_it():
+    """A worker started with VLLM_API_KEY (vLLM's variable) refuses the openai
+    client without the key (AuthenticationError) and serves it with; the
+    probes stay open."""
+    proc, addr = start_worker("solo", env={"VLLM_API_KEY": "py-key-123"})
+    try:
+        base = f"http://{addr}/v1"
+        bare = openai.OpenAI(base_url=base, api_key="wrong", max_retries=0, timeout=60)
+        with pytest.raises(openai.AuthenticationError) as err:
+            bare.completions.create(model=SERVED_MODEL, prompt="hi", max_tokens=2)
+        assert err.value.code == "invalid_api_key"
+        keyed = openai.OpenAI(base_url=base, api_key="py-key-123", max_retries=0, timeout=60)
+        r = keyed.completions.create(model=SERVED_MODEL, prompt="hi", max_tokens=2, temperature=0)
+        assert r.usage.completion_tokens == 2
+        assert [m.id for m in keyed.models.list().data][0] == SERVED_MODEL
+        for path in ("/health", "/ready", "/metrics", "/version", "/ping"):
+            assert requests.get(f"http://{addr}{path}", timeout=10).status_code == 200, path
+    finally:
+        proc.stop()

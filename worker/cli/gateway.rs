@@ -59,6 +59,11 @@ pub struct Args {
     /// Bearer token of the policy admin API (every verb, GET included); unset = admin API off.
     #[arg(long, env = env::RNGD_PD_ADMIN_TOKEN, hide_env_values = true)]
     pub admin_token: Option<String>,
+    /// API key of the public routes (vLLM's `--api-key`): every route but
+    /// `/health`, `/ping`, `/metrics` and `/version` wants `Authorization:
+    /// Bearer KEY`; the gateway sends it to the workers (give them the same).
+    #[arg(long, env = env::VLLM_API_KEY, hide_env_values = true, value_parser = crate::worker::parse_api_key)]
+    pub api_key: Option<rngd_http_edge::api_key::ApiKey>,
     /// Listener of the policy admin API (`GET`/`PUT /admin/policy`), apart
     /// from the public and metrics ports; loopback by default.
     #[arg(long, env = env::RNGD_PD_ADMIN_LISTEN, default_value_t = rngd_policy_host::admin::DEFAULT_ADMIN_LISTEN)]
@@ -225,6 +230,8 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         tokenizer: TokenizerChoice::Gguf(model.clone(), overrides),
         config: GatewayConfig {
             model_aliases: rngd_api::models::aliases(&args.served_model_name, Some(&model)),
+            model_root: None,
+            api_key: args.api_key.clone(),
             seq_len: args.seq_len,
             body_limit: args.body_limit,
             prefill_timeout: Duration::from_millis(args.prefill_timeout_ms),

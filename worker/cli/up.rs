@@ -87,6 +87,11 @@ pub struct Args {
     /// Do not start the Envoy ext-proc endpoint picker.
     #[arg(long)]
     pub no_ext_proc: bool,
+    /// API key of the gateway's and the workers' public routes (vLLM's
+    /// `--api-key`): given to them in their environment, never printed;
+    /// the picker path is guarded by the workers.
+    #[arg(long, env = env::VLLM_API_KEY, hide_env_values = true)]
+    pub api_key: Option<String>,
     /// ext-proc gRPC port (0 = pick).
     #[arg(long, default_value_t = 0)]
     pub ext_proc_port: u16,
@@ -172,6 +177,9 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     // here with its reason, before any worker starts.
     rngd_kv_transport::registry::check_name(&args.kv_transport)
         .with_context(|| format!("--kv-transport {}", args.kv_transport))?;
+    if let Some(k) = &args.api_key {
+        crate::worker::parse_api_key(k).map_err(|e| anyhow::anyhow!("--api-key: {e}"))?;
+    }
     let model = {
         let m = args.model.clone();
         tokio::task::spawn_blocking(move || ensure_model(m.as_deref())).await??
@@ -236,11 +244,16 @@ async fn bring_up(
     // fresh for every `up`, passed in the children's environment, never printed.
     let secret = rngd_worker::handles::random_hex(32);
     let relay = start_relay(args, &secret, stack).await?;
-    let envs = [
+    let mut envs = vec![
         (env::PD_SHM_ROOT, stack.shm_root.display().to_string()),
         (env::AIRM_KV_TCP_ADDR, relay.clone()),
         (env::AIRM_KV_TCP_SECRET, secret),
     ];
+    // The API key reaches the workers and the gateway in their environment,
+    // never on a command line (`ps` shows those).
+    if let Some(k) = &args.api_key {
+        envs.push((env::VLLM_API_KEY, k.clone()));
+    }
     let workers = start_workers(args, &shared, plans, &envs, stack).await?;
     let policy_config = policy_config(args, &stack.scratch)?;
     let front = Front {
@@ -383,8 +396,13 @@ async fn start_gateway(
         &policy_config.display().to_string(),
         workers,
     );
+    let envs: Vec<(&str, String)> = args
+        .api_key
+        .iter()
+        .map(|k| (env::VLLM_API_KEY, k.clone()))
+        .collect();
     let (gw, before) = stack
-        .start("gateway", &g, &[], "rngd-pd gateway listening on ")
+        .start("gateway", &g, &envs, "rngd-pd gateway listening on ")
         .await?;
     let kpis = before
         .iter()
@@ -470,8 +488,16 @@ impl Ready {
     /// a curl line, then `rngd-pd up: ready`.
     async fn print(&self, args: &Args, stack: &Stack) -> anyhow::Result<()> {
         let gw = &self.gateway;
-        let (_, models) =
-            rngd_gateway::probe::get(&format!("{gw}/v1/models"), Duration::from_secs(5)).await?;
+        let key = args
+            .api_key
+            .as_deref()
+            .and_then(rngd_http_edge::api_key::ApiKey::new);
+        let (_, models) = rngd_gateway::probe::get_with_key(
+            &format!("{gw}/v1/models"),
+            Duration::from_secs(5),
+            key.as_ref(),
+        )
+        .await?;
         let models: serde_json::Value =
             serde_json::from_str(&models).context("parsing /v1/models")?;
         let model_name = models["data"][0]["id"].as_str().unwrap_or("default");
@@ -498,8 +524,14 @@ impl Ready {
             "max_tokens": 16,
             "temperature": 0
         });
+        // The key itself is never printed: the line reads it from the shell.
+        let auth = if key.is_some() {
+            " -H \"Authorization: Bearer $VLLM_API_KEY\""
+        } else {
+            ""
+        };
         println!(
-            "rngd-pd up: try       curl -s {gw}/v1/completions -H 'content-type: application/json' -d '{}'",
+            "rngd-pd up: try       curl -s {gw}/v1/completions{auth} -H 'content-type: application/json' -d '{}'",
             body.to_string().replace('\'', "'\\''")
         );
         println!("rngd-pd up: ready (Ctrl-C stops everything)");

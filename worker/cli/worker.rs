@@ -152,6 +152,11 @@ pub struct Args {
     /// from the public one; served only with a token. Port 0 picks a free port.
     #[arg(long, env = env::RNGD_PD_WORKER_ADMIN_LISTEN, default_value_t = rngd_worker::admin::DEFAULT_WORKER_ADMIN_LISTEN)]
     pub admin_listen: std::net::SocketAddr,
+    /// API key of the public routes (vLLM's `--api-key`): every route but
+    /// `/health`, `/ready`, `/ping`, `/metrics` and `/version` wants
+    /// `Authorization: Bearer KEY`; the worker sends it to its prefill peers.
+    #[arg(long, env = env::VLLM_API_KEY, hide_env_values = true, value_parser = parse_api_key)]
+    pub api_key: Option<rngd_http_edge::api_key::ApiKey>,
     /// Bearer token of the worker admin API; unset: no admin listener.
     #[arg(long, env = env::RNGD_PD_ADMIN_TOKEN, hide_env_values = true)]
     pub admin_token: Option<String>,
@@ -203,6 +208,7 @@ impl Args {
                 max_bytes: self.prefix_cache_bytes,
             },
             kv_events: self.kv_events_config,
+            api_key: self.api_key,
             admin: rngd_worker::admin::AdminListen {
                 listen: self.admin_listen,
                 token: self
@@ -211,6 +217,15 @@ impl Args {
                     .and_then(rngd_http_edge::admin::AdminToken::new),
             },
         }
+    }
+}
+
+/// `--api-key`: a usable header value, not empty.
+pub(crate) fn parse_api_key(s: &str) -> Result<rngd_http_edge::api_key::ApiKey, String> {
+    match rngd_http_edge::api_key::ApiKey::parse(s) {
+        Ok(Some(k)) => Ok(k),
+        Ok(None) => Err("the API key is empty".into()),
+        Err(e) => Err(e.into()),
     }
 }
 

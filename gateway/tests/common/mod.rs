@@ -191,10 +191,24 @@ pub async fn spawn_worker_serving(
     token_delay: Duration,
     model: &str,
 ) -> (RunningWorker, Arc<Tap>, String) {
+    let model = model.to_string();
+    spawn_worker_with(role, kv, token_delay, move |c| {
+        c.model_aliases = vec![model]
+    })
+    .await
+}
+
+/// [`spawn_worker`] with its configuration changed by `tweak`.
+pub async fn spawn_worker_with(
+    role: Role,
+    kv: Arc<MemoryTransport>,
+    token_delay: Duration,
+    tweak: impl FnOnce(&mut WorkerConfig),
+) -> (RunningWorker, Arc<Tap>, String) {
     let engine = Arc::new(EchoEngine::new(512).with_token_delay(token_delay));
     let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let mut config = worker_config(role);
-    config.model_aliases = vec![model.to_string()];
+    tweak(&mut config);
     let worker = rngd_worker::serve(l, engine, Transports::new("memory", Shared(kv)), config)
         .await
         .unwrap();
@@ -337,9 +351,20 @@ pub async fn scraped_servable(eps: Vec<rngd_policy_core::Endpoint>) -> Arc<Scrap
 }
 
 pub async fn cluster(config: GatewayConfig, token_delay: Duration) -> Cluster {
+    cluster_with(config, token_delay, |_| {}).await
+}
+
+/// [`cluster`] with both workers' configuration changed by `tweak`.
+pub async fn cluster_with(
+    config: GatewayConfig,
+    token_delay: Duration,
+    tweak: impl Fn(&mut WorkerConfig),
+) -> Cluster {
     let kv = Arc::new(MemoryTransport::new());
-    let (prefill_worker, prefill, pa) = spawn_worker(Role::Prefill, kv.clone(), token_delay).await;
-    let (decode_worker, decode, da) = spawn_worker(Role::Decode, kv.clone(), token_delay).await;
+    let (prefill_worker, prefill, pa) =
+        spawn_worker_with(Role::Prefill, kv.clone(), token_delay, &tweak).await;
+    let (decode_worker, decode, da) =
+        spawn_worker_with(Role::Decode, kv.clone(), token_delay, &tweak).await;
     let transports = ["memory".to_string()];
     let eps = vec![
         endpoints::local_endpoint(pa, Role::Prefill, 64, &transports),

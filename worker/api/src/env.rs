@@ -66,6 +66,10 @@ pub const RNGD_PD_BLOCK_SIZE: &str = "RNGD_PD_BLOCK_SIZE";
 pub const RNGD_PD_PREFIX_CACHE_BYTES: &str = "RNGD_PD_PREFIX_CACHE_BYTES";
 /// Worker: vLLM's `--kv-events-config` JSON (KV-cache events over ZMQ); unset = no events.
 pub const RNGD_PD_KV_EVENTS_CONFIG: &str = "RNGD_PD_KV_EVENTS_CONFIG";
+/// The API key of the gateway's and the workers' public routes (vLLM's
+/// name; `--api-key`): every route but `/health`, `/ready`, `/ping`,
+/// `/metrics` and `/version` wants `Authorization: Bearer KEY`. Never logged.
+pub const VLLM_API_KEY: &str = "VLLM_API_KEY";
 /// Path of the endpoints file (gateway and ext-proc).
 pub const RNGD_PD_ENDPOINTS: &str = "RNGD_PD_ENDPOINTS";
 /// `tracing` filter, as `RUST_LOG`.

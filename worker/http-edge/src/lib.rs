@@ -14,12 +14,14 @@
 //!   slot, an engine slot) until it is sent or dropped;
 //! - [`shutdown_signal`]: SIGINT / SIGTERM;
 //! - [`admin`]: the bearer-token guard of every admin listener;
+//! - [`api_key`]: the API key of the public listeners (`--api-key`);
 //! - [`surface`]: the small routes every server answers alike (`/version`).
 //!
 //! `docs/gateway.md` ("Listener limits") describes the limits and their
 //! defaults.
 
 pub mod admin;
+pub mod api_key;
 mod body;
 mod hold;
 mod serve;

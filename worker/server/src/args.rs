@@ -104,6 +104,9 @@ pub struct WorkerOptions {
     /// The admin API's listener and token (`--admin-listen`, default
     /// `127.0.0.1:9904`; `RNGD_PD_ADMIN_TOKEN`, none: no admin listener).
     pub admin: crate::admin::AdminListen,
+    /// The API key of the public routes (`--api-key` / `VLLM_API_KEY`); the
+    /// worker also sends it to its prefill peers. None: every route open.
+    pub api_key: Option<rngd_http_edge::api_key::ApiKey>,
 }
 
 impl Default for WorkerOptions {
@@ -134,6 +137,7 @@ impl Default for WorkerOptions {
             prefix_cache: rngd_engine::prefix::PrefixCacheOptions::default(),
             kv_events: None,
             admin: crate::admin::AdminListen::default(),
+            api_key: None,
         }
     }
 }

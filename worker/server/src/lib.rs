@@ -83,7 +83,8 @@ impl rngd_http_edge::HasBodyLimits for WorkerState {
 /// The worker's routes over `state`.
 pub fn router(state: WorkerState) -> Router {
     let limit = state.config().body_limit;
-    Router::new()
+    let key = state.config().api_key.clone();
+    let routes = Router::new()
         .route("/v1/completions", post(completions::completions))
         .route("/v1/chat/completions", post(completions::chat_completions))
         .route("/health", get(health))
@@ -95,8 +96,8 @@ pub fn router(state: WorkerState) -> Router {
         .merge(render::routes())
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
-        .layer(axum::extract::DefaultBodyLimit::max(limit))
-        .with_state(state)
+        .layer(axum::extract::DefaultBodyLimit::max(limit));
+    rngd_http_edge::api_key::guard(routes, key).with_state(state)
 }
 
 /// `/health` and `/ping` (vLLM's alias, GET or POST): the process serves.

@@ -45,6 +45,8 @@ pub trait PrefillPeer: Send + Sync + 'static {
 #[derive(Debug, Clone)]
 pub struct HttpPrefillPeer {
     client: reqwest::Client,
+    /// Sent as `Authorization` (peers serve under the same API key).
+    api_key: Option<rngd_http_edge::api_key::ApiKey>,
 }
 
 impl Default for HttpPrefillPeer {
@@ -62,7 +64,16 @@ impl HttpPrefillPeer {
             .connect_timeout(PEER_CONNECT_TIMEOUT)
             .build()
             .unwrap_or_else(|_| reqwest::Client::new());
-        HttpPrefillPeer { client }
+        HttpPrefillPeer {
+            client,
+            api_key: None,
+        }
+    }
+
+    /// This client, sending `key` to its peers (`Authorization: Bearer`).
+    pub fn with_api_key(mut self, key: Option<rngd_http_edge::api_key::ApiKey>) -> Self {
+        self.api_key = key;
+        self
     }
 }
 
@@ -98,18 +109,18 @@ impl PrefillPeer for HttpPrefillPeer {
         };
         let url = format!("http://{peer}/v1/completions");
         let call = async {
-            let mut resp = self
+            let mut req = self
                 .client
                 .post(&url)
                 .timeout(timeout)
-                .header(headers::REQUEST_ID, request_id)
-                .json(body)
-                .send()
-                .await
-                .map_err(|e| {
-                    let stage = if e.is_connect() { "connect" } else { "send" };
-                    peer_err(stage, "request failed".into(), Some(e))
-                })?;
+                .header(headers::REQUEST_ID, request_id);
+            if let Some(k) = &self.api_key {
+                req = req.header(reqwest::header::AUTHORIZATION, k.authorization());
+            }
+            let mut resp = req.json(body).send().await.map_err(|e| {
+                let stage = if e.is_connect() { "connect" } else { "send" };
+                peer_err(stage, "request failed".into(), Some(e))
+            })?;
             let status = resp.status();
             if resp
                 .content_length()

@@ -54,6 +54,9 @@ pub struct WorkerConfig {
     /// The model file's name, the `root` of `/v1/models`; `None`: the
     /// engine's model name.
     pub model_root: Option<String>,
+    /// The API key every route but the probes and metrics wants, and that
+    /// this worker sends its prefill peers; `None`: open.
+    pub api_key: Option<rngd_http_edge::api_key::ApiKey>,
 }
 
 /// Default of [`WorkerConfig::max_in_flight`].
@@ -83,6 +86,7 @@ impl WorkerConfig {
             edge: rngd_http_edge::Options::default(),
             model_aliases: Vec::new(),
             model_root: None,
+            api_key: None,
         }
     }
 
@@ -105,6 +109,7 @@ impl WorkerConfig {
             body_timeout: Duration::from_millis(args.body_timeout_ms),
             max_in_flight: args.max_in_flight,
             edge: args.edge.clone(),
+            api_key: args.api_key.clone(),
             ..WorkerConfig::new(args.role)
         }
     }
@@ -138,7 +143,8 @@ impl WorkerState {
     /// A worker with no engine yet (`/ready` answers 503 until [`WorkerState::set_engine`]),
     /// calling prefill peers over HTTP.
     pub fn new(config: WorkerConfig, transports: Transports) -> Result<Self, WorkerError> {
-        Self::with_peer(config, transports, Arc::new(HttpPrefillPeer::new()))
+        let peer = HttpPrefillPeer::new().with_api_key(config.api_key.clone());
+        Self::with_peer(config, transports, Arc::new(peer))
     }
 
     /// Like [`WorkerState::new`] with another prefill-peer client (tests).

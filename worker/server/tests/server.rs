@@ -651,3 +651,66 @@ async fn continuous_usage_stats_put_the_usage_so_far_on_every_chunk() {
     assert!(!body.contains("\"usage\""), "{body}");
     w.stop().await.unwrap();
 }
+
+#[tokio::test]
+async fn an_api_key_guards_every_route_but_the_probes_and_reaches_the_prefill_peer() {
+    let mem = Arc::new(MemoryTransport::new());
+    let key = rngd_http_edge::api_key::ApiKey::new("s3cret-key");
+    let prefill = start_with(Role::Prefill, &mem, |c| c.api_key = key.clone()).await;
+    let peer = prefill.addr.to_string();
+    let decode = start_with(Role::Decode, &mem, |c| {
+        c.api_key = key.clone();
+        c.prefill_allow = peer.parse().unwrap();
+    })
+    .await;
+    let client = reqwest::Client::new();
+    // Without the key, or with another: 401, JSON, WWW-Authenticate.
+    for auth in [None, Some("Bearer wrong"), Some("s3cret-key")] {
+        let mut req = client
+            .post(format!("{}/v1/completions", decode.url()))
+            .json(&request("hi", 2));
+        if let Some(a) = auth {
+            req = req.header("authorization", a);
+        }
+        let resp = req.send().await.unwrap();
+        assert_eq!(resp.status(), 401, "{auth:?}");
+        assert_eq!(resp.headers()["www-authenticate"], "Bearer");
+        let body: Value = resp.json().await.unwrap();
+        assert_eq!(body["error"]["code"], "invalid_api_key");
+        assert!(!body.to_string().contains("s3cret"), "{body}");
+    }
+    for path in ["/v1/models", "/tokenize"] {
+        let resp = client
+            .get(format!("{}{path}", decode.url()))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), 401, "{path}");
+    }
+    // The probes, the metrics and the version stay open.
+    for path in ["/health", "/ready", "/ping", "/metrics", "/version"] {
+        let resp = client
+            .get(format!("{}{path}", decode.url()))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), 200, "{path}");
+    }
+    // With the key: served, and the decode worker's call to its prefill
+    // peer carries the key too (the prefill would refuse it otherwise).
+    let resp = client
+        .post(format!("{}/v1/completions", decode.url()))
+        .header("authorization", "Bearer s3cret-key")
+        .header("x-prefiller-host-port", &peer)
+        .json(&request("hello", 3))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    let body: CompletionResponse = resp.json().await.unwrap();
+    assert_eq!(body.choices[0].text, "hel");
+    let m = metrics(&prefill).await;
+    assert_eq!(sample(&m, "rngd_pd_worker_prefills_total"), 1.0, "{m}");
+    decode.stop().await.unwrap();
+    prefill.stop().await.unwrap();
+}
