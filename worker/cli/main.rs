@@ -20,8 +20,34 @@ use clap::{Parser, Subcommand};
 #[derive(Debug, Parser)]
 #[command(name = "rngd-pd", version, about)]
 struct Cli {
+    /// Log lines on stderr: `text`, coloured only on a terminal (and
+    /// without `NO_COLOR`), or `json`, one object per line with the span's
+    /// fields (for log collectors). `up` gives its children the same.
+    #[arg(long, global = true, value_enum, env = rngd_api::env::RNGD_PD_LOG_FORMAT, default_value_t = LogFormat::Text)]
+    log_format: LogFormat,
     #[command(subcommand)]
     command: Command,
+}
+
+/// `--log-format`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub(crate) enum LogFormat {
+    /// Human-readable lines.
+    Text,
+    /// One JSON object per line.
+    Json,
+}
+
+// === impl LogFormat ===
+
+impl LogFormat {
+    /// The flag's value, as a child is given it.
+    pub(crate) fn as_str(self) -> &'static str {
+        match self {
+            LogFormat::Text => "text",
+            LogFormat::Json => "json",
+        }
+    }
 }
 
 #[derive(Debug, Subcommand)]
@@ -47,13 +73,22 @@ enum Command {
     Policy(policy::Command),
 }
 
-fn init_tracing() {
+fn init_tracing(format: LogFormat) {
+    use std::io::IsTerminal as _;
     let filter = tracing_subscriber::EnvFilter::try_from_env(rngd_api::env::RUST_LOG)
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    tracing_subscriber::fmt()
+    let fmt = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .init();
+        .with_writer(std::io::stderr);
+    match format {
+        LogFormat::Text => {
+            // No escape codes in files and pipes.
+            let ansi = std::io::stderr().is_terminal()
+                && std::env::var_os(rngd_api::env::NO_COLOR).is_none();
+            fmt.with_ansi(ansi).init()
+        }
+        LogFormat::Json => fmt.json().with_current_span(true).init(),
+    }
 }
 
 /// A process started by `rngd-pd up` stops when `up` dies, however it dies:
@@ -86,7 +121,7 @@ fn follow_parent() -> anyhow::Result<()> {
 
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
-    init_tracing();
+    init_tracing(cli.log_format);
     follow_parent()?;
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -97,7 +132,7 @@ fn main() -> anyhow::Result<()> {
             Command::Relay(a) => relay::run(a).await,
             Command::Gateway(a) => gateway::run(a).await,
             Command::ExtProc(a) => ext_proc::run(a).await,
-            Command::Up(a) => up::run(a).await,
+            Command::Up(a) => up::run(a, cli.log_format).await,
             Command::Kv(c) => kv::run(c).await,
             Command::Model(c) => model::run(c).await,
             Command::Policy(c) => policy::run(c).await,

@@ -20,6 +20,25 @@ use rngd_api::env;
 use plan::{SharedFlags, StartedWorker, WorkerPlan};
 use stack::{Stack, http_url};
 
+/// (Defined before the `mod`s below: visible in them by textual scope.)
+/// A line on stdout that never panics: `up 2>&1 | tee log` and a Ctrl-C
+/// close the pipe before the last lines, and `println!` would panic (the
+/// stack still stops cleanly).
+macro_rules! say {
+    ($($t:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stdout().lock(), $($t)*);
+    }};
+}
+
+/// [`say!`] on stderr.
+macro_rules! note {
+    ($($t:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stderr().lock(), $($t)*);
+    }};
+}
+
 mod plan;
 mod scratch;
 mod stack;
@@ -123,14 +142,14 @@ fn ensure_model(model: Option<&Path>) -> anyhow::Result<PathBuf> {
         return Ok(default);
     }
     let cache = rngd_engine::model_fetch::default_cache_dir();
-    eprintln!(
+    note!(
         "rngd-pd up: model not found at {}; fetching it into {} …",
         default.display(),
         cache.display()
     );
     let p = rngd_engine::model_fetch::fetch(&cache)
         .context("fetching the default model (or pass --model PATH)")?;
-    eprintln!("rngd-pd up: model ready at {}", p.display());
+    note!("rngd-pd up: model ready at {}", p.display());
     Ok(p)
 }
 
@@ -148,7 +167,7 @@ async fn build_default_policy() -> anyhow::Result<PathBuf> {
         .parent()
         .and_then(Path::parent)
         .context("the executable is not inside a cargo target directory")?;
-    eprintln!(
+    note!(
         "rngd-pd up: building the default policy module ({})",
         script.display()
     );
@@ -165,7 +184,7 @@ async fn build_default_policy() -> anyhow::Result<PathBuf> {
 }
 
 /// Runs the subcommand.
-pub async fn run(args: Args) -> anyhow::Result<()> {
+pub async fn run(args: Args, log_format: crate::LogFormat) -> anyhow::Result<()> {
     // The flags first: a wrong count or port fails before any download.
     let plans = plan::plan_workers(&args)?;
     if let Some(t) = &args.chat_template
@@ -201,6 +220,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         // Fresh and private (mkdtemp semantics), removed by `stop`/drop.
         scratch::fresh_private_dir(&std::env::temp_dir(), "rngd_pd_up_")
             .context("creating the scratch directory")?,
+        log_format.as_str(),
     );
     let shutdown = rngd_http_edge::shutdown_signal();
     tokio::pin!(shutdown);
@@ -212,7 +232,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     let outcome = match started {
         Ok(()) => tokio::select! {
             _ = &mut shutdown => {
-                eprintln!("rngd-pd up: stopping");
+                note!("rngd-pd up: stopping");
                 Ok(())
             }
             exited = stack.watch_children() => {
@@ -222,7 +242,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         Err(e) => Err(e),
     };
     stack.stop().await;
-    eprintln!("rngd-pd up: stopped");
+    note!("rngd-pd up: stopped");
     outcome
 }
 
@@ -501,23 +521,23 @@ impl Ready {
         let models: serde_json::Value =
             serde_json::from_str(&models).context("parsing /v1/models")?;
         let model_name = models["data"][0]["id"].as_str().unwrap_or("default");
-        println!("rngd-pd up: relay     tcp://{}", self.relay);
+        say!("rngd-pd up: relay     tcp://{}", self.relay);
         for line in plan::address_lines(&self.workers) {
-            println!("{line}");
+            say!("{line}");
         }
-        println!("rngd-pd up: shm root  {}", stack.shm_root.display());
-        println!("rngd-pd up: transport {}", args.kv_transport);
+        say!("rngd-pd up: shm root  {}", stack.shm_root.display());
+        say!("rngd-pd up: transport {}", args.kv_transport);
         for line in plan::kv_event_lines(&self.workers) {
-            println!("{line}");
+            say!("{line}");
         }
         if let Some(k) = &self.kpis {
-            println!("rngd-pd up: kpis      {k}");
+            say!("rngd-pd up: kpis      {k}");
         }
         if let Some(g) = &self.epp {
-            println!("rngd-pd up: ext-proc  grpc {g} (TLS, self-signed certificate)");
+            say!("rngd-pd up: ext-proc  grpc {g} (TLS, self-signed certificate)");
         }
-        println!("rngd-pd up: model     {model_name}");
-        println!("rngd-pd up: gateway   {gw}");
+        say!("rngd-pd up: model     {model_name}");
+        say!("rngd-pd up: gateway   {gw}");
         let body = serde_json::json!({
             "model": model_name,
             "prompt": "The capital of France is",
@@ -530,11 +550,11 @@ impl Ready {
         } else {
             ""
         };
-        println!(
+        say!(
             "rngd-pd up: try       curl -s {gw}/v1/completions{auth} -H 'content-type: application/json' -d '{}'",
             body.to_string().replace('\'', "'\\''")
         );
-        println!("rngd-pd up: ready (Ctrl-C stops everything)");
+        say!("rngd-pd up: ready (Ctrl-C stops everything)");
         use std::io::Write;
         let _ = std::io::stdout().flush();
         Ok(())

@@ -72,6 +72,11 @@ pub const RNGD_PD_KV_EVENTS_CONFIG: &str = "RNGD_PD_KV_EVENTS_CONFIG";
 pub const VLLM_API_KEY: &str = "VLLM_API_KEY";
 /// Path of the endpoints file (gateway and ext-proc).
 pub const RNGD_PD_ENDPOINTS: &str = "RNGD_PD_ENDPOINTS";
+/// Log line format of every subcommand (`--log-format`): `text` (default) or
+/// `json` (one object per line). `rngd-pd up` passes it to its children.
+pub const RNGD_PD_LOG_FORMAT: &str = "RNGD_PD_LOG_FORMAT";
+/// Set (to anything) to turn colour off in text logs even on a terminal.
+pub const NO_COLOR: &str = "NO_COLOR";
 /// `tracing` filter, as `RUST_LOG`.
 pub const RUST_LOG: &str = "RUST_LOG";
 /// Home directory (for the default cache path).

@@ -25,17 +25,20 @@ pub(super) struct Stack {
     pub(super) shm_root: PathBuf,
     /// The private scratch directory (policy configuration, endpoints file).
     pub(super) scratch: PathBuf,
+    /// `--log-format` of every child, as `up` was given it.
+    log_format: &'static str,
 }
 
 // === impl Stack ===
 
 impl Stack {
     /// A stack with no child yet.
-    pub(super) fn new(shm_root: PathBuf, scratch: PathBuf) -> Self {
+    pub(super) fn new(shm_root: PathBuf, scratch: PathBuf, log_format: &'static str) -> Self {
         Stack {
             procs: Vec::new(),
             shm_root,
             scratch,
+            log_format,
         }
     }
 
@@ -49,8 +52,8 @@ impl Stack {
         for p in self.procs.iter_mut().rev() {
             match tokio::time::timeout(Duration::from_secs(10), p.child.wait()).await {
                 Ok(Ok(status)) => tracing::debug!(child = %p.name, %status, "child stopped"),
-                Ok(Err(e)) => eprintln!("rngd-pd up: waiting for {}: {e}", p.name),
-                Err(_) => eprintln!("rngd-pd up: {} did not stop within 10 s", p.name),
+                Ok(Err(e)) => note!("rngd-pd up: waiting for {}: {e}", p.name),
+                Err(_) => note!("rngd-pd up: {} did not stop within 10 s", p.name),
             }
         }
         self.procs.clear();
@@ -62,7 +65,7 @@ impl Stack {
             if d.exists()
                 && let Err(e) = std::fs::remove_dir_all(d)
             {
-                eprintln!("rngd-pd up: removing {}: {e}", d.display());
+                note!("rngd-pd up: removing {}: {e}", d.display());
             }
         }
     }
@@ -84,6 +87,7 @@ impl Stack {
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
             .kill_on_drop(true);
+        cmd.env(rngd_api::env::RNGD_PD_LOG_FORMAT, self.log_format);
         for (k, v) in envs {
             cmd.env(k, v);
         }
@@ -108,7 +112,7 @@ impl Stack {
                     if let Some(rest) = line.strip_prefix(prefix) {
                         break rest.trim().to_string();
                     }
-                    eprintln!("[{name}] {line}");
+                    note!("[{name}] {line}");
                     before.push(line);
                 }
                 Ok(None) => bail!("{name} exited before printing its address (see its log above)"),
@@ -118,7 +122,7 @@ impl Stack {
         let name = name.to_string();
         tokio::spawn(async move {
             while let Ok(Some(line)) = lines.next_line().await {
-                eprintln!("[{name}] {line}");
+                note!("[{name}] {line}");
             }
         });
         Ok((found, before))
