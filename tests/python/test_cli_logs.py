@@ -69,3 +69,24 @@ def test_up_survives_its_output_pipe_closing_at_ctrl_c():
     # No child of that `up` is left.
     left = subprocess.run(["pgrep", "-s", str(p.pid)], capture_output=True, text=True).stdout.split()
     assert left == [], left
+
+
+def test_up_reports_a_busy_port_at_once_naming_the_flag():
+    import socket
+
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen()
+    port = busy.getsockname()[1]
+    try:
+        start = time.monotonic()
+        r = subprocess.run([rngd_bin(), "up", "--port", str(port), "--no-ext-proc"],
+                           capture_output=True, text=True, timeout=120)
+        took = time.monotonic() - start
+    finally:
+        busy.close()
+    assert r.returncode != 0
+    assert f"127.0.0.1:{port} (--port/--gateway-port) cannot be bound" in r.stderr, r.stderr
+    # Refused before any worker started (none printed its address).
+    assert "worker listening" not in r.stdout + r.stderr, r.stdout + r.stderr
+    print(f"busy port refused in {took:.2f} s")

@@ -43,14 +43,40 @@ mod plan;
 mod scratch;
 mod stack;
 
+/// Every port the flags name (not 0) is bindable now: a busy one fails at
+/// once with its flag, before any model loads (a server binding it later
+/// would fail only after the workers had loaded the model).
+fn ports_are_free(args: &Args, plans: &[WorkerPlan]) -> anyhow::Result<()> {
+    let mut named: Vec<(u16, String)> = vec![
+        (args.gateway_port, "--port/--gateway-port".into()),
+        (args.relay_port, "--relay-port".into()),
+        (args.ext_proc_port, "--ext-proc-port".into()),
+    ];
+    if let Some(m) = args.metrics_port {
+        named.push((m, "--metrics-port".into()));
+    }
+    for w in plans {
+        named.push((w.port, format!("the port of worker {}", w.name)));
+    }
+    for (port, flag) in named.into_iter().filter(|(p, _)| *p != 0) {
+        if let Err(e) = std::net::TcpListener::bind((args.host.as_str(), port)) {
+            bail!(
+                "{}:{port} ({flag}) cannot be bound: {e}; stop what holds it or pick another port (0 = any)",
+                args.host
+            );
+        }
+    }
+    Ok(())
+}
+
 /// Flags.
 #[derive(Debug, clap::Args)]
 pub struct Args {
     /// Host every server binds to.
     #[arg(long, default_value = "127.0.0.1")]
     pub host: String,
-    /// Gateway port (0 = pick).
-    #[arg(long, default_value_t = 8000)]
+    /// Gateway port (0 = pick); `--port` as vLLM spells it.
+    #[arg(long, visible_alias = "port", default_value_t = 8000)]
     pub gateway_port: u16,
     /// Prefill worker port (0 = pick); prefill worker i binds this port + i.
     #[arg(long, default_value_t = 0)]
@@ -97,9 +123,13 @@ pub struct Args {
     /// defaults, with the chosen transport.
     #[arg(long, env = env::RNGD_PD_POLICY_CONFIG)]
     pub policy_config: Option<PathBuf>,
-    /// Compiled context length.
-    #[arg(long, env = env::RNGD_PD_SEQ_LEN, default_value_t = 512)]
+    /// Compiled context length; `--max-model-len` as vLLM spells it.
+    #[arg(long, visible_alias = "max-model-len", env = env::RNGD_PD_SEQ_LEN, default_value_t = 512)]
     pub seq_len: u32,
+    /// Decode streams each worker steps together (the workers' `--batch`);
+    /// `--max-num-seqs` as vLLM spells it. Default: the worker's (8).
+    #[arg(long, visible_alias = "max-num-seqs")]
+    pub batch: Option<usize>,
     /// CPU threads per worker (default: the worker's own default).
     #[arg(long)]
     pub threads: Option<usize>,
@@ -199,6 +229,7 @@ pub async fn run(args: Args, log_format: crate::LogFormat) -> anyhow::Result<()>
     if let Some(k) = &args.api_key {
         crate::worker::parse_api_key(k).map_err(|e| anyhow::anyhow!("--api-key: {e}"))?;
     }
+    ports_are_free(&args, &plans)?;
     let model = {
         let m = args.model.clone();
         tokio::task::spawn_blocking(move || ensure_model(m.as_deref())).await??

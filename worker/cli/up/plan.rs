@@ -222,6 +222,9 @@ pub(super) fn worker_args(
     ]
     .map(String::from)
     .to_vec();
+    if let Some(b) = args.batch {
+        a.extend(["--batch".into(), b.to_string()]);
+    }
     if let Some(t) = args.threads {
         a.extend(["--threads".into(), t.to_string()]);
     }
@@ -429,6 +432,31 @@ mod tests {
         );
         assert_eq!(p[0].key(), "prefill");
         assert_eq!(p[1].key(), "decode");
+    }
+
+    #[test]
+    fn vllm_spellings_of_the_sizes_are_accepted() {
+        let a = args(&[
+            "--port",
+            "9000",
+            "--max-model-len",
+            "1024",
+            "--max-num-seqs",
+            "4",
+        ]);
+        assert_eq!((a.gateway_port, a.seq_len, a.batch), (9000, 1024, Some(4)));
+        let shared = SharedFlags::new(&a, std::path::Path::new("/m.gguf"));
+        let p = plan_workers(&a).unwrap();
+        let w = worker_args(&a, &shared, &p[1], &[]);
+        let joined = w.join(" ");
+        assert!(
+            joined.contains("--seq-len 1024") && joined.contains("--batch 4"),
+            "{joined}"
+        );
+        // Without it the worker's own default stands.
+        let a = args(&[]);
+        let w = worker_args(&a, &shared, &plan_workers(&a).unwrap()[1], &[]);
+        assert!(!w.iter().any(|x| x == "--batch"), "{w:?}");
     }
 
     #[test]
