@@ -45,7 +45,8 @@ def alive(pid, cmdline):
 
 @pytest.fixture(scope="module")
 def stack():
-    s = start_stack("shm", "--prefill-workers", "1", "--decode-workers", "2")
+    s = start_stack("shm", "--prefill-workers", "1", "--decode-workers", "2",
+                    "--served-model-name", "up-served-name")
     s.decode1 = s.proc.wait_line("rngd-pd up: decode-1 ", 5)
     s.children = children(s.proc.p.pid)
     yield s
@@ -66,6 +67,25 @@ def test_every_worker_is_a_child_and_is_printed(stack):
     gateway = next(c for c in cmds if " gateway " in c)
     for u in urls:
         assert f"--kv-events {u.removeprefix('http://')}=tcp://" in gateway, gateway
+
+
+def test_the_picker_s_metrics_and_health_are_printed_and_answer(stack):
+    """The summary names the picker's metrics URL and gRPC health address;
+    the metrics page answers with the picker's families."""
+    import requests
+
+    line = stack.proc.wait_line("rngd-pd up: ext-proc  metrics ", 5)
+    url, health = line.split(", grpc health ")
+    assert url.startswith("http://") and url.endswith("/metrics"), line
+    assert "inference_pool_ready_pods" in requests.get(url, timeout=10).text
+    host, port = health.rsplit(":", 1)
+    assert host == "127.0.0.1" and int(port) > 0, line
+    # Every door serves the name given to up: the picker too.
+    assert stack.model == "up-served-name"
+    cmds = list(stack.children.values())
+    for kind in (" ext-proc ", " gateway ", " worker "):
+        for c in (c for c in cmds if kind in c):
+            assert "--served-model-name up-served-name" in c, c
 
 
 def test_concurrent_prompts_reach_both_decode_workers(stack):

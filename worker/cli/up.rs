@@ -471,9 +471,9 @@ async fn start_gateway(
 }
 
 /// Starts the Envoy ext-proc endpoint picker on the same workers and policy
-/// (for an Envoy in front; see docs/epp.md and deploy/envoy/); its gRPC
-/// address, if it printed one.
-async fn start_ext_proc(f: &Front<'_>, stack: &mut Stack) -> anyhow::Result<Option<String>> {
+/// (for an Envoy in front; see docs/epp.md and deploy/envoy/); its
+/// listeners, if it printed its gRPC address.
+async fn start_ext_proc(f: &Front<'_>, stack: &mut Stack) -> anyhow::Result<Option<Picker>> {
     let (args, shared) = (f.args, f.shared);
     let eps_file = stack.scratch.join("endpoints.json");
     let eps = plan::picker_endpoints(args, f.workers)?;
@@ -504,7 +504,9 @@ async fn start_ext_proc(f: &Front<'_>, stack: &mut Stack) -> anyhow::Result<Opti
     .map(String::from)
     .to_vec();
     e.extend(shared.template.iter().cloned());
-    let (_, before) = stack
+    // The picker serves the workers' names (it refuses any other with 404).
+    e.extend(shared.names.iter().cloned());
+    let (metrics, before) = stack
         .start(
             "ext-proc",
             &e,
@@ -512,10 +514,29 @@ async fn start_ext_proc(f: &Front<'_>, stack: &mut Stack) -> anyhow::Result<Opti
             "rngd-pd ext-proc metrics listening on ",
         )
         .await?;
-    Ok(before
-        .iter()
-        .find_map(|l| l.strip_prefix("rngd-pd ext-proc grpc listening on "))
-        .map(str::to_string))
+    let line = |prefix: &str| {
+        before
+            .iter()
+            .find_map(|l| l.strip_prefix(prefix))
+            .map(|a| a.trim().to_string())
+    };
+    Ok(
+        line("rngd-pd ext-proc grpc listening on ").map(|grpc| Picker {
+            grpc,
+            health: line("rngd-pd ext-proc health listening on ").unwrap_or_default(),
+            metrics,
+        }),
+    )
+}
+
+/// The picker's listeners, as it printed them.
+struct Picker {
+    /// ext_proc gRPC `HOST:PORT`.
+    grpc: String,
+    /// gRPC health `HOST:PORT`.
+    health: String,
+    /// Prometheus `HOST:PORT` (or URL, as printed).
+    metrics: String,
 }
 
 /// What started, for the lines `up` prints once everything is ready.
@@ -528,8 +549,8 @@ struct Ready {
     gateway: String,
     /// The gateway's KPI endpoint, if on.
     kpis: Option<String>,
-    /// The picker's gRPC address, if it runs.
-    epp: Option<String>,
+    /// The picker's listeners, if it runs.
+    epp: Option<Picker>,
 }
 
 // === impl Ready ===
@@ -564,8 +585,16 @@ impl Ready {
         if let Some(k) = &self.kpis {
             say!("rngd-pd up: kpis      {k}");
         }
-        if let Some(g) = &self.epp {
-            say!("rngd-pd up: ext-proc  grpc {g} (TLS, self-signed certificate)");
+        if let Some(p) = &self.epp {
+            say!(
+                "rngd-pd up: ext-proc  grpc {} (TLS, self-signed certificate)",
+                p.grpc
+            );
+            say!(
+                "rngd-pd up: ext-proc  metrics {}/metrics, grpc health {}",
+                http_url(p.metrics.clone()),
+                p.health
+            );
         }
         say!("rngd-pd up: model     {model_name}");
         say!("rngd-pd up: gateway   {gw}");
