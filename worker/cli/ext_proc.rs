@@ -248,6 +248,8 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         )
     })?;
     let running = &launched.server;
+    // Installed before the ready lines: a signal right after them is handled.
+    let stop = rngd_http_edge::shutdown_signal();
     let mut out = std::io::stdout().lock();
     writeln!(
         out,
@@ -272,7 +274,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     drop(out);
     tokio::select! {
         r = launched.wait() => r?,
-        _ = rngd_http_edge::shutdown_signal() => tracing::info!("stopping"),
+        _ = stop => tracing::info!("stopping"),
     }
     Ok(())
 }

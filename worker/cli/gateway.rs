@@ -251,6 +251,8 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         cache,
     };
     let launched = rngd_gateway::launch::launch(opts).await?;
+    // Installed before the ready lines: a signal right after them is handled.
+    let stop = rngd_http_edge::shutdown_signal();
     // The KPI line comes first: readers stop at the listening line.
     if let Some(k) = launched.kpi_addr {
         println!("{KPI_PREFIX}{k}/metrics");
@@ -259,7 +261,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     println!("rngd-pd gateway model {}", launched.gateway.model_name());
     use std::io::Write;
     let _ = std::io::stdout().flush();
-    rngd_http_edge::shutdown_signal().await;
+    stop.await;
     tracing::info!("gateway stopping");
     launched.shutdown();
     launched.join().await?;

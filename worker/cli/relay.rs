@@ -111,8 +111,10 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         return Ok(());
     }
     let launched = relay::launch(args.into()).await?;
+    // Installed before the ready line: a signal right after it is handled.
+    let stop = rngd_http_edge::shutdown_signal();
     println!("relay listening on {}", launched.addr);
-    rngd_http_edge::shutdown_signal().await;
+    stop.await;
     launched.shutdown();
     launched.join().await?;
     Ok(())

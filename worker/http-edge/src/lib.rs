@@ -121,26 +121,37 @@ impl Options {
     }
 }
 
-/// Resolves on Ctrl-C or SIGTERM.
-pub async fn shutdown_signal() {
-    let ctrl_c = tokio::signal::ctrl_c();
+/// Resolves on Ctrl-C (SIGINT) or SIGTERM. The handlers are installed when
+/// this is *called* (in a tokio runtime), not when the future is first
+/// polled: call it before printing a ready line, so a signal sent right
+/// after that line stops the server cleanly instead of killing it.
+pub fn shutdown_signal() -> impl std::future::Future<Output = ()> + Send + 'static {
     #[cfg(unix)]
     {
-        let mut term =
-            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-                Ok(s) => s,
-                Err(_) => {
-                    let _ = ctrl_c.await;
-                    return;
+        use tokio::signal::unix::{SignalKind, signal};
+        let int = signal(SignalKind::interrupt());
+        let term = signal(SignalKind::terminate());
+        async move {
+            match (int, term) {
+                (Ok(mut int), Ok(mut term)) => {
+                    tokio::select! {
+                        _ = int.recv() => {}
+                        _ = term.recv() => {}
+                    }
                 }
-            };
-        tokio::select! {
-            _ = ctrl_c => {}
-            _ = term.recv() => {}
+                (Ok(mut one), Err(_)) | (Err(_), Ok(mut one)) => {
+                    one.recv().await;
+                }
+                // No handler could be installed: the default actions stop
+                // the process.
+                (Err(_), Err(_)) => std::future::pending::<()>().await,
+            }
         }
     }
     #[cfg(not(unix))]
     {
-        let _ = ctrl_c.await;
+        async {
+            let _ = tokio::signal::ctrl_c().await;
+        }
     }
 }
