@@ -30,6 +30,7 @@ pub fn router(gw: Arc<Gateway>) -> Router {
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/models", get(models))
         .route("/health", get(health))
+        .route("/ready", get(health))
         .route("/ping", get(health).post(health))
         .route("/version", get(rngd_http_edge::surface::version))
         .route("/metrics", get(metrics_text))
@@ -107,7 +108,8 @@ async fn metrics_text(State(gw): State<Arc<Gateway>>) -> impl IntoResponse {
     )
 }
 
-/// `/health`: the status and, per role, how many endpoints are healthy of
+/// `/health` and `/ready` (the latter answered 503 by the edge from the
+/// shutdown signal on, while the gateway drains): the status and, per role, how many endpoints are healthy of
 /// how many; never their addresses (this route is public; the endpoint list
 /// is the operator's, from the endpoints source).
 async fn health(State(gw): State<Arc<Gateway>>) -> Response {

@@ -647,3 +647,24 @@ def test_the_served_name_reaches_every_door():
         for d in ["demo-prefill", "demo-decode", "demo-gateway", "demo-epp"]:
             args = container(objs, d)["args"]
             assert [a for a in args if a.startswith("--served-model-name")] == want, (d, args)
+
+
+def test_gateway_and_workers_drain_within_their_grace_period():
+    """The gateway and the workers wait `shutdown.preStopSeconds` in a
+    preStop hook (Kubernetes' sleep action), then drain for at most
+    `--shutdown-timeout`; the pod's grace period covers both plus 10 s, so
+    the kubelet's SIGKILL never lands inside a drain."""
+    for values, pre, timeout in [({}, 5, 30), ({"shutdown": {"preStopSeconds": 0, "timeoutSeconds": 120}}, 0, 120)]:
+        objs = render(values)
+        specs = pod_specs(objs)
+        for d in ["demo-prefill", "demo-decode", "demo-gateway"]:
+            spec, c = specs[d], container(objs, d)
+            assert f"--shutdown-timeout={timeout}" in c["args"], (d, c["args"])
+            assert spec["terminationGracePeriodSeconds"] == pre + timeout + 10, (d, spec)
+            if pre:
+                assert c["lifecycle"] == {"preStop": {"sleep": {"seconds": pre}}}, (d, c)
+            else:
+                assert "lifecycle" not in c, (d, c)
+        # The gateway's readiness is the route that turns 503 on SIGTERM.
+        probe = container(objs, "demo-gateway")["readinessProbe"]["httpGet"]
+        assert probe["path"] == "/ready", probe

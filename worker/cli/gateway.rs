@@ -262,7 +262,8 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     use std::io::Write;
     let _ = std::io::stdout().flush();
     stop.await;
-    tracing::info!("gateway stopping");
+    rngd_http_edge::exit_on_next_signal();
+    tracing::info!("gateway stopping: draining");
     launched.shutdown();
     launched.join().await?;
     Ok(())
@@ -291,6 +292,25 @@ pub struct ListenerArgs {
     /// is a 503 with `Retry-After` before anything is buffered.
     #[arg(long, default_value_t = rngd_http_edge::DEFAULT_MAX_INFLIGHT_BODY_BYTES)]
     pub max_inflight_body_bytes: usize,
+    /// On SIGTERM or Ctrl-C, seconds the requests in flight have to finish
+    /// (fractions allowed); meanwhile `/ready` answers 503 and new requests
+    /// a 503 `shutting_down`. Then a stream still running ends with an error
+    /// event and `data: [DONE]`, a unary request gets a 503. A second signal
+    /// exits at once.
+    #[arg(long, value_name = "SECONDS", value_parser = seconds,
+          default_value_t = rngd_http_edge::DEFAULT_SHUTDOWN_TIMEOUT.as_secs_f64())]
+    pub shutdown_timeout: f64,
+}
+
+/// A duration in seconds: finite, not negative, at most a day.
+pub fn seconds(s: &str) -> Result<f64, String> {
+    let v: f64 = s
+        .parse()
+        .map_err(|_| format!("`{s}` is not a number of seconds"))?;
+    if !v.is_finite() || !(0.0..=86_400.0).contains(&v) {
+        return Err(format!("`{s}` must be between 0 and 86400 seconds"));
+    }
+    Ok(v)
 }
 
 impl ListenerArgs {
@@ -302,6 +322,7 @@ impl ListenerArgs {
             idle_timeout: Duration::from_millis(self.idle_timeout_ms),
             max_connections: self.max_connections,
             max_inflight_body_bytes: self.max_inflight_body_bytes,
+            shutdown_timeout: Duration::from_secs_f64(self.shutdown_timeout),
             ..rngd_http_edge::Options::default()
         }
     }

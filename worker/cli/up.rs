@@ -18,7 +18,7 @@ use anyhow::{Context, bail};
 use rngd_api::env;
 
 use plan::{SharedFlags, StartedWorker, WorkerPlan};
-use stack::{Stack, http_url};
+use stack::{Stack, Tier, http_url};
 
 /// (Defined before the `mod`s below: visible in them by textual scope.)
 /// A line on stdout that never panics: `up 2>&1 | tee log` and a Ctrl-C
@@ -126,6 +126,13 @@ pub struct Args {
     /// Compiled context length; `--max-model-len` as vLLM spells it.
     #[arg(long, visible_alias = "max-model-len", env = env::RNGD_PD_SEQ_LEN, default_value_t = 512)]
     pub seq_len: u32,
+    /// On Ctrl-C / SIGTERM, seconds the gateway and the workers have to
+    /// finish the requests in flight (their `--shutdown-timeout`): the front
+    /// doors drain first, then the workers, then the relay. A second Ctrl-C
+    /// kills the stack at once.
+    #[arg(long, value_name = "SECONDS", value_parser = crate::gateway::seconds,
+          default_value_t = rngd_http_edge::DEFAULT_SHUTDOWN_TIMEOUT.as_secs_f64())]
+    pub shutdown_timeout: f64,
     /// Decode streams each worker steps together (the workers' `--batch`);
     /// `--max-num-seqs` as vLLM spells it. Default: the worker's (8).
     #[arg(long, visible_alias = "max-num-seqs")]
@@ -272,7 +279,9 @@ pub async fn run(args: Args, log_format: crate::LogFormat) -> anyhow::Result<()>
         },
         Err(e) => Err(e),
     };
-    stack.stop().await;
+    stack
+        .stop(Duration::from_secs_f64(args.shutdown_timeout))
+        .await;
     note!("rngd-pd up: stopped");
     outcome
 }
@@ -335,6 +344,7 @@ async fn start_relay(args: &Args, secret: &str, stack: &mut Stack) -> anyhow::Re
     let (relay, _) = stack
         .start(
             "relay",
+            Tier::Relay,
             &[
                 "relay".into(),
                 "--listen".into(),
@@ -387,7 +397,13 @@ async fn spawn_worker(
     stack: &mut Stack,
 ) -> anyhow::Result<StartedWorker> {
     let (addr, before) = stack
-        .start(&w.name, args, envs, rngd_worker::LISTENING_PREFIX)
+        .start(
+            &w.name,
+            Tier::Worker,
+            args,
+            envs,
+            rngd_worker::LISTENING_PREFIX,
+        )
         .await?;
     let kv_events = before
         .iter()
@@ -453,7 +469,13 @@ async fn start_gateway(
         .map(|k| (env::VLLM_API_KEY, k.clone()))
         .collect();
     let (gw, before) = stack
-        .start("gateway", &g, &envs, "rngd-pd gateway listening on ")
+        .start(
+            "gateway",
+            Tier::Front,
+            &g,
+            &envs,
+            "rngd-pd gateway listening on ",
+        )
         .await?;
     let kpis = before
         .iter()
@@ -509,6 +531,7 @@ async fn start_ext_proc(f: &Front<'_>, stack: &mut Stack) -> anyhow::Result<Opti
     let (metrics, before) = stack
         .start(
             "ext-proc",
+            Tier::Front,
             &e,
             &[],
             "rngd-pd ext-proc metrics listening on ",

@@ -259,7 +259,13 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         println!("ok");
         return Ok(());
     }
-    rngd_worker::launch(opts, rngd_http_edge::shutdown_signal()).await?;
+    // Installed now, before the ready line; a second signal ends the drain.
+    let signal = rngd_http_edge::shutdown_signal();
+    let shutdown = async move {
+        signal.await;
+        rngd_http_edge::exit_on_next_signal();
+    };
+    rngd_worker::launch(opts, shutdown).await?;
     Ok(())
 }
 

@@ -219,6 +219,8 @@ pub(super) fn worker_args(
         &args.kv_transport,
         "--seq-len",
         &args.seq_len.to_string(),
+        "--shutdown-timeout",
+        &args.shutdown_timeout.to_string(),
     ]
     .map(String::from)
     .to_vec();
@@ -303,6 +305,8 @@ pub(super) fn gateway_args(
             &shared.model,
             "--seq-len",
             &args.seq_len.to_string(),
+            "--shutdown-timeout",
+            &args.shutdown_timeout.to_string(),
         ]
         .map(String::from),
     );

@@ -1,7 +1,7 @@
 //! `rngd-pd up`'s children: starting one (this same executable) and reading
 //! its printed address, waiting for its readiness, noticing one exit, and
-//! stopping every one of them ([`Stack`]: killed and reaped on `stop` or
-//! drop, the shm root and the scratch directory removed).
+//! stopping every one of them ([`Stack`]: drained tier by tier and reaped on
+//! `stop`, killed on drop; the shm root and the scratch directory removed).
 
 use std::path::PathBuf;
 use std::process::Stdio;
@@ -11,10 +11,24 @@ use anyhow::{Context, bail};
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::{Child, Command};
 
+/// When a child is stopped: the front doors first (their requests in flight
+/// still need the workers), then the workers (their PD transfers still need
+/// the relay), then the relay.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Tier {
+    /// The gateway and the picker.
+    Front,
+    /// The prefill and decode workers.
+    Worker,
+    /// The KV relay.
+    Relay,
+}
+
 /// A started child.
 struct Proc {
     /// Its name in logs (`relay`, `prefill-0`, `decode-1`, `gateway`, ...).
     name: String,
+    tier: Tier,
     child: Child,
 }
 
@@ -42,18 +56,49 @@ impl Stack {
         }
     }
 
-    /// Kills every child, waits for each (10 s at most), removes the
-    /// directories.
-    pub(super) async fn stop(&mut self) {
-        // Reverse start order: the gateway first, the relay last.
-        for p in self.procs.iter_mut().rev() {
-            let _ = p.child.start_kill();
+    /// Stops every child, tier by tier ([`Tier`]): each is sent SIGTERM and
+    /// given `drain` (its `--shutdown-timeout`) plus 5 s to drain and exit,
+    /// then killed. A second Ctrl-C / SIGTERM meanwhile kills what is left
+    /// at once. Then the directories are removed.
+    pub(super) async fn stop(&mut self, drain: Duration) {
+        let forced = rngd_http_edge::shutdown_signal();
+        tokio::pin!(forced);
+        let mut killing = false;
+        for tier in [Tier::Front, Tier::Worker, Tier::Relay] {
+            let group: Vec<&mut Proc> = self.procs.iter_mut().filter(|p| p.tier == tier).collect();
+            for p in group {
+                if !killing {
+                    terminate(&p.child);
+                }
+                let waited = tokio::select! {
+                    w = tokio::time::timeout(drain + Duration::from_secs(5), p.child.wait()), if !killing => Some(w),
+                    _ = &mut forced, if !killing => {
+                        note!("rngd-pd up: second signal: killing the stack");
+                        killing = true;
+                        None
+                    }
+                };
+                match waited {
+                    Some(Ok(Ok(status))) => {
+                        tracing::debug!(child = %p.name, %status, "child stopped");
+                        continue;
+                    }
+                    Some(Ok(Err(e))) => note!("rngd-pd up: waiting for {}: {e}", p.name),
+                    Some(Err(_)) => note!(
+                        "rngd-pd up: {} did not stop within {} s; killing it",
+                        p.name,
+                        (drain + Duration::from_secs(5)).as_secs()
+                    ),
+                    None => {}
+                }
+                let _ = p.child.start_kill();
+                let _ = tokio::time::timeout(Duration::from_secs(5), p.child.wait()).await;
+            }
         }
-        for p in self.procs.iter_mut().rev() {
-            match tokio::time::timeout(Duration::from_secs(10), p.child.wait()).await {
-                Ok(Ok(status)) => tracing::debug!(child = %p.name, %status, "child stopped"),
-                Ok(Err(e)) => note!("rngd-pd up: waiting for {}: {e}", p.name),
-                Err(_) => note!("rngd-pd up: {} did not stop within 10 s", p.name),
+        if killing {
+            for p in &mut self.procs {
+                let _ = p.child.start_kill();
+                let _ = tokio::time::timeout(Duration::from_secs(5), p.child.wait()).await;
             }
         }
         self.procs.clear();
@@ -76,6 +121,7 @@ impl Stack {
     pub(super) async fn start(
         &mut self,
         name: &str,
+        tier: Tier,
         args: &[String],
         envs: &[(&str, String)],
         prefix: &str,
@@ -86,7 +132,10 @@ impl Stack {
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
-            .kill_on_drop(true);
+            .kill_on_drop(true)
+            // Its own process group: a Ctrl-C at the terminal reaches `up`
+            // alone, which stops the children in order (`stop`).
+            .process_group(0);
         cmd.env(rngd_api::env::RNGD_PD_LOG_FORMAT, self.log_format);
         for (k, v) in envs {
             cmd.env(k, v);
@@ -102,6 +151,7 @@ impl Stack {
         let stdout = child.stdout.take().context("child stdout")?;
         self.procs.push(Proc {
             name: name.to_string(),
+            tier,
             child,
         });
         let mut lines = BufReader::new(stdout).lines();
@@ -168,6 +218,16 @@ impl Stack {
             }
             tokio::time::sleep(Duration::from_millis(200)).await;
         }
+    }
+}
+
+/// Sends SIGTERM to `child` (if it still runs): it drains and exits.
+fn terminate(child: &Child) {
+    if let Some(id) = child
+        .id()
+        .and_then(|id| rustix::process::Pid::from_raw(id as i32))
+    {
+        let _ = rustix::process::kill_process(id, rustix::process::Signal::TERM);
     }
 }
 

@@ -5,14 +5,17 @@
 //!   header-read timeout, an idle keep-alive timeout, a connection cap (the
 //!   excess accepted and closed at once), `TCP_NODELAY` on every socket, a
 //!   polite close after a response that left a body unread (the rest drained,
-//!   bounded), and graceful shutdown;
+//!   bounded), and the drain on shutdown (`drain`: readiness 503 at once, new
+//!   API requests refused, those in flight given [`Options::shutdown_timeout`]
+//!   and then cut with a 503 or an error event and `[DONE]`);
 //! - [`read_body`] / [`LimitedBody`]: a request body read under a byte limit
 //!   and a deadline, against the listener's in-flight body-byte budget
 //!   ([`BodyBudget`], checked before anything is buffered); the failures are
 //!   [`BodyError`], answered with the OpenAI error body;
 //! - [`hold_until_sent`]: a response whose body holds a guard (an admission
 //!   slot, an engine slot) until it is sent or dropped;
-//! - [`shutdown_signal`]: SIGINT / SIGTERM;
+//! - [`shutdown_signal`]: SIGINT / SIGTERM; [`exit_on_next_signal`]: a second
+//!   one ends the drain at once;
 //! - [`admin`]: the bearer-token guard of every admin listener;
 //! - [`api_key`]: the API key of the public listeners (`--api-key`);
 //! - [`surface`]: the small routes every server answers alike (`/version`).
@@ -23,6 +26,7 @@
 pub mod admin;
 pub mod api_key;
 mod body;
+mod drain;
 mod hold;
 mod serve;
 pub mod surface;
@@ -32,6 +36,7 @@ use std::time::Duration;
 pub use body::{
     BodyBudget, BodyError, BodyLimits, Buffered, HasBodyLimits, LimitedBody, read_body,
 };
+pub use drain::SHUTTING_DOWN;
 pub use hold::{Held, hold_until_sent};
 pub use serve::{EdgeStats, Served, serve};
 
@@ -47,6 +52,9 @@ pub const DEFAULT_MAX_INFLIGHT_BODY_BYTES: usize = 64 << 20;
 pub const DEFAULT_LINGER_BYTES: usize = 16 << 20;
 /// Default of [`Options::linger_timeout`]: 5 s.
 pub const DEFAULT_LINGER_TIMEOUT: Duration = Duration::from_secs(5);
+/// Default of [`Options::shutdown_timeout`]: 30 s (Kubernetes' default grace
+/// period; the chart sets the pod's grace above it).
+pub const DEFAULT_SHUTDOWN_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// The limits of one listener.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -76,6 +84,12 @@ pub struct Options {
     pub linger_bytes: usize,
     /// ... and for at most this long. Default 5 s.
     pub linger_timeout: Duration,
+    /// Once told to stop, the time the API requests in flight have to
+    /// finish; meanwhile `/ready` answers 503 and new API requests get a 503
+    /// `shutting_down`. What is still in flight after it is cut: a 503, or
+    /// an error event and `data: [DONE]` on a stream. Zero cuts at once.
+    /// Default 30 s.
+    pub shutdown_timeout: Duration,
 }
 
 impl Default for Options {
@@ -87,6 +101,7 @@ impl Default for Options {
             max_inflight_body_bytes: DEFAULT_MAX_INFLIGHT_BODY_BYTES,
             linger_bytes: DEFAULT_LINGER_BYTES,
             linger_timeout: DEFAULT_LINGER_TIMEOUT,
+            shutdown_timeout: DEFAULT_SHUTDOWN_TIMEOUT,
         }
     }
 }
@@ -154,4 +169,17 @@ pub fn shutdown_signal() -> impl std::future::Future<Output = ()> + Send + 'stat
             let _ = tokio::signal::ctrl_c().await;
         }
     }
+}
+
+/// After the first signal (see [`shutdown_signal`]): a second SIGINT or
+/// SIGTERM exits the process at once (status 130), for an operator who will
+/// not wait for the drain. Call it in a tokio runtime right after the first
+/// signal resolved.
+pub fn exit_on_next_signal() {
+    let next = shutdown_signal();
+    tokio::spawn(async move {
+        next.await;
+        eprintln!("second signal: exiting without waiting for the drain");
+        std::process::exit(130);
+    });
 }

@@ -1,7 +1,7 @@
 //! The accept loop with the listener limits of [`crate::Options`]:
 //! HTTP/1.1 on hyper with a timer (header-read timeout), an idle keep-alive
-//! timeout, a connection cap, `TCP_NODELAY`, a polite close, graceful
-//! shutdown.
+//! timeout, a connection cap, `TCP_NODELAY`, a polite close, and the drain
+//! on shutdown (the stages are `drain.rs`'s; the loop moves them).
 
 use std::convert::Infallible;
 use std::future::Future;
@@ -26,6 +26,7 @@ use tokio_util::task::TaskTracker;
 use tower::ServiceExt;
 
 use crate::body::BodyBudget;
+use crate::drain::{self, Drain, Stage};
 use crate::{EdgeError, Options};
 
 /// What a listener has done so far (for logs, metrics and tests).
@@ -61,8 +62,11 @@ pub struct Served {
 }
 
 /// Serves `router` on `listener` under `options`, in the background, until
-/// `shutdown` resolves; then stops accepting, lets open requests finish and
-/// closes every connection ([`Served::done`] resolves after that). Every
+/// `shutdown` resolves; then drains: `/ready` answers 503 and new API
+/// requests a 503 `shutting_down`, while those in flight get
+/// [`Options::shutdown_timeout`] to finish before they are cut. Then it stops
+/// accepting and closes every connection ([`Served::done`] resolves after
+/// that). Every
 /// request carries the peer's [`ConnectInfo<SocketAddr>`] and the listener's
 /// [`BodyBudget`] in its extensions.
 pub fn serve(
@@ -99,56 +103,124 @@ async fn accept_loop(
     stats: Arc<EdgeStats>,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) {
-    let slots = Arc::new(Semaphore::new(options.max_connections));
-    let tracker = TaskTracker::new();
-    let stop = CancellationToken::new();
-    let options = Arc::new(options);
+    let conns = Conns {
+        slots: Arc::new(Semaphore::new(options.max_connections)),
+        tracker: TaskTracker::new(),
+        stop: CancellationToken::new(),
+        drain: Drain::new(),
+        router,
+        options: Arc::new(options),
+        budget,
+        stats,
+    };
     tokio::pin!(shutdown);
     loop {
-        let (stream, remote) = tokio::select! {
+        tokio::select! {
             _ = &mut shutdown => break,
-            accepted = listener.accept() => match accepted {
-                Ok(a) => a,
-                Err(e) if is_connection_error(&e) => continue,
-                Err(e) => {
-                    // Out of descriptors or memory: wait instead of spinning.
-                    tracing::warn!(error = %e, "accept failed; retrying in 1 s");
-                    tokio::time::sleep(Duration::from_secs(1)).await;
-                    continue;
-                }
-            },
-        };
-        let Ok(slot) = slots.clone().try_acquire_owned() else {
+            accepted = accept(&listener) => conns.admit(accepted),
+        }
+    }
+    // Draining: new connections are still accepted (a probe or a client
+    // learns the listener drains instead of meeting a refused connection),
+    // their API requests refused, until nothing is in flight or the
+    // shutdown timeout passes.
+    conns.drain.advance(Stage::Draining);
+    let inflight = conns.drain.inflight();
+    if inflight > 0 {
+        tracing::info!(
+            inflight,
+            timeout_s = conns.options.shutdown_timeout.as_secs_f64(),
+            "draining: waiting for the requests in flight"
+        );
+    }
+    let deadline = tokio::time::sleep(conns.options.shutdown_timeout);
+    tokio::pin!(deadline);
+    loop {
+        tokio::select! {
+            biased;
+            _ = conns.drain.idle() => break,
+            _ = &mut deadline => {
+                tracing::warn!(
+                    inflight = conns.drain.inflight(),
+                    "shutdown timeout passed: cutting the requests still in flight"
+                );
+                conns.drain.advance(Stage::Aborting);
+                break;
+            }
+            accepted = accept(&listener) => conns.admit(accepted),
+        }
+    }
+    drop(listener);
+    conns.stop.cancel();
+    conns.tracker.close();
+    // Every response left is short now (a cut stream's last event, a 503):
+    // the connections get the polite close's bound to finish.
+    let bound = conns.options.linger_timeout + Duration::from_secs(1);
+    if tokio::time::timeout(bound, conns.tracker.wait())
+        .await
+        .is_err()
+    {
+        tracing::warn!(
+            left = conns.tracker.len(),
+            "connections still open after the drain; leaving them"
+        );
+    }
+}
+
+/// One accept, with the connection-level failures skipped and the others
+/// (out of descriptors or memory) waited out instead of spun on.
+async fn accept(listener: &TcpListener) -> (TcpStream, SocketAddr) {
+    loop {
+        match listener.accept().await {
+            Ok(a) => return a,
+            Err(e) if is_connection_error(&e) => continue,
+            Err(e) => {
+                tracing::warn!(error = %e, "accept failed; retrying in 1 s");
+                tokio::time::sleep(Duration::from_secs(1)).await;
+            }
+        }
+    }
+}
+
+/// What every connection of one listener shares (cheap to clone).
+#[derive(Clone)]
+struct Conns {
+    slots: Arc<Semaphore>,
+    tracker: TaskTracker,
+    stop: CancellationToken,
+    drain: Drain,
+    router: Router,
+    options: Arc<Options>,
+    budget: BodyBudget,
+    stats: Arc<EdgeStats>,
+}
+
+// === impl Conns ===
+
+impl Conns {
+    /// Serves one accepted connection in the background, or closes it at
+    /// once when the connection cap is reached.
+    fn admit(&self, (stream, remote): (TcpStream, SocketAddr)) {
+        let Ok(slot) = self.slots.clone().try_acquire_owned() else {
             // Over the cap: closed at once, nothing read or held.
-            let n = stats.refused.fetch_add(1, Ordering::Relaxed);
+            let n = self.stats.refused.fetch_add(1, Ordering::Relaxed);
             if n.is_power_of_two() {
                 tracing::warn!(
                     refused = n + 1,
-                    max_connections = options.max_connections,
+                    max_connections = self.options.max_connections,
                     "connection cap reached: closing new connections"
                 );
             }
             drop(stream);
-            continue;
+            return;
         };
-        stats.accepted.fetch_add(1, Ordering::Relaxed);
+        self.stats.accepted.fetch_add(1, Ordering::Relaxed);
         // Streamed chunks go out at once instead of waiting for the peer's
         // delayed ACK (Nagle).
         let _ = stream.set_nodelay(true);
-        tracker.spawn(connection(
-            stream,
-            remote,
-            router.clone(),
-            options.clone(),
-            budget.clone(),
-            stop.clone(),
-            slot,
-        ));
+        self.tracker
+            .spawn(connection(stream, remote, self.clone(), slot));
     }
-    drop(listener);
-    stop.cancel();
-    tracker.close();
-    tracker.wait().await;
 }
 
 fn is_connection_error(e: &std::io::Error) -> bool {
@@ -204,12 +276,17 @@ async fn idle_for(mut rx: watch::Receiver<Activity>, idle: Duration) {
 async fn connection(
     stream: TcpStream,
     remote: SocketAddr,
-    router: Router,
-    options: Arc<Options>,
-    budget: BodyBudget,
-    stop: CancellationToken,
+    conns: Conns,
     _slot: tokio::sync::OwnedSemaphorePermit,
 ) {
+    let Conns {
+        router,
+        options,
+        budget,
+        drain,
+        stop,
+        ..
+    } = conns;
     let (activity, watch_rx) = watch::channel(Activity {
         busy: 0,
         idle_since: None,
@@ -222,9 +299,32 @@ async fn connection(
         activity.send_modify(|a| a.busy += 1);
         let mark = InFlight(activity.clone());
         let router = router.clone();
+        let drain = drain.clone();
         async move {
-            let resp = router.oneshot(req).await?;
-            Ok::<_, Infallible>(crate::hold_until_sent(resp, mark))
+            let path = req.uri().path();
+            if drain.stage() != Stage::Serving
+                && let Some(refused) = drain::refusal(path)
+            {
+                return Ok::<_, Infallible>(crate::hold_until_sent(refused, mark));
+            }
+            if crate::api_key::OPEN_PATHS.contains(&path) {
+                let resp = router.oneshot(req).await?;
+                return Ok(crate::hold_until_sent(resp, mark));
+            }
+            // An API request: counted until its answer is sent, cut if the
+            // drain's deadline passes first.
+            let ticket = drain.enter();
+            let resp = tokio::select! {
+                biased;
+                resp = router.oneshot(req) => resp?,
+                _ = drain.aborting() => drain::cut_short(),
+            };
+            let resp = if drain::is_event_stream(&resp) {
+                resp.map(|b| Body::new(drain::CutOnAbort::new(b, &drain)))
+            } else {
+                resp
+            };
+            Ok(crate::hold_until_sent(resp, (mark, ticket)))
         }
     });
     let io = TokioIo::new(Linger::new(stream, &options));

@@ -37,6 +37,23 @@ securityContext:
 {{- end }}
 {{- end -}}
 
+{{/* A draining pod's grace period (values `shutdown`): the preStop wait, the
+drain's timeout and 10 s for the process to exit. */}}
+{{- define "rngd-pd.gracePeriod" -}}
+terminationGracePeriodSeconds: {{ add (int .Values.shutdown.preStopSeconds) (int .Values.shutdown.timeoutSeconds) 10 }}
+{{- end -}}
+
+{{/* A draining container's preStop wait and its `--shutdown-timeout` are
+rendered apart: this is the hook (nothing with preStopSeconds 0). */}}
+{{- define "rngd-pd.preStop" -}}
+{{- if gt (int .Values.shutdown.preStopSeconds) 0 }}
+lifecycle:
+  preStop:
+    sleep:
+      seconds: {{ int .Values.shutdown.preStopSeconds }}
+{{- end }}
+{{- end -}}
+
 {{/* A container's security context (values `containerSecurityContext`). */}}
 {{- define "rngd-pd.containerSecurity" -}}
 {{- with .Values.containerSecurityContext }}
