@@ -100,8 +100,8 @@ pub struct Answered {
 impl EppMetrics {
     /// Creates the metrics in a fresh registry.
     pub fn new() -> Result<Self, ExtProcError> {
-        let registry = Registry::new();
         let err = |source| ExtProcError::Metrics { source };
+        let registry = rngd_telemetry::registry().map_err(err)?;
         let r = &registry;
         let model = &["model_name", "target_model_name"];
         let hist = |name: &str, help: &str, buckets: &[f64]| {

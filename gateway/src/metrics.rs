@@ -57,7 +57,7 @@ impl std::fmt::Debug for GatewayMetrics {
 impl GatewayMetrics {
     /// Creates and registers every metric in a fresh registry.
     pub fn new() -> Result<Self, GatewayError> {
-        let registry = Registry::new();
+        let registry = rngd_telemetry::registry()?;
         let ms = rngd_telemetry::seconds_buckets(MS_BUCKETS, 1e3);
         let us = rngd_telemetry::seconds_buckets(US_BUCKETS, 1e6);
         let ttft = rngd_telemetry::histogram(

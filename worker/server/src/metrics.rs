@@ -14,8 +14,45 @@ const TPS_BUCKETS: &[f64] = &[
     1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 50.0, 75.0, 100.0, 200.0, 500.0, 1000.0, 5000.0,
 ];
 
+/// Token-count buckets of the per-request token histograms.
+const TOKEN_BUCKETS: &[f64] = &[
+    1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0, 1000.0, 2000.0, 5000.0, 10000.0, 20000.0,
+    50000.0, 100000.0,
+];
+
 /// vLLM's label of the model-server families.
 const MODEL: &[&str] = &["model_name"];
+
+/// The `finished_reason` values, each present from the model's load on.
+const FINISHED_REASONS: [&str; 3] = ["stop", "length", "abort"];
+
+/// One finished (or aborted) request, as the `vllm:*` request families
+/// record it.
+#[derive(Debug, Clone, Copy)]
+pub struct Finished<'a> {
+    /// The served model (`model_name`).
+    pub model: &'a str,
+    /// Arrival to first token, if one came.
+    pub ttft: Option<Duration>,
+    /// Arrival to the end.
+    pub e2e: Duration,
+    /// Waiting before the first engine phase.
+    pub queue: Duration,
+    /// The phase that produced the first token (a prefill computed here, or
+    /// the KV load of a remote prefill).
+    pub prefill: Duration,
+    /// From the end of that phase to the last token.
+    pub decode: Duration,
+    /// Mean time per output token after the first (two tokens or more).
+    pub tpot: Option<Duration>,
+    /// Prompt tokens.
+    pub prompt_tokens: usize,
+    /// Tokens generated.
+    pub generated: usize,
+    /// `stop`, `length` or `abort` (the client went away, the drain cut it,
+    /// or the engine failed).
+    pub reason: &'a str,
+}
 
 /// Every metric a worker exports, in its own registry.
 #[derive(Debug, Clone)]
@@ -29,6 +66,16 @@ pub struct WorkerMetrics {
     prompt_tokens: IntCounterVec,
     generation_tokens: IntCounterVec,
     success: IntCounterVec,
+    itl: HistogramVec,
+    tpot_legacy: HistogramVec,
+    request_tpot: HistogramVec,
+    queue_time: HistogramVec,
+    prefill_time: HistogramVec,
+    decode_time: HistogramVec,
+    inference_time: HistogramVec,
+    request_prompt_tokens: HistogramVec,
+    request_generation_tokens: HistogramVec,
+    preemptions: IntCounterVec,
     prefix_queries: IntCounterVec,
     prefix_hits: IntCounterVec,
     cache_config: GaugeVec,
@@ -57,7 +104,7 @@ pub struct WorkerMetrics {
 impl WorkerMetrics {
     /// Creates and registers the metrics in a fresh registry.
     pub fn new() -> Result<Self, TelemetryError> {
-        let r = Registry::new();
+        let r = rngd_telemetry::registry()?;
         Ok(WorkerMetrics {
             waiting: rngd_telemetry::gauge_vec(
                 &r,
@@ -108,6 +155,61 @@ impl WorkerMetrics {
                 names::VLLM_REQUEST_SUCCESS_TOTAL,
                 "Finished requests by finish reason",
                 &["model_name", "finished_reason"],
+            )?,
+            itl: seconds_histogram(
+                &r,
+                names::VLLM_INTER_TOKEN_LATENCY_SECONDS,
+                "Gap between two tokens of one stream, seconds",
+            )?,
+            tpot_legacy: seconds_histogram(
+                &r,
+                names::VLLM_TIME_PER_OUTPUT_TOKEN_SECONDS,
+                "Gap between two tokens of one stream, seconds (older name of vllm:inter_token_latency_seconds)",
+            )?,
+            request_tpot: seconds_histogram(
+                &r,
+                names::VLLM_REQUEST_TIME_PER_OUTPUT_TOKEN_SECONDS,
+                "A request's mean time per output token after the first, seconds",
+            )?,
+            queue_time: seconds_histogram(
+                &r,
+                names::VLLM_REQUEST_QUEUE_TIME_SECONDS,
+                "Time a request waited before its first engine phase, seconds",
+            )?,
+            prefill_time: seconds_histogram(
+                &r,
+                names::VLLM_REQUEST_PREFILL_TIME_SECONDS,
+                "A request's prefill phase (computed here, or its KV loaded), seconds",
+            )?,
+            decode_time: seconds_histogram(
+                &r,
+                names::VLLM_REQUEST_DECODE_TIME_SECONDS,
+                "A request's decode phase, seconds",
+            )?,
+            inference_time: seconds_histogram(
+                &r,
+                names::VLLM_REQUEST_INFERENCE_TIME_SECONDS,
+                "A request's prefill and decode phases, seconds",
+            )?,
+            request_prompt_tokens: rngd_telemetry::histogram_vec(
+                &r,
+                names::VLLM_REQUEST_PROMPT_TOKENS,
+                "Prompt tokens per request",
+                MODEL,
+                TOKEN_BUCKETS,
+            )?,
+            request_generation_tokens: rngd_telemetry::histogram_vec(
+                &r,
+                names::VLLM_REQUEST_GENERATION_TOKENS,
+                "Generated tokens per request",
+                MODEL,
+                TOKEN_BUCKETS,
+            )?,
+            preemptions: rngd_telemetry::counter_vec(
+                &r,
+                names::VLLM_NUM_PREEMPTIONS_TOTAL,
+                "Preemptions (the CPU engine never preempts a running request)",
+                MODEL,
             )?,
             prefix_queries: rngd_telemetry::counter_vec(
                 &r,
@@ -183,39 +285,91 @@ impl WorkerMetrics {
         })
     }
 
-    /// Records a finished generation of `model`: TTFT, end-to-end latency,
-    /// prompt and generated tokens, and the finish reason.
-    pub fn finished(
-        &self,
-        model: &str,
-        ttft: Option<Duration>,
-        e2e: Duration,
-        prompt_tokens: usize,
-        generated: usize,
-        finished_reason: &str,
-    ) {
-        let m = [model];
-        if let Some(t) = ttft {
+    /// Records a finished (or aborted) request in the `vllm:*` request
+    /// families.
+    pub fn finished(&self, f: &Finished<'_>) {
+        let m = [f.model];
+        if let Some(t) = f.ttft {
             self.ttft.with_label_values(&m).observe(t.as_secs_f64());
         }
-        self.e2e.with_label_values(&m).observe(e2e.as_secs_f64());
+        if let Some(t) = f.tpot {
+            self.request_tpot
+                .with_label_values(&m)
+                .observe(t.as_secs_f64());
+        }
+        self.e2e.with_label_values(&m).observe(f.e2e.as_secs_f64());
+        for (h, d) in [
+            (&self.queue_time, f.queue),
+            (&self.prefill_time, f.prefill),
+            (&self.decode_time, f.decode),
+            (&self.inference_time, f.prefill + f.decode),
+        ] {
+            h.with_label_values(&m).observe(d.as_secs_f64());
+        }
+        self.request_prompt_tokens
+            .with_label_values(&m)
+            .observe(f.prompt_tokens as f64);
+        self.request_generation_tokens
+            .with_label_values(&m)
+            .observe(f.generated as f64);
         self.prompt_tokens
             .with_label_values(&m)
-            .inc_by(prompt_tokens as u64);
+            .inc_by(f.prompt_tokens as u64);
         self.generation_tokens
             .with_label_values(&m)
-            .inc_by(generated as u64);
-        self.success
-            .with_label_values(&[model, finished_reason])
-            .inc();
+            .inc_by(f.generated as u64);
+        self.success.with_label_values(&[f.model, f.reason]).inc();
+    }
+
+    /// Records the gap between two tokens of one stream of `model`.
+    pub fn token_gap(&self, model: &str, gap: Duration) {
+        let m = [model];
+        self.itl.with_label_values(&m).observe(gap.as_secs_f64());
+        self.tpot_legacy
+            .with_label_values(&m)
+            .observe(gap.as_secs_f64());
+    }
+
+    /// Every `vllm:*` series of `model` at zero until it has a value, so a
+    /// dashboard, an HPA or a scraper finds each family from the model's
+    /// load on, on every role.
+    fn present(&self, model: &str) {
+        let m = [model];
+        for h in [
+            &self.ttft,
+            &self.e2e,
+            &self.itl,
+            &self.tpot_legacy,
+            &self.request_tpot,
+            &self.queue_time,
+            &self.prefill_time,
+            &self.decode_time,
+            &self.inference_time,
+            &self.request_prompt_tokens,
+            &self.request_generation_tokens,
+        ] {
+            h.with_label_values(&m);
+        }
+        for c in [
+            &self.prompt_tokens,
+            &self.generation_tokens,
+            &self.preemptions,
+        ] {
+            c.with_label_values(&m);
+        }
+        for r in FINISHED_REASONS {
+            self.success.with_label_values(&[model, r]);
+        }
     }
 
     /// Refreshes the engine gauges (if an engine is loaded; before that the
-    /// `vllm:*` gauges have no sample, so a scraper does not take the worker
-    /// for a model server yet) and renders the text format.
+    /// `vllm:*` families have no sample, so a scraper does not take the
+    /// worker for a model server yet; after, every one has its series) and
+    /// renders the text format.
     pub fn render(&self, engine: Option<&dyn Engine>) -> String {
         if let Some(e) = engine {
             let m = [e.info().name.as_str()];
+            self.present(m[0]);
             self.waiting.with_label_values(&m).set(e.waiting() as f64);
             self.running.with_label_values(&m).set(e.running() as f64);
             self.kv_usage.with_label_values(&m).set(e.kv_usage());
@@ -236,4 +390,15 @@ impl WorkerMetrics {
         }
         rngd_telemetry::render(&self.registry)
     }
+}
+
+/// A `vllm:*` time histogram with the `model_name` label, seconds.
+fn seconds_histogram(r: &Registry, name: &str, help: &str) -> Result<HistogramVec, TelemetryError> {
+    rngd_telemetry::histogram_vec(
+        r,
+        name,
+        help,
+        MODEL,
+        &rngd_telemetry::seconds_buckets(MS_BUCKETS, 1e3),
+    )
 }

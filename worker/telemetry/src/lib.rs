@@ -1,7 +1,11 @@
 //! Metric names (all of them, in [`names`]) and small helpers around the
-//! `prometheus` crate that every rngd-pd server uses to expose `/metrics`.
+//! `prometheus` crate that every rngd-pd server uses to expose `/metrics`,
+//! with the `process_*` families of every registry (`process`,
+//! [`registry`]).
 
 pub mod names;
+#[cfg(target_os = "linux")]
+pub mod process;
 #[cfg(feature = "test-util")]
 pub mod promtool;
 
@@ -19,6 +23,15 @@ pub enum TelemetryError {
         #[source]
         source: prometheus::Error,
     },
+}
+
+/// A fresh registry holding the `process_*` families (on Linux): every
+/// server's `/metrics` starts from one.
+pub fn registry() -> Result<Registry, TelemetryError> {
+    let r = Registry::new();
+    #[cfg(target_os = "linux")]
+    process::register(&r)?;
+    Ok(r)
 }
 
 /// Renders a registry in the Prometheus text exposition format.

@@ -17,6 +17,31 @@ pub const VLLM_PROMPT_TOKENS_TOTAL: &str = "vllm:prompt_tokens_total";
 pub const VLLM_GENERATION_TOKENS_TOTAL: &str = "vllm:generation_tokens_total";
 /// Finished requests (counter, labels `model_name`, `finished_reason`: `stop`, `length`).
 pub const VLLM_REQUEST_SUCCESS_TOTAL: &str = "vllm:request_success_total";
+/// vLLM: histogram of the gap between two tokens of one stream, seconds.
+pub const VLLM_INTER_TOKEN_LATENCY_SECONDS: &str = "vllm:inter_token_latency_seconds";
+/// vLLM's older name of the same gaps (still read by dashboards and
+/// `inference-perf`), seconds.
+pub const VLLM_TIME_PER_OUTPUT_TOKEN_SECONDS: &str = "vllm:time_per_output_token_seconds";
+/// vLLM: histogram of a request's mean time per output token after the
+/// first, seconds.
+pub const VLLM_REQUEST_TIME_PER_OUTPUT_TOKEN_SECONDS: &str =
+    "vllm:request_time_per_output_token_seconds";
+/// vLLM: histogram of the time a request waited before its first engine
+/// phase, seconds.
+pub const VLLM_REQUEST_QUEUE_TIME_SECONDS: &str = "vllm:request_queue_time_seconds";
+/// vLLM: histogram of a request's prefill phase, seconds.
+pub const VLLM_REQUEST_PREFILL_TIME_SECONDS: &str = "vllm:request_prefill_time_seconds";
+/// vLLM: histogram of a request's decode phase, seconds.
+pub const VLLM_REQUEST_DECODE_TIME_SECONDS: &str = "vllm:request_decode_time_seconds";
+/// vLLM: histogram of a request's prefill plus decode phases, seconds.
+pub const VLLM_REQUEST_INFERENCE_TIME_SECONDS: &str = "vllm:request_inference_time_seconds";
+/// vLLM: histogram of prompt tokens per request.
+pub const VLLM_REQUEST_PROMPT_TOKENS: &str = "vllm:request_prompt_tokens";
+/// vLLM: histogram of generated tokens per request.
+pub const VLLM_REQUEST_GENERATION_TOKENS: &str = "vllm:request_generation_tokens";
+/// vLLM: preemptions (a running request losing its KV to another); the CPU
+/// engine never preempts, so it stays 0.
+pub const VLLM_NUM_PREEMPTIONS_TOTAL: &str = "vllm:num_preemptions_total";
 
 // Worker timings.
 /// KV push on the prefill side, seconds (histogram).
@@ -203,3 +228,18 @@ pub const PREFIX_ESTIMATED_BLOCKS: &str = "rngd_pd_prefix_estimated_blocks";
 /// `no_common_transport`, `solo`; `none` without one, `other` for a reason
 /// that is not a short `[a-z0-9_]` word) (counter, both doors).
 pub const ROUTE_DECISIONS_TOTAL: &str = "rngd_pd_route_decisions_total";
+
+/// Prometheus' process families (every client library's names).
+pub const PROCESS_CPU_SECONDS_TOTAL: &str = "process_cpu_seconds_total";
+/// Resident memory, bytes.
+pub const PROCESS_RESIDENT_MEMORY_BYTES: &str = "process_resident_memory_bytes";
+/// Virtual memory, bytes.
+pub const PROCESS_VIRTUAL_MEMORY_BYTES: &str = "process_virtual_memory_bytes";
+/// Open file descriptors.
+pub const PROCESS_OPEN_FDS: &str = "process_open_fds";
+/// The soft limit of open file descriptors.
+pub const PROCESS_MAX_FDS: &str = "process_max_fds";
+/// OS threads.
+pub const PROCESS_THREADS: &str = "process_threads";
+/// Start time since the Unix epoch, seconds.
+pub const PROCESS_START_TIME_SECONDS: &str = "process_start_time_seconds";

@@ -37,7 +37,7 @@ use crate::error::ApiError;
 use crate::handles::random_seed;
 use crate::state::WorkerState;
 use pd::{Call, decode_remote, orchestrate, prefill_for_remote};
-use respond::{Api, Meta, respond};
+use respond::{Api, Meta, Phases, respond};
 use rngd_http_edge::Buffered;
 
 /// The `/v1/completions` handler.
@@ -238,8 +238,15 @@ async fn handle(
     let prompt = prompt_ids(&engine, &req.prompt).await?;
     let seed = client_seed(&req).unwrap_or_else(random_seed);
     let sp = sampling(&req, &prompt, engine.info(), seed)?;
-    let rx = engine.generate(&prompt, &sp).await?;
-    state.metrics().prefills.inc();
+    // `Engine::generate` is exactly this prefill and decode; called apart,
+    // the prefill's queue wait and compute are measured.
+    let called = Instant::now();
+    let pre = engine.prefill(&prompt, &sp).await?;
+    let phases = Phases::computed(called.elapsed(), pre.elapsed, Instant::now());
+    let m = state.metrics();
+    m.prefills.inc();
+    m.prefill_seconds.observe(pre.elapsed.as_secs_f64());
+    let rx = engine.decode(&prompt, pre, &sp).await?;
     let meta = Meta::new(
         api,
         &engine,
@@ -248,7 +255,8 @@ async fn handle(
         request_id,
         started,
         Timings::default(),
-    )?;
+    )?
+    .with_phases(phases);
     respond(state.clone(), meta, rx, req.sampling.stream).await
 }
 

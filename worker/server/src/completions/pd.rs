@@ -16,7 +16,7 @@ use rngd_engine::{Engine, KvCache, Prefilled};
 use rngd_kv_transport::{KvPayload, KvTransport};
 use rngd_kv_wire::KvHandle;
 
-use super::respond::{Api, Meta, respond};
+use super::respond::{Api, Meta, Phases, respond};
 use super::{check_vocab, client_seed, prompt_ids, sampling, token_params};
 use crate::allow::PeerAddr;
 use crate::error::ApiError;
@@ -56,7 +56,9 @@ pub(super) async fn prefill_for_remote(
                     .to_string(),
                 source: Box::new(source),
             })?;
+    let called = Instant::now();
     let pre = engine.prefill(&prompt, &sp).await?;
+    let phases = Phases::computed(called.elapsed(), pre.elapsed, Instant::now());
     let prefill_ms = ms(pre.elapsed);
     let m = state.metrics();
     m.prefills.inc();
@@ -104,6 +106,20 @@ pub(super) async fn prefill_for_remote(
     };
     let total = ms(started.elapsed());
     let prompt_tokens = prompt.len();
+    // As vLLM's prefill instance counts it: a request of one generated
+    // token, finished by length.
+    m.finished(&crate::metrics::Finished {
+        model: &engine.info().name,
+        ttft: Some(started.elapsed()),
+        e2e: started.elapsed(),
+        queue: phases.queue,
+        prefill: phases.prefill,
+        decode: Duration::ZERO,
+        tpot: None,
+        prompt_tokens,
+        generated: 1,
+        reason: "length",
+    });
     let resp = CompletionResponse {
         id: format!("cmpl-{request_id}"),
         object: "text_completion".into(),
@@ -278,6 +294,13 @@ pub(super) async fn decode_remote(
         Ok(Ok(b)) => b,
     };
     let kv_load_ms = ms(t0.elapsed());
+    // The KV load is this worker's prefill phase; what came before it (an
+    // orchestrated request's remote prefill too) is its queue.
+    let phases = Phases {
+        queue: t0.saturating_duration_since(started),
+        prefill: t0.elapsed(),
+        prefill_end: Instant::now(),
+    };
     let m = state.metrics();
     m.kv_loads.inc();
     m.kv_load_seconds.observe(kv_load_ms / 1e3);
@@ -308,7 +331,8 @@ pub(super) async fn decode_remote(
         kv_transfer_ms: Some(params.kv_save_ms.unwrap_or(0.0) + kv_load_ms),
         ..Timings::default()
     };
-    let meta = Meta::new(api, engine, req, &prompt, request_id, started, timings)?;
+    let meta =
+        Meta::new(api, engine, req, &prompt, request_id, started, timings)?.with_phases(phases);
     respond(state.clone(), meta, rx, req.sampling.stream).await
 }
 

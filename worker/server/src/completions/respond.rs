@@ -5,7 +5,7 @@
 
 use std::convert::Infallible;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use axum::response::sse::{Event, Sse};
 use axum::response::{IntoResponse, Response};
@@ -49,6 +49,7 @@ pub(super) struct Meta {
     prompt_tokens: usize,
     started: Instant,
     timings: Timings,
+    phases: Phases,
     include_usage: bool,
     /// Every chunk carries the usage so far (`continuous_usage_stats`).
     continuous_usage: bool,
@@ -92,6 +93,7 @@ impl Meta {
             prompt_tokens,
             started,
             timings,
+            phases: Phases::none(started),
             include_usage: req
                 .sampling
                 .stream_options
@@ -103,6 +105,12 @@ impl Meta {
                 .as_ref()
                 .is_some_and(StreamOptions::continuous),
         })
+    }
+
+    /// The request's engine phases so far (see [`Phases`]).
+    pub(super) fn with_phases(mut self, phases: Phases) -> Self {
+        self.phases = phases;
+        self
     }
 
     /// A log-probability builder, when the request asked for them.
@@ -159,17 +167,110 @@ impl Meta {
     }
 }
 
-impl Meta {
-    /// The `vllm:*` request families of a finished generation.
-    fn record(&self, state: &WorkerState, first: Option<Instant>, n: usize, f: FinishReason) {
-        state.metrics().finished(
-            &self.model,
-            first.map(|t| t - self.started),
-            self.started.elapsed(),
-            self.prompt_tokens,
-            n,
-            &finish_str(f),
-        );
+/// A request's engine phases before its first token, for the `vllm:*`
+/// request families (`docs/pd-protocol.md`, "Worker metrics"): the queue is the wait
+/// before the first engine phase, the prefill that phase (a prefill computed
+/// here, or the KV load of a remote prefill); the decode runs from its end
+/// to the last token.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Phases {
+    /// Waiting before the first engine phase.
+    pub(super) queue: Duration,
+    /// The phase that produced the first token.
+    pub(super) prefill: Duration,
+    /// When it ended.
+    pub(super) prefill_end: Instant,
+}
+
+impl Phases {
+    /// No phase measured: everything counts as decode from `started`.
+    fn none(started: Instant) -> Self {
+        Phases {
+            queue: Duration::ZERO,
+            prefill: Duration::ZERO,
+            prefill_end: started,
+        }
+    }
+
+    /// A prefill computed here: it took `compute` of the `wall` time the
+    /// call took until `end`; the rest was its wait in the engine's queue.
+    pub(super) fn computed(wall: Duration, compute: Duration, end: Instant) -> Self {
+        Phases {
+            queue: wall.saturating_sub(compute),
+            prefill: compute,
+            prefill_end: end,
+        }
+    }
+}
+
+/// The `vllm:*` request families of one response, recorded once: at its
+/// finish, or as `abort` when it is dropped before that (its client went
+/// away, the drain cut it, the engine failed).
+struct Tally {
+    state: WorkerState,
+    model: String,
+    started: Instant,
+    prompt_tokens: usize,
+    phases: Phases,
+    first: Option<Instant>,
+    last: Option<Instant>,
+    n: usize,
+    done: bool,
+}
+
+impl Tally {
+    fn new(state: &WorkerState, meta: &Meta) -> Self {
+        Tally {
+            state: state.clone(),
+            model: meta.model.clone(),
+            started: meta.started,
+            prompt_tokens: meta.prompt_tokens,
+            phases: meta.phases,
+            first: None,
+            last: None,
+            n: 0,
+            done: false,
+        }
+    }
+
+    /// A token arrived at `now`.
+    fn token(&mut self, now: Instant) {
+        if let Some(l) = self.last {
+            self.state.metrics().token_gap(&self.model, now - l);
+        }
+        self.first.get_or_insert(now);
+        self.last = Some(now);
+        self.n += 1;
+    }
+
+    /// The request ended with `reason`.
+    fn finish(&mut self, reason: &str) {
+        if std::mem::replace(&mut self.done, true) {
+            return;
+        }
+        let tpot = match (self.first, self.last) {
+            (Some(f), Some(l)) if self.n > 1 => Some((l - f) / (self.n as u32 - 1)),
+            _ => None,
+        };
+        let end = self.last.unwrap_or_else(Instant::now);
+        self.state.metrics().finished(&crate::metrics::Finished {
+            model: &self.model,
+            ttft: self.first.map(|t| t - self.started),
+            e2e: self.started.elapsed(),
+            queue: self.phases.queue,
+            prefill: self.phases.prefill,
+            decode: end.saturating_duration_since(self.phases.prefill_end),
+            tpot,
+            prompt_tokens: self.prompt_tokens,
+            generated: self.n,
+            reason,
+        });
+    }
+}
+
+impl Drop for Tally {
+    fn drop(&mut self) {
+        self.finish("abort");
     }
 }
 
@@ -201,6 +302,7 @@ pub(super) async fn respond(
         let (mut finish, mut stop, mut cached) = (None, None, 0);
         let mut builder = meta.builder();
         let mut logprobs = builder.as_ref().map(Builder::empty);
+        let mut tally = Tally::new(&state, &meta);
         while let Some(ev) = rx.recv().await {
             match ev {
                 GenEvent::Token {
@@ -209,6 +311,7 @@ pub(super) async fn respond(
                     logprobs: lp,
                 } => {
                     let now = Instant::now();
+                    tally.token(now);
                     first.get_or_insert(now);
                     last = Some(now);
                     ids.push(id);
@@ -237,7 +340,7 @@ pub(super) async fn respond(
             ApiError::Internal("the engine stream ended without finishing".into())
         })?;
         let timings = meta.finish_timings(first, last, ids.len(), &state);
-        meta.record(&state, first, ids.len(), finish);
+        tally.finish(&finish_str(finish));
         let n = ids.len() as u32;
         let mut body = meta.chunk(vec![CompletionChoice {
             index: 0,
@@ -275,6 +378,7 @@ pub(super) async fn respond(
                 }
             };
             let (mut first, mut last, mut n) = (None, None, 0usize);
+            let mut tally = Tally::new(&state, &meta);
             let mut builder = meta.builder();
             if let Some(echo) = &meta.echo {
                 // The prompt first, as its own chunk (no token ids: it is not generated).
@@ -299,6 +403,7 @@ pub(super) async fn respond(
                         logprobs: lp,
                     } => {
                         let now = Instant::now();
+                        tally.token(now);
                         first.get_or_insert(now);
                         last = Some(now);
                         n += 1;
@@ -337,7 +442,7 @@ pub(super) async fn respond(
                         }]);
                         c.timings = Some(meta.finish_timings(first, last, n, &state));
                         meta.running_usage(&mut c, n);
-                        meta.record(&state, first, n, finish_reason);
+                        tally.finish(&finish_str(finish_reason));
                         let mut events = render(&c);
                         if meta.include_usage {
                             let mut u = meta.chunk(Vec::new());

@@ -1,0 +1,130 @@
+"""The model-server metrics a dashboard, an HPA or `inference-perf`'s
+Prometheus report reads (issue 29, item 3), checked with `promtool` on real
+workers:
+
+- every `vllm:*` family and the `process_*` families are on the page from
+  the model's load on, before any request, on every role (a prefill worker
+  too), each with vLLM's `model_name` label;
+- after requests, the request families hold what happened: one sample per
+  request in the phase histograms, a gap per token pair, the token counts,
+  and `finished_reason="abort"` for a stream its client dropped.
+"""
+
+import subprocess
+import time
+
+import openai
+import requests
+
+from conftest import SERVED_MODEL, start_worker
+
+# The families and their Prometheus types, as vLLM exports them.
+VLLM = {
+    "vllm:num_requests_waiting": "gauge",
+    "vllm:num_requests_running": "gauge",
+    "vllm:kv_cache_usage_perc": "gauge",
+    "vllm:time_to_first_token_seconds": "histogram",
+    "vllm:e2e_request_latency_seconds": "histogram",
+    "vllm:inter_token_latency_seconds": "histogram",
+    "vllm:time_per_output_token_seconds": "histogram",
+    "vllm:request_time_per_output_token_seconds": "histogram",
+    "vllm:request_queue_time_seconds": "histogram",
+    "vllm:request_prefill_time_seconds": "histogram",
+    "vllm:request_decode_time_seconds": "histogram",
+    "vllm:request_inference_time_seconds": "histogram",
+    "vllm:request_prompt_tokens": "histogram",
+    "vllm:request_generation_tokens": "histogram",
+    "vllm:prompt_tokens_total": "counter",
+    "vllm:generation_tokens_total": "counter",
+    "vllm:request_success_total": "counter",
+    "vllm:num_preemptions_total": "counter",
+}
+PROCESS = ["process_cpu_seconds_total", "process_resident_memory_bytes", "process_virtual_memory_bytes",
+           "process_open_fds", "process_max_fds", "process_threads", "process_start_time_seconds"]
+MODEL = f'model_name="{SERVED_MODEL}"'
+
+
+def page(addr):
+    return requests.get(f"http://{addr}/metrics", timeout=10).text
+
+
+def promtool_clean(text):
+    """promtool parses the page; its only complaint may be the `:` in vLLM's
+    own names, which vLLM's dashboards and the pickers read as they are."""
+    p = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, text=True)
+    problems = [l for l in (p.stdout + p.stderr).splitlines()
+                if l.strip() and not (l.startswith("vllm:") and "should not contain ':'" in l)]
+    assert problems == [], p.stdout + p.stderr
+
+
+def value(text, series):
+    """The value of the sample line starting with `series` (name and labels)."""
+    for line in text.splitlines():
+        if line.startswith(series + " "):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{series} not on the page")
+
+
+def assert_every_family(text):
+    promtool_clean(text)
+    for name, kind in VLLM.items():
+        assert f"# TYPE {name} {kind}" in text, name
+        sample = f"{name}_count{{" if kind == "histogram" else f"{name}{{"
+        lines = [l for l in text.splitlines() if l.startswith(sample)]
+        assert lines and all(MODEL in l for l in lines), (name, lines)
+    for reason in ("stop", "length", "abort"):
+        value(text, f'vllm:request_success_total{{finished_reason="{reason}",{MODEL}}}')
+    for name in PROCESS:
+        assert value(text, name) >= 0, name
+    assert value(text, "process_resident_memory_bytes") > 10e6
+
+
+def test_every_role_exports_every_family_from_the_start():
+    for role in ("prefill", "decode", "solo"):
+        p, addr = start_worker(role)
+        try:
+            text = page(addr)
+            assert_every_family(text)
+            # Nothing served yet: every request family is at zero.
+            assert value(text, f"vllm:request_prompt_tokens_count{{{MODEL}}}") == 0, role
+            assert value(text, f'vllm:request_success_total{{finished_reason="length",{MODEL}}}') == 0
+            assert value(text, f"vllm:num_preemptions_total{{{MODEL}}}") == 0
+        finally:
+            p.stop()
+
+
+def test_request_families_count_what_was_served_and_aborted():
+    p, addr = start_worker("solo")
+    try:
+        c = openai.OpenAI(base_url=f"http://{addr}/v1", api_key="unused", max_retries=0, timeout=120)
+        chunks = list(c.completions.create(model=SERVED_MODEL, prompt="The sky is", max_tokens=8, temperature=0,
+                                           stream=True, extra_body={"ignore_eos": True}))
+        assert chunks[-1].choices[0].finish_reason == "length"
+        prompt_tokens = c.completions.create(model=SERVED_MODEL, prompt="The sky is", max_tokens=1).usage.prompt_tokens
+        text = page(addr)
+        assert_every_family(text)
+        assert value(text, f'vllm:request_success_total{{finished_reason="length",{MODEL}}}') == 2
+        for name in ("queue_time", "prefill_time", "decode_time", "inference_time"):
+            assert value(text, f"vllm:request_{name}_seconds_count{{{MODEL}}}") == 2, name
+        assert value(text, f"vllm:request_prefill_time_seconds_sum{{{MODEL}}}") > 0
+        # 8 tokens: 7 gaps; 1 token: none.
+        assert value(text, f"vllm:inter_token_latency_seconds_count{{{MODEL}}}") == 7
+        assert value(text, f"vllm:time_per_output_token_seconds_count{{{MODEL}}}") == 7
+        assert value(text, f"vllm:request_time_per_output_token_seconds_count{{{MODEL}}}") == 1
+        assert value(text, f"vllm:request_generation_tokens_sum{{{MODEL}}}") == 9
+        assert value(text, f"vllm:request_prompt_tokens_sum{{{MODEL}}}") == 2 * prompt_tokens
+        assert value(text, f"vllm:generation_tokens_total{{{MODEL}}}") == 9
+
+        # A stream its client drops after the first chunk is counted as aborted.
+        s = c.completions.create(model=SERVED_MODEL, prompt="Count to a thousand:", max_tokens=400,
+                                 temperature=0, stream=True, extra_body={"ignore_eos": True})
+        next(iter(s))
+        s.close()
+        deadline = time.monotonic() + 30
+        series = f'vllm:request_success_total{{finished_reason="abort",{MODEL}}}'
+        while value(page(addr), series) < 1:
+            assert time.monotonic() < deadline, "the dropped stream was not counted as abort"
+            time.sleep(0.05)
+        assert value(page(addr), series) == 1
+    finally:
+        p.stop()
