@@ -20,6 +20,18 @@ use rngd_telemetry::names;
 
 use crate::ExtProcError;
 
+/// The labels of the one plugin a pick runs: the wasm routing policy (with
+/// the prefix-index lookup that feeds it), at GIE's picker extension point.
+const POLICY_PLUGIN: [&str; 3] = ["Picker", "wasm-policy", "policy"];
+
+/// The `commit` label of `inference_extension_info`: `RNGD_PD_COMMIT` at
+/// build time, or `unknown` (release builds set it; a plain `cargo build`
+/// does not).
+const BUILD_COMMIT: &str = match option_env!("RNGD_PD_COMMIT") {
+    Some(c) => c,
+    None => "unknown",
+};
+
 /// Pool name of the `inference_pool_*` families when none is configured.
 pub const DEFAULT_POOL_NAME: &str = "rngd-pd";
 
@@ -76,6 +88,13 @@ pub struct EppMetrics {
     pub objective_output_tokens: HistogramVec,
     /// `inference_objective_running_requests`.
     pub objective_running: GaugeVec,
+    /// `inference_objective_normalized_time_per_output_token_seconds`.
+    pub objective_normalized_tpot: HistogramVec,
+    /// `inference_extension_scheduler_e2e_duration_seconds`: the pick.
+    pub scheduler_e2e: Histogram,
+    /// `inference_extension_plugin_duration_seconds`: the policy step (the
+    /// prefix-index lookup and the wasm policy's decision).
+    pub plugin_duration: HistogramVec,
     pool_kv: GaugeVec,
     pool_queue: GaugeVec,
     pool_per_pod_queue: GaugeVec,
@@ -110,7 +129,7 @@ impl EppMetrics {
         let pool_gauge = |name: &str, help: &str| {
             rngd_telemetry::gauge_vec(r, name, help, &["name"]).map_err(err)
         };
-        Ok(EppMetrics {
+        EppMetrics {
             picks: rngd_telemetry::counter_vec(
                 r,
                 names::EPP_PICKS_TOTAL,
@@ -177,6 +196,26 @@ impl EppMetrics {
                 &["model_name"],
             )
             .map_err(err)?,
+            objective_normalized_tpot: hist(
+                names::GIE_OBJECTIVE_NORMALIZED_TPOT_SECONDS,
+                "Request duration over generated tokens, seconds",
+                &rngd_telemetry::seconds_buckets(rngd_telemetry::MS_BUCKETS, 1e3),
+            )?,
+            scheduler_e2e: rngd_telemetry::histogram(
+                r,
+                names::GIE_SCHEDULER_E2E_DURATION_SECONDS,
+                "The whole pick of one request (body complete to decision), seconds",
+                &rngd_telemetry::seconds_buckets(rngd_telemetry::US_BUCKETS, 1e6),
+            )
+            .map_err(err)?,
+            plugin_duration: rngd_telemetry::histogram_vec(
+                r,
+                names::GIE_PLUGIN_DURATION_SECONDS,
+                "One plugin's part of a pick, seconds",
+                &["extension_point", "plugin_type", "plugin_name"],
+                &rngd_telemetry::seconds_buckets(rngd_telemetry::US_BUCKETS, 1e6),
+            )
+            .map_err(err)?,
             pool_kv: pool_gauge(
                 names::GIE_POOL_AVERAGE_KV_CACHE_UTILIZATION,
                 "Mean KV cache utilization of the pool's healthy endpoints",
@@ -197,7 +236,24 @@ impl EppMetrics {
             admission: AdmissionMetrics::register(AdmissionNames::PICKER, r).map_err(err)?,
             models: Arc::new(RwLock::new(BTreeSet::new())),
             registry,
-        })
+        }
+        .with_info()
+        .map_err(err)
+    }
+
+    /// `inference_extension_info` at 1, and the label-free series present
+    /// from the start.
+    fn with_info(self) -> Result<Self, rngd_telemetry::TelemetryError> {
+        let info = rngd_telemetry::gauge_vec(
+            &self.registry,
+            names::GIE_INFO,
+            "The picker's build: 1",
+            &["commit", "build_ref"],
+        )?;
+        info.with_label_values(&[BUILD_COMMIT, env!("CARGO_PKG_VERSION")])
+            .set(1.0);
+        self.plugin_duration.with_label_values(&POLICY_PLUGIN);
+        Ok(self)
     }
 
     /// Adds served model names: each labels its own series; every other
@@ -209,6 +265,30 @@ impl EppMetrics {
     {
         let mut m = self.models.write().unwrap_or_else(|e| e.into_inner());
         m.extend(names.into_iter().map(Into::into).filter(|n| !n.is_empty()));
+        // Every per-model series of a served model is on the page from the
+        // start, at zero.
+        for model in m.iter() {
+            let l = [model.as_str(), model.as_str()];
+            for h in [
+                &self.objective_duration,
+                &self.objective_request_sizes,
+                &self.objective_response_sizes,
+                &self.objective_input_tokens,
+                &self.objective_output_tokens,
+                &self.objective_normalized_tpot,
+            ] {
+                h.with_label_values(&l);
+            }
+            self.objective_requests.with_label_values(&l);
+            self.objective_running.with_label_values(&[model.as_str()]);
+        }
+    }
+
+    /// Records the policy step of a pick (`inference_extension_plugin_duration_seconds`).
+    pub fn policy_step(&self, took: Duration) {
+        self.plugin_duration
+            .with_label_values(&POLICY_PLUGIN)
+            .observe(took.as_secs_f64());
     }
 
     /// The `model_name` label of a request for `model`: the name when it is
@@ -296,6 +376,11 @@ impl EppMetrics {
             self.objective_output_tokens
                 .with_label_values(&l)
                 .observe(t as f64);
+            if t > 0 {
+                self.objective_normalized_tpot
+                    .with_label_values(&l)
+                    .observe(took.as_secs_f64() / t as f64);
+            }
         }
     }
 

@@ -288,9 +288,9 @@ impl Picker {
                 .routed(&model, request_bytes, seen.prompt_tokens),
             Decision::Reject(r) => self.metrics.refused(&model, r.status),
         }
-        self.metrics
-            .pick_seconds
-            .observe(start.elapsed().as_secs_f64());
+        let took = start.elapsed().as_secs_f64();
+        self.metrics.pick_seconds.observe(took);
+        self.metrics.scheduler_e2e.observe(took);
         let result = match &decision {
             Decision::Route(_) => "route".to_string(),
             Decision::Reject(r) => format!("reject_{}", r.status),
@@ -342,7 +342,9 @@ impl Picker {
             }
         }
         seen.prompt_tokens = prompt_tokens;
-        self.pool
+        let policy = Instant::now();
+        let picked = self
+            .pool
             .pick(PickRequest {
                 headers: input.headers,
                 body: input.body.unwrap_or_default(),
@@ -350,8 +352,9 @@ impl Picker {
                 subset: input.subset,
                 prompt_ids,
             })
-            .await
-            .map_err(PrepareOrPick::Pick)
+            .await;
+        self.metrics.policy_step(policy.elapsed());
+        picked.map_err(PrepareOrPick::Pick)
     }
 }
 

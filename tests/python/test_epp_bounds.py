@@ -245,12 +245,39 @@ def test_random_model_names_leave_metrics_bounded(st):
     text = st.epp.metrics_text()
     print(f"300 random models: /metrics {before} -> {len(text)} bytes")
     assert len(text) < before + 20_000, f"/metrics grew from {before} to {len(text)} bytes"
-    # Only the served model's name (the tokenizer's) and `other` label series.
+    # Only the served names (the GGUF's own and the file's stem, each on the
+    # page from the start) and `other` label series.
     names = set(re.findall(r'model_name="([^"]*)"', text))
-    assert "other" in names and len(names) <= 2, names
+    stem = os.path.basename(model_path()).removesuffix(".gguf")
+    assert "other" in names and names <= {"other", SERVED_MODEL, stem}, names
     p = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, text=True)
     assert p.returncode == 0, p.stdout + p.stderr
     normal(st)
+
+
+def test_the_picker_exports_gies_scheduler_and_process_families(st):
+    """GIE's scheduler families (the whole pick, the policy plugin's part,
+    the build info), the per-model normalized TPOT and the process families
+    are on the picker's page and pass promtool."""
+    normal(st)
+    text = st.epp.metrics_text()
+
+    def sample(series):
+        line = next((l for l in text.splitlines() if l.startswith(series + " ")), None)
+        assert line is not None, f"{series} missing"
+        return float(line.rsplit(" ", 1)[1])
+
+    assert sample("inference_extension_scheduler_e2e_duration_seconds_count") >= 1
+    plugin = 'extension_point="Picker",plugin_name="policy",plugin_type="wasm-policy"'
+    assert sample(f"inference_extension_plugin_duration_seconds_count{{{plugin}}}") >= 1
+    info = [l for l in text.splitlines() if l.startswith("inference_extension_info{")]
+    assert len(info) == 1 and info[0].endswith(" 1") and 'build_ref="' in info[0], info
+    assert "# TYPE inference_objective_normalized_time_per_output_token_seconds histogram" in text
+    assert re.search(r'inference_objective_normalized_time_per_output_token_seconds_count\{model_name="[^"]+"', text)
+    assert sample("process_resident_memory_bytes") > 1e6
+    assert sample("process_open_fds") > 0
+    p = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, text=True)
+    assert p.returncode == 0, p.stdout + p.stderr
 
 
 # ---- steering headers ------------------------------------------------------------------

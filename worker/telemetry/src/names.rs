@@ -117,6 +117,18 @@ pub const GIE_POOL_AVERAGE_QUEUE_SIZE: &str = "inference_pool_average_queue_size
 pub const GIE_POOL_PER_POD_QUEUE_SIZE: &str = "inference_pool_per_pod_queue_size";
 /// Healthy endpoints in the pool (gauge; `name`).
 pub const GIE_POOL_READY_PODS: &str = "inference_pool_ready_pods";
+/// GIE: a routed request's duration over its generated tokens, seconds
+/// (`model_name`, `target_model_name`).
+pub const GIE_OBJECTIVE_NORMALIZED_TPOT_SECONDS: &str =
+    "inference_objective_normalized_time_per_output_token_seconds";
+/// GIE: the scheduler's whole decision for one request, seconds.
+pub const GIE_SCHEDULER_E2E_DURATION_SECONDS: &str =
+    "inference_extension_scheduler_e2e_duration_seconds";
+/// GIE: one plugin's part of a decision, seconds (`extension_point`,
+/// `plugin_type`, `plugin_name`).
+pub const GIE_PLUGIN_DURATION_SECONDS: &str = "inference_extension_plugin_duration_seconds";
+/// GIE: the picker's build, 1 (`commit`, `build_ref`).
+pub const GIE_INFO: &str = "inference_extension_info";
 
 // Gateway histograms in base units (what the gateway's `/metrics` exports;
 // `promtool check metrics` rejects abbreviated units such as `_ms`).
