@@ -102,6 +102,7 @@ async fn doors(tokenizer: TokenizerChoice) -> Doors {
         scrape: ScrapeOptions {
             every: None,
             stale_after: Duration::from_secs(2),
+            ..ScrapeOptions::default()
         },
         cache: None,
     })

@@ -91,6 +91,7 @@ async fn stack(token_delay: Duration) -> Stack {
         scrape: ScrapeOptions {
             every: Some(Duration::from_millis(50)),
             stale_after: Duration::from_secs(2),
+            ..ScrapeOptions::default()
         },
         cache: None,
     })
@@ -323,6 +324,7 @@ async fn the_admin_api_is_on_its_own_loopback_listener_and_always_authenticated(
         scrape: ScrapeOptions {
             every: None,
             stale_after: Duration::from_secs(2),
+            ..ScrapeOptions::default()
         },
         cache: None,
     })

@@ -51,6 +51,9 @@ pub struct Args {
     /// InferencePool discovery.
     #[command(flatten)]
     pub pool: crate::pool::PoolArgs,
+    /// The load gauges' names (model servers that are not vLLM).
+    #[command(flatten)]
+    pub load_names: crate::pool::LoadNameArgs,
     /// Prefix-cache routing.
     #[command(flatten)]
     pub prefix: crate::pool::PrefixArgs,
@@ -173,6 +176,7 @@ fn options(args: &Args) -> anyhow::Result<Options> {
             every: (args.scrape_interval_ms > 0)
                 .then(|| Duration::from_millis(args.scrape_interval_ms)),
             stale_after: Duration::from_millis(args.stale_after_ms),
+            names: args.load_names.names()?,
         },
         policy: PolicyChoice::Wasm {
             module: args.policy.clone(),

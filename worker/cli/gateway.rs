@@ -115,6 +115,9 @@ pub struct Args {
     /// Load data older than this marks an endpoint unhealthy, ms.
     #[arg(long, default_value_t = 2_000)]
     pub stale_after_ms: u64,
+    /// The load gauges' names (model servers that are not vLLM).
+    #[command(flatten)]
+    pub load_names: crate::pool::LoadNameArgs,
     #[command(flatten)]
     pub prefix: crate::pool::PrefixArgs,
     /// Policy file change check period, ms (0 = no hot reload).
@@ -195,6 +198,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     };
     if args.check {
         args.listener.options().check()?;
+        args.load_names.names()?;
         args.listen
             .parse::<std::net::SocketAddr>()
             .with_context(|| format!("--listen {}: expected HOST:PORT", args.listen))?;
@@ -247,6 +251,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         scrape: ScrapeOptions {
             every: Some(Duration::from_millis(args.scrape_interval_ms.max(1))),
             stale_after: Duration::from_millis(args.stale_after_ms),
+            names: args.load_names.names()?,
         },
         cache,
     };

@@ -17,8 +17,9 @@ pub struct PoolArgs {
     /// (instead of an endpoints file).
     #[arg(long)]
     pub pool_name: Option<String>,
-    /// Namespace of the InferencePool and its pods.
-    #[arg(long, default_value = "default")]
+    /// Namespace of the InferencePool and its pods; unset = `$NAMESPACE`
+    /// (the pod's own, from the downward API), else `default`.
+    #[arg(long, env = rngd_api::env::NAMESPACE, default_value = "default")]
     pub pool_namespace: String,
     /// kubeconfig file for use outside a cluster; unset = `$KUBECONFIG` or
     /// `~/.kube/config` if present, else the pod's service account.
@@ -38,6 +39,36 @@ impl PoolArgs {
         o.kubeconfig = self.kubeconfig.clone();
         o.stale_after = Duration::from_millis(self.pool_stale_after_ms.max(1));
         Some(o)
+    }
+}
+
+/// The load gauges' names on the endpoints' pages, as the reference picker
+/// spells the flags, for model servers that are not vLLM (plain metric
+/// names; a label selector is refused).
+#[derive(Debug, Clone, clap::Args)]
+pub struct LoadNameArgs {
+    /// Gauge of the requests waiting on a model server.
+    #[arg(long, default_value = rngd_telemetry::names::VLLM_NUM_REQUESTS_WAITING)]
+    pub total_queued_requests_metric: String,
+    /// Gauge of the requests running on a model server.
+    #[arg(long, default_value = rngd_telemetry::names::VLLM_NUM_REQUESTS_RUNNING)]
+    pub total_running_requests_metric: String,
+    /// Gauge of a model server's KV-cache usage, 0..1.
+    #[arg(long, default_value = rngd_telemetry::names::VLLM_KV_CACHE_USAGE_PERC)]
+    pub kv_cache_usage_percentage_metric: String,
+}
+
+impl LoadNameArgs {
+    /// The names, checked.
+    pub fn names(&self) -> anyhow::Result<rngd_pool::LoadNames> {
+        let n = rngd_pool::LoadNames {
+            waiting: self.total_queued_requests_metric.clone(),
+            running: self.total_running_requests_metric.clone(),
+            kv_usage: self.kv_cache_usage_percentage_metric.clone(),
+        };
+        n.check()
+            .map_err(|e| anyhow::anyhow!("load metric names: {e}"))?;
+        Ok(n)
     }
 }
 

@@ -262,6 +262,7 @@ pub async fn run(args: Options) -> Result<Report, Error> {
         scrape: ScrapeOptions {
             every: Some(Duration::from_millis(50)),
             stale_after: Duration::from_secs(2),
+            ..ScrapeOptions::default()
         },
         cache: None,
     })

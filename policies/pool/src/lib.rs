@@ -38,7 +38,7 @@ use std::path::PathBuf;
 
 pub use admission::{Admission, AdmissionOptions, Overloaded};
 pub use cache::{CacheOptions, EstimateOptions, PrefixCache, RunningCache};
-pub use load::{LoadSample, parse_load};
+pub use load::{LoadNames, LoadSample, parse_load, parse_load_named};
 pub use pick::{PickError, PickRequest, Picker, Policy, PolicyFailure};
 pub use prompt::{
     ApiKind, PREPARE_INLINE_BYTES, PrepareError, Prepared, PromptCounter, TokenizerOverrides,

@@ -10,6 +10,10 @@
 //!   `vllm:num_requests_running` is not a model server's: [`parse_load`] says
 //!   `None`, and the scraper counts that as a failed scrape (the endpoint
 //!   turns unhealthy), the same as an unreachable one.
+//! - A model server whose gauges are named otherwise is read with
+//!   [`LoadNames`] (the picker's `--total-queued-requests-metric`,
+//!   `--total-running-requests-metric`, `--kv-cache-usage-percentage-metric`,
+//!   as the reference picker spells them).
 
 use rngd_telemetry::names;
 
@@ -22,6 +26,47 @@ pub struct LoadSample {
     pub running: u32,
     /// `vllm:kv_cache_usage_perc` (largest over label sets), clamped to 0..=1.
     pub kv_usage: f64,
+}
+
+/// The names of the three load gauges on a model server's page (default:
+/// vLLM's).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LoadNames {
+    /// Requests waiting (`vllm:num_requests_waiting`).
+    pub waiting: String,
+    /// Requests running (`vllm:num_requests_running`).
+    pub running: String,
+    /// KV-cache usage, 0..1 (`vllm:kv_cache_usage_perc`).
+    pub kv_usage: String,
+}
+
+impl Default for LoadNames {
+    fn default() -> Self {
+        LoadNames {
+            waiting: names::VLLM_NUM_REQUESTS_WAITING.into(),
+            running: names::VLLM_NUM_REQUESTS_RUNNING.into(),
+            kv_usage: names::VLLM_KV_CACHE_USAGE_PERC.into(),
+        }
+    }
+}
+
+impl LoadNames {
+    /// Checks each name is a plain metric name: a label selector
+    /// (`name{label="v"}`) is refused, not half-read.
+    pub fn check(&self) -> Result<(), String> {
+        for n in [&self.waiting, &self.running, &self.kv_usage] {
+            let plain = !n.is_empty()
+                && n.chars()
+                    .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == ':')
+                && !n.starts_with(|c: char| c.is_ascii_digit());
+            if !plain {
+                return Err(format!(
+                    "`{n}` is not a metric name (letters, digits, `_` and `:`; label selectors are not supported)"
+                ));
+            }
+        }
+        Ok(())
+    }
 }
 
 /// The text after a sample's label set, or `None` when the set never closes.
@@ -65,13 +110,28 @@ fn sample(line: &str) -> Option<(&str, f64)> {
 /// Parses the vLLM model-server gauges out of a Prometheus text page;
 /// `None` when neither request gauge is on it (see the module docs).
 pub fn parse_load(text: &str) -> Option<LoadSample> {
+    parse(
+        text,
+        names::VLLM_NUM_REQUESTS_WAITING,
+        names::VLLM_NUM_REQUESTS_RUNNING,
+        names::VLLM_KV_CACHE_USAGE_PERC,
+    )
+}
+
+/// [`parse_load`] for a model server whose gauges are named `names`.
+pub fn parse_load_named(text: &str, names: &LoadNames) -> Option<LoadSample> {
+    parse(text, &names.waiting, &names.running, &names.kv_usage)
+}
+
+fn parse(text: &str, w: &str, r: &str, k: &str) -> Option<LoadSample> {
     let (mut waiting, mut running, mut kv) = (None::<f64>, None::<f64>, 0.0f64);
     for (name, value) in text.lines().filter_map(sample) {
-        match name {
-            names::VLLM_NUM_REQUESTS_WAITING => *waiting.get_or_insert(0.0) += value,
-            names::VLLM_NUM_REQUESTS_RUNNING => *running.get_or_insert(0.0) += value,
-            names::VLLM_KV_CACHE_USAGE_PERC => kv = kv.max(value),
-            _ => {}
+        if name == w {
+            *waiting.get_or_insert(0.0) += value;
+        } else if name == r {
+            *running.get_or_insert(0.0) += value;
+        } else if name == k {
+            kv = kv.max(value);
         }
     }
     if waiting.is_none() && running.is_none() {
@@ -89,6 +149,31 @@ pub fn parse_load(text: &str) -> Option<LoadSample> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Another model server's names (SGLang's), and the names refused.
+    #[test]
+    fn other_servers_gauges_are_read_by_their_names() {
+        let sglang = LoadNames {
+            waiting: "sglang:num_queue_reqs".into(),
+            running: "sglang:num_running_reqs".into(),
+            kv_usage: "sglang:token_usage".into(),
+        };
+        sglang.check().unwrap();
+        let text = "sglang:num_queue_reqs{model_name=\"m\"} 4\nsglang:num_running_reqs 2\n\
+            sglang:token_usage 0.5\nvllm:num_requests_waiting 9\n";
+        let s = parse_load_named(text, &sglang).expect("sample");
+        assert_eq!((s.waiting, s.running), (4, 2));
+        assert!((s.kv_usage - 0.5).abs() < 1e-12);
+        // vLLM's names on that page do not count for it, nor its for vLLM.
+        assert_eq!(parse_load("sglang:num_queue_reqs 4\n"), None);
+        for bad in ["", "q{model=\"m\"}", "9x", "a b"] {
+            let names = LoadNames {
+                waiting: bad.into(),
+                ..LoadNames::default()
+            };
+            assert!(names.check().is_err(), "{bad:?} accepted");
+        }
+    }
 
     /// The gateway's former parser test: labels, a timestamp, other metrics.
     #[test]

@@ -14,7 +14,7 @@ use rngd_policy_core::Endpoint;
 use tokio::task::JoinHandle;
 
 use crate::PoolError;
-use crate::load::{LoadSample, parse_load};
+use crate::load::{LoadNames, LoadSample, parse_load_named};
 use crate::source::EndpointSource;
 
 /// Default scrape interval (GIE's refresh-metrics interval).
@@ -139,6 +139,7 @@ pub struct ScrapedEndpoints {
     stale_after: Duration,
     state: Mutex<ScrapeState>,
     scrape_failures: Option<prometheus::IntCounter>,
+    names: LoadNames,
 }
 
 impl std::fmt::Debug for ScrapedEndpoints {
@@ -157,21 +158,43 @@ impl ScrapedEndpoints {
         stale_after: Duration,
         scrape_failures: Option<prometheus::IntCounter>,
     ) -> Arc<Self> {
+        Self::named(
+            inner,
+            fetcher,
+            stale_after,
+            scrape_failures,
+            LoadNames::default(),
+        )
+    }
+
+    /// [`ScrapedEndpoints::new`] for model servers whose load gauges are
+    /// named `names`.
+    pub fn named(
+        inner: Arc<dyn EndpointSource>,
+        fetcher: Arc<dyn MetricsFetcher>,
+        stale_after: Duration,
+        scrape_failures: Option<prometheus::IntCounter>,
+        names: LoadNames,
+    ) -> Arc<Self> {
         Arc::new(ScrapedEndpoints {
             inner,
             fetcher,
             stale_after,
             state: Mutex::new(ScrapeState::default()),
             scrape_failures,
+            names,
         })
     }
 
     /// Scrapes one endpoint now and records the result (at `Instant::now()`).
     pub async fn scrape_one(&self, address: &str) -> Result<LoadSample, PoolError> {
         let result = self.fetcher.fetch(address).await.and_then(|text| {
-            parse_load(&text).ok_or_else(|| PoolError::ScrapeContent {
+            parse_load_named(&text, &self.names).ok_or_else(|| PoolError::ScrapeContent {
                 address: address.to_string(),
-                reason: "no vllm:num_requests_* metrics on the page".to_string(),
+                reason: format!(
+                    "neither {} nor {} on the page",
+                    self.names.waiting, self.names.running
+                ),
             })
         });
         match &result {
@@ -355,6 +378,7 @@ impl EndpointSource for ScrapedEndpoints {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::load::parse_load;
     use crate::source::StaticEndpoints;
     use rngd_policy_core::{Role, Vendor};
 

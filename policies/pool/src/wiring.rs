@@ -195,13 +195,15 @@ impl SourceChoice {
 }
 
 /// How live load is added to the list.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub struct ScrapeOptions {
     /// Interval of the endpoints' `/metrics` scrapes; `None` = no scraping
     /// (the list's own `healthy` and load figures are used as they are).
     pub every: Option<Duration>,
     /// Scraped data older than this marks an endpoint unhealthy.
     pub stale_after: Duration,
+    /// The load gauges' names on the endpoints' pages (default: vLLM's).
+    pub names: crate::LoadNames,
 }
 
 impl Default for ScrapeOptions {
@@ -209,6 +211,7 @@ impl Default for ScrapeOptions {
         ScrapeOptions {
             every: Some(crate::scrape::DEFAULT_SCRAPE_INTERVAL),
             stale_after: crate::scrape::DEFAULT_STALE_AFTER,
+            names: crate::LoadNames::default(),
         }
     }
 }
@@ -290,11 +293,12 @@ impl SourceChoice {
             None => base,
             Some(every) => {
                 let timeout = scrape.stale_after.max(Duration::from_millis(200));
-                let scraped = ScrapedEndpoints::new(
+                let scraped = ScrapedEndpoints::named(
                     base,
                     Arc::new(HttpFetcher::new(timeout)?),
                     scrape.stale_after,
                     scrape_failures,
+                    scrape.names,
                 );
                 tasks.push(scraped.spawn(every));
                 scraped

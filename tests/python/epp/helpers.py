@@ -98,8 +98,11 @@ class ModelServerFake(http.server.ThreadingHTTPServer):
 
     daemon_threads = True
 
-    def __init__(self, waiting=0, running=0, kv=0.0):
+    VLLM_NAMES = ("vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc")
+
+    def __init__(self, waiting=0, running=0, kv=0.0, names=VLLM_NAMES):
         self.waiting, self.running, self.kv = waiting, running, kv
+        self.names = names
         self.seen = []
         self.gate = threading.Semaphore(0)
         self.sent = 0
@@ -129,11 +132,8 @@ class _FakeHandler(http.server.BaseHTTPRequestHandler):
     def do_GET(self):
         s = self.server
         if self.path == "/metrics":
-            text = (
-                f"vllm:num_requests_waiting {s.waiting}\n"
-                f"vllm:num_requests_running {s.running}\n"
-                f"vllm:kv_cache_usage_perc {s.kv}\n"
-            )
+            w, r, k = s.names
+            text = f"{w} {s.waiting}\n{r} {s.running}\n{k} {s.kv}\n"
             return self._send(200, text.encode(), "text/plain")
         self._echo()
 

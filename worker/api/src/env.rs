@@ -70,6 +70,9 @@ pub const RNGD_PD_KV_EVENTS_CONFIG: &str = "RNGD_PD_KV_EVENTS_CONFIG";
 /// name; `--api-key`): every route but `/health`, `/ready`, `/ping`,
 /// `/metrics` and `/version` wants `Authorization: Bearer KEY`. Never logged.
 pub const VLLM_API_KEY: &str = "VLLM_API_KEY";
+/// The pod's namespace (the downward API's `metadata.namespace`): the
+/// default of `--pool-namespace`, as the reference endpoint picker reads it.
+pub const NAMESPACE: &str = "NAMESPACE";
 /// Path of the endpoints file (gateway and ext-proc).
 pub const RNGD_PD_ENDPOINTS: &str = "RNGD_PD_ENDPOINTS";
 /// Log line format of every subcommand (`--log-format`): `text` (default) or

@@ -455,6 +455,7 @@ async fn a_chat_through_the_gateway_equals_the_chat_sent_to_the_worker() {
         scrape: ScrapeOptions {
             every: None,
             stale_after: Duration::from_secs(2),
+            ..ScrapeOptions::default()
         },
         cache: None,
     })
