@@ -111,6 +111,9 @@ def test_up_drains_its_stack_on_ctrl_c_and_the_stream_finishes():
     s = start_stack("shm", "--no-kv-events", "--no-ext-proc", "--shutdown-timeout", "120")
     try:
         gw = s.gateway.removeprefix("http://")
+        # The relay's figures are on its metrics listener, printed in the summary.
+        relay_metrics = s.proc.wait_line("rngd-pd up: relay     metrics", 5)
+        assert "rngd_pd_relay_bytes " in requests.get(relay_metrics, timeout=10).text
         # Long enough to be disaggregated: prefill on one worker, decode on another.
         long_prompt = " ".join([PROMPT] * 6)
         st = client(gw).completions.create(

@@ -128,3 +128,50 @@ def test_request_families_count_what_was_served_and_aborted():
         assert value(page(addr), series) == 1
     finally:
         p.stop()
+
+
+def test_the_relay_serves_its_figures_on_a_metrics_listener():
+    """`rngd-pd relay --metrics-listen` puts the STATS figures on Prometheus:
+    gauges of what it holds, counters of what it refused (a socket that
+    fails the handshake is counted by reason), and the process families."""
+    import os
+    import signal
+    import socket
+
+    from conftest import Proc, rngd_bin
+
+    p = Proc("relay", [rngd_bin(), "relay", "--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0",
+                       "--handshake-timeout-ms", "300"],
+             env=dict(os.environ, AIRM_KV_TCP_SECRET="0123456789abcdef0123456789abcdef"))
+    try:
+        metrics = p.wait_line("relay metrics listening on", 60)
+        relay = p.wait_line("relay listening on", 5)
+        text = page(metrics)
+        promtool_clean(text)
+        for name in ("rngd_pd_relay_bytes", "rngd_pd_relay_blobs", "rngd_pd_relay_connections",
+                     "rngd_pd_relay_expired_total", "rngd_pd_relay_handshakes"):
+            assert value(text, name) == 0, name
+        assert value(text, "rngd_pd_relay_max_bytes") == 4 << 30
+        assert value(text, "process_resident_memory_bytes") > 1e6
+        # A client that never completes the handshake: refused or timed out.
+        host, port = relay.rsplit(":", 1)
+        with socket.create_connection((host, int(port))) as s:
+            s.sendall(b"not the handshake" * 8)
+            s.settimeout(5)
+            try:
+                while s.recv(4096):
+                    pass
+            except OSError:
+                pass
+        deadline = time.monotonic() + 10
+        while True:
+            failures = [l for l in page(metrics).splitlines()
+                        if l.startswith("rngd_pd_relay_handshake_failures_total{")]
+            if sum(float(l.rsplit(" ", 1)[1]) for l in failures) >= 1:
+                break
+            assert time.monotonic() < deadline, failures
+            time.sleep(0.05)
+        assert all('reason="' in l for l in failures), failures
+        assert p.stop(signal.SIGINT) == 0
+    finally:
+        p.stop(signal.SIGKILL)

@@ -6,6 +6,7 @@
 
 use std::path::PathBuf;
 
+use axum::response::IntoResponse;
 use rngd_api::env;
 use rngd_kv_transport::relay::{self, RelayOptions, Secret};
 
@@ -65,6 +66,12 @@ pub struct Args {
     /// Blobs held at most; more PUTs get a capacity error.
     #[arg(long = "max-entries", env = env::AIRM_KV_RELAY_MAX_ENTRIES, default_value_t = 65536)]
     pub max_entries: usize,
+    /// Serve the relay's figures as Prometheus metrics (`GET /metrics`:
+    /// `rngd_pd_relay_*` and `process_*`) on this `HOST:PORT`; unset = no
+    /// metrics listener. Port 0 picks one (printed as `relay metrics
+    /// listening on ADDR`).
+    #[arg(long, env = env::RNGD_PD_RELAY_METRICS_LISTEN, value_name = "HOST:PORT")]
+    pub metrics_listen: Option<String>,
     /// Validate the flags and exit: 0 and `ok`, or a clear error.
     #[arg(long)]
     pub check: bool,
@@ -98,6 +105,40 @@ impl From<Args> for RelayOptions {
     }
 }
 
+/// Serves `figures` on `GET /metrics` at `addr` until `stop` is cancelled;
+/// the bound address.
+async fn serve_metrics(
+    addr: &str,
+    figures: relay::Figures,
+    stop: std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>,
+) -> anyhow::Result<(std::net::SocketAddr, tokio::task::JoinHandle<()>)> {
+    use axum::routing::get;
+    let listener = tokio::net::TcpListener::bind(addr)
+        .await
+        .map_err(|e| anyhow::anyhow!("--metrics-listen {addr}: {e}"))?;
+    let page = move || {
+        let figures = figures.clone();
+        async move {
+            match figures.metrics_page() {
+                Ok(text) => (
+                    [(
+                        axum::http::header::CONTENT_TYPE,
+                        rngd_telemetry::CONTENT_TYPE,
+                    )],
+                    text,
+                )
+                    .into_response(),
+                Err(e) => {
+                    (axum::http::StatusCode::INTERNAL_SERVER_ERROR, e.to_string()).into_response()
+                }
+            }
+        }
+    };
+    let router = axum::Router::new().route("/metrics", get(page));
+    let served = rngd_http_edge::serve(listener, router, rngd_http_edge::Options::default(), stop)?;
+    Ok((served.addr, served.done))
+}
+
 /// Runs the relay until Ctrl-C / SIGTERM: binds `--listen`, prints
 /// `relay listening on ADDR` to stdout, serves.
 pub async fn run(args: Args) -> anyhow::Result<()> {
@@ -110,12 +151,31 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         println!("ok");
         return Ok(());
     }
+    let metrics_listen = args.metrics_listen.clone();
     let launched = relay::launch(args.into()).await?;
-    // Installed before the ready line: a signal right after it is handled.
+    let (metrics_stop, metrics_stopped) = tokio::sync::oneshot::channel::<()>();
+    let metrics = match &metrics_listen {
+        Some(addr) => {
+            let stopped = async move {
+                let _ = metrics_stopped.await;
+            };
+            Some(serve_metrics(addr, launched.figures(), Box::pin(stopped)).await?)
+        }
+        None => None,
+    };
+    // Installed before the ready lines: a signal right after them is handled.
     let stop = rngd_http_edge::shutdown_signal();
+    // The metrics line first: readers stop at the listening line.
+    if let Some((addr, _)) = &metrics {
+        println!("relay metrics listening on {addr}");
+    }
     println!("relay listening on {}", launched.addr);
     stop.await;
     launched.shutdown();
+    let _ = metrics_stop.send(());
+    if let Some((_, done)) = metrics {
+        let _ = done.await;
+    }
     launched.join().await?;
     Ok(())
 }

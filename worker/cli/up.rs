@@ -306,7 +306,7 @@ async fn bring_up(
     let relay = start_relay(args, &secret, stack).await?;
     let mut envs = vec![
         (env::PD_SHM_ROOT, stack.shm_root.display().to_string()),
-        (env::AIRM_KV_TCP_ADDR, relay.clone()),
+        (env::AIRM_KV_TCP_ADDR, relay.addr.clone()),
         (env::AIRM_KV_TCP_SECRET, secret),
     ];
     // The API key reaches the workers and the gateway in their environment,
@@ -339,9 +339,18 @@ async fn bring_up(
     ready.print(args, stack).await
 }
 
-/// Starts the KV relay (the `tcp` transport's server); its `HOST:PORT`.
-async fn start_relay(args: &Args, secret: &str, stack: &mut Stack) -> anyhow::Result<String> {
-    let (relay, _) = stack
+/// The relay's addresses.
+struct StartedRelay {
+    /// Its `HOST:PORT`.
+    addr: String,
+    /// Its metrics page (a free loopback port).
+    metrics: Option<String>,
+}
+
+/// Starts the KV relay (the `tcp` transport's server) with its metrics on a
+/// free loopback port.
+async fn start_relay(args: &Args, secret: &str, stack: &mut Stack) -> anyhow::Result<StartedRelay> {
+    let (relay, before) = stack
         .start(
             "relay",
             Tier::Relay,
@@ -349,15 +358,24 @@ async fn start_relay(args: &Args, secret: &str, stack: &mut Stack) -> anyhow::Re
                 "relay".into(),
                 "--listen".into(),
                 format!("{}:{}", args.host, args.relay_port),
+                "--metrics-listen".into(),
+                "127.0.0.1:0".into(),
             ],
             &[(env::AIRM_KV_TCP_SECRET, secret.to_string())],
             "relay listening on ",
         )
         .await?;
-    Ok(relay
-        .trim_start_matches("tcp://")
-        .trim_start_matches("http://")
-        .to_string())
+    let metrics = before
+        .iter()
+        .find_map(|l| l.strip_prefix("relay metrics listening on "))
+        .map(|a| format!("http://{}/metrics", a.trim()));
+    Ok(StartedRelay {
+        addr: relay
+            .trim_start_matches("tcp://")
+            .trim_start_matches("http://")
+            .to_string(),
+        metrics,
+    })
 }
 
 /// Starts every planned worker (prefill workers first: the decode workers
@@ -564,8 +582,8 @@ struct Picker {
 
 /// What started, for the lines `up` prints once everything is ready.
 struct Ready {
-    /// The relay's `HOST:PORT`.
-    relay: String,
+    /// The relay.
+    relay: StartedRelay,
     /// Every worker.
     workers: Vec<StartedWorker>,
     /// The gateway's URL.
@@ -596,7 +614,10 @@ impl Ready {
         let models: serde_json::Value =
             serde_json::from_str(&models).context("parsing /v1/models")?;
         let model_name = models["data"][0]["id"].as_str().unwrap_or("default");
-        say!("rngd-pd up: relay     tcp://{}", self.relay);
+        say!("rngd-pd up: relay     tcp://{}", self.relay.addr);
+        if let Some(m) = &self.relay.metrics {
+            say!("rngd-pd up: relay     metrics {m}");
+        }
         for line in plan::address_lines(&self.workers) {
             say!("{line}");
         }

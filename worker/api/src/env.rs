@@ -20,6 +20,8 @@ pub const AIRM_KV_RELAY_LISTEN: &str = "AIRM_KV_RELAY_LISTEN";
 pub const AIRM_KV_RELAY_MAX_BYTES: &str = "AIRM_KV_RELAY_MAX_BYTES";
 /// Largest blob (frame body) the relay accepts, bytes; default 64 MiB.
 pub const AIRM_KV_RELAY_MAX_FRAME: &str = "AIRM_KV_RELAY_MAX_FRAME";
+/// The relay's metrics listener, `HOST:PORT` (`rngd-pd relay --metrics-listen`).
+pub const RNGD_PD_RELAY_METRICS_LISTEN: &str = "RNGD_PD_RELAY_METRICS_LISTEN";
 /// Port of the gateway's separate KPI endpoint (`airm_*` gauges); unset = off.
 pub const AIRM_METRICS_PORT: &str = "AIRM_METRICS_PORT";
 /// Cache directory for models; default `~/.cache/rngd-pd`.

@@ -39,6 +39,7 @@ use crate::KvError;
 use crate::frame::TRANSPORT;
 
 pub(crate) mod client;
+pub mod metrics;
 mod preauth;
 mod server;
 mod store;
@@ -46,6 +47,7 @@ mod store;
 pub use crate::frame::{RelayStats, Secret};
 pub use client::authenticate;
 pub use server::serve;
+use server::serve_relay;
 
 /// Longest wait a GET may ask for.
 pub const MAX_WAIT: Duration = Duration::from_secs(600);
@@ -267,21 +269,35 @@ impl RelayOptions {
 }
 
 /// A relay started by [`launch`]: serving until [`Launched::shutdown`].
-#[derive(Debug)]
 pub struct Launched {
     /// The bound address (the real port when `listen` asked for port 0).
     pub addr: SocketAddr,
     stop: CancellationToken,
     task: tokio::task::JoinHandle<Result<(), KvError>>,
+    relay: std::sync::Arc<store::Relay>,
 }
 
 // === impl Launched ===
+
+impl std::fmt::Debug for Launched {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Launched")
+            .field("addr", &self.addr)
+            .finish_non_exhaustive()
+    }
+}
 
 impl Launched {
     /// Asks the relay to stop: it closes every connection; [`Launched::join`]
     /// returns once they are all gone.
     pub fn shutdown(&self) {
         self.stop.cancel();
+    }
+
+    /// A handle on the relay's figures that outlives this value's
+    /// [`Launched::join`] (for a metrics listener).
+    pub fn figures(&self) -> Figures {
+        Figures(self.relay.clone())
     }
 
     /// Waits until the relay has stopped (after [`Launched::shutdown`]).
@@ -297,6 +313,28 @@ impl Launched {
                 source: std::io::Error::other(e),
             }),
         }
+    }
+}
+
+/// The figures of a running relay (see [`Launched::figures`]).
+#[derive(Clone)]
+pub struct Figures(std::sync::Arc<store::Relay>);
+
+impl std::fmt::Debug for Figures {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Figures").finish_non_exhaustive()
+    }
+}
+
+impl Figures {
+    /// What a STATS request answers now.
+    pub fn stats(&self) -> RelayStats {
+        self.0.stats()
+    }
+
+    /// The Prometheus page of [`Figures::stats`] ([`metrics::render`]).
+    pub fn metrics_page(&self) -> Result<String, rngd_telemetry::TelemetryError> {
+        metrics::render(&self.0.stats(), self.0.cfg.max_bytes)
     }
 }
 
@@ -333,8 +371,18 @@ pub async fn launch(opts: RelayOptions) -> Result<Launched, KvError> {
         "KV relay listening"
     );
     let stop = CancellationToken::new();
-    let task = tokio::spawn(serve(listener, cfg, stop.clone().cancelled_owned()));
-    Ok(Launched { addr, stop, task })
+    let relay = std::sync::Arc::new(store::Relay::new(cfg));
+    let task = tokio::spawn(serve_relay(
+        listener,
+        relay.clone(),
+        stop.clone().cancelled_owned(),
+    ));
+    Ok(Launched {
+        addr,
+        stop,
+        task,
+        relay,
+    })
 }
 
 #[cfg(test)]

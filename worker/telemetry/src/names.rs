@@ -206,6 +206,26 @@ pub const VLLM_CACHE_CONFIG_INFO: &str = "vllm:cache_config_info";
 pub const RELAY_HANDSHAKE_FAILURES_TOTAL: &str = "rngd_pd_relay_handshake_failures_total";
 /// Relay sockets in the handshake now, under the pre-auth cap (gauge).
 pub const RELAY_HANDSHAKES: &str = "rngd_pd_relay_handshakes";
+/// Relay bytes counted against its memory cap (gauge).
+pub const RELAY_BYTES: &str = "rngd_pd_relay_bytes";
+/// The relay's memory cap, bytes (gauge).
+pub const RELAY_MAX_BYTES: &str = "rngd_pd_relay_max_bytes";
+/// Requests with a blob held on the relay (gauge).
+pub const RELAY_KEYS: &str = "rngd_pd_relay_keys";
+/// Blobs held on the relay (gauge).
+pub const RELAY_BLOBS: &str = "rngd_pd_relay_blobs";
+/// GETs waiting on the relay (gauge).
+pub const RELAY_WAITERS: &str = "rngd_pd_relay_waiters";
+/// Authenticated relay connections (gauge).
+pub const RELAY_CONNECTIONS: &str = "rngd_pd_relay_connections";
+/// PUT bodies the relay is receiving (gauge).
+pub const RELAY_PUTS_IN_PROGRESS: &str = "rngd_pd_relay_puts_in_progress";
+/// Requests the relay expired by its TTL (counter).
+pub const RELAY_EXPIRED_TOTAL: &str = "rngd_pd_relay_expired_total";
+/// Relay refusals and forced closes, by `reason` (counter).
+pub const RELAY_REJECTIONS_TOTAL: &str = "rngd_pd_relay_rejections_total";
+/// Relay warnings held back by its log rate limit (counter).
+pub const RELAY_WARNINGS_HELD_BACK_TOTAL: &str = "rngd_pd_relay_warnings_held_back_total";
 
 // The routers' KV-event index and prefix lookups (`rngd_pool::cache`, in the
 // gateway's and the picker's `/metrics`). Label `endpoint` is the pool

@@ -48,12 +48,20 @@ pub async fn serve(
     cfg: RelayConfig,
     shutdown: impl Future<Output = ()>,
 ) -> Result<(), KvError> {
-    if cfg.secret.is_none() {
+    serve_relay(listener, Arc::new(Relay::new(cfg)), shutdown).await
+}
+
+/// [`serve`] for a relay state the caller keeps (to read its figures).
+pub(crate) async fn serve_relay(
+    listener: TcpListener,
+    relay: Arc<Relay>,
+    shutdown: impl Future<Output = ()>,
+) -> Result<(), KvError> {
+    if relay.cfg.secret.is_none() {
         tracing::warn!(
             "KV relay: connections are NOT authenticated (no shared secret; --insecure-no-auth)"
         );
     }
-    let relay = Arc::new(Relay::new(cfg));
     let stop = CancellationToken::new();
     let tracker = TaskTracker::new();
     {
