@@ -71,8 +71,15 @@ def test_custom_policy_module_is_shipped_and_mounted():
     objs = render({"policy": {"moduleBase64": wasm}})
     cm = objs[("ConfigMap", "demo-policy")]
     assert cm["binaryData"]["policy.wasm"] == wasm
-    epp = container(objs, "demo-epp")
-    assert "--policy=/etc/rngd-pd/policy-module/policy.wasm" in epp["args"]
+    # The picker and the gateway both run it, from the same mount (the
+    # gateway used to be given the path without the volume: a crashloop).
+    for name in ("demo-epp", "demo-gateway"):
+        c = container(objs, name)
+        assert "--policy=/etc/rngd-pd/policy-module/policy.wasm" in c["args"], name
+        mount = [m for m in c["volumeMounts"] if m["mountPath"] == "/etc/rngd-pd/policy-module"]
+        assert len(mount) == 1, (name, c["volumeMounts"])
+        vol = [v for v in pod_specs(objs)[name]["volumes"] if v["name"] == mount[0]["name"]]
+        assert vol[0]["configMap"]["items"] == [{"key": "policy.wasm", "path": "policy.wasm"}], (name, vol)
 
 
 
@@ -230,11 +237,13 @@ def test_pods_run_non_root_with_read_only_root_filesystems():
             sc = c["securityContext"]
             assert sc["readOnlyRootFilesystem"] is True and sc["allowPrivilegeEscalation"] is False, (name, sc)
             assert sc["capabilities"]["drop"] == ["ALL"], (name, sc)
-    # The one exception, and what it does: the shm root, made writable once.
+    # The one exception, rendered only with the shm transport on, and what
+    # it does: the release's own shm root, made writable once.
     for role in ("prefill", "decode"):
-        init = pod_specs(render())[f"demo-{role}"]["initContainers"]
+        assert [i["name"] for i in pod_specs(render())[f"demo-{role}"]["initContainers"]] == ["model"]
+        init = pod_specs(render({"kvTransport": {"sameNodeShm": True}}))[f"demo-{role}"]["initContainers"]
         assert [i["name"] for i in init] == ["shm-root", "model"]
-        assert init[0]["args"][:2] == ["kv", "shm-root"]
+        assert init[0]["args"] == ["kv", "shm-root", "/dev/shm/rngd_kv_ai_demo"]
     # Every other init container (the model fetch) runs like the main ones.
     values = yaml.safe_load((CHART / "values.yaml").read_text())
     for name, spec in pod_specs(render()).items():
@@ -414,7 +423,7 @@ def test_worker_pods_carry_what_discovery_reads():
         assert meta["labels"]["ai-rm.io/accelerator"] == "cpu"
         assert meta["annotations"] == {
             "rngd-pd.io/seq-len": "1024",
-            "rngd-pd.io/transports": "shm,tcp",
+            "rngd-pd.io/transports": "tcp",
             "rngd-pd.io/kv-events-port": "5557",
             "rngd-pd.io/kv-events-replay-port": "5558",
         }
@@ -424,11 +433,14 @@ def test_worker_pods_carry_what_discovery_reads():
     for role, vendor in (("prefill", "furiosa"), ("decode", "rebellions")):
         labels = objs[("Deployment", f"demo-{role}")]["spec"]["template"]["metadata"]["labels"]
         assert labels["ai-rm.io/accelerator"] == vendor
-    for cross, transports in (("nixl-ucx", "shm,nixl-ucx"), ("shm", "shm")):
-        objs = render({"kvTransport": {"crossNode": cross}})
+    for kv, transports in (({"crossNode": "nixl-ucx"}, "nixl-ucx"), ({}, "tcp"),
+                           ({"sameNodeShm": True}, "shm,tcp"),
+                           ({"crossNode": "shm", "sameNodeShm": True}, "shm")):
+        objs = render({"kvTransport": kv})
         ann = objs[("Deployment", "demo-decode")]["spec"]["template"]["metadata"]["annotations"]
         assert ann["rngd-pd.io/transports"] == transports
     assert "decode.backend must be cpu, rngd or atom" in render_error({"decode": {"backend": "gpu"}})
+    assert "needs kvTransport.sameNodeShm" in render_error({"kvTransport": {"crossNode": "shm"}})
 
 
 # --- The deployment's KV secret -----------------------------------------------
@@ -446,7 +458,10 @@ def test_relay_and_workers_share_the_kv_secret_as_a_file():
         assert "AIRM_KV_TCP_INSECURE_NO_AUTH" not in env and "AIRM_KV_TCP_SECRET" not in env, name
         assert {"name": "kv-secret", "mountPath": "/etc/rngd-pd/kv", "readOnly": True} in c["volumeMounts"]
         volumes = {v["name"]: v for v in specs[name]["volumes"]}
-        assert volumes["kv-secret"]["secret"] == {"secretName": "demo-kv", "items": [{"key": "secret", "path": "secret"}]}
+        # Owner-read only (0400); the pods' fsGroup makes it theirs.
+        assert volumes["kv-secret"]["secret"] == {"secretName": "demo-kv", "defaultMode": 0o400,
+                                                  "items": [{"key": "secret", "path": "secret"}]}
+        assert specs[name]["securityContext"]["fsGroup"] == 65532
         assert secret["data"]["secret"] not in yaml.safe_dump(objs[("Deployment", name)])
     for name in ("demo-epp", "demo-gateway"):
         assert "kv-secret" not in {v["name"] for v in specs[name]["volumes"]}, name
@@ -545,6 +560,7 @@ def test_workers_cache_prefixes_and_publish_kv_events_as_vllm():
 # changes them on top of these (the path prefix, then the enabling values).
 CONTEXT = [
     (("kvTransport", "nixl"), {"kvTransport": {"crossNode": "nixl-ucx"}}),
+    (("kvTransport", "shmHostPath"), {"kvTransport": {"sameNodeShm": True}}),
     (("httpRoute", "parentGateway"), {"httpRoute": {"enabled": True}}),
     (("prefixRouting", "approximateTtlMs"), {"prefixRouting": {"approximate": True}}),
     (("decode", "deviceResource"), {"decode": {"backend": "atom"}}),
@@ -555,7 +571,8 @@ CONTEXT = [
 # What a value becomes when changing it needs a value of its own kind.
 CHANGED = {
     ("image", "pullPolicy"): "Always",
-    ("kvTransport", "crossNode"): "shm",
+    ("kvTransport", "crossNode"): "nixl-ucx",
+    ("kvTransport", "shmHostPath"): "/dev/shm/elsewhere",
     ("kvTransport", "nixl", "ucxTls"): "rc",
     ("prefill", "backend"): "rngd",
     ("decode", "backend"): "atom",
@@ -668,3 +685,68 @@ def test_gateway_and_workers_drain_within_their_grace_period():
         # The gateway's readiness is the route that turns 503 on SIGTERM.
         probe = container(objs, "demo-gateway")["readinessProbe"]["httpGet"]
         assert probe["path"] == "/ready", probe
+
+
+# === Pod Security "restricted" ===
+
+RESTRICTED_VOLUMES = {"configMap", "csi", "downwardAPI", "emptyDir", "ephemeral", "persistentVolumeClaim",
+                      "projected", "secret"}
+
+
+def restricted_violations(spec):
+    """The rules of Kubernetes' Pod Security "restricted" profile (which
+    includes "baseline") a pod spec breaks, as readable strings."""
+    bad = []
+    for key in ("hostNetwork", "hostPID", "hostIPC"):
+        if spec.get(key):
+            bad.append(key)
+    pod_sc = spec.get("securityContext", {})
+    for v in spec.get("volumes", []):
+        kinds = set(v) - {"name"}
+        if not kinds <= RESTRICTED_VOLUMES:
+            bad.append(f"volume {v['name']}: {sorted(kinds - RESTRICTED_VOLUMES)}")
+    if pod_sc.get("runAsUser") == 0:
+        bad.append("pod runAsUser 0")
+    if pod_sc.get("seccompProfile", {}).get("type") == "Unconfined":
+        bad.append("pod seccomp Unconfined")
+    for c in spec.get("initContainers", []) + spec["containers"]:
+        sc, name = c.get("securityContext", {}), c["name"]
+        if sc.get("privileged"):
+            bad.append(f"{name}: privileged")
+        if sc.get("allowPrivilegeEscalation") is not False:
+            bad.append(f"{name}: allowPrivilegeEscalation not false")
+        if not sc.get("runAsNonRoot", pod_sc.get("runAsNonRoot")):
+            bad.append(f"{name}: runAsNonRoot not true")
+        if sc.get("runAsUser", pod_sc.get("runAsUser")) == 0:
+            bad.append(f"{name}: runAsUser 0")
+        seccomp = sc.get("seccompProfile", pod_sc.get("seccompProfile", {})).get("type")
+        if seccomp not in ("RuntimeDefault", "Localhost"):
+            bad.append(f"{name}: seccompProfile {seccomp}")
+        caps = sc.get("capabilities", {})
+        if "ALL" not in caps.get("drop", []):
+            bad.append(f"{name}: capabilities not dropped")
+        if set(caps.get("add", [])) - {"NET_BIND_SERVICE"}:
+            bad.append(f"{name}: capabilities added {caps['add']}")
+        if any(p.get("hostPort") for p in c.get("ports", [])):
+            bad.append(f"{name}: hostPort")
+    return bad
+
+
+def test_the_default_chart_meets_pod_security_restricted():
+    """Every pod the CPU default renders passes the "restricted" rules; the
+    options that cannot are named: the shm transport (a hostPath and a root
+    init container) and the NPU backends (the kubelet's device-plugin
+    directory)."""
+    for name, spec in pod_specs(render()).items():
+        assert restricted_violations(spec) == [], name
+    shm = pod_specs(render({"kvTransport": {"sameNodeShm": True}}))
+    assert restricted_violations(shm["demo-relay"]) == []
+    assert sorted(restricted_violations(shm["demo-decode"])) == [
+        "shm-root: capabilities added ['CHOWN', 'FOWNER', 'DAC_OVERRIDE']",
+        "shm-root: runAsNonRoot not true",
+        "shm-root: runAsUser 0",
+        "volume kv-shm: ['hostPath']",
+    ]
+    npu = pod_specs(render(NPU))
+    for role in ("prefill", "decode"):
+        assert restricted_violations(npu[f"demo-{role}"]) == ["volume device-plugins: ['hostPath']"], role

@@ -25,6 +25,38 @@ app.kubernetes.io/component: {{ .component }}
 {{- end -}}
 
 {{/* Path of the policy module the pods load. */}}
+{{/* The policy's configuration and (with `policy.moduleBase64`) its
+module, mounted alike in the picker and the gateway: mounts, then volumes. */}}
+{{- define "rngd-pd.policyMounts" -}}
+- name: policy
+  mountPath: /etc/rngd-pd/policy
+  readOnly: true
+{{- if .Values.policy.moduleBase64 }}
+- name: policy-module
+  mountPath: /etc/rngd-pd/policy-module
+  readOnly: true
+{{- end }}
+{{- end -}}
+{{- define "rngd-pd.policyVolumes" -}}
+{{- $policy := dict "root" . "component" "policy" }}
+- name: policy
+  configMap:
+    name: {{ include "rngd-pd.name" $policy }}
+    items:
+      - key: policy-config.json
+        path: policy-config.json
+      - key: endpoints.json
+        path: endpoints.json
+{{- if .Values.policy.moduleBase64 }}
+- name: policy-module
+  configMap:
+    name: {{ include "rngd-pd.name" $policy }}
+    items:
+      - key: policy.wasm
+        path: policy.wasm
+{{- end }}
+{{- end -}}
+
 {{- define "rngd-pd.policyModule" -}}
 {{- if .Values.policy.moduleBase64 -}}/etc/rngd-pd/policy-module/policy.wasm{{- else -}}{{ .Values.policy.module }}{{- end -}}
 {{- end -}}
@@ -138,6 +170,9 @@ gateway, picker): they serve model.name, and refuse any other with 404. */}}
 {{- else if hasKey $m.volume "emptyDir" }}
 {{- fail (printf "model.fetch=false with an emptyDir model.volume: nothing would put the model at %s. Set model.volume to a volume that holds it (a persistentVolumeClaim or a hostPath, with model.volume.emptyDir: null), or set model.fetch=true" $m.path) }}
 {{- end }}
+{{- if and (eq .Values.kvTransport.crossNode "shm") (not .Values.kvTransport.sameNodeShm) }}
+{{- fail "kvTransport.crossNode shm needs kvTransport.sameNodeShm (its hostPath and the root init container), and reaches only the workers of one node: set crossNode to tcp or nixl-ucx, or turn sameNodeShm on" }}
+{{- end }}
 {{- if and .Values.inferencePool.enabled .Values.endpoints }}
 {{- fail "endpoints is used only with inferencePool.enabled=false: with the InferencePool the picker and the gateway discover the workers from it (remove endpoints, or disable the InferencePool)" }}
 {{- end }}
@@ -207,6 +242,12 @@ emptyDir. Same user and security context as every other container. */}}
 {{- end -}}
 
 {{/* Name of the Secret holding the tcp KV relay's shared secret (key `secret`). */}}
+{{/* The shm transport's node directory (values `kvTransport`): one per
+release unless `shmHostPath` names one. */}}
+{{- define "rngd-pd.shmRoot" -}}
+{{- default (printf "/dev/shm/rngd_kv_%s_%s" .Release.Namespace .Release.Name) .Values.kvTransport.shmHostPath -}}
+{{- end -}}
+
 {{- define "rngd-pd.kvSecretName" -}}
 {{- default (printf "%s-kv" .Release.Name) .Values.kvTransport.secretName -}}
 {{- end -}}
@@ -226,6 +267,8 @@ emptyDir. Same user and security context as every other container. */}}
 - name: kv-secret
   secret:
     secretName: {{ include "rngd-pd.kvSecretName" . }}
+    # Owner-read only; the kubelet gives the file to the pod's fsGroup.
+    defaultMode: 0400
     items:
       - key: secret
         path: secret
