@@ -287,15 +287,18 @@ def test_network_policies_admit_only_who_must_talk():
     peers = workers["ingress"][0]["from"]
     assert {"podSelector": {"matchLabels": {"app.kubernetes.io/instance": "demo"}}} in peers
     assert [p["port"] for p in workers["ingress"][0]["ports"]] == [8000]
+    # The metrics peers, on the API port (the workers' /metrics).
+    assert workers["ingress"][1] == {"from": [{"podSelector": {}}], "ports": [{"port": 8000}]}
     # The KV-event ports: the release's own pods only (not the gateway peers).
-    assert workers["ingress"][1] == {
+    assert workers["ingress"][2] == {
         "from": [{"podSelector": {"matchLabels": {"app.kubernetes.io/instance": "demo"}}}],
         "ports": [{"port": 5557}, {"port": 5558}],
     }
     workers = render({"kvEvents": {"enabled": False}})[("NetworkPolicy", "demo-workers")]["spec"]
-    assert len(workers["ingress"]) == 1
+    assert len(workers["ingress"]) == 2
     relay = objs[("NetworkPolicy", "demo-relay")]["spec"]
-    assert relay["ingress"] == [{"from": [{"podSelector": {"matchLabels": {"rngd-pd.io/pool": "demo"}}}], "ports": [{"port": 7070}]}]
+    assert relay["ingress"] == [{"from": [{"podSelector": {"matchLabels": {"rngd-pd.io/pool": "demo"}}}], "ports": [{"port": 7070}]},
+                                {"from": [{"podSelector": {}}], "ports": [{"port": 9091}]}]
     epp = objs[("NetworkPolicy", "demo-epp")]["spec"]
     assert [p["port"] for p in epp["ingress"][0]["ports"]] == [9002, 9003]
     assert [p["port"] for p in epp["ingress"][1]["ports"]] == [9090]
@@ -562,6 +565,9 @@ CONTEXT = [
     (("kvTransport", "nixl"), {"kvTransport": {"crossNode": "nixl-ucx"}}),
     (("kvTransport", "shmHostPath"), {"kvTransport": {"sameNodeShm": True}}),
     (("httpRoute", "parentGateway"), {"httpRoute": {"enabled": True}}),
+    (("httpRoute", "timeouts"), {"httpRoute": {"enabled": True}}),
+    (("podMonitor", "interval"), {"podMonitor": {"enabled": True}}),
+    (("podMonitor", "labels"), {"podMonitor": {"enabled": True}}),
     (("prefixRouting", "approximateTtlMs"), {"prefixRouting": {"approximate": True}}),
     (("decode", "deviceResource"), {"decode": {"backend": "atom"}}),
     (("prefill", "deviceResource"), {"prefill": {"backend": "rngd"}}),
@@ -750,3 +756,47 @@ def test_the_default_chart_meets_pod_security_restricted():
     npu = pod_specs(render(NPU))
     for role in ("prefill", "decode"):
         assert restricted_violations(npu[f"demo-{role}"]) == ["volume device-plugins: ['hostPath']"], role
+
+
+def test_probes_budgets_route_timeouts_and_scrapes_are_rendered():
+    """Every long-running container has a liveness probe (the gateway a
+    startup probe too, on a route that answers whatever the workers do);
+    each component has a PodDisruptionBudget; the HTTPRoute bounds long
+    streams by its own timeouts instead of the proxy's 15 s default; the
+    relay exports its figures on a metrics port that the metrics peers and
+    the PodMonitor reach; the relay's memory limit is above its cap."""
+    objs = render({"httpRoute": {"enabled": True}, "podMonitor": {"enabled": True, "labels": {"team": "ml"}}})
+    for name in ("demo-prefill", "demo-decode", "demo-gateway", "demo-relay", "demo-epp"):
+        c = container(objs, name)
+        assert "livenessProbe" in c and "readinessProbe" in c, name
+    gw = container(objs, "demo-gateway")
+    assert gw["startupProbe"]["httpGet"]["path"] == gw["livenessProbe"]["httpGet"]["path"] == "/version"
+    for c in ("prefill", "decode", "gateway", "epp"):
+        pdb = objs[("PodDisruptionBudget", f"demo-{c}")]
+        assert pdb["spec"]["maxUnavailable"] == 1
+        assert pdb["spec"]["selector"]["matchLabels"]["app.kubernetes.io/component"] == c
+    assert not any(k[0] == "PodDisruptionBudget" for k in render({"podDisruptionBudget": {"enabled": False}}))
+    route = objs[("HTTPRoute", "demo-route")]["spec"]["rules"][0]
+    assert route["timeouts"] == {"request": "600s", "backendRequest": "600s"}
+    relay = container(objs, "demo-relay")
+    assert "--metrics-listen=0.0.0.0:9091" in relay["args"]
+    assert {"name": "metrics", "containerPort": 9091} in relay["ports"]
+    assert relay["resources"]["limits"]["memory"] == "4608Mi" and 4608 << 20 > 4294967296
+    policy = objs[("NetworkPolicy", "demo-relay")]["spec"]["ingress"]
+    assert {"port": 9091} in policy[1]["ports"] and policy[1]["from"] == [{"podSelector": {}}]
+    mon = objs[("PodMonitor", "demo-metrics")]
+    assert mon["metadata"]["labels"]["team"] == "ml"
+    assert {e["port"] for e in mon["spec"]["podMetricsEndpoints"]} == {"http", "metrics"}
+    assert mon["spec"]["selector"]["matchLabels"]["app.kubernetes.io/instance"] == "demo"
+    # A Prometheus in another namespace, as the metrics peers, reaches the
+    # workers' /metrics too.
+    peers = [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}]
+    workers = render({"networkPolicy": {"metricsPeers": peers}})[("NetworkPolicy", "demo-workers")]["spec"]["ingress"]
+    assert any(r["from"] == peers and {"port": 8000} in r["ports"] for r in workers), workers
+
+
+def test_nixl_ucx_workers_admit_each_other_on_every_port():
+    rules = render({"kvTransport": {"crossNode": "nixl-ucx"}})[("NetworkPolicy", "demo-workers")]["spec"]["ingress"]
+    everything = [r for r in rules if "ports" not in r]
+    assert everything == [{"from": [{"podSelector": {"matchLabels": {"rngd-pd.io/pool": "demo"}}}]}], rules
+    assert all("ports" in r for r in render()[("NetworkPolicy", "demo-workers")]["spec"]["ingress"])
