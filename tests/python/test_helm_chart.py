@@ -769,6 +769,9 @@ def test_probes_budgets_route_timeouts_and_scrapes_are_rendered():
     for name in ("demo-prefill", "demo-decode", "demo-gateway", "demo-relay", "demo-epp"):
         c = container(objs, name)
         assert "livenessProbe" in c and "readinessProbe" in c, name
+        # Measured requests and limits on every component (values.yaml
+        # says what was measured).
+        assert c["resources"]["requests"]["memory"] and c["resources"]["limits"]["memory"], name
     gw = container(objs, "demo-gateway")
     assert gw["startupProbe"]["httpGet"]["path"] == gw["livenessProbe"]["httpGet"]["path"] == "/version"
     for c in ("prefill", "decode", "gateway", "epp"):
