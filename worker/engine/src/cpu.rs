@@ -111,6 +111,8 @@ struct State {
 }
 
 struct Shared {
+    /// The iteration observer, if one is attached.
+    iterations: Mutex<Option<Arc<dyn crate::IterationObserver>>>,
     state: Mutex<State>,
     wake: Condvar,
     waiting: AtomicUsize,
@@ -224,6 +226,7 @@ impl CpuEngine {
             state: Mutex::new(State::default()),
             wake: Condvar::new(),
             waiting: AtomicUsize::new(0),
+            iterations: Mutex::new(None),
             running: AtomicUsize::new(0),
             used_blocks: AtomicUsize::new(0),
         });
@@ -408,6 +411,15 @@ impl Engine for CpuEngine {
         true
     }
 
+    fn set_iteration_observer(&self, observer: Option<Arc<dyn crate::IterationObserver>>) -> bool {
+        *self
+            .shared
+            .iterations
+            .lock()
+            .unwrap_or_else(|p| p.into_inner()) = observer;
+        true
+    }
+
     fn set_prefix_events(&self, sink: Option<Arc<dyn PrefixEventSink>>) -> bool {
         let mut p = lock(&self.prefix);
         p.set_sink(sink);
@@ -462,11 +474,26 @@ impl Scheduler {
                 self.admit(job);
             }
             self.publish_running();
-            if let Some(job) = prefill {
-                self.prefill(job);
-            }
-            self.step();
+            let prefilled = prefill.map_or(0, |job| self.prefill(job));
+            let decoded = self.step();
             self.publish_running();
+            self.observe_iteration(prefilled + decoded);
+        }
+    }
+
+    /// Tells the iteration observer (if any) what this turn computed.
+    fn observe_iteration(&self, tokens: usize) {
+        if tokens == 0 {
+            return;
+        }
+        let observer = self
+            .shared
+            .iterations
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
+        if let Some(o) = observer {
+            o.iteration(tokens);
         }
     }
 
@@ -484,9 +511,11 @@ impl Scheduler {
         self.shared.running.store(n, Ordering::Release);
     }
 
-    fn prefill(&mut self, job: PrefillJob) {
+    /// Runs one prefill; the prompt tokens it computed (0 when its
+    /// requester is gone or it failed).
+    fn prefill(&mut self, job: PrefillJob) -> usize {
         if job.reply.is_closed() {
-            return;
+            return 0;
         }
         let span = tracing::debug_span!("prefill", tokens = job.prompt.len());
         let _g = span.enter();
@@ -552,7 +581,13 @@ impl Scheduler {
                 "prefill done"
             );
         }
+        let computed = if result.is_ok() {
+            job.prompt.len() - cached
+        } else {
+            0
+        };
         let _ = job.reply.send(result);
+        computed
     }
 
     fn admit(&mut self, job: DecodeJob) {
@@ -614,8 +649,8 @@ impl Scheduler {
         prefix.store(ids, &hashes, cache);
     }
 
-    /// One decode step for every running stream.
-    fn step(&mut self) {
+    /// One decode step for every running stream; the streams it stepped.
+    fn step(&mut self) -> usize {
         // Cancel streams whose client is gone.
         for i in 0..self.slots.len() {
             if self.slots[i].as_ref().is_some_and(Stream::is_closed) {
@@ -629,8 +664,9 @@ impl Scheduler {
             .filter(|i| self.slots[*i].is_some())
             .collect();
         if active.is_empty() {
-            return;
+            return 0;
         }
+        let stepped = active.len();
         let tokens: Vec<[u32; 1]> = active
             .iter()
             .map(|i| [self.slots[*i].as_ref().map(|s| s.last).unwrap_or(0)])
@@ -677,7 +713,9 @@ impl Scheduler {
                         s.send(GenEvent::Error(e.to_string()));
                     }
                 }
+                return 0;
             }
         }
+        stepped
     }
 }

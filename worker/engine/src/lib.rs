@@ -311,6 +311,24 @@ pub trait Engine: Send + Sync + 'static {
         let _ = sink;
         false
     }
+    /// Attaches an observer of the engine's iterations (each scheduler turn
+    /// reports the tokens it computed: prompt tokens prefilled plus one per
+    /// decoding stream); false when the backend reports none.
+    fn set_iteration_observer(
+        &self,
+        observer: Option<std::sync::Arc<dyn IterationObserver>>,
+    ) -> bool {
+        let _ = observer;
+        false
+    }
+}
+
+/// Told the tokens each engine iteration computed (vLLM's
+/// `vllm:iteration_tokens_total`). Called on the engine's scheduler thread:
+/// it must be quick and must not block.
+pub trait IterationObserver: Send + Sync {
+    /// One iteration computed `tokens` tokens.
+    fn iteration(&self, tokens: usize);
 }
 
 impl Default for SamplingParams {

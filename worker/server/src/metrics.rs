@@ -6,7 +6,7 @@
 use std::time::Duration;
 
 use prometheus::{GaugeVec, Histogram, HistogramVec, IntCounter, IntCounterVec, Registry};
-use rngd_engine::Engine;
+use rngd_engine::{Engine, IterationObserver};
 use rngd_telemetry::{MS_BUCKETS, TelemetryError, names};
 
 /// Tokens/s buckets for decode speed.
@@ -18,6 +18,11 @@ const TPS_BUCKETS: &[f64] = &[
 const TOKEN_BUCKETS: &[f64] = &[
     1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0, 1000.0, 2000.0, 5000.0, 10000.0, 20000.0,
     50000.0, 100000.0,
+];
+
+/// vLLM's buckets of `vllm:iteration_tokens_total`.
+const ITERATION_BUCKETS: &[f64] = &[
+    1.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0, 2048.0, 4096.0, 8192.0, 16384.0,
 ];
 
 /// vLLM's label of the model-server families.
@@ -76,6 +81,7 @@ pub struct WorkerMetrics {
     request_prompt_tokens: HistogramVec,
     request_generation_tokens: HistogramVec,
     preemptions: IntCounterVec,
+    iteration_tokens: HistogramVec,
     prefix_queries: IntCounterVec,
     prefix_hits: IntCounterVec,
     cache_config: GaugeVec,
@@ -211,6 +217,13 @@ impl WorkerMetrics {
                 "Preemptions (the CPU engine never preempts a running request)",
                 MODEL,
             )?,
+            iteration_tokens: rngd_telemetry::histogram_vec(
+                &r,
+                names::VLLM_ITERATION_TOKENS_TOTAL,
+                "Tokens each engine iteration computed (prompt tokens prefilled plus one per decoding stream)",
+                MODEL,
+                ITERATION_BUCKETS,
+            )?,
             prefix_queries: rngd_telemetry::counter_vec(
                 &r,
                 names::VLLM_PREFIX_CACHE_QUERIES_TOTAL,
@@ -330,6 +343,13 @@ impl WorkerMetrics {
             .observe(gap.as_secs_f64());
     }
 
+    /// The observer the engine of `model` reports its iterations to.
+    pub fn iteration_observer(&self, model: &str) -> std::sync::Arc<dyn IterationObserver> {
+        std::sync::Arc::new(Iterations(
+            self.iteration_tokens.with_label_values(&[model]),
+        ))
+    }
+
     /// Every `vllm:*` series of `model` at zero until it has a value, so a
     /// dashboard, an HPA or a scraper finds each family from the model's
     /// load on, on every role.
@@ -347,6 +367,7 @@ impl WorkerMetrics {
             &self.inference_time,
             &self.request_prompt_tokens,
             &self.request_generation_tokens,
+            &self.iteration_tokens,
         ] {
             h.with_label_values(&m);
         }
@@ -401,4 +422,13 @@ fn seconds_histogram(r: &Registry, name: &str, help: &str) -> Result<HistogramVe
         MODEL,
         &rngd_telemetry::seconds_buckets(MS_BUCKETS, 1e3),
     )
+}
+
+/// `vllm:iteration_tokens_total` of one model, as the engine's observer.
+struct Iterations(Histogram);
+
+impl IterationObserver for Iterations {
+    fn iteration(&self, tokens: usize) {
+        self.0.observe(tokens as f64);
+    }
 }

@@ -176,6 +176,11 @@ impl WorkerState {
         // Names first: whoever sees the engine sees its names (a second
         // engine is refused, and the first one's names stay).
         let _ = self.0.served.set(served);
+        if self.0.engine.get().is_some() {
+            return false;
+        }
+        // Its iterations feed `vllm:iteration_tokens_total`.
+        engine.set_iteration_observer(Some(self.metrics().iteration_observer(&engine.info().name)));
         self.0.engine.set(engine).is_ok()
     }
 

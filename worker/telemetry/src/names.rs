@@ -39,6 +39,9 @@ pub const VLLM_REQUEST_INFERENCE_TIME_SECONDS: &str = "vllm:request_inference_ti
 pub const VLLM_REQUEST_PROMPT_TOKENS: &str = "vllm:request_prompt_tokens";
 /// vLLM: histogram of generated tokens per request.
 pub const VLLM_REQUEST_GENERATION_TOKENS: &str = "vllm:request_generation_tokens";
+/// vLLM: histogram of the tokens each engine iteration computed (prompt
+/// tokens prefilled plus one per decoding stream).
+pub const VLLM_ITERATION_TOKENS_TOTAL: &str = "vllm:iteration_tokens_total";
 /// vLLM: preemptions (a running request losing its KV to another); the CPU
 /// engine never preempts, so it stays 0.
 pub const VLLM_NUM_PREEMPTIONS_TOTAL: &str = "vllm:num_preemptions_total";
