@@ -74,8 +74,14 @@ pub struct Launched {
 
 impl Launched {
     /// Waits for the listeners to stop; the first error wins.
-    pub async fn wait(self) -> Result<(), ExtProcError> {
+    pub async fn wait(&mut self) -> Result<(), ExtProcError> {
         self.server.wait().await
+    }
+
+    /// Drains and stops the picker ([`RunningServer::drain`]); whether every
+    /// stream ended within `timeout`.
+    pub async fn drain(self, timeout: std::time::Duration) -> bool {
+        self.server.drain(timeout).await
     }
 }
 

@@ -246,7 +246,14 @@ fn serve_per_connection<H: Health>(
         let mut done = futures::future::select_all(done);
         loop {
             tokio::select! {
-                () = async { let _ = stop_accepting.wait_for(|s| *s).await; } => return Ok(()),
+                () = async { let _ = stop_accepting.wait_for(|s| *s).await; } => {
+                    // Told to stop: no new connection; each serving thread
+                    // finishes its open streams (tonic's graceful stop),
+                    // then ends. The caller bounds this wait.
+                    drop(lanes);
+                    let _ = futures::future::join_all(done.into_inner()).await;
+                    return Ok(());
+                }
                 (r, _, _) = &mut done => {
                     // A serving thread ended on its own: report why.
                     return match r {
@@ -326,6 +333,7 @@ pub async fn start_with(
                 TcpIncoming::from(grpc_l).with_nodelay(Some(true)),
                 config.tls.clone(),
             );
+            let mut stop_shared = stop.subscribe();
             tasks.push(tokio::spawn(async move {
                 tonic::transport::Server::builder()
                     .add_service(
@@ -333,7 +341,9 @@ pub async fn start_with(
                             .max_decoding_message_size(16 * 1024 * 1024),
                     )
                     .add_service(grpc_health)
-                    .serve_with_incoming(incoming)
+                    .serve_with_incoming_shutdown(incoming, async move {
+                        let _ = stop_shared.wait_for(|s| *s).await;
+                    })
                     .await
                     .map_err(|source| ExtProcError::Serve {
                         what: "grpc",
@@ -401,20 +411,47 @@ pub async fn start_with(
 }
 
 impl RunningServer {
-    /// Waits until a listener stops (an error, or all of them ended).
-    pub async fn wait(mut self) -> Result<(), ExtProcError> {
-        let tasks = std::mem::take(&mut self.tasks);
-        if tasks.is_empty() {
+    /// Waits until a listener stops (an error, or all of them ended); the
+    /// listeners are left as they are (a caller that gives up waiting can
+    /// still [`RunningServer::drain`]).
+    pub async fn wait(&mut self) -> Result<(), ExtProcError> {
+        if self.tasks.is_empty() {
             return Ok(());
         }
-        let (first, _, rest) = futures::future::select_all(tasks).await;
-        for t in rest {
-            t.abort();
-        }
+        let (first, _, _) = futures::future::select_all(self.tasks.iter_mut()).await;
+        self.abort();
         match first {
             Ok(r) => r,
             Err(source) => Err(ExtProcError::Task { source }),
         }
+    }
+
+    /// Stops serving the way a rolling update wants: readiness (and the
+    /// overall and ext_proc health services) turn NOT_SERVING at once while
+    /// liveness stays SERVING; no new ext_proc connection is taken; the
+    /// streams in flight (each one request Envoy is processing) get
+    /// `timeout` to end; then everything stops. Returns whether every
+    /// stream ended in time.
+    pub async fn drain(mut self, timeout: std::time::Duration) -> bool {
+        for name in ["", READINESS, EXT_PROC_SERVICE] {
+            self.health
+                .set_service_status(name, ServingStatus::NotServing)
+                .await;
+        }
+        let _ = self.stop.send(true);
+        // The ext_proc listener is the first task (see `start_with`).
+        let drained = match self.tasks.first_mut() {
+            Some(grpc) => tokio::time::timeout(timeout, grpc).await.is_ok(),
+            None => true,
+        };
+        if !drained {
+            tracing::warn!(
+                timeout_s = timeout.as_secs_f64(),
+                "shutdown timeout passed with ext_proc streams open: closing them"
+            );
+        }
+        self.abort();
+        drained
     }
 
     /// Stops every listener (serving threads finish their open connections gracefully).

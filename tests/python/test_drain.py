@@ -133,3 +133,56 @@ def test_up_drains_its_stack_on_ctrl_c_and_the_stream_finishes():
     assert not os.path.exists(s.shm_root), f"shm root {s.shm_root} left behind"
     left = [l for l in s.proc.lines if "panicked" in l]
     assert left == [], left
+
+
+def test_the_picker_drains_its_ext_proc_streams_on_sigterm(tmp_path):
+    """On SIGTERM the picker's gRPC readiness turns NOT_SERVING at once
+    (liveness stays SERVING, so the kubelet does not restart it), and an
+    ext_proc stream already open (one request Envoy is processing) is still
+    answered and routed; then the picker exits 0."""
+    import queue
+    import threading
+
+    from epp.helpers import (ExtProc, ModelServerFake, body_req, channel, endpoint_json, epg, health_check,
+                             immediate, policy_module, post_headers, set_headers)
+
+    fake = ModelServerFake()
+    (tmp_path / "endpoints.json").write_text(json.dumps([endpoint_json(fake.address)]))
+    e = ExtProc(tmp_path / "endpoints.json", policy_module(), tls=False, extra=["--shutdown-timeout", "60"])
+    try:
+        sent = queue.Queue()
+
+        def requests_():
+            while (m := sent.get()) is not None:
+                yield m
+
+        out = []
+        ch = channel(e)
+        stream = epg.ExternalProcessorStub(ch).Process(requests_(), timeout=60)
+        reader = threading.Thread(target=lambda: out.extend(stream), daemon=True)
+        reader.start()
+        sent.put(post_headers())
+        time.sleep(0.2)
+        e.proc.p.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        while health_check(e.health, "readiness") == 1:
+            assert time.monotonic() < deadline, "readiness still SERVING after SIGTERM"
+            time.sleep(0.02)
+        assert health_check(e.health, "readiness") == 2  # NOT_SERVING
+        assert health_check(e.health, "liveness") == 1
+        # The stream in flight is still served: its body is picked and routed.
+        body = json.dumps({"model": SERVED_MODEL, "prompt": "Hello", "max_tokens": 2}).encode()
+        sent.put(body_req(body, True))
+        deadline = time.monotonic() + 30
+        while not out:
+            assert time.monotonic() < deadline, "no answer to the stream in flight"
+            time.sleep(0.02)
+        sent.put(None)
+        reader.join(30)
+        ch.close()
+        assert immediate(out) is None, out
+        assert "x-gateway-destination-endpoint" in set_headers(out[0]), out
+        assert e.proc.p.wait(30) == 0
+    finally:
+        e.proc.stop(signal.SIGKILL)
+        fake.close()

@@ -673,14 +673,14 @@ def test_the_served_name_reaches_every_door():
 
 
 def test_gateway_and_workers_drain_within_their_grace_period():
-    """The gateway and the workers wait `shutdown.preStopSeconds` in a
+    """The gateway, the workers and the picker wait `shutdown.preStopSeconds` in a
     preStop hook (Kubernetes' sleep action), then drain for at most
     `--shutdown-timeout`; the pod's grace period covers both plus 10 s, so
     the kubelet's SIGKILL never lands inside a drain."""
     for values, pre, timeout in [({}, 5, 30), ({"shutdown": {"preStopSeconds": 0, "timeoutSeconds": 120}}, 0, 120)]:
         objs = render(values)
         specs = pod_specs(objs)
-        for d in ["demo-prefill", "demo-decode", "demo-gateway"]:
+        for d in ["demo-prefill", "demo-decode", "demo-gateway", "demo-epp"]:
             spec, c = specs[d], container(objs, d)
             assert f"--shutdown-timeout={timeout}" in c["args"], (d, c["args"])
             assert spec["terminationGracePeriodSeconds"] == pre + timeout + 10, (d, spec)

@@ -80,6 +80,12 @@ pub struct Args {
     /// Scraped data older than this marks an endpoint unhealthy, ms.
     #[arg(long, default_value_t = 2000)]
     pub stale_after_ms: u64,
+    /// On SIGTERM or Ctrl-C, seconds the ext_proc streams in flight have to
+    /// end (fractions allowed); meanwhile gRPC readiness is NOT_SERVING and
+    /// no new connection is taken. A second signal exits at once.
+    #[arg(long, value_name = "SECONDS", value_parser = crate::gateway::seconds,
+          default_value_t = rngd_http_edge::DEFAULT_SHUTDOWN_TIMEOUT.as_secs_f64())]
+    pub shutdown_timeout: f64,
     /// Poll interval of the endpoints file and the policy module, ms.
     #[arg(long, default_value_t = DEFAULT_FILE_POLL.as_millis() as u64)]
     pub watch_ms: u64,
@@ -276,9 +282,16 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     }
     out.flush()?;
     drop(out);
+    let mut launched = launched;
     tokio::select! {
-        r = launched.wait() => r?,
-        _ = stop => tracing::info!("stopping"),
+        r = launched.wait() => return Ok(r?),
+        _ = stop => {}
+    }
+    rngd_http_edge::exit_on_next_signal();
+    tracing::info!("stopping: draining");
+    let timeout = std::time::Duration::from_secs_f64(args.shutdown_timeout);
+    if !launched.drain(timeout).await {
+        tracing::warn!("stopped with ext_proc streams cut by --shutdown-timeout");
     }
     Ok(())
 }
