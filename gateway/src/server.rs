@@ -91,13 +91,13 @@ async fn count_responses(
 }
 
 async fn not_found(req: Request) -> ApiError {
-    ApiError::NotFound(req.uri().path().chars().take(200).collect())
+    ApiError::NotFound(rngd_http_edge::surface::shown_path(req.uri()))
 }
 
 async fn method_not_allowed(req: Request) -> ApiError {
     ApiError::MethodNotAllowed {
         method: req.method().to_string(),
-        path: req.uri().path().chars().take(200).collect(),
+        path: rngd_http_edge::surface::shown_path(req.uri()),
     }
 }
 

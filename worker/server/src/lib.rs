@@ -106,13 +106,13 @@ async fn health() -> &'static str {
 }
 
 async fn not_found(uri: axum::http::Uri) -> ApiError {
-    ApiError::NotFound(uri.path().chars().take(200).collect())
+    ApiError::NotFound(rngd_http_edge::surface::shown_path(&uri))
 }
 
 async fn method_not_allowed(method: axum::http::Method, uri: axum::http::Uri) -> ApiError {
     ApiError::MethodNotAllowed {
         method: method.to_string(),
-        path: uri.path().chars().take(200).collect(),
+        path: rngd_http_edge::surface::shown_path(&uri),
     }
 }
 
