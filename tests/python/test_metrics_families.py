@@ -186,3 +186,15 @@ def test_the_relay_serves_its_figures_on_a_metrics_listener():
         assert p.stop(signal.SIGINT) == 0
     finally:
         p.stop(signal.SIGKILL)
+
+
+def test_the_relay_check_names_a_bad_metrics_address():
+    from conftest import rngd_bin
+
+    env = {"PATH": "/usr/bin:/bin", "RUST_BACKTRACE": "0"}
+    bad = subprocess.run([rngd_bin(), "relay", "--check", "--insecure-no-auth", "--metrics-listen", "nowhere"],
+                         capture_output=True, text=True, timeout=60, env=env)
+    assert bad.returncode != 0 and "--metrics-listen nowhere" in bad.stderr, bad.stderr
+    good = subprocess.run([rngd_bin(), "relay", "--check", "--insecure-no-auth", "--metrics-listen", "127.0.0.1:0"],
+                          capture_output=True, text=True, timeout=60, env=env)
+    assert good.returncode == 0 and good.stdout.strip() == "ok", good.stderr

@@ -143,6 +143,10 @@ async fn serve_metrics(
 /// `relay listening on ADDR` to stdout, serves.
 pub async fn run(args: Args) -> anyhow::Result<()> {
     if args.check {
+        if let Some(m) = &args.metrics_listen {
+            m.parse::<std::net::SocketAddr>()
+                .map_err(|e| anyhow::anyhow!("--metrics-listen {m}: {e}"))?;
+        }
         let opts = RelayOptions::from(args);
         opts.config()?;
         opts.listen
