@@ -209,7 +209,7 @@ const COMPLETIONS: &[(&str, u16, Option<&str>)] = &[
     ("", 400, None),
     (r#"{"model":"echo","prompt":"#, 400, None),
     (r#"[1,2]"#, 400, None),
-    (r#"{"model":"echo","prompt":5}"#, 400, None),
+    (r#"{"model":"echo","prompt":5}"#, 400, Some("prompt")),
     // Served now (they used to be refused): honoured, not ignored.
     (
         r#"{"model":"echo","prompt":"hi","max_tokens":2,"presence_penalty":0.5,"frequency_penalty":-1,"repetition_penalty":1.2}"#,
@@ -499,7 +499,7 @@ async fn tokens_agree(
             .collect();
         // What the engine will prefill: its own template, its own tokenizer.
         let engine_count = tokenizer
-            .encode(&tokenizer.chat_prompt(&pairs).unwrap())
+            .encode(&tokenizer.chat_prompt(&pairs, &Default::default()).unwrap())
             .unwrap()
             .len();
         let body: &'static str = Box::leak(

@@ -290,3 +290,92 @@ def test_refused_parameters_name_the_param(pd, solo, kw, param):
         assert e.value.status_code == 400
         body = e.value.response.json()["error"]
         assert body["param"] == param, body
+
+
+# --- vLLM's detokenizer and chat-template fields ----------------------------
+
+SPECIALS = ("<|im_end|>", "<|im_start|>")
+
+
+def chat_extra(c, messages, **extra):
+    """A greedy chat; `extra` goes in the body as vLLM's extra fields."""
+    stop = extra.pop("stop", None)
+    return c.chat.completions.create(model=MODEL[0], messages=messages, temperature=0,
+                                     max_tokens=extra.pop("max_tokens", 120), stop=stop,
+                                     extra_body=extra)
+
+
+def test_skip_special_tokens_false_writes_control_tokens(pd, solo):
+    """`skip_special_tokens: false` writes `<|im_end|>` into the text, on PD
+    as on solo; the default text is that text without the control tokens;
+    stop sequences see them; `spaces_between_special_tokens` changes nothing
+    with this byte-level tokenizer (as vLLM's fast detokenizer)."""
+    msgs = [{"role": "user", "content": QUESTION}]
+    a, b = both(pd, solo, lambda c: chat_extra(c, msgs, ignore_eos=True, skip_special_tokens=False))
+    kept = b.choices[0].message.content
+    assert a.choices[0].message.content == kept
+    assert "<|im_end|>" in kept, kept
+    s = solo_client(solo)
+    skipped = chat_extra(s, msgs, ignore_eos=True).choices[0].message.content
+    stripped = kept
+    for t in SPECIALS:
+        stripped = stripped.replace(t, "")
+    assert skipped == stripped
+    assert "<|im_end|>" not in skipped
+    same = chat_extra(s, msgs, ignore_eos=True, skip_special_tokens=False, spaces_between_special_tokens=False)
+    assert same.choices[0].message.content == kept
+    cut = chat_extra(s, msgs, ignore_eos=True, skip_special_tokens=False, stop=["<|im_end|>"])
+    assert cut.choices[0].finish_reason == "stop"
+    assert cut.choices[0].message.content == kept.split("<|im_end|>")[0]
+    # Streamed through the gateway: the same text.
+    streamed = gw(pd).chat.completions.create(
+        model=MODEL[0], messages=msgs, temperature=0, max_tokens=120, stream=True,
+        extra_body={"ignore_eos": True, "skip_special_tokens": False})
+    assert "".join(ch.choices[0].delta.content or "" for ch in streamed if ch.choices) == kept
+
+
+def tokenize(solo, **body):
+    r = requests.post(solo + "/tokenize", json={"model": MODEL[0], **body}, timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()["tokens"]
+
+
+def test_continue_final_message_continues_the_assistant(pd, solo):
+    """`add_generation_prompt: false` ends the prompt after the last message
+    (`<|im_end|>\\n`, no assistant header); with `continue_final_message` the
+    prompt stops inside that message, and the answer is what a completion of
+    exactly those ids gives, on PD and solo."""
+    msgs = [{"role": "user", "content": QUESTION},
+            {"role": "assistant", "content": "The printing press"}]
+    default = tokenize(solo, messages=msgs)
+    closed = tokenize(solo, messages=msgs, add_generation_prompt=False)
+    opened = tokenize(solo, messages=msgs, add_generation_prompt=False, continue_final_message=True)
+    assert closed[-2:] == [EOS, 198] and default[:len(closed)] == closed and len(default) > len(closed)
+    assert opened == closed[:-2]
+    extra = dict(add_generation_prompt=False, continue_final_message=True, max_tokens=12)
+    a, b = both(pd, solo, lambda c: chat_extra(c, msgs, **extra))
+    text = b.choices[0].message.content
+    assert a.choices[0].message.content == text
+    assert a.usage.prompt_tokens == b.usage.prompt_tokens == len(opened)
+    same = solo_client(solo).completions.create(model=MODEL[0], prompt=opened, max_tokens=12, temperature=0)
+    assert same.choices[0].text == text
+
+
+def test_chat_template_kwargs_and_their_refusals(pd, solo):
+    """A variable this model's template does not read changes nothing; one
+    the server sets, or both template switches on, is a 400 naming the field."""
+    msgs = [{"role": "user", "content": QUESTION}]
+    plain = chat_extra(solo_client(solo), msgs, max_tokens=8).choices[0].message.content
+    for c in (gw(pd), solo_client(solo)):
+        assert chat_extra(c, msgs, max_tokens=8, chat_template_kwargs={"enable_thinking": False}) \
+            .choices[0].message.content == plain
+        for extra, param in [
+            (dict(chat_template_kwargs={"messages": []}), "chat_template_kwargs"),
+            (dict(chat_template_kwargs={"add_generation_prompt": False}), "chat_template_kwargs"),
+            (dict(continue_final_message=True), "continue_final_message"),
+            (dict(skip_special_tokens="no"), "skip_special_tokens"),
+        ]:
+            with pytest.raises(openai.BadRequestError) as e:
+                chat_extra(c, msgs, max_tokens=2, **extra)
+            body = e.value.response.json()["error"]
+            assert body["param"] == param, body

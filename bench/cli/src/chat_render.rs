@@ -50,9 +50,9 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     for chat in chats {
         let messages: Vec<(String, String)> =
             chat.into_iter().map(|m| (m.role, m.content)).collect();
-        let line = match tokenizer.template().render(&messages) {
+        let line = match tokenizer.template().render(&messages, &Default::default()) {
             Ok(rendered) => {
-                let prompt = tokenizer.chat_prompt(&messages)?;
+                let prompt = tokenizer.chat_prompt(&messages, &Default::default())?;
                 let ids = tokenizer.encode(&prompt)?;
                 serde_json::json!({ "rendered": rendered, "prompt": prompt, "ids": ids })
             }

@@ -48,8 +48,13 @@ pub trait PromptCounter: Send + Sync + 'static {
     fn count(&self, text: &str) -> Result<usize, BoxError> {
         Ok(self.tokenize(text)?.len())
     }
-    /// Renders a chat with the model's template (generation prompt included).
-    fn chat_prompt(&self, messages: &[(String, String)]) -> Result<String, BoxError>;
+    /// Renders a chat with the model's template as `opts` ask (by default
+    /// with the generation prompt).
+    fn chat_prompt(
+        &self,
+        messages: &[(String, String)],
+        opts: &rngd_api::chat::TemplateOptions,
+    ) -> Result<String, BoxError>;
 }
 
 /// The real counter: the tokenizer and chat template the engine itself uses,
@@ -71,9 +76,13 @@ impl PromptCounter for rngd_engine::tokenizer::Tokenizer {
         rngd_engine::tokenizer::Tokenizer::context_length(self)
     }
 
-    fn chat_prompt(&self, messages: &[(String, String)]) -> Result<String, BoxError> {
+    fn chat_prompt(
+        &self,
+        messages: &[(String, String)],
+        opts: &rngd_api::chat::TemplateOptions,
+    ) -> Result<String, BoxError> {
         Ok(rngd_engine::tokenizer::Tokenizer::chat_prompt(
-            self, messages,
+            self, messages, opts,
         )?)
     }
 }
@@ -124,7 +133,12 @@ impl PromptCounter for ByteCounter {
         }
         Ok(Within::Ids(self.tokenize(text)?))
     }
-    fn chat_prompt(&self, messages: &[(String, String)]) -> Result<String, BoxError> {
+    /// `role: content` lines, as the echo engine renders (options have no effect).
+    fn chat_prompt(
+        &self,
+        messages: &[(String, String)],
+        _opts: &rngd_api::chat::TemplateOptions,
+    ) -> Result<String, BoxError> {
         Ok(messages
             .iter()
             .map(|(r, c)| format!("{r}: {c}\n"))
@@ -151,12 +165,19 @@ impl PromptCounter for WordCounter {
     fn tokenize(&self, text: &str) -> Result<Vec<u32>, BoxError> {
         Ok((0..text.split_whitespace().count() as u32).collect())
     }
-    fn chat_prompt(&self, messages: &[(String, String)]) -> Result<String, BoxError> {
+    /// The generation prompt only when `opts` ask for it.
+    fn chat_prompt(
+        &self,
+        messages: &[(String, String)],
+        opts: &rngd_api::chat::TemplateOptions,
+    ) -> Result<String, BoxError> {
         let mut s = String::new();
         for (r, c) in messages {
             s.push_str(&format!("<|im_start|>{r} {c} <|im_end|> "));
         }
-        s.push_str("<|im_start|>assistant");
+        if opts.add_generation_prompt {
+            s.push_str("<|im_start|>assistant");
+        }
         Ok(s)
     }
 }
@@ -372,8 +393,9 @@ pub fn prepare(
             let chat = chat(body)?;
             check_model(&chat.model)?;
             let messages = rules::chat_messages(&chat)?;
+            let opts = rngd_api::chat::TemplateOptions::of(&chat);
             let prompt = counter
-                .chat_prompt(&messages)
+                .chat_prompt(&messages, &opts)
                 .map_err(PrepareError::Tokenize)?;
             let ids = ids_of(&prompt, rngd_api::chat::requested_max_tokens(&chat))?;
             let upstream = rngd_api::chat::to_completion(&chat, prompt, ids.len(), seq_len);
@@ -513,8 +535,12 @@ mod tests {
         fn max_context(&self) -> Option<u32> {
             Some(1000)
         }
-        fn chat_prompt(&self, messages: &[(String, String)]) -> Result<String, BoxError> {
-            ByteCounter.chat_prompt(messages)
+        fn chat_prompt(
+            &self,
+            messages: &[(String, String)],
+            opts: &rngd_api::chat::TemplateOptions,
+        ) -> Result<String, BoxError> {
+            ByteCounter.chat_prompt(messages, opts)
         }
     }
 
@@ -585,7 +611,11 @@ mod tests {
         fn tokenize(&self, _: &str) -> Result<Vec<u32>, BoxError> {
             panic!("tokenizer bug")
         }
-        fn chat_prompt(&self, _: &[(String, String)]) -> Result<String, BoxError> {
+        fn chat_prompt(
+            &self,
+            _: &[(String, String)],
+            _: &rngd_api::chat::TemplateOptions,
+        ) -> Result<String, BoxError> {
             panic!("template bug")
         }
     }

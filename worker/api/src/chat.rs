@@ -22,6 +22,78 @@ pub const CHUNK_OBJECT: &str = "chat.completion.chunk";
 /// The role of every answer.
 pub const ASSISTANT: &str = "assistant";
 
+/// The variables a chat template is given by the server, which
+/// `chat_template_kwargs` may not replace (a 400 naming the key).
+pub const RESERVED_TEMPLATE_VARIABLES: &[&str] = &[
+    "messages",
+    "add_generation_prompt",
+    "continue_final_message",
+    "tools",
+    "documents",
+    "bos_token",
+    "eos_token",
+    "chat_template",
+];
+
+/// How a chat is rendered with the model's template: vLLM's
+/// `add_generation_prompt`, `continue_final_message` and
+/// `chat_template_kwargs`. The default is vLLM's (a generation prompt, the
+/// final message closed, no extra variables).
+#[derive(Debug, Clone, PartialEq)]
+pub struct TemplateOptions {
+    /// The template's `add_generation_prompt`.
+    pub add_generation_prompt: bool,
+    /// Cut the rendered text right after the final message's content, so
+    /// the model continues that message ([`continue_final`]).
+    pub continue_final_message: bool,
+    /// More template variables.
+    pub kwargs: serde_json::Map<String, serde_json::Value>,
+}
+
+impl Default for TemplateOptions {
+    fn default() -> Self {
+        TemplateOptions {
+            add_generation_prompt: true,
+            continue_final_message: false,
+            kwargs: serde_json::Map::new(),
+        }
+    }
+}
+
+// === impl TemplateOptions ===
+
+impl TemplateOptions {
+    /// The options a chat request asks for (unset fields at vLLM's defaults).
+    pub fn of(req: &ChatCompletionRequest) -> Self {
+        TemplateOptions {
+            add_generation_prompt: req.add_generation_prompt.unwrap_or(true),
+            continue_final_message: req.continue_final_message.unwrap_or(false),
+            kwargs: req.chat_template_kwargs.clone().unwrap_or_default(),
+        }
+    }
+}
+
+/// `continue_final_message`: the rendered chat cut right after the last
+/// place the final message's content (trimmed) appears, so nothing the
+/// template closes a message with follows it. The content's own trailing
+/// whitespace is kept when the template kept it. An error when the template
+/// did not print the content (it rewrote or dropped it).
+pub fn continue_final(rendered: &str, final_content: &str) -> Result<String, String> {
+    let trimmed = final_content.trim();
+    let Some(at) = rendered.rfind(trimmed) else {
+        return Err(
+            "continue_final_message: the final message does not appear in the rendered chat".into(),
+        );
+    };
+    let lead_trimmed = final_content.trim_start();
+    let end = if rendered[at..].starts_with(lead_trimmed) {
+        at + lead_trimmed.len()
+    } else {
+        at + trimmed.len()
+    };
+    Ok(rendered[..end].to_string())
+}
+
 /// The tokens a chat asks to generate at most: `max_completion_tokens`,
 /// else `max_tokens` (the precedence of OpenAI and vLLM, and of every door
 /// and the policy); `None` when it names neither.
@@ -268,6 +340,35 @@ mod tests {
     }
 
     #[test]
+    fn continue_final_cuts_after_the_last_message() {
+        let r = "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\nOnce upon<|im_end|>\n";
+        assert_eq!(
+            continue_final(r, "Once upon").unwrap(),
+            "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\nOnce upon"
+        );
+        // Trailing space the template trimmed is not invented; kept when kept.
+        assert!(
+            continue_final(r, "Once upon ")
+                .unwrap()
+                .ends_with("Once upon")
+        );
+        assert!(
+            continue_final("a: x y \n", "x y ")
+                .unwrap()
+                .ends_with("x y ")
+        );
+        // The last occurrence is the one cut at.
+        assert_eq!(continue_final("hi hi!", "hi").unwrap(), "hi hi");
+        assert!(continue_final(r, "never printed").is_err());
+    }
+
+    #[test]
+    fn template_options_default_to_vllm() {
+        let d = TemplateOptions::default();
+        assert!(d.add_generation_prompt && !d.continue_final_message && d.kwargs.is_empty());
+    }
+
+    #[test]
     fn max_tokens_defaults_to_the_rest_of_the_context() {
         let mut req = ChatCompletionRequest {
             model: "m".into(),
@@ -275,6 +376,9 @@ mod tests {
             max_completion_tokens: None,
             logprobs: None,
             top_logprobs: None,
+            add_generation_prompt: None,
+            continue_final_message: None,
+            chat_template_kwargs: None,
             sampling: SamplingFields::default(),
         };
         assert_eq!(max_tokens(&req, 9, Some(100)), 91);

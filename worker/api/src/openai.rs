@@ -126,6 +126,16 @@ pub struct SamplingFields {
     /// prefix-cache blocks (tenant isolation).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cache_salt: Option<String>,
+    /// Leave special (control) tokens out of the answer's text (vLLM;
+    /// default true). `false` writes them as their text (`<|im_end|>`), and
+    /// stop sequences then see them too.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub skip_special_tokens: Option<bool>,
+    /// vLLM's `spaces_between_special_tokens` (default true). Accepted as
+    /// a boolean; with the byte-level BPE tokenizers this engine reads, the
+    /// text is the same either way, as in vLLM's fast detokenizer.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub spaces_between_special_tokens: Option<bool>,
 }
 
 /// Body of `POST /v1/completions`.
@@ -222,6 +232,19 @@ pub struct ChatCompletionRequest {
     /// With `logprobs`: this many alternatives per token, 0..=20.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub top_logprobs: Option<u32>,
+    /// The template's `add_generation_prompt` (vLLM; default true): end
+    /// the prompt with the assistant's turn header.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub add_generation_prompt: Option<bool>,
+    /// Leave the final (assistant) message open so the model continues it
+    /// (vLLM; default false; needs `add_generation_prompt: false`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub continue_final_message: Option<bool>,
+    /// More variables for the chat template (vLLM's `chat_template_kwargs`,
+    /// e.g. `{"enable_thinking": false}`); the names the template is
+    /// already given are refused.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub chat_template_kwargs: Option<serde_json::Map<String, serde_json::Value>>,
     /// Sampling and streaming fields.
     #[serde(flatten)]
     pub sampling: SamplingFields,

@@ -124,8 +124,63 @@ pub fn parse_body<T: fields::Body>(bytes: &[u8]) -> Result<T, RuleError> {
     if let Some(table) = T::FIELDS {
         fields::check(obj, table)?;
     }
-    serde_json::from_value(value)
-        .map_err(|e| RuleError::body("invalid_request", format!("invalid request: {e}")))
+    match serde_json::from_value::<T>(value.clone()) {
+        Ok(t) => Ok(t),
+        Err(e) => {
+            let mut err = RuleError::body("invalid_request", format!("invalid request: {e}"));
+            if let Some(name) = T::FIELDS.and_then(|table| culprit::<T>(&value, table)) {
+                err.param = Some(name);
+                err.message = format!("invalid request: `{name}`: {e}");
+            }
+            Err(err)
+        }
+    }
+}
+
+/// The field a body's type error comes from (serde names none through the
+/// flattened sampling fields): an optional field whose removal makes the
+/// body parse, else the one required field besides `model` (checked
+/// before) when the body cut to its required fields still fails. `None`
+/// when no single field is to blame (two bad fields); run only on the error
+/// path, at most once per known field.
+fn culprit<T: fields::Body>(
+    value: &serde_json::Value,
+    table: &'static [fields::Field],
+) -> Option<&'static str> {
+    let obj = value.as_object()?;
+    let parses = |o: serde_json::Map<String, serde_json::Value>| {
+        serde_json::from_value::<T>(serde_json::Value::Object(o))
+    };
+    let mut required = Vec::new();
+    for name in table.iter().map(|f| f.name) {
+        if !obj.contains_key(name) {
+            continue;
+        }
+        let mut without = obj.clone();
+        without.remove(name);
+        match parses(without) {
+            Ok(_) => return Some(name),
+            Err(e)
+                if e.to_string()
+                    .starts_with(&format!("missing field `{name}`")) =>
+            {
+                required.push(name)
+            }
+            Err(_) => {}
+        }
+    }
+    let only: serde_json::Map<_, _> = obj
+        .iter()
+        .filter(|(k, _)| required.contains(&k.as_str()))
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect();
+    match (
+        parses(only),
+        required.iter().filter(|n| **n != "model").count(),
+    ) {
+        (Err(_), 1) => required.into_iter().find(|n| *n != "model"),
+        _ => None,
+    }
 }
 
 /// The context-length refusal of a prompt whose size alone proves it cannot
@@ -256,6 +311,32 @@ pub fn check_chat(req: &ChatCompletionRequest) -> Result<(), RuleError> {
         ));
     }
     chat_messages(req)?;
+    check_template_fields(req)
+}
+
+/// `continue_final_message` needs `add_generation_prompt: false` (both on
+/// contradict each other, as vLLM says); `chat_template_kwargs` may not
+/// replace a variable the server gives the template.
+fn check_template_fields(req: &ChatCompletionRequest) -> Result<(), RuleError> {
+    if req.continue_final_message == Some(true) && req.add_generation_prompt != Some(false) {
+        return Err(RuleError::param(
+            "continue_final_message",
+            "continue_final_message: true needs \"add_generation_prompt\": false \
+             (the two cannot both be on)",
+        ));
+    }
+    if let Some(kwargs) = &req.chat_template_kwargs
+        && let Some(k) = kwargs
+            .keys()
+            .find(|k| crate::chat::RESERVED_TEMPLATE_VARIABLES.contains(&k.as_str()))
+    {
+        return Err(RuleError::param(
+            "chat_template_kwargs",
+            format!(
+                "chat_template_kwargs.{k} is a variable the server gives the template; it cannot be replaced"
+            ),
+        ));
+    }
     Ok(())
 }
 
@@ -371,11 +452,13 @@ mod tests {
             ("  ", "empty_body"),
             ("{", "invalid_json"),
             ("[1]", "invalid_json"),
-            (r#"{"model":"m","prompt":5}"#, "invalid_request"),
         ] {
             let e = completion(body).unwrap_err();
             assert_eq!((e.param, e.code), (None, Some(code)), "{body}");
         }
+        // A wrongly typed field is named.
+        let e = completion(r#"{"model":"m","prompt":5}"#).unwrap_err();
+        assert_eq!((e.param, e.code), (Some("prompt"), Some("invalid_request")));
         for body in [
             r#"{"prompt":"x"}"#,
             r#"{"model":"","prompt":"x"}"#,

@@ -9,8 +9,11 @@
 //! HF templates call: `raise_exception(msg)`, `strftime_now(fmt)` and a
 //! `tojson` filter that writes what Python's `json.dumps` writes. The
 //! variables are `messages` (a list of `{role, content}`),
-//! `add_generation_prompt` (true), `bos_token`, `eos_token`, and `tools` /
-//! `documents` (none).
+//! `add_generation_prompt` (true unless the request turns it off),
+//! `bos_token`, `eos_token`, `tools` / `documents` (none) and the request's
+//! `chat_template_kwargs`. With `continue_final_message` the rendered text is
+//! cut right after the final message's content
+//! (`rngd_api::chat::continue_final`), whatever the renderer.
 //!
 //! A model without a template is rendered with a fixed fallback: ChatML
 //! (`<|im_start|>role\ncontent<|im_end|>\n` …, then `<|im_start|>assistant\n`)
@@ -22,6 +25,8 @@ use std::sync::Arc;
 
 use minijinja::value::{Kwargs, Value, ValueKind};
 use minijinja::{Environment, ErrorKind};
+
+use rngd_api::chat::{TemplateOptions, continue_final};
 
 use crate::EngineError;
 
@@ -180,18 +185,35 @@ impl ChatTemplate {
         &self.specials
     }
 
-    /// Renders `(role, content)` messages, ending with the assistant
-    /// generation prompt: exactly the template's output. A template that calls
-    /// `raise_exception` (roles that do not alternate, …) refuses the chat
-    /// with [`EngineError::InvalidRequest`] carrying its message.
-    pub fn render(&self, messages: &[(String, String)]) -> Result<String, EngineError> {
-        if messages.is_empty() {
+    /// Renders `(role, content)` messages as `opts` ask (by default ending
+    /// with the assistant generation prompt): exactly the template's output,
+    /// cut after the final message with `continue_final_message`. A template
+    /// that calls `raise_exception` (roles that do not alternate, …) refuses
+    /// the chat with [`EngineError::InvalidRequest`] carrying its message.
+    pub fn render(
+        &self,
+        messages: &[(String, String)],
+        opts: &TemplateOptions,
+    ) -> Result<String, EngineError> {
+        let Some((_, last)) = messages.last() else {
             return Err(EngineError::InvalidRequest(
                 "a chat needs at least one message".into(),
             ));
+        };
+        let text = self.render_all(messages, opts)?;
+        if opts.continue_final_message {
+            return continue_final(&text, last).map_err(EngineError::InvalidRequest);
         }
+        Ok(text)
+    }
+
+    fn render_all(
+        &self,
+        messages: &[(String, String)],
+        opts: &TemplateOptions,
+    ) -> Result<String, EngineError> {
         match &self.renderer {
-            Renderer::Jinja(env) => self.render_jinja(env, messages),
+            Renderer::Jinja(env) => self.render_jinja(env, messages, opts),
             Renderer::ChatMl => {
                 let mut out = String::new();
                 for (role, content) in messages {
@@ -201,7 +223,9 @@ impl ChatTemplate {
                     out.push_str(content);
                     out.push_str("<|im_end|>\n");
                 }
-                out.push_str("<|im_start|>assistant\n");
+                if opts.add_generation_prompt {
+                    out.push_str("<|im_start|>assistant\n");
+                }
                 Ok(out)
             }
             Renderer::Plain => {
@@ -212,7 +236,9 @@ impl ChatTemplate {
                     out.push_str(content);
                     out.push('\n');
                 }
-                out.push_str("assistant: ");
+                if opts.add_generation_prompt {
+                    out.push_str("assistant: ");
+                }
                 Ok(out)
             }
         }
@@ -222,6 +248,7 @@ impl ChatTemplate {
         &self,
         env: &Environment<'static>,
         messages: &[(String, String)],
+        opts: &TemplateOptions,
     ) -> Result<String, EngineError> {
         let list: Vec<Value> = messages
             .iter()
@@ -234,7 +261,10 @@ impl ChatTemplate {
             .collect();
         let mut ctx: Vec<(&str, Value)> = vec![
             ("messages", Value::from(list)),
-            ("add_generation_prompt", Value::from(true)),
+            (
+                "add_generation_prompt",
+                Value::from(opts.add_generation_prompt),
+            ),
             ("tools", Value::from(())),
             ("documents", Value::from(())),
         ];
@@ -243,6 +273,15 @@ impl ChatTemplate {
         }
         if let Some(e) = &self.specials.eos {
             ctx.push(("eos_token", Value::from(e.as_str())));
+        }
+        // The request's own variables; the rules refused any that would
+        // replace one above.
+        let mut ctx: Vec<(String, Value)> =
+            ctx.into_iter().map(|(k, v)| (k.to_string(), v)).collect();
+        for (k, v) in &opts.kwargs {
+            if !ctx.iter().any(|(name, _)| name == k) {
+                ctx.push((k.clone(), Value::from_serialize(v)));
+            }
         }
         let ctx = Value::from_iter(ctx);
         let template = env

@@ -317,8 +317,12 @@ impl Engine for CpuEngine {
         self.tokenizer.decode(ids)
     }
 
-    fn chat_prompt(&self, messages: &[(String, String)]) -> Result<String, EngineError> {
-        self.tokenizer.chat_prompt(messages)
+    fn chat_prompt(
+        &self,
+        messages: &[(String, String)],
+        opts: &rngd_api::chat::TemplateOptions,
+    ) -> Result<String, EngineError> {
+        self.tokenizer.chat_prompt(messages, opts)
     }
 
     async fn prefill(

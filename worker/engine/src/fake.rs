@@ -128,7 +128,12 @@ impl Engine for EchoEngine {
         Ok(String::from_utf8_lossy(&bytes).into_owned())
     }
 
-    fn chat_prompt(&self, messages: &[(String, String)]) -> Result<String, EngineError> {
+    /// `role: content` lines; the template options have no effect here.
+    fn chat_prompt(
+        &self,
+        messages: &[(String, String)],
+        _opts: &rngd_api::chat::TemplateOptions,
+    ) -> Result<String, EngineError> {
         Ok(messages
             .iter()
             .map(|(r, c)| format!("{r}: {c}\n"))

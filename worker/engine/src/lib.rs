@@ -164,6 +164,9 @@ pub struct SamplingParams {
     /// vLLM's `cache_salt`: prompts with different salts never share cached
     /// prefix blocks (`None`: the unsalted cache).
     pub cache_salt: Option<String>,
+    /// Control tokens are left out of the text (vLLM's `skip_special_tokens`,
+    /// default true); false writes them as their text.
+    pub skip_special_tokens: bool,
 }
 
 /// One request's KV cache in the wire layout (bf16 blobs, `K0, V0, K1, V1, …`).
@@ -263,8 +266,13 @@ pub trait Engine: Send + Sync + 'static {
     }
     /// Token ids → text.
     fn detokenize(&self, ids: &[u32]) -> Result<String, EngineError>;
-    /// Renders a chat (role, content) with the model's template, ready to tokenize.
-    fn chat_prompt(&self, messages: &[(String, String)]) -> Result<String, EngineError>;
+    /// Renders a chat (role, content) with the model's template as `opts`
+    /// ask, ready to tokenize.
+    fn chat_prompt(
+        &self,
+        messages: &[(String, String)],
+        opts: &rngd_api::chat::TemplateOptions,
+    ) -> Result<String, EngineError>;
     /// Runs the prompt and samples the first token.
     async fn prefill(
         &self,
@@ -333,7 +341,7 @@ pub trait IterationObserver: Send + Sync {
 
 impl Default for SamplingParams {
     /// Greedy, 16 tokens, every processor off, seed 0, no stops, no logprobs,
-    /// no cache salt.
+    /// no cache salt, special tokens left out of the text.
     fn default() -> Self {
         SamplingParams {
             max_tokens: 16,
@@ -352,6 +360,7 @@ impl Default for SamplingParams {
             stop_token_ids: Vec::new(),
             logprobs: None,
             cache_salt: None,
+            skip_special_tokens: true,
         }
     }
 }

@@ -27,6 +27,8 @@ use tokenizers::AddedToken;
 use tokenizers::decoders::byte_level::ByteLevel as ByteLevelDecoder;
 use tokenizers::models::bpe::{BPE, Vocab};
 
+use rngd_api::chat::TemplateOptions;
+
 use crate::EngineError;
 pub use crate::chat_template::{ChatTemplate, SpecialTokens};
 pub use bound::Within;
@@ -94,6 +96,9 @@ pub struct Tokenizer {
     model_name: String,
     /// Bytes each token stands for (empty for control tokens).
     token_bytes: Vec<Vec<u8>>,
+    /// The text of each control token (`<|im_end|>`), shown when a request
+    /// keeps special tokens (`skip_special_tokens: false`).
+    control_text: HashMap<u32, Vec<u8>>,
     /// The longest text one token stands for (`bound`).
     max_token_bytes: usize,
     /// Bytes with no token of their own (`bound`: they prove no tokens).
@@ -359,6 +364,12 @@ impl Tokenizer {
                 }
             })
             .collect::<Vec<Vec<u8>>>();
+        let control_text = tokens
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| is_control(*i))
+            .map(|(i, t)| (i as u32, t.as_bytes().to_vec()))
+            .collect();
         let (max_token_bytes, tokenless_bytes) = bound::longest_token(&tokens, &token_bytes, |i| {
             is_control(i) || ty(i) == TOKEN_TYPE_USER_DEFINED
         });
@@ -383,6 +394,7 @@ impl Tokenizer {
             inner,
             model_name,
             token_bytes,
+            control_text,
             max_token_bytes,
             tokenless_bytes,
             context_length: None,
@@ -483,15 +495,29 @@ impl Tokenizer {
             .unwrap_or(&[])
     }
 
-    /// Renders `(role, content)` messages with the model's template, ending with
-    /// the assistant generation prompt.
+    /// The bytes a token shows in an answer's text: [`Tokenizer::token_bytes`],
+    /// or a control token's own text when `keep_special` (vLLM's
+    /// `skip_special_tokens: false`).
+    pub fn shown_bytes(&self, id: u32, keep_special: bool) -> &[u8] {
+        match self.control_text.get(&id) {
+            Some(text) if keep_special => text,
+            _ => self.token_bytes(id),
+        }
+    }
+
+    /// Renders `(role, content)` messages with the model's template as `opts`
+    /// ask (by default ending with the assistant generation prompt).
     ///
     /// When the template prints `bos_token` first and [`Tokenizer::encode`]
     /// prepends BOS itself, that leading BOS text is left out, so the prompt
     /// encodes with one BOS (as vLLM tokenizes chats, without adding special
     /// tokens to a template that has them).
-    pub fn chat_prompt(&self, messages: &[(String, String)]) -> Result<String, EngineError> {
-        let mut text = self.template.render(messages)?;
+    pub fn chat_prompt(
+        &self,
+        messages: &[(String, String)],
+        opts: &TemplateOptions,
+    ) -> Result<String, EngineError> {
+        let mut text = self.template.render(messages, opts)?;
         if self.add_bos
             && self.bos.is_some()
             && let Some(bos) = &self.template.specials().bos
@@ -533,13 +559,24 @@ impl Tokenizer {
 }
 
 /// Turns a stream of token ids into text pieces, holding back bytes of a UTF-8
-/// character that is not complete yet.
+/// character that is not complete yet. Control tokens show no text unless
+/// the decoder keeps them ([`StreamDecoder::keeping_special`]).
 #[derive(Debug, Default, Clone)]
 pub struct StreamDecoder {
     pending: Vec<u8>,
+    keep_special: bool,
 }
 
 impl StreamDecoder {
+    /// A decoder that writes control tokens as their text (vLLM's
+    /// `skip_special_tokens: false`) when `keep` is set.
+    pub fn keeping_special(keep: bool) -> Self {
+        StreamDecoder {
+            pending: Vec::new(),
+            keep_special: keep,
+        }
+    }
+
     /// Whether bytes of an incomplete character are held back.
     pub fn is_holding(&self) -> bool {
         !self.pending.is_empty()
@@ -547,7 +584,8 @@ impl StreamDecoder {
 
     /// Adds one token; returns the text that is now complete (possibly empty).
     pub fn push(&mut self, tokenizer: &Tokenizer, id: u32) -> String {
-        self.pending.extend_from_slice(tokenizer.token_bytes(id));
+        self.pending
+            .extend_from_slice(tokenizer.shown_bytes(id, self.keep_special));
         let mut out = String::new();
         loop {
             match std::str::from_utf8(&self.pending) {

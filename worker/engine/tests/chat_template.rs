@@ -25,7 +25,8 @@ fn chat(pairs: &[(&str, &str)]) -> Vec<(String, String)> {
 }
 
 fn render(source: &str, messages: &[(&str, &str)]) -> Result<String, EngineError> {
-    ChatTemplate::compile(source, "test template", specials())?.render(&chat(messages))
+    ChatTemplate::compile(source, "test template", specials())?
+        .render(&chat(messages), &Default::default())
 }
 
 #[test]
@@ -123,7 +124,7 @@ fn the_real_models_template_and_an_override_file() {
         ("user", "Ünïcödé 🚀?"),
     ]);
     assert_eq!(
-        t.chat_prompt(&multi).unwrap(),
+        t.chat_prompt(&multi, &Default::default()).unwrap(),
         "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n\
          <|im_start|>assistant\nHello!<|im_end|>\n<|im_start|>user\nÜnïcödé 🚀?<|im_end|>\n\
          <|im_start|>assistant\n"
@@ -144,7 +145,8 @@ fn the_real_models_template_and_an_override_file() {
     assert_eq!(t2.model_name(), "my-model");
     assert!(t2.template().origin().contains("t.jinja"));
     assert_eq!(
-        t2.chat_prompt(&chat(&[("user", "Hi")])).unwrap(),
+        t2.chat_prompt(&chat(&[("user", "Hi")]), &Default::default())
+            .unwrap(),
         "<user>Hi<assistant>"
     );
 
@@ -213,7 +215,9 @@ fn a_chat_prompt_encodes_with_exactly_one_bos() {
     let bos = 256;
     for add_bos in [true, false] {
         let t = Tokenizer::from_parts(parts(add_bos, Some(template), false)).unwrap();
-        let prompt = t.chat_prompt(&chat(&[("user", "hi")])).unwrap();
+        let prompt = t
+            .chat_prompt(&chat(&[("user", "hi")]), &Default::default())
+            .unwrap();
         assert_eq!(
             prompt.starts_with("<s>"),
             !add_bos,
@@ -229,7 +233,7 @@ fn a_chat_prompt_encodes_with_exactly_one_bos() {
         // The template's own output keeps its BOS text either way.
         assert!(
             t.template()
-                .render(&chat(&[("user", "hi")]))
+                .render(&chat(&[("user", "hi")]), &Default::default())
                 .unwrap()
                 .starts_with("<s>")
         );
@@ -242,16 +246,16 @@ fn models_without_a_template_fall_back_to_chatml_or_plain_lines() {
     let chatml = Tokenizer::from_parts(parts(false, None, true)).unwrap();
     assert_eq!(chatml.template().kind(), "chatml");
     assert_eq!(
-        chatml.chat_prompt(&msgs).unwrap(),
+        chatml.chat_prompt(&msgs, &Default::default()).unwrap(),
         "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nU<|im_end|>\n<|im_start|>assistant\n"
     );
     let plain = Tokenizer::from_parts(parts(false, None, false)).unwrap();
     assert_eq!(plain.template().kind(), "plain");
     assert_eq!(
-        plain.chat_prompt(&msgs).unwrap(),
+        plain.chat_prompt(&msgs, &Default::default()).unwrap(),
         "system: S\nuser: U\nassistant: "
     );
-    assert!(plain.chat_prompt(&[]).is_err());
+    assert!(plain.chat_prompt(&[], &Default::default()).is_err());
 }
 
 #[test]
@@ -273,5 +277,73 @@ fn a_model_directory_stands_for_its_one_gguf() {
             && err.contains("model-a.gguf")
             && err.contains("model-b.GGUF"),
         "{err}"
+    );
+}
+
+/// vLLM's template options: `add_generation_prompt` and
+/// `chat_template_kwargs` reach the Jinja template as variables,
+/// `continue_final_message` leaves the last message open, for the compiled
+/// template and both fallbacks.
+#[test]
+fn template_options_reach_the_template() {
+    use rngd_api::chat::TemplateOptions;
+    let src = "{% for m in messages %}<{{ m.role }}>{{ m.content }}</{{ m.role }}>{% endfor %}\
+               {% if add_generation_prompt %}<assistant>{% endif %}\
+               {% if enable_thinking is defined and not enable_thinking %}<no_think>{% endif %}";
+    let t = ChatTemplate::compile(src, "test template", specials()).unwrap();
+    let msgs = chat(&[("user", "hi"), ("assistant", "Once upon a")]);
+    let on = TemplateOptions::default();
+    assert_eq!(
+        t.render(&msgs, &on).unwrap(),
+        "<user>hi</user><assistant>Once upon a</assistant><assistant>"
+    );
+    let off = TemplateOptions {
+        add_generation_prompt: false,
+        ..TemplateOptions::default()
+    };
+    assert_eq!(
+        t.render(&msgs, &off).unwrap(),
+        "<user>hi</user><assistant>Once upon a</assistant>"
+    );
+    let open = TemplateOptions {
+        add_generation_prompt: false,
+        continue_final_message: true,
+        ..TemplateOptions::default()
+    };
+    assert_eq!(
+        t.render(&msgs, &open).unwrap(),
+        "<user>hi</user><assistant>Once upon a"
+    );
+    let mut kwargs = serde_json::Map::new();
+    kwargs.insert("enable_thinking".into(), serde_json::Value::Bool(false));
+    let thinking = TemplateOptions {
+        kwargs,
+        ..TemplateOptions::default()
+    };
+    assert!(
+        t.render(&msgs, &thinking)
+            .unwrap()
+            .ends_with("<assistant><no_think>")
+    );
+    // A template that drops the final message cannot continue it.
+    let drops = ChatTemplate::compile("{{ messages[0].content }}", "t", specials()).unwrap();
+    assert!(matches!(
+        drops.render(&msgs, &open),
+        Err(EngineError::InvalidRequest(m)) if m.contains("continue_final_message")
+    ));
+    // The fallbacks honour both switches too.
+    let chatml = Tokenizer::from_parts(parts(false, None, true)).unwrap();
+    assert_eq!(
+        chatml.chat_prompt(&msgs, &off).unwrap(),
+        "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\nOnce upon a<|im_end|>\n"
+    );
+    assert_eq!(
+        chatml.chat_prompt(&msgs, &open).unwrap(),
+        "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\nOnce upon a"
+    );
+    let plain = Tokenizer::from_parts(parts(false, None, false)).unwrap();
+    assert_eq!(
+        plain.chat_prompt(&msgs, &off).unwrap(),
+        "user: hi\nassistant: Once upon a\n"
     );
 }

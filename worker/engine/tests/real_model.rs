@@ -25,10 +25,13 @@ fn prompts(engine: &CpuEngine) -> Vec<Vec<u32>> {
             .unwrap(),
     );
     let chat = engine
-        .chat_prompt(&[(
-            "user".into(),
-            "Write a long story about a dragon who learns to bake bread.".into(),
-        )])
+        .chat_prompt(
+            &[(
+                "user".into(),
+                "Write a long story about a dragon who learns to bake bread.".into(),
+            )],
+            &Default::default(),
+        )
         .unwrap();
     out.push(engine.tokenize(&chat).unwrap());
     let code = "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\n";

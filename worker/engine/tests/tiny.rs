@@ -260,7 +260,9 @@ fn tiny_tokenizer_round_trips_and_renders_chatml() {
     let ids = t.encode(text).unwrap();
     assert!(ids.contains(&258), "the merge Ġthe is used: {ids:?}");
     assert_eq!(t.decode(&ids).unwrap(), text);
-    let chat = t.chat_prompt(&[("user".into(), "hi".into())]).unwrap();
+    let chat = t
+        .chat_prompt(&[("user".into(), "hi".into())], &Default::default())
+        .unwrap();
     assert_eq!(
         chat,
         "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"

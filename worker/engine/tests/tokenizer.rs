@@ -293,17 +293,22 @@ fn streaming_holds_back_incomplete_utf8_and_matches_full_decode() {
 #[test]
 fn chat_template_is_chatml_with_the_default_system_prompt() {
     let t = real();
-    let p = t.chat_prompt(&[("user".into(), "Hi".into())]).unwrap();
+    let p = t
+        .chat_prompt(&[("user".into(), "Hi".into())], &Default::default())
+        .unwrap();
     assert_eq!(
         p,
         "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n\
          <|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
     );
     let p = t
-        .chat_prompt(&[
-            ("system".into(), "Be brief.".into()),
-            ("user".into(), "Hi".into()),
-        ])
+        .chat_prompt(
+            &[
+                ("system".into(), "Be brief.".into()),
+                ("user".into(), "Hi".into()),
+            ],
+            &Default::default(),
+        )
         .unwrap();
     assert!(p.starts_with("<|im_start|>system\nBe brief.<|im_end|>\n"));
     let ids = t.encode(&p).unwrap();

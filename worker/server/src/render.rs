@@ -100,8 +100,9 @@ async fn chat_ids(
         rules::check_chat(&chat)?;
         served.check(&chat.model)?;
         let messages = rules::chat_messages(&chat)?;
+        let opts = rngd_api::chat::TemplateOptions::of(&chat);
         let prompt = e
-            .chat_prompt(&messages)
+            .chat_prompt(&messages, &opts)
             .map_err(|e| ApiError::BadRequest(format!("tokenizing the prompt: {e}")))?;
         Ok((chat, prompt))
     })
@@ -144,6 +145,8 @@ fn generate_request(
             "max_tokens": p.max_tokens,
             "min_tokens": p.min_tokens,
             "logprobs": p.logprobs,
+            "skip_special_tokens": p.skip_special_tokens,
+            "spaces_between_special_tokens": f.spaces_between_special_tokens.unwrap_or(true),
         },
         "model": req.model,
         "stream": f.stream,
@@ -155,8 +158,9 @@ fn generate_request(
 }
 
 /// `POST /tokenize`'s body: vLLM's `TokenizeCompletionRequest` or
-/// `TokenizeChatRequest`. Options other than vLLM's defaults are refused by
-/// name (this worker's tokenizer and template have no switches).
+/// `TokenizeChatRequest`. The chat's template options are the chat
+/// endpoint's; `add_special_tokens` and `return_token_strs` other than
+/// vLLM's defaults are refused by name.
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct TokenizeBody {
@@ -166,6 +170,7 @@ struct TokenizeBody {
     add_special_tokens: Option<bool>,
     add_generation_prompt: Option<bool>,
     continue_final_message: Option<bool>,
+    chat_template_kwargs: Option<Value>,
     return_token_strs: Option<bool>,
 }
 
@@ -208,6 +213,7 @@ async fn tokenize(
                 for (set, name) in [
                     (b.add_generation_prompt.is_some(), "add_generation_prompt"),
                     (b.continue_final_message.is_some(), "continue_final_message"),
+                    (b.chat_template_kwargs.is_some(), "chat_template_kwargs"),
                 ] {
                     if set {
                         return Err(RuleError::param(
@@ -220,20 +226,29 @@ async fn tokenize(
                 prompt_ids(&engine, &Prompt::Text(prompt.clone())).await?
             }
             (None, Some(messages)) => {
-                if b.add_generation_prompt == Some(false) {
-                    return Err(refuse("add_generation_prompt", "false"));
-                }
-                if b.continue_final_message == Some(true) {
-                    return Err(refuse("continue_final_message", "true"));
-                }
                 if b.add_special_tokens == Some(true) {
                     return Err(refuse("add_special_tokens", "true with messages"));
                 }
                 // The chat endpoint's own path: the same rules, the same template.
-                let chat = json!({
+                let mut chat = json!({
                     "model": b.model.clone().unwrap_or_else(|| engine.info().name.clone()),
                     "messages": messages,
                 });
+                for (name, v) in [
+                    (
+                        "add_generation_prompt",
+                        b.add_generation_prompt.map(Value::from),
+                    ),
+                    (
+                        "continue_final_message",
+                        b.continue_final_message.map(Value::from),
+                    ),
+                    ("chat_template_kwargs", b.chat_template_kwargs.clone()),
+                ] {
+                    if let Some(v) = v {
+                        chat[name] = v;
+                    }
+                }
                 let bytes = Bytes::from(
                     serde_json::to_vec(&chat).map_err(|e| ApiError::Internal(e.to_string()))?,
                 );

@@ -353,7 +353,7 @@ async fn bad_chats_are_refused_with_the_param() {
         ),
         (
             json!({"model": "echo", "messages": "hi"}),
-            None,
+            Some("messages"),
             Some("invalid_request"),
         ),
         (json!([1, 2]), None, Some("invalid_json")),
@@ -418,8 +418,13 @@ fn the_gateway_counter_renders_the_echo_engines_template() {
             .iter()
             .map(|(r, c)| (r.to_string(), c.to_string()))
             .collect();
-        let engine_prompt = engine.chat_prompt(&pairs).unwrap();
-        assert_eq!(ByteCounter.chat_prompt(&pairs).unwrap(), engine_prompt);
+        let engine_prompt = engine.chat_prompt(&pairs, &Default::default()).unwrap();
+        assert_eq!(
+            ByteCounter
+                .chat_prompt(&pairs, &Default::default())
+                .unwrap(),
+            engine_prompt
+        );
         assert_eq!(
             ByteCounter.count(&engine_prompt).unwrap(),
             engine.tokenize(&engine_prompt).unwrap().len()

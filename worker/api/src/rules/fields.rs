@@ -149,6 +149,8 @@ macro_rules! shared {
             served("ignore_eos"),
             served("stop_token_ids"),
             served("cache_salt"),
+            served("skip_special_tokens"),
+            served("spaces_between_special_tokens"),
             only("n", "1", one),
             only("prompt_logprobs", "null", null),
             only("use_beam_search", "false", falsy),
@@ -197,8 +199,11 @@ const COMPLETION_OWN: [Field; 7] = [
     only("suffix", "empty", empty),
 ];
 
-const CHAT_OWN: [Field; 23] = [
+const CHAT_OWN: [Field; 26] = [
     served("messages"),
+    served("add_generation_prompt"),
+    served("continue_final_message"),
+    served("chat_template_kwargs"),
     served("max_completion_tokens"),
     served("logprobs"),
     served("top_logprobs"),
@@ -228,7 +233,7 @@ pub const COMPLETION: &[Field] =
     &join::<SHARED_LEN, 7, { SHARED_LEN + 7 }>(shared!(), COMPLETION_OWN);
 
 /// The fields of `POST /v1/chat/completions`.
-pub const CHAT: &[Field] = &join::<SHARED_LEN, 23, { SHARED_LEN + 23 }>(shared!(), CHAT_OWN);
+pub const CHAT: &[Field] = &join::<SHARED_LEN, 26, { SHARED_LEN + 26 }>(shared!(), CHAT_OWN);
 
 /// Checks every field of `obj` against `table`.
 pub(super) fn check(
@@ -455,5 +460,67 @@ mod tests {
             let e = chat(&format!(r#"{{"model":"m",{m},{extra}}}"#)).unwrap_err();
             assert_eq!(e.param, Some(param), "{extra}");
         }
+    }
+
+    #[test]
+    fn vllm_template_and_detokenizer_fields() {
+        let m = r#""messages":[{"role":"user","content":"x"}]"#;
+        for extra in [
+            r#""add_generation_prompt":false"#,
+            r#""add_generation_prompt":false,"continue_final_message":true"#,
+            r#""chat_template_kwargs":{"enable_thinking":false,"x":[1,{"y":null}]}"#,
+            r#""skip_special_tokens":false,"spaces_between_special_tokens":false"#,
+        ] {
+            assert!(
+                chat(&format!(r#"{{"model":"m",{m},{extra}}}"#)).is_ok(),
+                "{extra}"
+            );
+        }
+        for (extra, param) in [
+            // Both on contradict each other (the default is on).
+            (r#""continue_final_message":true"#, "continue_final_message"),
+            (
+                r#""continue_final_message":true,"add_generation_prompt":true"#,
+                "continue_final_message",
+            ),
+            (
+                r#""chat_template_kwargs":{"messages":[]}"#,
+                "chat_template_kwargs",
+            ),
+            (
+                r#""chat_template_kwargs":{"tools":[{}]}"#,
+                "chat_template_kwargs",
+            ),
+        ] {
+            let e = chat(&format!(r#"{{"model":"m",{m},{extra}}}"#)).unwrap_err();
+            assert_eq!(e.param, Some(param), "{extra}");
+        }
+        // Wrong types are the type check's 400; chat fields are not completion fields.
+        for body in [
+            format!(r#"{{"model":"m",{m},"chat_template_kwargs":[1]}}"#),
+            format!(r#"{{"model":"m",{m},"skip_special_tokens":"no"}}"#),
+        ] {
+            let e = chat(&body).unwrap_err();
+            assert_eq!(e.code, Some("invalid_request"), "{body}");
+            // The culprit is named, even through the flattened sampling fields.
+            assert!(
+                matches!(
+                    e.param,
+                    Some("chat_template_kwargs" | "skip_special_tokens")
+                ),
+                "{body}: {:?}",
+                e.param
+            );
+        }
+        // Two bad fields: no single one to blame, the message says what failed.
+        let e = completion(r#"{"model":"m","prompt":"x","seed":"a","top_p":"b"}"#).unwrap_err();
+        assert_eq!((e.code, e.param), (Some("invalid_request"), None));
+        // A required field of the wrong type is named too.
+        let e = completion(r#"{"model":"m","prompt":{"a":1}}"#).unwrap_err();
+        assert_eq!(e.param, Some("prompt"));
+        assert!(completion(r#"{"model":"m","prompt":"x","skip_special_tokens":false}"#).is_ok());
+        let e =
+            completion(r#"{"model":"m","prompt":"x","add_generation_prompt":false}"#).unwrap_err();
+        assert_eq!(e.param_name(), Some("add_generation_prompt"));
     }
 }

@@ -44,6 +44,7 @@ impl Stream {
         cached_tokens: usize,
         tok: &Tokenizer,
     ) -> Self {
+        let decoder = StreamDecoder::keeping_special(!params.skip_special_tokens);
         Stream {
             tx,
             history: History::new(&prompt, &params, tok.stop_ids()),
@@ -54,7 +55,7 @@ impl Stream {
             last: first,
             sampled: 0,
             emitted: 0,
-            decoder: StreamDecoder::default(),
+            decoder,
             pending: None,
         }
     }

@@ -26,7 +26,8 @@ pub(super) fn render(
     // As the front doors: a prompt the template or tokenizer refuses is a 400.
     let tokenize =
         |e: rngd_engine::EngineError| ApiError::BadRequest(format!("tokenizing the prompt: {e}"));
-    let prompt = engine.chat_prompt(&messages).map_err(tokenize)?;
+    let opts = rngd_api::chat::TemplateOptions::of(&chat);
+    let prompt = engine.chat_prompt(&messages, &opts).map_err(tokenize)?;
     // Never tokenized past the context (a chat too long is the 400 at once).
     let prompt_tokens = super::text_ids(engine, &prompt).map_err(tokenize)??.len();
     let seq_len = u32::try_from(engine.info().seq_len).unwrap_or(u32::MAX);

@@ -397,5 +397,6 @@ pub(super) fn sampling(
         stop_token_ids,
         logprobs: req.chat_logprobs.or(req.logprobs).map(|n| n as usize),
         cache_salt: f.cache_salt.clone(),
+        skip_special_tokens: f.skip_special_tokens.unwrap_or(true),
     })
 }
