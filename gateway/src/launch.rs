@@ -211,7 +211,9 @@ pub async fn launch(opts: LaunchOptions) -> Result<Launched, GatewayError> {
         })?);
         let s = stop.clone();
         let app = server::kpi_router(gateway.metrics().clone());
-        tasks.push(tokio::spawn(server::serve(l, app, edge, async move {
+        // The KPI listener stays plain HTTP (a scraper's), whatever the main one.
+        let kpi_edge = rngd_http_edge::Options { tls: None, ..edge };
+        tasks.push(tokio::spawn(server::serve(l, app, kpi_edge, async move {
             s.cancelled().await
         })));
     }

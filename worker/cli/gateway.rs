@@ -106,6 +106,15 @@ pub struct Args {
     /// Time a client has to send its whole body, ms; then 408.
     #[arg(long, default_value_t = 30_000)]
     pub body_timeout_ms: u64,
+    /// PEM certificate chain (leaf first) for TLS on the main listener
+    /// (vLLM's flag); needs `--ssl-keyfile`. Loaded once at start. The KPI
+    /// and admin listeners stay plain HTTP on their own (loopback by
+    /// default) addresses.
+    #[arg(long, value_name = "FILE", requires = "ssl_keyfile")]
+    pub ssl_certfile: Option<PathBuf>,
+    /// PEM private key of `--ssl-certfile`.
+    #[arg(long, value_name = "FILE", requires = "ssl_certfile")]
+    pub ssl_keyfile: Option<PathBuf>,
     /// The listener limits.
     #[command(flatten)]
     pub listener: ListenerArgs,
@@ -196,6 +205,11 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         chat_template: args.chat_template.clone(),
         served_model_name: args.served_model_name.first().cloned(),
     };
+    let tls = match (&args.ssl_certfile, &args.ssl_keyfile) {
+        (Some(cert), Some(key)) => Some(rngd_http_edge::tls::ServerTls::from_pem_files(cert, key)?),
+        _ => None,
+    };
+    let scheme = if tls.is_some() { "https" } else { "http" };
     if args.check {
         args.listener.options().check()?;
         args.load_names.names()?;
@@ -245,7 +259,10 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
             max_queued: args.max_queued,
             queue_timeout: Duration::from_millis(args.queue_timeout_ms),
             body_timeout: Duration::from_millis(args.body_timeout_ms),
-            edge: args.listener.options(),
+            edge: rngd_http_edge::Options {
+                tls,
+                ..args.listener.options()
+            },
             ..GatewayConfig::default()
         },
         scrape: ScrapeOptions {
@@ -262,7 +279,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     if let Some(k) = launched.kpi_addr {
         println!("{KPI_PREFIX}{k}/metrics");
     }
-    println!("rngd-pd gateway listening on http://{}", launched.addr);
+    println!("rngd-pd gateway listening on {scheme}://{}", launched.addr);
     println!("rngd-pd gateway model {}", launched.gateway.model_name());
     use std::io::Write;
     let _ = std::io::stdout().flush();

@@ -57,7 +57,7 @@ enum Command {
     /// Run the KV relay server of the `tcp` transport.
     Relay(relay::Args),
     /// Run the OpenAI-compatible gateway.
-    Gateway(gateway::Args),
+    Gateway(Box<gateway::Args>),
     /// Run the Envoy ext_proc endpoint picker.
     ExtProc(ext_proc::Args),
     /// Bring up the whole local stack on the CPU backend.
@@ -130,7 +130,7 @@ fn main() -> anyhow::Result<()> {
         match cli.command {
             Command::Worker(a) => worker::run(a).await,
             Command::Relay(a) => relay::run(a).await,
-            Command::Gateway(a) => gateway::run(a).await,
+            Command::Gateway(a) => gateway::run(*a).await,
             Command::ExtProc(a) => ext_proc::run(a).await,
             Command::Up(a) => up::run(a, cli.log_format).await,
             Command::Kv(c) => kv::run(c).await,

@@ -18,7 +18,9 @@
 //!   one ends the drain at once;
 //! - [`admin`]: the bearer-token guard of every admin listener;
 //! - [`api_key`]: the API key of the public listeners (`--api-key`);
-//! - [`surface`]: the small routes every server answers alike (`/version`).
+//! - [`surface`]: the small routes every server answers alike (`/version`);
+//! - [`tls`]: TLS of a listener ([`Options::tls`], the gateway's
+//!   `--ssl-certfile` / `--ssl-keyfile`).
 //!
 //! `docs/gateway.md` ("Listener limits") describes the limits and their
 //! defaults.
@@ -30,6 +32,7 @@ mod drain;
 mod hold;
 mod serve;
 pub mod surface;
+pub mod tls;
 
 use std::time::Duration;
 
@@ -90,6 +93,9 @@ pub struct Options {
     /// an error event and `data: [DONE]` on a stream. Zero cuts at once.
     /// Default 30 s.
     pub shutdown_timeout: Duration,
+    /// TLS on this listener (`None`, the default: plain HTTP). A client has
+    /// [`Options::header_timeout`] to finish the handshake.
+    pub tls: Option<tls::ServerTls>,
 }
 
 impl Default for Options {
@@ -102,6 +108,7 @@ impl Default for Options {
             linger_bytes: DEFAULT_LINGER_BYTES,
             linger_timeout: DEFAULT_LINGER_TIMEOUT,
             shutdown_timeout: DEFAULT_SHUTDOWN_TIMEOUT,
+            tls: None,
         }
     }
 }
@@ -115,6 +122,15 @@ pub enum EdgeError {
     /// Reading the listener's bound address failed.
     #[error("listener address")]
     Address(#[source] std::io::Error),
+    /// The TLS certificate or key could not be loaded.
+    #[error("TLS: {context}")]
+    Tls {
+        /// The file or step that failed.
+        context: String,
+        /// Why.
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
 }
 
 impl Options {

@@ -231,6 +231,10 @@ fn is_connection_error(e: &std::io::Error) -> bool {
     )
 }
 
+/// A request's answer, boxed so plain and TLS connections share one
+/// service type.
+type Answer = Pin<Box<dyn Future<Output = Result<axum::response::Response, Infallible>> + Send>>;
+
 /// Whether a connection has a request in flight, and since when it has not.
 #[derive(Debug, Clone, Copy)]
 struct Activity {
@@ -292,7 +296,7 @@ async fn connection(
         idle_since: None,
     });
     let activity = Arc::new(activity);
-    let service = hyper::service::service_fn(move |req: hyper::Request<Incoming>| {
+    let service = move |req: hyper::Request<Incoming>| {
         let mut req = req.map(Body::new);
         req.extensions_mut().insert(ConnectInfo(remote));
         req.extensions_mut().insert(budget.clone());
@@ -300,7 +304,7 @@ async fn connection(
         let mark = InFlight(activity.clone());
         let router = router.clone();
         let drain = drain.clone();
-        async move {
+        let answer: Answer = Box::pin(async move {
             let path = req.uri().path();
             if drain.stage() != Stage::Serving
                 && let Some(refused) = drain::refusal(path)
@@ -325,13 +329,51 @@ async fn connection(
                 resp
             };
             Ok(crate::hold_until_sent(resp, (mark, ticket)))
-        }
-    });
+        });
+        answer
+    };
+    let Some(tls) = &options.tls else {
+        let io = TokioIo::new(Linger::new(stream, &options));
+        return run(io, service, &options, &stop, watch_rx, remote).await;
+    };
+    // The handshake, bounded like a request's header block (a client that
+    // never finishes it holds a connection slot no longer than that).
+    let handshake = tokio::time::timeout(options.header_timeout, tls.acceptor().accept(stream));
+    let stream = tokio::select! {
+        r = handshake => match r {
+            Ok(Ok(s)) => s,
+            Ok(Err(e)) => {
+                tracing::debug!(%remote, error = %e, "TLS handshake failed");
+                return;
+            }
+            Err(_) => {
+                tracing::debug!(%remote, "TLS handshake timed out");
+                return;
+            }
+        },
+        _ = stop.cancelled() => return,
+    };
     let io = TokioIo::new(Linger::new(stream, &options));
+    run(io, service, &options, &stop, watch_rx, remote).await
+}
+
+/// Serves HTTP/1.1 on one connection (plain or TLS) until it ends, closing
+/// it gracefully when the listener stops or it sits idle too long.
+async fn run<I, F>(
+    io: TokioIo<I>,
+    service: F,
+    options: &Options,
+    stop: &CancellationToken,
+    watch_rx: watch::Receiver<Activity>,
+    remote: SocketAddr,
+) where
+    I: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+    F: Fn(hyper::Request<Incoming>) -> Answer + Send + 'static,
+{
     let conn = hyper::server::conn::http1::Builder::new()
         .timer(TokioTimer::new())
         .header_read_timeout(options.header_timeout)
-        .serve_connection(io, service);
+        .serve_connection(io, hyper::service::service_fn(service));
     tokio::pin!(conn);
     let mut closing = false;
     loop {
@@ -358,8 +400,8 @@ async fn connection(
 /// discards what the peer still sends (a request body nobody read), at most
 /// [`Options::linger_bytes`] for at most [`Options::linger_timeout`], so the
 /// peer reads the answer instead of a reset.
-struct Linger {
-    stream: TcpStream,
+struct Linger<S> {
+    stream: S,
     phase: Phase,
     bytes: usize,
     timeout: Duration,
@@ -374,8 +416,8 @@ enum Phase {
     Done,
 }
 
-impl Linger {
-    fn new(stream: TcpStream, options: &Options) -> Self {
+impl<S> Linger<S> {
+    fn new(stream: S, options: &Options) -> Self {
         Linger {
             stream,
             phase: Phase::Open,
@@ -385,7 +427,7 @@ impl Linger {
     }
 }
 
-impl AsyncRead for Linger {
+impl<S: AsyncRead + Unpin> AsyncRead for Linger<S> {
     fn poll_read(
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
@@ -395,7 +437,7 @@ impl AsyncRead for Linger {
     }
 }
 
-impl AsyncWrite for Linger {
+impl<S: AsyncRead + AsyncWrite + Unpin> AsyncWrite for Linger<S> {
     fn poll_write(
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,

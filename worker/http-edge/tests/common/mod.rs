@@ -81,7 +81,10 @@ pub async fn get_ok(addr: SocketAddr) -> Option<u16> {
 
 /// Reads until EOF (or `within` passes: `None`); a reset after some bytes
 /// keeps those bytes.
-pub async fn read_to_end(s: &mut TcpStream, within: Duration) -> Option<String> {
+pub async fn read_to_end<S: tokio::io::AsyncRead + Unpin>(
+    s: &mut S,
+    within: Duration,
+) -> Option<String> {
     let mut out = Vec::new();
     let mut buf = [0u8; 4096];
     let deadline = tokio::time::Instant::now() + within;
