@@ -310,6 +310,27 @@ def test_kpi_listener_is_reachable_in_the_pod():
     assert "--metrics-host=0.0.0.0" in args
 
 
+def test_gateway_tls_from_a_secret():
+    """`gateway.tlsSecretName`: the Secret mounted read-only (0400), the
+    gateway given `--ssl-certfile`/`--ssl-keyfile` at its files (flags the
+    binary has), HTTPS probes and an `https` appProtocol; without it, none."""
+    objs = render({"gateway": {"tlsSecretName": "demo-tls"}})
+    c = container(objs, "demo-gateway")
+    assert "--ssl-certfile=/etc/rngd-pd/tls/tls.crt" in c["args"]
+    assert "--ssl-keyfile=/etc/rngd-pd/tls/tls.key" in c["args"]
+    help_text = subprocess.run([binary(), "gateway", "--help"], capture_output=True, text=True, check=True).stdout
+    assert "--ssl-certfile" in help_text and "--ssl-keyfile" in help_text
+    assert {"name": "tls", "mountPath": "/etc/rngd-pd/tls", "readOnly": True} in c["volumeMounts"]
+    spec = objs[("Deployment", "demo-gateway")]["spec"]["template"]["spec"]
+    assert {"name": "tls", "secret": {"secretName": "demo-tls", "defaultMode": 0o400}} in spec["volumes"]
+    for probe in ("readinessProbe", "startupProbe", "livenessProbe"):
+        assert c[probe]["httpGet"]["scheme"] == "HTTPS", probe
+    assert objs[("Service", "demo-gateway")]["spec"]["ports"][0]["appProtocol"] == "https"
+    plain = container(render(), "demo-gateway")
+    assert not any(a.startswith("--ssl-") for a in plain["args"])
+    assert "scheme" not in plain["readinessProbe"]["httpGet"]
+
+
 def test_decode_workers_only_call_allowed_prefill_workers():
     args = container(render(), "demo-decode")["args"]
     assert "--prefill-allow=10.0.0.0/8:8000,172.16.0.0/12:8000,192.168.0.0/16:8000" in args
