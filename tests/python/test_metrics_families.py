@@ -39,6 +39,13 @@ VLLM = {
     "vllm:request_success_total": "counter",
     "vllm:num_preemptions_total": "counter",
     "vllm:iteration_tokens_total": "histogram",
+    "vllm:request_params_max_tokens": "histogram",
+    "vllm:request_params_n": "histogram",
+    "vllm:request_max_num_generation_tokens": "histogram",
+    "vllm:request_prefill_kv_computed_tokens": "histogram",
+    "vllm:prompt_tokens_cached_total": "counter",
+    "vllm:external_prefix_cache_queries_total": "counter",
+    "vllm:external_prefix_cache_hits_total": "counter",
 }
 PROCESS = ["process_cpu_seconds_total", "process_resident_memory_bytes", "process_virtual_memory_bytes",
            "process_open_fds", "process_max_fds", "process_threads", "process_start_time_seconds"]
@@ -125,6 +132,14 @@ def test_request_families_count_what_was_served_and_aborted():
         # for a cached block), then 7 decode steps of one stream.
         assert value(text, f"vllm:iteration_tokens_total_sum{{{MODEL}}}") == 2 * prompt_tokens + 7
         assert value(text, f"vllm:iteration_tokens_total_count{{{MODEL}}}") == 2 + 7
+        # The request parameters (max_tokens 8 and 1, n 1 each), and nothing
+        # cached or loaded: every prompt token computed here.
+        assert value(text, f"vllm:request_params_max_tokens_sum{{{MODEL}}}") == 9
+        assert value(text, f"vllm:request_max_num_generation_tokens_sum{{{MODEL}}}") == 9
+        assert value(text, f"vllm:request_params_n_sum{{{MODEL}}}") == 2
+        assert value(text, f"vllm:request_prefill_kv_computed_tokens_sum{{{MODEL}}}") == 2 * prompt_tokens
+        assert value(text, f"vllm:prompt_tokens_cached_total{{{MODEL}}}") == 0
+        assert value(text, f"vllm:external_prefix_cache_hits_total{{{MODEL}}}") == 0
 
         # A stream its client drops after the first chunk is counted as aborted.
         s = c.completions.create(model=SERVED_MODEL, prompt="Count to a thousand:", max_tokens=400,

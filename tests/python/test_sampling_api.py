@@ -379,3 +379,27 @@ def test_chat_template_kwargs_and_their_refusals(pd, solo):
                 chat_extra(c, msgs, max_tokens=2, **extra)
             body = e.value.response.json()["error"]
             assert body["param"] == param, body
+
+
+def test_the_decode_worker_counts_the_loaded_kv_as_external_hits(pd, solo):
+    """vLLM's KV-connector families on the PD path: the decode worker's
+    prompt tokens all came over the transport (external hits = queries =
+    prompt tokens, none computed there); the prefill worker computed them."""
+    def metric(addr, name):
+        return sum(float(l.rsplit(" ", 1)[1]) for l in requests.get(addr + "/metrics", timeout=10).text.splitlines()
+                   if l.startswith(name + "{") or l.startswith(name + " "))
+
+    names = ["vllm:external_prefix_cache_hits_total", "vllm:external_prefix_cache_queries_total",
+             "vllm:prompt_tokens_cached_total", "vllm:request_prefill_kv_computed_tokens_sum"]
+    before = {(w, n): metric(getattr(pd, w), n) for w in ("prefill", "decode") for n in names}
+    a, _ = both(pd, solo, lambda c: complete(c, max_tokens=4, temperature=0))
+    p = a.usage.prompt_tokens
+    after = {k: metric(getattr(pd, k[0]), k[1]) for k in before}
+    d = {k: after[k] - before[k] for k in before}
+    assert d[("decode", "vllm:external_prefix_cache_hits_total")] == p
+    assert d[("decode", "vllm:external_prefix_cache_queries_total")] == p
+    assert d[("decode", "vllm:prompt_tokens_cached_total")] == p
+    assert d[("decode", "vllm:request_prefill_kv_computed_tokens_sum")] == 0
+    assert d[("prefill", "vllm:external_prefix_cache_hits_total")] == 0
+    cached = d[("prefill", "vllm:prompt_tokens_cached_total")]
+    assert d[("prefill", "vllm:request_prefill_kv_computed_tokens_sum")] == p - cached

@@ -57,7 +57,16 @@ pub struct Finished<'a> {
     /// `stop`, `length` or `abort` (the client went away, the drain cut it,
     /// or the engine failed).
     pub reason: &'a str,
+    /// The request's `max_tokens` (its one sequence's bound).
+    pub max_tokens: usize,
+    /// Prompt tokens read from this worker's prefix cache.
+    pub cached_tokens: usize,
+    /// Prompt tokens whose KV was loaded from a prefill worker.
+    pub loaded_tokens: usize,
 }
+
+/// `n`: one sequence per request.
+const N_BUCKETS: &[f64] = &[1.0, 2.0, 5.0, 10.0, 20.0];
 
 /// Every metric a worker exports, in its own registry.
 #[derive(Debug, Clone)]
@@ -80,6 +89,13 @@ pub struct WorkerMetrics {
     inference_time: HistogramVec,
     request_prompt_tokens: HistogramVec,
     request_generation_tokens: HistogramVec,
+    params_max_tokens: HistogramVec,
+    params_n: HistogramVec,
+    max_num_generation_tokens: HistogramVec,
+    prefill_kv_computed: HistogramVec,
+    prompt_tokens_cached: IntCounterVec,
+    external_queries: IntCounterVec,
+    external_hits: IntCounterVec,
     preemptions: IntCounterVec,
     iteration_tokens: HistogramVec,
     prefix_queries: IntCounterVec,
@@ -211,6 +227,52 @@ impl WorkerMetrics {
                 MODEL,
                 TOKEN_BUCKETS,
             )?,
+            params_max_tokens: rngd_telemetry::histogram_vec(
+                &r,
+                names::VLLM_REQUEST_PARAMS_MAX_TOKENS,
+                "The max_tokens of each request",
+                MODEL,
+                TOKEN_BUCKETS,
+            )?,
+            params_n: rngd_telemetry::histogram_vec(
+                &r,
+                names::VLLM_REQUEST_PARAMS_N,
+                "The n of each request (one sequence)",
+                MODEL,
+                N_BUCKETS,
+            )?,
+            max_num_generation_tokens: rngd_telemetry::histogram_vec(
+                &r,
+                names::VLLM_REQUEST_MAX_NUM_GENERATION_TOKENS,
+                "The most tokens each request may generate",
+                MODEL,
+                TOKEN_BUCKETS,
+            )?,
+            prefill_kv_computed: rngd_telemetry::histogram_vec(
+                &r,
+                names::VLLM_REQUEST_PREFILL_KV_COMPUTED_TOKENS,
+                "Prompt tokens whose KV each request's prefill computed here",
+                MODEL,
+                TOKEN_BUCKETS,
+            )?,
+            prompt_tokens_cached: rngd_telemetry::counter_vec(
+                &r,
+                names::VLLM_PROMPT_TOKENS_CACHED_TOTAL,
+                "Prompt tokens whose KV was not computed here (prefix cache or a prefill worker)",
+                MODEL,
+            )?,
+            external_queries: rngd_telemetry::counter_vec(
+                &r,
+                names::VLLM_EXTERNAL_PREFIX_CACHE_QUERIES_TOTAL,
+                "Prompt tokens of requests whose KV was loaded from a prefill worker",
+                MODEL,
+            )?,
+            external_hits: rngd_telemetry::counter_vec(
+                &r,
+                names::VLLM_EXTERNAL_PREFIX_CACHE_HITS_TOTAL,
+                "Prompt tokens whose KV was loaded from a prefill worker",
+                MODEL,
+            )?,
             preemptions: rngd_telemetry::counter_vec(
                 &r,
                 names::VLLM_NUM_PREEMPTIONS_TOTAL,
@@ -332,6 +394,30 @@ impl WorkerMetrics {
             .with_label_values(&m)
             .inc_by(f.generated as u64);
         self.success.with_label_values(&[f.model, f.reason]).inc();
+        for (h, v) in [
+            (&self.params_max_tokens, f.max_tokens),
+            (&self.max_num_generation_tokens, f.max_tokens),
+            (&self.params_n, 1),
+            (
+                &self.prefill_kv_computed,
+                f.prompt_tokens
+                    .saturating_sub(f.cached_tokens + f.loaded_tokens),
+            ),
+        ] {
+            h.with_label_values(&m).observe(v as f64);
+        }
+        let not_computed = (f.cached_tokens + f.loaded_tokens).min(f.prompt_tokens);
+        self.prompt_tokens_cached
+            .with_label_values(&m)
+            .inc_by(not_computed as u64);
+        if f.loaded_tokens > 0 {
+            self.external_queries
+                .with_label_values(&m)
+                .inc_by(f.prompt_tokens as u64);
+            self.external_hits
+                .with_label_values(&m)
+                .inc_by(f.loaded_tokens as u64);
+        }
     }
 
     /// Records the gap between two tokens of one stream of `model`.
@@ -368,6 +454,10 @@ impl WorkerMetrics {
             &self.request_prompt_tokens,
             &self.request_generation_tokens,
             &self.iteration_tokens,
+            &self.params_max_tokens,
+            &self.params_n,
+            &self.max_num_generation_tokens,
+            &self.prefill_kv_computed,
         ] {
             h.with_label_values(&m);
         }
@@ -375,6 +465,9 @@ impl WorkerMetrics {
             &self.prompt_tokens,
             &self.generation_tokens,
             &self.preemptions,
+            &self.prompt_tokens_cached,
+            &self.external_queries,
+            &self.external_hits,
         ] {
             c.with_label_values(&m);
         }

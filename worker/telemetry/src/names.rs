@@ -39,6 +39,26 @@ pub const VLLM_REQUEST_INFERENCE_TIME_SECONDS: &str = "vllm:request_inference_ti
 pub const VLLM_REQUEST_PROMPT_TOKENS: &str = "vllm:request_prompt_tokens";
 /// vLLM: histogram of generated tokens per request.
 pub const VLLM_REQUEST_GENERATION_TOKENS: &str = "vllm:request_generation_tokens";
+/// vLLM: histogram of each request's `max_tokens`.
+pub const VLLM_REQUEST_PARAMS_MAX_TOKENS: &str = "vllm:request_params_max_tokens";
+/// vLLM: histogram of each request's `n`.
+pub const VLLM_REQUEST_PARAMS_N: &str = "vllm:request_params_n";
+/// vLLM: histogram of the most tokens a request may generate (over its
+/// `n` sequences).
+pub const VLLM_REQUEST_MAX_NUM_GENERATION_TOKENS: &str = "vllm:request_max_num_generation_tokens";
+/// vLLM: histogram of the prompt tokens whose KV a request's prefill
+/// computed (not read from a cache or loaded from a prefill worker).
+pub const VLLM_REQUEST_PREFILL_KV_COMPUTED_TOKENS: &str = "vllm:request_prefill_kv_computed_tokens";
+/// vLLM: prompt tokens whose KV was not computed here: found in the prefix
+/// cache, or loaded from a prefill worker (counter).
+pub const VLLM_PROMPT_TOKENS_CACHED_TOTAL: &str = "vllm:prompt_tokens_cached_total";
+/// vLLM: prompt tokens looked up in the KV connector (counter); here, the
+/// prompts of requests whose KV a decode worker loaded over a transport.
+pub const VLLM_EXTERNAL_PREFIX_CACHE_QUERIES_TOTAL: &str =
+    "vllm:external_prefix_cache_queries_total";
+/// vLLM: prompt tokens the KV connector supplied (counter); here, the
+/// tokens whose KV a decode worker loaded over a transport.
+pub const VLLM_EXTERNAL_PREFIX_CACHE_HITS_TOTAL: &str = "vllm:external_prefix_cache_hits_total";
 /// vLLM: histogram of the tokens each engine iteration computed (prompt
 /// tokens prefilled plus one per decoding stream).
 pub const VLLM_ITERATION_TOKENS_TOTAL: &str = "vllm:iteration_tokens_total";

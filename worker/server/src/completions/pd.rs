@@ -119,6 +119,9 @@ pub(super) async fn prefill_for_remote(
         prompt_tokens,
         generated: 1,
         reason: "length",
+        max_tokens: 1,
+        cached_tokens: pre.cached_tokens,
+        loaded_tokens: 0,
     });
     let resp = CompletionResponse {
         id: format!("cmpl-{request_id}"),
@@ -331,8 +334,9 @@ pub(super) async fn decode_remote(
         kv_transfer_ms: Some(params.kv_save_ms.unwrap_or(0.0) + kv_load_ms),
         ..Timings::default()
     };
-    let meta =
-        Meta::new(api, engine, req, &prompt, request_id, started, timings)?.with_phases(phases);
+    let meta = Meta::new(api, engine, req, &prompt, request_id, started, timings)?
+        .with_phases(phases)
+        .with_loaded_kv();
     respond(state.clone(), meta, rx, req.sampling.stream).await
 }
 

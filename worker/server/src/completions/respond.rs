@@ -53,6 +53,10 @@ pub(super) struct Meta {
     include_usage: bool,
     /// Every chunk carries the usage so far (`continuous_usage_stats`).
     continuous_usage: bool,
+    /// The request's `max_tokens`.
+    max_tokens: usize,
+    /// The prompt's KV was loaded from a prefill worker.
+    loaded_kv: bool,
 }
 
 impl Meta {
@@ -104,7 +108,16 @@ impl Meta {
                 .stream_options
                 .as_ref()
                 .is_some_and(StreamOptions::continuous),
+            max_tokens: rngd_api::rules::max_tokens_or_default(req.sampling.max_tokens) as usize,
+            loaded_kv: false,
         })
+    }
+
+    /// The prompt's KV was loaded from a prefill worker (the decode of a
+    /// PD request).
+    pub(super) fn with_loaded_kv(mut self) -> Self {
+        self.loaded_kv = true;
+        self
     }
 
     /// The request's engine phases so far (see [`Phases`]).
@@ -216,6 +229,10 @@ struct Tally {
     last: Option<Instant>,
     n: usize,
     done: bool,
+    max_tokens: usize,
+    loaded_kv: bool,
+    /// Prompt tokens the engine read from its prefix cache (known at the end).
+    cached: usize,
 }
 
 impl Tally {
@@ -230,6 +247,9 @@ impl Tally {
             last: None,
             n: 0,
             done: false,
+            max_tokens: meta.max_tokens,
+            loaded_kv: meta.loaded_kv,
+            cached: 0,
         }
     }
 
@@ -264,6 +284,13 @@ impl Tally {
             prompt_tokens: self.prompt_tokens,
             generated: self.n,
             reason,
+            max_tokens: self.max_tokens,
+            cached_tokens: if self.loaded_kv { 0 } else { self.cached },
+            loaded_tokens: if self.loaded_kv {
+                self.prompt_tokens
+            } else {
+                0
+            },
         });
     }
 }
@@ -329,6 +356,7 @@ pub(super) async fn respond(
                     finish = Some(finish_reason);
                     stop = stop_json(stop_reason);
                     cached = cached_tokens;
+                    tally.cached = cached_tokens;
                     break;
                 }
                 GenEvent::Error(m) => {
@@ -432,6 +460,7 @@ pub(super) async fn respond(
                         cached_tokens,
                         ..
                     } => {
+                        tally.cached = cached_tokens;
                         let mut c = meta.chunk(vec![CompletionChoice {
                             index: 0,
                             text: String::new(),
