@@ -332,11 +332,28 @@ def test_gateway_tls_from_a_secret():
 
 
 def test_decode_workers_only_call_allowed_prefill_workers():
-    args = container(render(), "demo-decode")["args"]
-    assert "--prefill-allow=10.0.0.0/8:8000,172.16.0.0/12:8000,192.168.0.0/16:8000" in args
-    assert not any(a.startswith("--prefill-allow") for a in container(render(), "demo-prefill")["args"])
+    """The default allowlists name the release's own pods, through headless
+    Services that select exactly those pods (not all private ranges)."""
+    objs = render()
+    ns = "ai"  # the namespace helm_chart.render installs into
+    args = container(objs, "demo-decode")["args"]
+    assert f"--prefill-allow=dns:demo-prefill-peers.{ns}.svc:8000" in args
+    assert not any(a.startswith("--prefill-allow") for a in container(objs, "demo-prefill")["args"])
+    assert f"--front-door-allow=dns:demo-decode-peers.{ns}.svc,dns:demo-gateway-peers.{ns}.svc" \
+        in container(objs, "demo-prefill")["args"]
+    for role in ("prefill", "decode", "gateway"):
+        svc = objs[("Service", f"demo-{role}-peers")]["spec"]
+        pod = objs[("Deployment", f"demo-{role}")]["spec"]["template"]["metadata"]["labels"]
+        assert svc["clusterIP"] == "None" and svc["publishNotReadyAddresses"] is True
+        assert svc["selector"].items() <= pod.items(), role
+        # Only this role's pods: the selector names the component.
+        assert svc["selector"]["app.kubernetes.io/component"] == role
+        assert svc["selector"]["app.kubernetes.io/instance"] == "demo"
     args = container(render({"decode": {"prefillAllow": ["10.244.0.0/16:8000"]}}), "demo-decode")["args"]
     assert "--prefill-allow=10.244.0.0/16:8000" in args
+    args = container(render({"prefill": {"frontDoorAllow": ["10.1.0.0/16"]}, "gateway": {"enabled": False}}),
+                     "demo-prefill")["args"]
+    assert f"--front-door-allow=dns:demo-decode-peers.{ns}.svc,10.1.0.0/16" in args
 
 
 # --- Pool discovery: the picker and the gateway watch the InferencePool ------
@@ -501,12 +518,16 @@ def test_relay_and_workers_share_the_kv_secret_as_a_file():
     assert "AIRM_KV_TCP_SECRET_FILE" in env and "AIRM_KV_TCP_ADDR" not in env
 
 
-def test_prefill_workers_take_prefill_only_requests_from_the_pod_network_only():
+def test_prefill_workers_take_prefill_only_requests_from_the_release_only():
+    """The release's decode and gateway pods by name (no private ranges),
+    plus what `prefill.frontDoorAllow` adds; decode workers take none."""
     pre = container(render(), "demo-prefill")
-    assert "--front-door-allow=10.0.0.0/8,172.16.0.0/12,192.168.0.0/16" in pre["args"]
+    assert "--front-door-allow=dns:demo-decode-peers.ai.svc,dns:demo-gateway-peers.ai.svc" in pre["args"]
+    assert not any("10.0.0.0/8" in a or "192.168.0.0/16" in a for a in pre["args"])
     assert not any(a.startswith("--front-door-allow") for a in container(render(), "demo-decode")["args"])
     pre = container(render({"prefill": {"frontDoorAllow": ["10.244.0.0/16"]}}), "demo-prefill")
-    assert "--front-door-allow=10.244.0.0/16" in pre["args"]
+    assert "--front-door-allow=dns:demo-decode-peers.ai.svc,dns:demo-gateway-peers.ai.svc,10.244.0.0/16" \
+        in pre["args"]
 
 
 def test_cross_node_nixl_ucx_renders_the_transport_env_and_arena():

@@ -100,7 +100,8 @@ pub struct Args {
     pub prefill_timeout_ms: u64,
     /// Prefill peers an `x-prefiller-host-port` header may name:
     /// `HOST:PORT` (exact name or IP), `IP/PREFIX:PORT` or
-    /// `[IPV6]/PREFIX:PORT` (CIDR), `[IPV6]:PORT`; the port is always
+    /// `[IPV6]/PREFIX:PORT` (CIDR), `[IPV6]:PORT`, `dns:NAME:PORT` (the
+    /// addresses NAME resolves to, looked up every 5 s); the port is always
     /// required and checked (no `*`). Comma-separated, repeatable. Default
     /// none: requests with the header are refused (403).
     /// Empty entries (an empty variable, a trailing comma) are skipped.
@@ -108,8 +109,9 @@ pub struct Args {
     pub prefill_allow: Vec<AllowArg>,
     /// Clients that may send prefill-only requests
     /// (`kv_transfer_params.do_remote_decode`), by the IP of their
-    /// connection: the gateways, Envoy and the decode workers. `IP` or
-    /// `IP/PREFIX` entries, comma-separated; anyone else gets 403.
+    /// connection: the gateways, Envoy and the decode workers. `IP`,
+    /// `IP/PREFIX` or `dns:NAME` (the addresses NAME resolves to, looked up
+    /// every 5 s) entries, comma-separated; anyone else gets 403.
     #[arg(long, env = env::RNGD_PD_FRONT_DOOR_ALLOW, default_value = "127.0.0.0/8,::1")]
     pub front_door_allow: ClientAllow,
     /// Largest request body, bytes; larger is a 413 (OpenAI error body).

@@ -9,7 +9,10 @@
 //! - `HOST:PORT`: an exact DNS name (compared case-insensitively) or IP;
 //! - `IPV4/PREFIX:PORT` and `[IPV6]/PREFIX:PORT`: a CIDR block (host bits
 //!   are ignored: `10.1.2.3/8` is `10.0.0.0/8`);
-//! - `[IPV6]:PORT`: an exact IPv6 address.
+//! - `[IPV6]:PORT`: an exact IPv6 address;
+//! - `dns:NAME:PORT`: the addresses NAME resolves to, refreshed in the
+//!   background (`allow_dns`; the chart names the release's prefill pods
+//!   through a headless Service this way).
 //!
 //! The port is always required and always checked: `*` is not accepted (a
 //! pool's workers listen on a known port; name each one).
@@ -22,6 +25,9 @@
 use std::fmt;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::str::FromStr;
+use std::sync::Arc;
+
+use crate::allow_dns::DnsName;
 
 /// A `--prefill-allow` entry that does not parse (startup error).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -52,6 +58,13 @@ pub enum AllowEntry {
         /// The port.
         port: u16,
     },
+    /// `dns:NAME:PORT`: an IP in the name's last answer, on this port.
+    Dns {
+        /// The name and its addresses.
+        name: Arc<DnsName>,
+        /// The port.
+        port: u16,
+    },
 }
 
 impl AllowEntry {
@@ -64,6 +77,9 @@ impl AllowEntry {
             (AllowEntry::Net { net, prefix, port }, PeerAddr::Ip(sa)) => {
                 *port == sa.port() && masked(sa.ip(), *prefix) == Some(*net)
             }
+            (AllowEntry::Dns { name, port }, PeerAddr::Ip(sa)) => {
+                *port == sa.port() && name.contains(sa.ip())
+            }
             _ => false,
         }
     }
@@ -73,6 +89,7 @@ impl fmt::Display for AllowEntry {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             AllowEntry::Name { host, port } => write!(f, "{host}:{port}"),
+            AllowEntry::Dns { name, port } => write!(f, "dns:{}:{port}", name.name()),
             AllowEntry::Net {
                 net: IpAddr::V4(a),
                 prefix: 32,
@@ -121,6 +138,13 @@ impl FromStr for AllowEntry {
             ));
         }
         let port = parse_port(port).map_err(err)?;
+        if let Some(name) = host.strip_prefix("dns:") {
+            let name = parse_name(name).map_err(err)?;
+            return Ok(AllowEntry::Dns {
+                name: DnsName::new(name),
+                port,
+            });
+        }
         if let Some(rest) = host.strip_prefix('[') {
             let (addr, after) = rest
                 .split_once(']')
@@ -328,6 +352,17 @@ impl PrefillAllow {
         self.entries.is_empty()
     }
 
+    /// The `dns:` entries' names, for the refresher.
+    pub fn dns_names(&self) -> Vec<Arc<DnsName>> {
+        self.entries
+            .iter()
+            .filter_map(|e| match e {
+                AllowEntry::Dns { name, .. } => Some(name.clone()),
+                _ => None,
+            })
+            .collect()
+    }
+
     /// Whether some entry admits `peer`.
     pub fn admits(&self, peer: &PeerAddr) -> bool {
         self.entries.iter().any(|e| e.admits(peer))
@@ -403,10 +438,13 @@ impl fmt::Display for PrefillAllow {
 /// Which clients, by the IP address of their connection, may send a
 /// prefill-only request (`do_remote_decode`): the front doors (gateway,
 /// Envoy) and the decode workers (`--front-door-allow`, comma-separated `IP`
-/// or `IP/PREFIX` entries; IPv6 in brackets or bare). The default is loopback.
+/// or `IP/PREFIX` entries, IPv6 in brackets or bare, or `dns:NAME`: the
+/// addresses NAME resolves to). The default is loopback.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ClientAllow {
     nets: Vec<(IpAddr, u8)>,
+    /// `dns:NAME` entries: the addresses of each name's last answer.
+    names: Vec<Arc<DnsName>>,
 }
 
 impl ClientAllow {
@@ -417,7 +455,13 @@ impl ClientAllow {
                 (IpAddr::V4(Ipv4Addr::new(127, 0, 0, 0)), 8),
                 (IpAddr::V6(Ipv6Addr::LOCALHOST), 128),
             ],
+            names: Vec::new(),
         }
+    }
+
+    /// The `dns:` entries' names, for the refresher.
+    pub fn dns_names(&self) -> Vec<Arc<DnsName>> {
+        self.names.clone()
     }
 
     /// Whether a connection from `ip` is admitted (an IPv4-mapped IPv6
@@ -430,6 +474,7 @@ impl ClientAllow {
         self.nets
             .iter()
             .any(|(net, prefix)| masked(ip, *prefix) == Some(*net))
+            || self.names.iter().any(|n| n.contains(ip))
     }
 }
 
@@ -438,11 +483,16 @@ impl FromStr for ClientAllow {
 
     fn from_str(s: &str) -> Result<Self, Self::Err> {
         let mut nets = Vec::new();
+        let mut names = Vec::new();
         for raw in s.split(',').map(str::trim).filter(|e| !e.is_empty()) {
             let err = |reason: &str| AllowError {
                 entry: raw.to_string(),
                 reason: reason.to_string(),
             };
+            if let Some(name) = raw.strip_prefix("dns:") {
+                names.push(DnsName::new(parse_name(name).map_err(err)?));
+                continue;
+            }
             let (addr, prefix) = match raw.split_once('/') {
                 Some((a, p)) => (
                     a,
@@ -464,7 +514,7 @@ impl FromStr for ClientAllow {
             let net = masked(ip, prefix).ok_or_else(|| err("bad prefix"))?;
             nets.push((net, prefix));
         }
-        Ok(ClientAllow { nets })
+        Ok(ClientAllow { nets, names })
     }
 }
 
@@ -475,6 +525,12 @@ impl fmt::Display for ClientAllow {
                 f.write_str(",")?;
             }
             write!(f, "{net}/{prefix}")?;
+        }
+        for (i, n) in self.names.iter().enumerate() {
+            if i > 0 || !self.nets.is_empty() {
+                f.write_str(",")?;
+            }
+            write!(f, "dns:{}", n.name())?;
         }
         Ok(())
     }
@@ -508,5 +564,82 @@ mod client_allow_tests {
                 .unwrap()
                 .admits("127.0.0.1".parse().unwrap())
         );
+    }
+}
+
+#[cfg(test)]
+mod dns_tests {
+    use std::sync::Mutex;
+
+    use super::*;
+    use crate::allow_dns::{Resolve, refresh_once};
+
+    /// Answers what the test set, or fails.
+    struct Fake(Mutex<Option<Vec<IpAddr>>>);
+
+    #[async_trait::async_trait]
+    impl Resolve for Fake {
+        async fn resolve(&self, _: &str) -> std::io::Result<Vec<IpAddr>> {
+            self.0
+                .lock()
+                .unwrap()
+                .clone()
+                .ok_or_else(|| std::io::Error::other("NXDOMAIN"))
+        }
+    }
+
+    fn ips(list: &[&str]) -> Option<Vec<IpAddr>> {
+        Some(list.iter().map(|s| s.parse().unwrap()).collect())
+    }
+
+    #[tokio::test]
+    async fn dns_entries_admit_the_last_answer_only() {
+        let allow: PrefillAllow = "dns:Prefill-Peers.ns.svc:8000,10.9.0.0/16:8000"
+            .parse()
+            .unwrap();
+        assert_eq!(
+            allow.to_string(),
+            "dns:prefill-peers.ns.svc:8000,10.9.0.0/16:8000"
+        );
+        let clients: ClientAllow = "dns:gateway-peers.ns.svc,127.0.0.1".parse().unwrap();
+        assert_eq!(clients.to_string(), "127.0.0.1/32,dns:gateway-peers.ns.svc");
+        let peer = |s: &str| PeerAddr::parse(s).unwrap();
+        // No answer yet: the name admits nothing (the CIDR still does).
+        assert!(!allow.admits(&peer("10.1.2.3:8000")));
+        assert!(allow.admits(&peer("10.9.1.1:8000")));
+        let fake = Fake(Mutex::new(ips(&["10.1.2.3", "10.1.2.4"])));
+        let mut names = allow.dns_names();
+        names.extend(clients.dns_names());
+        refresh_once(&names, &fake).await;
+        assert!(allow.admits(&peer("10.1.2.3:8000")));
+        assert!(allow.admits(&peer("10.1.2.4:8000")));
+        assert!(!allow.admits(&peer("10.1.2.3:9000")), "the port is checked");
+        assert!(!allow.admits(&peer("10.1.2.5:8000")));
+        assert!(
+            !allow.admits(&peer("prefill-peers.ns.svc:8000")),
+            "names in headers are not resolved"
+        );
+        assert!(clients.admits("10.1.2.3".parse().unwrap()));
+        assert!(clients.admits("::ffff:10.1.2.4".parse().unwrap()));
+        assert!(!clients.admits("10.1.2.5".parse().unwrap()));
+        // A pod replaced: the old address is no longer admitted.
+        *fake.0.lock().unwrap() = ips(&["10.1.2.9"]);
+        refresh_once(&names, &fake).await;
+        assert!(!allow.admits(&peer("10.1.2.3:8000")));
+        assert!(allow.admits(&peer("10.1.2.9:8000")));
+        // A failed lookup keeps the last answer (for a bounded time).
+        *fake.0.lock().unwrap() = None;
+        refresh_once(&names, &fake).await;
+        assert!(allow.admits(&peer("10.1.2.9:8000")));
+        // An empty answer admits nothing.
+        *fake.0.lock().unwrap() = ips(&[]);
+        refresh_once(&names, &fake).await;
+        assert!(!allow.admits(&peer("10.1.2.9:8000")));
+        for bad in ["dns:foo:0", "dns:-bad-:8000", "dns::8000", "dns:a/b:8000"] {
+            assert!(bad.parse::<PrefillAllow>().is_err(), "{bad}");
+        }
+        for bad in ["dns:", "dns:a_b", "dns:10.0.0.1:80"] {
+            assert!(bad.parse::<ClientAllow>().is_err(), "{bad}");
+        }
     }
 }

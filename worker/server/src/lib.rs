@@ -17,12 +17,14 @@
 //! - [`admin`]: `POST /reset_prefix_cache` on the authenticated admin
 //!   listener; [`events`]: the prefix cache's events onto the KV-event
 //!   publisher (`--kv-events-config`).
-//! - [`allow`]: the `--prefill-allow` and `--front-door-allow` lists; [`peer`]:
+//! - [`allow`]: the `--prefill-allow` and `--front-door-allow` lists
+//!   ([`allow_dns`]: their `dns:` entries, refreshed in the background); [`peer`]:
 //!   the bounded prefill-peer client; [`handles`]: random KV keys and signed,
 //!   checked KV handles.
 
 pub mod admin;
 pub mod allow;
+pub mod allow_dns;
 pub mod args;
 mod completions;
 pub mod error;
@@ -398,6 +400,10 @@ pub async fn launch(
         ..WorkerConfig::from_args(&args)
     };
     let state = WorkerState::new(config, transports)?;
+    // The allowlists' `dns:` names, looked up now and every few seconds.
+    let mut names = args.prefill_allow.dns_names();
+    names.extend(args.front_door_allow.dns_names());
+    let refresher = allow_dns::refresh(names, Arc::new(allow_dns::SystemResolver));
     let admin = admin::serve(&args.admin, state.clone()).await?;
     if let Some(a) = &admin {
         use std::io::Write;
@@ -426,6 +432,9 @@ pub async fn launch(
     }
     shutdown.await;
     tracing::info!("shutting down");
+    if let Some(r) = refresher {
+        r.abort();
+    }
     if let Some(a) = admin {
         a.stop().await;
     }

@@ -273,3 +273,13 @@ release unless `shmHostPath` names one. */}}
       - key: secret
         path: secret
 {{- end -}}
+
+{{/* The headless Service naming a role's pods (templates/peers.yaml). */}}
+{{- define "rngd-pd.peersName" -}}
+{{- printf "%s-%s-peers" .root.Release.Name .component | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/* The DNS name of a role's pods, as the allowlists' `dns:` entries name it. */}}
+{{- define "rngd-pd.peersDns" -}}
+{{- printf "%s.%s.svc" (include "rngd-pd.peersName" .) .root.Release.Namespace -}}
+{{- end -}}
