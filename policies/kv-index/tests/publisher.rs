@@ -288,7 +288,16 @@ fn a_publisher_that_is_not_there_leaves_no_information_and_drop_is_prompt() {
         ix.endpoint_stats("gone").unwrap().replay_failures >= 1
     });
     assert_eq!(ix.match_prefix("gone", &[1, 2, 3]), None);
-    assert_eq!(ix.health("gone"), Some(Health::MissedBatches));
+    // Between two failed replays the endpoint is MissedBatches, during the
+    // next try Replaying: never Live, and nothing to match either way.
+    assert!(
+        matches!(
+            ix.health("gone"),
+            Some(Health::MissedBatches | Health::Replaying)
+        ),
+        "{:?}",
+        ix.health("gone")
+    );
     let t = Instant::now();
     drop(ix);
     assert!(
