@@ -13,6 +13,7 @@
 
 import json
 import os
+import re
 import signal
 import time
 
@@ -162,7 +163,12 @@ def test_the_picker_drains_its_ext_proc_streams_on_sigterm(tmp_path):
         reader = threading.Thread(target=lambda: out.extend(stream), daemon=True)
         reader.start()
         sent.put(post_headers())
-        time.sleep(0.2)
+        # SIGTERM only once the picker holds the stream (its headers took an
+        # admission slot); a fixed sleep raced the stream's setup under load.
+        deadline = time.monotonic() + 30
+        while not re.search(r"^rngd_pd_epp_in_flight 1$", e.metrics_text(), re.M):
+            assert time.monotonic() < deadline, "the picker never admitted the stream"
+            time.sleep(0.02)
         e.proc.p.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + 10
         while health_check(e.health, "readiness") == 1:
