@@ -467,10 +467,7 @@ impl ClientAllow {
     /// Whether a connection from `ip` is admitted (an IPv4-mapped IPv6
     /// address counts as its IPv4 address).
     pub fn admits(&self, ip: IpAddr) -> bool {
-        let ip = match ip {
-            IpAddr::V6(v6) => v6.to_ipv4_mapped().map(IpAddr::V4).unwrap_or(ip),
-            v4 => v4,
-        };
+        let ip = ip.to_canonical();
         self.nets
             .iter()
             .any(|(net, prefix)| masked(ip, *prefix) == Some(*net))

@@ -80,10 +80,7 @@ impl DnsName {
     /// Whether `ip` was in the last answer, and that answer is not older
     /// than [`STALE_AFTER`] (an IPv4-mapped IPv6 address counts as its IPv4).
     pub fn contains(&self, ip: IpAddr) -> bool {
-        let ip = match ip {
-            IpAddr::V6(v6) => v6.to_ipv4_mapped().map(IpAddr::V4).unwrap_or(ip),
-            v4 => v4,
-        };
+        let ip = ip.to_canonical();
         let a = self.answer.read().unwrap_or_else(|p| p.into_inner());
         a.at.is_some_and(|t| t.elapsed() <= STALE_AFTER) && a.ips.contains(&ip)
     }

@@ -387,12 +387,6 @@ impl WorkerMetrics {
         self.request_generation_tokens
             .with_label_values(&m)
             .observe(f.generated as f64);
-        self.prompt_tokens
-            .with_label_values(&m)
-            .inc_by(f.prompt_tokens as u64);
-        self.generation_tokens
-            .with_label_values(&m)
-            .inc_by(f.generated as u64);
         self.success.with_label_values(&[f.model, f.reason]).inc();
         for (h, v) in [
             (&self.params_max_tokens, f.max_tokens),
@@ -407,16 +401,20 @@ impl WorkerMetrics {
             h.with_label_values(&m).observe(v as f64);
         }
         let not_computed = (f.cached_tokens + f.loaded_tokens).min(f.prompt_tokens);
-        self.prompt_tokens_cached
-            .with_label_values(&m)
-            .inc_by(not_computed as u64);
-        if f.loaded_tokens > 0 {
-            self.external_queries
-                .with_label_values(&m)
-                .inc_by(f.prompt_tokens as u64);
-            self.external_hits
-                .with_label_values(&m)
-                .inc_by(f.loaded_tokens as u64);
+        // The external-cache pair counts only requests that loaded KV.
+        let (queried, hit) = if f.loaded_tokens > 0 {
+            (f.prompt_tokens, f.loaded_tokens)
+        } else {
+            (0, 0)
+        };
+        for (c, v) in [
+            (&self.prompt_tokens, f.prompt_tokens),
+            (&self.generation_tokens, f.generated),
+            (&self.prompt_tokens_cached, not_computed),
+            (&self.external_queries, queried),
+            (&self.external_hits, hit),
+        ] {
+            c.with_label_values(&m).inc_by(v as u64);
         }
     }
 
