@@ -191,11 +191,11 @@ const COMPLETIONS: &[(&str, u16, Option<&str>)] = &[
         400,
         Some("max_tokens"),
     ),
-    (r#"{"model":"echo","prompt":"hi","n":2}"#, 400, Some("n")),
+    (r#"{"model":"echo","prompt":"hi","n":17}"#, 400, Some("n")),
     (r#"{"model":"echo","prompt":""}"#, 400, Some("prompt")),
     (r#"{"model":"echo","prompt":[]}"#, 400, Some("prompt")),
     (
-        r#"{"model":"echo","prompt":["a","b"]}"#,
+        r#"{"model":"echo","prompt":["a","b"],"n":9}"#,
         400,
         Some("prompt"),
     ),
@@ -225,6 +225,17 @@ const COMPLETIONS: &[(&str, u16, Option<&str>)] = &[
         r#"{"model":"echo","prompt":"hi","max_tokens":2,"echo":true}"#,
         200,
         None,
+    ),
+    // Several choices: served by splitting, the same verdict at every door.
+    (
+        r#"{"model":"echo","prompt":["a","b"],"n":2,"max_tokens":2,"seed":1}"#,
+        200,
+        None,
+    ),
+    (
+        r#"{"model":"echo","prompt":"hi","n":2,"best_of":3}"#,
+        400,
+        Some("best_of"),
     ),
     (
         r#"{"model":"echo","prompt":"hi","max_tokens":2,"logit_bias":{"1":5}}"#,

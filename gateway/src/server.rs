@@ -162,26 +162,108 @@ async fn handle(gw: Arc<Gateway>, kind: ApiKind, req: Request) -> Result<Respons
             .await?;
     // A slot from here to the end of the response stream (or a 429 now).
     let slot = gw.admission.admit().await?;
+    let split =
+        rngd_api::fanout::split(&bytes, matches!(kind, ApiKind::Chat)).map_err(ApiError::Rule)?;
+    let path = parts.uri.path().to_string();
+    let Some(split) = split else {
+        let prepared = Prepared {
+            request: prepare(&gw, kind, bytes.bytes().clone()).await?,
+            path,
+            started,
+            prefilled: None,
+        };
+        let resp = flow::run(gw, prepared, parts.headers).await?;
+        // The slot is held to the last byte of the response.
+        return Ok(rngd_http_edge::hold_until_sent(resp, slot));
+    };
+    let resp = fan_out(gw, kind, &split, path, started, parts.headers).await?;
+    Ok(rngd_http_edge::hold_until_sent(resp, slot))
+}
+
+/// Validates and counts one request body (a long prompt is tokenized off the
+/// async threads).
+async fn prepare(
+    gw: &Gateway,
+    kind: ApiKind,
+    bytes: bytes::Bytes,
+) -> Result<rngd_pool::Prepared, ApiError> {
     let counter = Arc::clone(&gw.tokenizer);
-    let seq_len = gw.config.seq_len;
-    // A long prompt is tokenized off the async threads.
     let served = Some(Arc::clone(&gw.served));
-    let prepared = rngd_pool::prepare_async(kind, bytes, counter, Some(seq_len), served)
+    rngd_pool::prepare_async(kind, bytes, counter, Some(gw.config.seq_len), served)
         .await
         .map_err(|e| match e {
             PrepareError::Rule(r) => ApiError::Rule(r),
             PrepareError::ModelNotFound(m) => ApiError::ModelNotFound(m),
             PrepareError::Tokenize(t) => ApiError::Tokenize(t),
             e @ PrepareError::Task { .. } => ApiError::Internal(e.to_string()),
-        })?;
-    let prepared = Prepared {
-        request: prepared,
-        path: parts.uri.path().to_string(),
-        started,
-    };
-    let resp = flow::run(gw, prepared, parts.headers).await?;
-    // The slot is held to the last byte of the response.
-    Ok(rngd_http_edge::hold_until_sent(resp, slot))
+        })
+}
+
+/// A request with several choices (`n > 1`, a prompt list), under the one
+/// admission slot of the request: every part validated first (a bad prompt
+/// refuses the request before any work), then each served as its own
+/// request (routed, prefilled, decoded), and the answers merged. A prompt's
+/// first choice starts at once and its other choices once it is prefilled,
+/// so the prompt is computed once and they are routed to where it is
+/// cached.
+async fn fan_out(
+    gw: Arc<Gateway>,
+    kind: ApiKind,
+    split: &rngd_api::fanout::Split,
+    path: String,
+    started: Instant,
+    headers: axum::http::HeaderMap,
+) -> Result<Response, ApiError> {
+    let mut prepared = Vec::with_capacity(split.parts.len());
+    for part in &split.parts {
+        prepared.push(prepare(&gw, kind, bytes::Bytes::from(part.clone())).await?);
+    }
+    let mut waits = Vec::with_capacity(prepared.len());
+    let mut runs = Vec::with_capacity(prepared.len());
+    let mut first: Option<tokio::sync::watch::Receiver<bool>> = None;
+    let rid = gw.request_id(&headers);
+    for (g, request) in prepared.into_iter().enumerate() {
+        let tell = if split.is_first_of_prompt(g) {
+            let (tx, rx) = tokio::sync::watch::channel(false);
+            first = Some(rx);
+            waits.push(None);
+            Some(Arc::new(tx))
+        } else {
+            waits.push(first.clone());
+            None
+        };
+        let p = Prepared {
+            request,
+            path: path.clone(),
+            started,
+            prefilled: tell,
+        };
+        // Each part has its own request id (the first the request's).
+        let mut h = headers.clone();
+        let id = if g == 0 {
+            rid.clone()
+        } else {
+            format!("{rid}-{g}")
+        };
+        if let Ok(v) = axum::http::HeaderValue::from_str(&id) {
+            h.insert(rngd_api::headers::REQUEST_ID, v);
+        }
+        runs.push((p, h));
+    }
+    let parts = runs.into_iter().zip(waits).map(|((p, h), wait)| {
+        let gw = Arc::clone(&gw);
+        async move {
+            if let Some(mut rx) = wait {
+                // Told, or the first choice is gone (failed): go on either way.
+                let _ = rx.wait_for(|v| *v).await;
+            }
+            flow::run(gw, p, h)
+                .await
+                .unwrap_or_else(IntoResponse::into_response)
+        }
+    });
+    let answers = futures::future::join_all(parts).await;
+    Ok(rngd_http_edge::fanout::merge(split, answers).await)
 }
 
 async fn completions(State(gw): State<Arc<Gateway>>, req: Request) -> Result<Response, ApiError> {

@@ -47,7 +47,7 @@ async fn bad_input_matrix() {
     )
     .await;
     error_of(
-        post(r#"{"model":"fake-model","prompt":"a","n":2}"#.into())
+        post(r#"{"model":"fake-model","prompt":"a","n":17}"#.into())
             .send()
             .await
             .unwrap(),
@@ -63,7 +63,7 @@ async fn bad_input_matrix() {
     )
     .await;
     error_of(
-        post(r#"{"model":"fake-model","prompt":["a","b"]}"#.into())
+        post(r#"{"model":"fake-model","prompt":["a","b"],"n":9}"#.into())
             .send()
             .await
             .unwrap(),

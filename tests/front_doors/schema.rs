@@ -13,7 +13,7 @@ pub const COMPLETION_SCHEMA: &[(&str, &str, bool)] = &[
     ("logit_bias", r#""logit_bias":{"7":3}"#, true),
     ("logprobs", r#""logprobs":2"#, true),
     ("max_tokens", r#""max_tokens":3"#, true),
-    ("n", r#""n":2"#, false),
+    ("n", r#""n":2"#, true),
     ("presence_penalty", r#""presence_penalty":0.5"#, true),
     ("seed", r#""seed":5"#, true),
     ("stop", r#""stop":["x"]"#, true),
@@ -65,7 +65,7 @@ pub const CHAT_SCHEMA: &[(&str, &str, bool)] = &[
     ("max_tokens", r#""max_tokens":3"#, true),
     ("metadata", r#""metadata":{"k":"v"}"#, false),
     ("modalities", r#""modalities":["text","audio"]"#, false),
-    ("n", r#""n":2"#, false),
+    ("n", r#""n":2"#, true),
     (
         "parallel_tool_calls",
         r#""parallel_tool_calls":false"#,

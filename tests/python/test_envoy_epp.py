@@ -197,6 +197,35 @@ def test_pd_through_envoy_matches_solo(stack):
     assert got["text"] == want["text"]
 
 
+def test_a_prompt_list_with_n_choices_through_envoy_prefills_each_choice(stack):
+    """Envoy sends the whole request to the decode worker the picker chose;
+    that worker splits it (two prompts x n = 2) and has each choice prefilled
+    by the prefill worker, whose prefix cache computes each prompt once."""
+    import uuid
+
+    first = f"Note {uuid.uuid4().hex[:12]}. {LONG_PROMPT}"
+    prompts = [first, "The capital of France is"]
+    body = {"model": MODEL, "prompt": prompts, "n": 2, "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    refs = []
+    for p in prompts:
+        ref = requests.post(f"http://{stack.solo}/v1/completions", json=dict(body, prompt=p, n=1), timeout=600)
+        assert ref.status_code == 200, ref.text
+        refs.append(ref.json())
+    n_first = refs[0]["usage"]["prompt_tokens"]
+    prefills = counter(stack.prefill, "rngd_pd_worker_prefills_total")
+    hits = counter(stack.prefill, "vllm:prefix_cache_hits_total")
+    r = post(stack, body, headers={HINT: f"{stack.decode},{stack.prefill}"})
+    assert r.status_code == 200, r.text
+    got = r.json()
+    assert [c["index"] for c in got["choices"]] == [0, 1, 2, 3]
+    want = [refs[0]["choices"][0]["token_ids"]] * 2 + [refs[1]["choices"][0]["token_ids"]] * 2
+    assert [c["token_ids"] for c in got["choices"]] == want
+    assert got["usage"]["prompt_tokens"] == sum(x["usage"]["prompt_tokens"] for x in refs), "each prompt once"
+    assert got["usage"]["completion_tokens"] == 16
+    assert counter(stack.prefill, "rngd_pd_worker_prefills_total") == prefills + 4, "each choice prefilled remotely"
+    assert counter(stack.prefill, "vllm:prefix_cache_hits_total") - hits >= n_first - 32, "the first prompt's second choice hit the cache"
+
+
 def test_over_length_prompt_gets_the_policys_400(stack):
     r = post(stack, {"model": MODEL, "prompt": "token " * 700, "max_tokens": 4})
     assert r.status_code == 400, r.text

@@ -275,7 +275,7 @@ def test_echo_prepends_the_prompt(pd, solo):
         (dict(logprobs=1, echo=True), "echo"),
         (dict(logit_bias={"999999": 1}), "logit_bias"),
         (dict(logit_bias={"5": 101}), "logit_bias"),
-        (dict(n=2), "n"),
+        (dict(n=17), "n"),
         (dict(best_of=2), "best_of"),
         (dict(extra_body={"stop_token_ids": [10**9]}), "stop_token_ids"),
         (dict(extra_body={"top_k": -2}), "top_k"),

@@ -55,6 +55,19 @@ pub struct Prepared {
     pub path: String,
     /// Arrival time.
     pub started: Instant,
+    /// Told when this request's prompt is prefilled (a PD route: the prefill
+    /// worker answered) or routed to a worker that prefills it itself: the
+    /// other choices of the same prompt (`n > 1`) wait for it, so the
+    /// prompt is computed once and they find it cached.
+    pub prefilled: Option<Arc<tokio::sync::watch::Sender<bool>>>,
+}
+
+impl Prepared {
+    fn tell_prefilled(&self) {
+        if let Some(tx) = &self.prefilled {
+            tx.send_replace(true);
+        }
+    }
 }
 
 /// Runs one request end to end.
@@ -157,6 +170,7 @@ async fn run_inner(
         decode_req = handoff.request;
         prefill_info = Some((handoff.params, Instant::now()));
     }
+    p.tell_prefilled();
 
     // Decode.
     let decode_sent = Instant::now();

@@ -265,6 +265,13 @@ fn chat(body: &[u8]) -> Result<ChatCompletionRequest, RuleError> {
 /// Applies every rule [`prepare`] applies, without counting the prompt (for
 /// a door that runs without a tokenizer).
 pub fn check(kind: ApiKind, body: &[u8]) -> Result<(), RuleError> {
+    if let Some(split) = rngd_api::fanout::split(body, matches!(kind, ApiKind::Chat))? {
+        return split
+            .parts
+            .iter()
+            .step_by(split.n)
+            .try_for_each(|part| check(kind, part));
+    }
     match kind {
         ApiKind::Completion => completion(body).map(drop),
         ApiKind::Chat => chat(body).map(drop),
@@ -341,6 +348,9 @@ fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
 /// bytes prove it, or a bounded prefix does: `Tokenizer::encode_within`),
 /// so no prompt is tokenized past the context.
 ///
+/// A request with several choices ([`rngd_api::fanout`]) is checked part by
+/// part; its first prompt stands for it, counted as its longest.
+///
 /// `served`: the model names this door serves; a request naming another is
 /// [`PrepareError::ModelNotFound`] once its body parses, before its prompt
 /// is rendered or tokenized. `None` accepts any model (a door that does not
@@ -356,6 +366,24 @@ pub fn prepare(
         Some(s) => s.check(model).map_err(PrepareError::ModelNotFound),
         None => Ok(()),
     };
+    // Several choices (`n > 1`, a prompt list): every prompt is checked as
+    // its own request; the first stands for the request (the policy routes
+    // on its ids) with the longest prompt's count (the context fit).
+    let split =
+        rngd_api::fanout::split(body, matches!(kind, ApiKind::Chat)).map_err(PrepareError::Rule)?;
+    if let Some(split) = split {
+        let mut first: Option<Prepared> = None;
+        for part in split.parts.iter().step_by(split.n) {
+            let p = prepare(kind, part, counter, seq_len, served)?;
+            match &mut first {
+                None => first = Some(p),
+                Some(f) => f.prompt_tokens = f.prompt_tokens.max(p.prompt_tokens),
+            }
+        }
+        if let Some(first) = first {
+            return Ok(first);
+        }
+    }
     let context = seq_len.or_else(|| counter.max_context());
     let ids_of = |text: &str, max_tokens: Option<u32>| -> Result<Vec<u32>, PrepareError> {
         let Some(context) = context else {
@@ -483,7 +511,7 @@ mod tests {
             ),
             (
                 ApiKind::Completion,
-                br#"{"model":"m","prompt":"x","n":3}"#,
+                br#"{"model":"m","prompt":"x","n":0}"#,
                 Some("n"),
             ),
             (
@@ -504,6 +532,23 @@ mod tests {
             }
             assert_eq!(check(kind, body).unwrap_err().param, param);
         }
+    }
+
+    #[test]
+    fn several_choices_stand_as_the_first_prompt_counted_as_the_longest() {
+        let body = br#"{"model":"m","prompt":["ab","abcdef"],"n":2,"max_tokens":1}"#;
+        let p = prepare(ApiKind::Completion, body, &ByteCounter, None, None).unwrap();
+        assert_eq!(p.upstream.prompt, Prompt::Text("ab".into()));
+        assert_eq!(p.prompt_ids.len(), 2);
+        assert_eq!(p.prompt_tokens, 6);
+        check(ApiKind::Completion, body).unwrap();
+        // Every prompt is checked: an empty one refuses the request.
+        let bad = br#"{"model":"m","prompt":["ab",""],"n":2}"#;
+        assert!(prepare(ApiKind::Completion, bad, &ByteCounter, None, None).is_err());
+        assert_eq!(
+            check(ApiKind::Completion, bad).unwrap_err().param,
+            Some("prompt")
+        );
     }
 
     /// A counter whose tokens are 4 bytes at most, and which records how

@@ -18,11 +18,12 @@ use crate::pd::KvTransferParams;
 pub enum Prompt {
     /// One text prompt.
     Text(String),
-    /// A batch of text prompts (only a batch of one is served).
+    /// A batch of text prompts (split into one request per prompt by
+    /// `fanout`; a single-choice path sees a batch of one at most).
     TextBatch(Vec<String>),
     /// One prompt as token ids.
     Tokens(Vec<u32>),
-    /// A batch of token-id prompts (only a batch of one is served).
+    /// A batch of token-id prompts (split as [`Prompt::TextBatch`]).
     TokensBatch(Vec<Vec<u32>>),
 }
 
@@ -119,7 +120,8 @@ pub struct SamplingFields {
     /// Streaming options.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub stream_options: Option<StreamOptions>,
-    /// Number of choices; only 1 is served.
+    /// Number of choices (a door splits `n` > 1 into single-choice
+    /// requests: `fanout`; a single-choice path refuses anything but 1).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub n: Option<u32>,
     /// vLLM's `cache_salt`: requests with different salts never share

@@ -16,6 +16,8 @@
 //!   slot, an engine slot) until it is sent or dropped;
 //! - [`shutdown_signal`]: SIGINT / SIGTERM; [`exit_on_next_signal`]: a second
 //!   one ends the drain at once;
+//! - [`fanout`]: the answer of a request split into single-choice parts
+//!   (`n > 1`, prompt lists), merged from the parts' answers;
 //! - [`admin`]: the bearer-token guard of every admin listener;
 //! - [`api_key`]: the API key of the public listeners (`--api-key`);
 //! - [`surface`]: the small routes every server answers alike (`/version`);
@@ -29,6 +31,7 @@ pub mod admin;
 pub mod api_key;
 mod body;
 mod drain;
+pub mod fanout;
 mod hold;
 mod serve;
 pub mod surface;

@@ -58,18 +58,37 @@ async fn render_completion(
 ) -> Response {
     answer(async {
         let (engine, served, body) = start(&state, &headers, &ext, body).await?;
-        let req: CompletionRequest = blocking(move || {
-            let req: CompletionRequest = rules::parse_body(&body)?;
-            rules::check_completion(&req)?;
-            served.check(&req.model)?;
-            Ok(req)
-        })
-        .await?;
-        let ids = prompt_ids(&engine, &req.prompt).await?;
-        let params = sampling(&req, &ids, engine.info(), client_seed(&req).unwrap_or(0))?;
-        Ok(json!([generate_request("cmpl", &req, ids, &params)]))
+        // A prompt list is one `GenerateRequest` per prompt, `n` in each.
+        let Some(split) = rngd_api::fanout::split(&body, false)? else {
+            return Ok(json!([render_one(&engine, served, body).await?]));
+        };
+        let mut out = Vec::with_capacity(split.prompts);
+        for part in split.parts.iter().step_by(split.n) {
+            let mut g = render_one(&engine, Arc::clone(&served), Bytes::from(part.clone())).await?;
+            g["sampling_params"]["n"] = json!(split.n);
+            out.push(g);
+        }
+        Ok(Value::Array(out))
     })
     .await
+}
+
+/// One completion prompt's `GenerateRequest`.
+async fn render_one(
+    engine: &Arc<dyn Engine>,
+    served: Arc<ServedModels>,
+    body: Bytes,
+) -> Result<Value, ApiError> {
+    let req: CompletionRequest = blocking(move || {
+        let req: CompletionRequest = rules::parse_body(&body)?;
+        rules::check_completion(&req)?;
+        served.check(&req.model)?;
+        Ok(req)
+    })
+    .await?;
+    let ids = prompt_ids(engine, &req.prompt).await?;
+    let params = sampling(&req, &ids, engine.info(), client_seed(&req).unwrap_or(0))?;
+    Ok(generate_request("cmpl", &req, ids, &params))
 }
 
 async fn render_chat(
@@ -80,9 +99,18 @@ async fn render_chat(
 ) -> Response {
     answer(async {
         let (engine, served, body) = start(&state, &headers, &ext, body).await?;
+        let split = rngd_api::fanout::split(&body, true)?;
+        let body = match &split {
+            Some(s) => Bytes::from(s.parts[0].clone()),
+            None => body,
+        };
         let (req, ids) = chat_ids(&engine, served, body).await?;
         let params = sampling(&req, &ids, engine.info(), client_seed(&req).unwrap_or(0))?;
-        Ok(generate_request("chatcmpl", &req, ids, &params))
+        let mut g = generate_request("chatcmpl", &req, ids, &params);
+        if let Some(s) = split {
+            g["sampling_params"]["n"] = json!(s.n);
+        }
+        Ok(g)
     })
     .await
 }

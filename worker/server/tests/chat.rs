@@ -337,7 +337,7 @@ async fn bad_chats_are_refused_with_the_param() {
             None,
         ),
         (
-            json!({"model": "echo", "messages": hi, "n": 2}),
+            json!({"model": "echo", "messages": hi, "n": 17}),
             Some("n"),
             None,
         ),

@@ -267,7 +267,7 @@ async fn errors_map_to_statuses_with_openai_bodies() {
     assert_eq!(
         error(
             &decode,
-            &json!({"model": "echo", "prompt": "a", "n": 2}),
+            &json!({"model": "echo", "prompt": "a", "n": 0}),
             &[]
         )
         .await

@@ -151,7 +151,7 @@ macro_rules! shared {
             served("cache_salt"),
             served("skip_special_tokens"),
             served("spaces_between_special_tokens"),
-            only("n", "1", one),
+            served("n"),
             only("prompt_logprobs", "null", null),
             only("use_beam_search", "false", falsy),
             only("response_format", "{\"type\": \"text\"}", text_format),
@@ -397,7 +397,6 @@ mod tests {
                 "{\"type\":\"text\"}",
             ),
             ("guided_json", "{}", "null"),
-            ("n", "2", "1"),
         ] {
             let body = format!(r#"{{"model":"m","prompt":"x","{name}":{on}}}"#);
             let e = completion(&body).unwrap_err();

@@ -102,7 +102,9 @@ pub fn check_sampling(s: &SamplingFields) -> Result<(), RuleError> {
     {
         return Err(RuleError::param(
             "n",
-            format!("n = {n} is not supported; only n = 1 is served"),
+            format!(
+                "n = {n} reached a single-choice path: the door that receives a request splits n > 1 into single-choice parts (rngd_api::fanout)"
+            ),
         ));
     }
     if s.stream_options.is_some() && !s.stream {

@@ -86,14 +86,20 @@ async fn serve(
         // Under the size and time limits, within the listener's body budget,
         // and holding no slot while it arrives.
         let body = read_body(&state, &headers, &ext, body).await?;
+        if let Some(split) = rngd_api::fanout::split(&body, api == Api::Chat)? {
+            return Ok(fan_out(&state, client, &headers, &request_id, &split, api).await);
+        }
         // An engine slot from here to the end of the response, or a 429 now.
-        let slot = state.try_admit().ok_or_else(|| {
-            state.metrics().overload_rejections.inc();
-            ApiError::Overloaded {
-                limit: state.config().max_in_flight,
-            }
-        })?;
-        let resp = handle(&state, client, &headers, &request_id, body, api).await?;
+        let slot = admit(&state)?;
+        let resp = handle(
+            &state,
+            client,
+            &headers,
+            &request_id,
+            body.bytes().clone(),
+            api,
+        )
+        .await?;
         // The slot is held to the last byte of the response.
         Ok::<_, ApiError>(rngd_http_edge::hold_until_sent(resp, slot))
     }
@@ -109,6 +115,59 @@ async fn serve(
         resp.headers_mut().insert(headers::REQUEST_ID, v);
     }
     resp
+}
+
+/// An engine slot, or the 429 (counted).
+fn admit(state: &WorkerState) -> Result<crate::state::Slot, ApiError> {
+    state.try_admit().ok_or_else(|| {
+        state.metrics().overload_rejections.inc();
+        ApiError::Overloaded {
+            limit: state.config().max_in_flight,
+        }
+    })
+}
+
+/// A request with several choices (`n > 1`, a prompt list): every part
+/// served as its own request (each with its engine slot, taken at once or
+/// the whole request is the 429), at once, and the answers merged. The
+/// engine prefills one prompt at a time and caches it as it goes, so the
+/// choices of one prompt compute it once (here, or at the prefill peer of
+/// `x-prefiller-host-port`).
+async fn fan_out(
+    state: &WorkerState,
+    client: Option<std::net::IpAddr>,
+    headers: &HeaderMap,
+    request_id: &str,
+    split: &rngd_api::fanout::Split,
+    api: Api,
+) -> Response {
+    let mut slots = Vec::with_capacity(split.parts.len());
+    for _ in &split.parts {
+        match admit(state) {
+            Ok(s) => slots.push(s),
+            Err(e) => return e.into_response(),
+        }
+    }
+    let parts = split.parts.iter().enumerate().map(|(g, part)| {
+        let id = if g == 0 {
+            request_id.to_string()
+        } else {
+            format!("{request_id}-{g}")
+        };
+        let body = bytes::Bytes::from(part.clone());
+        async move {
+            handle(state, client, headers, &id, body, api)
+                .await
+                .unwrap_or_else(IntoResponse::into_response)
+        }
+    });
+    let answers: Vec<Response> = futures::future::join_all(parts)
+        .await
+        .into_iter()
+        .zip(slots)
+        .map(|(r, slot)| rngd_http_edge::hold_until_sent(r, slot))
+        .collect();
+    rngd_http_edge::fanout::merge(split, answers).await
 }
 
 /// The body within the worker's size (413) and time (408) limits and the
@@ -129,7 +188,7 @@ async fn handle(
     client: Option<std::net::IpAddr>,
     headers: &HeaderMap,
     request_id: &str,
-    body: Buffered,
+    body: bytes::Bytes,
     api: Api,
 ) -> Result<Response, ApiError> {
     let started = Instant::now();
