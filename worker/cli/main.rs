@@ -13,6 +13,7 @@ mod pool;
 mod relay;
 mod up;
 mod worker;
+mod workload;
 
 use clap::{Parser, Subcommand};
 
@@ -71,6 +72,9 @@ enum Command {
     /// Work with policy modules.
     #[command(subcommand)]
     Policy(policy::Command),
+    /// Run an ai-rm workload (prefill, decode or serve) from its file.
+    #[command(subcommand)]
+    Workload(workload::Command),
 }
 
 fn init_tracing(format: LogFormat) {
@@ -123,11 +127,16 @@ fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     init_tracing(cli.log_format);
     follow_parent()?;
+    // The runner becomes the process it starts: no runtime of its own.
+    let command = match cli.command {
+        Command::Workload(c) => return workload::run(c),
+        c => c,
+    };
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?;
     runtime.block_on(async move {
-        match cli.command {
+        match command {
             Command::Worker(a) => worker::run(a).await,
             Command::Relay(a) => relay::run(a).await,
             Command::Gateway(a) => gateway::run(*a).await,
@@ -136,6 +145,7 @@ fn main() -> anyhow::Result<()> {
             Command::Kv(c) => kv::run(c).await,
             Command::Model(c) => model::run(c).await,
             Command::Policy(c) => policy::run(c).await,
+            Command::Workload(_) => unreachable!("run before the runtime"),
         }
     })
 }
