@@ -246,6 +246,10 @@ fn serve_per_connection<H: Health>(
         let mut done = futures::future::select_all(done);
         loop {
             tokio::select! {
+                // The stop first: once told, a serving thread that ended
+                // (one with no stream open ends at once) is the drain, not
+                // a failure, and must not end the wait for the others.
+                biased;
                 () = async { let _ = stop_accepting.wait_for(|s| *s).await; } => {
                     // Told to stop: no new connection; each serving thread
                     // finishes its open streams (tonic's graceful stop),
@@ -254,7 +258,14 @@ fn serve_per_connection<H: Health>(
                     let _ = futures::future::join_all(done.into_inner()).await;
                     return Ok(());
                 }
-                (r, _, _) = &mut done => {
+                (r, _, rest) = &mut done => {
+                    if *stop_accepting.borrow() {
+                        // Told to stop while this thread ended: wait for
+                        // the others' streams too.
+                        drop(lanes);
+                        let _ = futures::future::join_all(rest).await;
+                        return Ok(());
+                    }
                     // A serving thread ended on its own: report why.
                     return match r {
                         Ok(Ok(())) => Ok(()),

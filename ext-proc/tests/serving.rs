@@ -306,6 +306,43 @@ async fn per_connection_and_shared_serving_both_pick_and_stop_on_abort() {
     }
 }
 
+/// A drain waits for an open ext_proc stream however the serving threads
+/// end: with many per-connection threads, those without a stream end at
+/// once on the stop, and that must not read as "every stream ended" (it once
+/// did, at random, and the picker exited under a request Envoy was
+/// processing).
+#[tokio::test]
+async fn a_drain_waits_for_an_open_stream_while_idle_threads_end() {
+    let policy = Arc::new(FakePolicy::default());
+    let picker = Arc::new(Picker::new(
+        rngd_pool::Picker::new(policy, StaticEndpoints::new(default_endpoints())),
+        None,
+        EppMetrics::new().expect("metrics"),
+    ));
+    let server = server::start_with(
+        Arc::clone(&picker),
+        ServerConfig::loopback(),
+        GrpcServing::PerConnection(8),
+    )
+    .await
+    .expect("start");
+    let s = OpenStream::open(server.grpc_addr).await;
+    s.send(post_headers(BodySendMode::FullDuplexStreamed)).await;
+    until("the stream admitted", || {
+        picker
+            .metrics()
+            .render()
+            .lines()
+            .any(|l| l == "rngd_pd_epp_in_flight 1")
+    })
+    .await;
+    // The stream stays open (no body is sent): the drain must wait for it
+    // until its timeout.
+    let drained = server.drain(std::time::Duration::from_millis(1500)).await;
+    assert!(!drained, "the drain ended while a stream was open");
+    drop(s);
+}
+
 /// The reference endpoint picker's metric families are exported with its
 /// labels: per model (`inference_objective_*`, the answer's size and `usage`
 /// read on the response path) and per pool (`inference_pool_*`, from the
