@@ -214,9 +214,18 @@ async fn fan_out(
     started: Instant,
     headers: axum::http::HeaderMap,
 ) -> Result<Response, ApiError> {
-    let mut prepared = Vec::with_capacity(split.parts.len());
-    for part in &split.parts {
-        prepared.push(prepare(&gw, kind, bytes::Bytes::from(part.clone())).await?);
+    // A prompt is validated and counted once, from its first choice; its
+    // other choices differ from that one only in their seed.
+    let mut prepared: Vec<rngd_pool::Prepared> = Vec::with_capacity(split.parts.len());
+    for (g, part) in split.parts.iter().enumerate() {
+        let p = if split.is_first_of_prompt(g) {
+            prepare(&gw, kind, bytes::Bytes::from(part.clone())).await?
+        } else {
+            let mut p = prepared[g - g % split.n].clone();
+            p.upstream.sampling.seed = split.seed_of(g);
+            p
+        };
+        prepared.push(p);
     }
     let mut waits = Vec::with_capacity(prepared.len());
     let mut runs = Vec::with_capacity(prepared.len());

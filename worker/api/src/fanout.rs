@@ -32,6 +32,8 @@ pub struct Split {
     pub parts: Vec<Vec<u8>>,
     /// Whether the client asked for a stream.
     pub stream: bool,
+    /// The request's `seed`, if any.
+    pub seed: Option<i64>,
 }
 
 impl Split {
@@ -39,6 +41,11 @@ impl Split {
     /// prefill the prompt's other choices may reuse).
     pub fn is_first_of_prompt(&self, part: usize) -> bool {
         part.is_multiple_of(self.n)
+    }
+
+    /// The `seed` of `part`: the request's plus the part's choice number.
+    pub fn seed_of(&self, part: usize) -> Option<i64> {
+        self.seed.map(|s| s.wrapping_add((part % self.n) as i64))
     }
 }
 
@@ -104,7 +111,7 @@ pub fn split(body: &[u8], chat: bool) -> Result<Option<Split>, RuleError> {
     let stream = obj.get("stream").and_then(Value::as_bool) == Some(true);
     let mut parts = Vec::with_capacity(k * n);
     for i in 0..k {
-        for j in 0..n {
+        for _ in 0..n {
             let mut o: Map<String, Value> = obj.clone();
             o.remove("n");
             if n > 1 {
@@ -113,18 +120,25 @@ pub fn split(body: &[u8], chat: bool) -> Result<Option<Split>, RuleError> {
             if let Some(p) = prompts.get(i) {
                 o.insert("prompt".into(), p.clone());
             }
-            if let Some(s) = seed {
-                o.insert("seed".into(), json!(s.wrapping_add(j as i64)));
-            }
-            parts.push(serde_json::to_vec(&Value::Object(o)).unwrap_or_default());
+            parts.push(o);
         }
     }
-    Ok(Some(Split {
+    let mut split = Split {
         prompts: k,
         n,
-        parts,
+        parts: Vec::with_capacity(parts.len()),
         stream,
-    }))
+        seed,
+    };
+    for (g, mut o) in parts.into_iter().enumerate() {
+        if let Some(s) = split.seed_of(g) {
+            o.insert("seed".into(), json!(s));
+        }
+        split
+            .parts
+            .push(serde_json::to_vec(&Value::Object(o)).unwrap_or_default());
+    }
+    Ok(Some(split))
 }
 
 // === impl usage ===
@@ -360,6 +374,7 @@ mod tests {
         assert_eq!(got, [("a", 7), ("a", 8), ("b", 7), ("b", 8)]);
         assert!(p.iter().all(|v| v.get("n").is_none()));
         assert!(s.is_first_of_prompt(2) && !s.is_first_of_prompt(3));
+        assert_eq!((s.seed_of(2), s.seed_of(3)), (Some(7), Some(8)));
         let t = split(br#"{"model":"m","prompt":[[1,2],[3]]}"#, false)
             .unwrap()
             .unwrap();
