@@ -98,13 +98,16 @@ impl Env {
     }
 }
 
-/// A STATS client of the relay (with the deployment's secret).
+/// A STATS client of the relay, configured from the environment a worker
+/// gets (the deployment's secret, so TLS keyed by it).
 fn stats_client(relay: &Proc) -> TcpTransport {
-    let cfg = TransportConfig {
-        tcp_addr: Some(relay.addr.clone()),
-        tcp_secret: Some(Secret::new(KV_SECRET.as_bytes().to_vec()).unwrap()),
-        ..TransportConfig::default()
-    };
+    let cfg = TransportConfig::from_lookup(|k| match k {
+        "AIRM_KV_TCP_ADDR" => Some(relay.addr.clone()),
+        "AIRM_KV_TCP_SECRET" => Some(KV_SECRET.to_string()),
+        _ => None,
+    })
+    .unwrap();
+    assert!(cfg.tcp_tls.is_some(), "TLS keyed by the secret");
     TcpTransport::new(&cfg).unwrap()
 }
 

@@ -518,6 +518,40 @@ def test_relay_and_workers_share_the_kv_secret_as_a_file():
     assert "AIRM_KV_TCP_SECRET_FILE" in env and "AIRM_KV_TCP_ADDR" not in env
 
 
+def test_relay_connections_use_tls_keyed_by_the_kv_secret_or_a_mounted_certificate():
+    """`relay.tls` reaches the relay and every worker alike (both ends must
+    agree); `relay.tlsSecretName` mounts the certificate and key in the relay
+    and only `ca.crt` in the workers, read-only and 0400."""
+    def envs(objs):
+        specs = pod_specs(objs)
+        return {n: {e["name"]: e.get("value") for e in specs[n]["containers"][0]["env"]}
+                for n in ("demo-relay", "demo-prefill", "demo-decode")}
+
+    for name, env in envs(render()).items():
+        assert env["AIRM_KV_TCP_TLS"] == "auto", name
+        assert not any(k.startswith(("AIRM_KV_RELAY_TLS", "AIRM_KV_TCP_TLS_CA")) for k in env), name
+    for name, env in envs(render({"relay": {"tls": "off"}})).items():
+        assert env["AIRM_KV_TCP_TLS"] == "off", name
+    objs = render({"relay": {"tlsSecretName": "relay-cert"}})
+    env = envs(objs)
+    assert env["demo-relay"]["AIRM_KV_RELAY_TLS_CERT_FILE"] == "/etc/rngd-pd/relay-tls/tls.crt"
+    assert env["demo-relay"]["AIRM_KV_RELAY_TLS_KEY_FILE"] == "/etc/rngd-pd/relay-tls/tls.key"
+    specs = pod_specs(objs)
+    relay_vol = {v["name"]: v for v in specs["demo-relay"]["volumes"]}["relay-tls"]["secret"]
+    assert relay_vol == {"secretName": "relay-cert", "defaultMode": 0o400}
+    for name in ("demo-prefill", "demo-decode"):
+        assert env[name]["AIRM_KV_TCP_TLS_CA_FILE"] == "/etc/rngd-pd/relay-tls/ca.crt", name
+        assert "AIRM_KV_RELAY_TLS_KEY_FILE" not in env[name], name
+        vol = {v["name"]: v for v in specs[name]["volumes"]}["relay-tls"]["secret"]
+        assert vol["items"] == [{"key": "ca.crt", "path": "ca.crt"}], "the key stays in the relay"
+        mount = {m["name"]: m for m in specs[name]["containers"][0]["volumeMounts"]}["relay-tls"]
+        assert mount["readOnly"] is True
+    for name in ("demo-epp", "demo-gateway"):
+        assert "relay-tls" not in {v["name"] for v in specs[name]["volumes"]}, name
+    assert "pick one" in render_error({"relay": {"tls": "off", "tlsSecretName": "relay-cert"}})
+    assert "auto or off" in render_error({"relay": {"tls": "yes"}})
+
+
 def test_prefill_workers_take_prefill_only_requests_from_the_release_only():
     """The release's decode and gateway pods by name (no private ranges),
     plus what `prefill.frontDoorAllow` adds; decode workers take none."""

@@ -8,7 +8,7 @@ use std::path::PathBuf;
 
 use axum::response::IntoResponse;
 use rngd_api::env;
-use rngd_kv_transport::relay::{self, RelayOptions, Secret};
+use rngd_kv_transport::relay::{self, RelayOptions, Secret, TlsMode};
 
 /// Flags of `rngd-pd relay` (each also read from the environment).
 #[derive(Debug, Clone, clap::Args)]
@@ -37,6 +37,20 @@ pub struct Args {
     /// write KV caches); logged as a warning. Not for production.
     #[arg(long = "insecure-no-auth", env = env::AIRM_KV_TCP_INSECURE_NO_AUTH)]
     pub insecure_no_auth: bool,
+    /// TLS of every connection: `auto` keys it with --tls-cert-file and
+    /// --tls-key-file when given, else with the shared secret (workers
+    /// trust exactly the key derived from it); `off` is plaintext (the
+    /// secret still authenticates). Workers must agree (`AIRM_KV_TCP_TLS`).
+    #[arg(long, env = env::AIRM_KV_TCP_TLS, default_value = "auto", value_name = "auto|off")]
+    pub tls: TlsMode,
+    /// PEM certificate chain to present (e.g. cert-manager's `tls.crt`),
+    /// instead of the key derived from the secret; workers then need
+    /// `AIRM_KV_TCP_TLS_CA_FILE`.
+    #[arg(long = "tls-cert-file", env = env::AIRM_KV_RELAY_TLS_CERT_FILE, value_name = "PATH", requires = "tls_key_file")]
+    pub tls_cert_file: Option<PathBuf>,
+    /// PEM private key of --tls-cert-file.
+    #[arg(long = "tls-key-file", env = env::AIRM_KV_RELAY_TLS_KEY_FILE, value_name = "PATH", requires = "tls_cert_file")]
+    pub tls_key_file: Option<PathBuf>,
     /// A frame (header, key, body) must arrive within this many ms of its
     /// first byte; else the connection is closed.
     #[arg(long = "read-timeout-ms", env = env::AIRM_KV_RELAY_READ_TIMEOUT_MS, default_value_t = 10_000)]
@@ -93,6 +107,9 @@ impl From<Args> for RelayOptions {
             secret_file: a.secret_file,
             secret: a.secret,
             insecure_no_auth: a.insecure_no_auth,
+            tls: a.tls,
+            tls_cert_file: a.tls_cert_file,
+            tls_key_file: a.tls_key_file,
             read_timeout_ms: a.read_timeout_ms,
             handshake_timeout_ms: a.handshake_timeout_ms,
             max_handshakes: a.max_handshakes,
@@ -256,6 +273,21 @@ mod tests {
             cfg.secret,
             Some(Secret::parse("cli-relay-secret-0123456789").unwrap())
         );
+        assert!(cfg.tls.is_some(), "TLS keyed by the secret by default");
+        let off = Cli::try_parse_from([
+            "relay",
+            "--secret-file",
+            path.to_str().unwrap(),
+            "--tls",
+            "off",
+        ])
+        .unwrap();
+        assert!(RelayOptions::from(off.args).config().unwrap().tls.is_none());
+        assert!(Cli::try_parse_from(["relay", "--tls", "maybe"]).is_err());
+        assert!(
+            Cli::try_parse_from(["relay", "--tls-cert-file", "/x.crt"]).is_err(),
+            "a certificate needs its key"
+        );
         let cli = Cli::try_parse_from(["relay", "--secret", "hunter2"]).unwrap();
         let err = RelayOptions::from(cli.args)
             .config()
@@ -283,6 +315,9 @@ mod tests {
             env::AIRM_KV_TCP_SECRET_FILE,
             env::AIRM_KV_TCP_SECRET,
             env::AIRM_KV_TCP_INSECURE_NO_AUTH,
+            env::AIRM_KV_TCP_TLS,
+            env::AIRM_KV_RELAY_TLS_CERT_FILE,
+            env::AIRM_KV_RELAY_TLS_KEY_FILE,
             env::AIRM_KV_RELAY_READ_TIMEOUT_MS,
             env::AIRM_KV_RELAY_IDLE_TIMEOUT_MS,
             env::AIRM_KV_RELAY_MAX_CONNECTIONS,

@@ -18,6 +18,11 @@ pub struct Args {
     /// Skip CRC-32 on the tcp transport (as `AIRM_KV_TCP_CRC=0`).
     #[arg(long = "no-crc")]
     pub no_crc: bool,
+    /// `--transport tcp` only: TLS on the relay connections (keyed by a
+    /// shared secret); plaintext tcp is measured in the same rounds and
+    /// `ratio_vs_tcp` is TLS over plaintext.
+    #[arg(long)]
+    pub tls: bool,
     /// Print a last line with the report as one JSON object.
     #[arg(long)]
     pub json: bool,
@@ -31,6 +36,7 @@ impl From<Args> for rngd_bench_kv::Options {
             requests: a.requests,
             rounds: a.rounds,
             no_crc: a.no_crc,
+            tls: a.tls,
             json: a.json,
         }
     }

@@ -7,7 +7,10 @@
 //! fresh memory for `tcp` (with an in-process relay) and `nixl-ucx` (two
 //! agents in this process, UCX between them; its descriptors through the same
 //! in-process relay), which also measures the `tcp` transport in the same
-//! rounds (`ratio_vs_tcp`). Rounds of baseline and
+//! rounds (`ratio_vs_tcp`). With `--tls` (tcp only) the relay and its
+//! clients speak TLS keyed by a shared secret, and the plaintext `tcp`
+//! transport (same secret, a second relay) is measured in the same rounds:
+//! `ratio_vs_tcp` is then the cost of TLS. Rounds of baseline and
 //! transport alternate; the report gives medians over rounds. Gb/s are
 //! gigabits (10⁹ bit) of KV payload per second of wall time.
 
@@ -39,6 +42,9 @@ pub struct Options {
     pub rounds: usize,
     /// Skip CRC-32 on the tcp transport (as `AIRM_KV_TCP_CRC=0`). Default off.
     pub no_crc: bool,
+    /// `tcp` only: TLS on the relay connections (keyed by a shared secret),
+    /// with plaintext `tcp` measured in the same rounds. Default off.
+    pub tls: bool,
     /// Print a last line with the report as one JSON object. Default off.
     pub json: bool,
 }
@@ -51,6 +57,7 @@ impl Default for Options {
             requests: 16,
             rounds: 3,
             no_crc: false,
+            tls: false,
             json: false,
         }
     }
@@ -85,11 +92,13 @@ pub struct Report {
     pub crc: bool,
     /// Every checked request came back byte-exact.
     pub byte_exact: bool,
-    /// `nixl-ucx` only: median throughput of the `tcp` transport measured in
-    /// the same rounds (same relay, same requests), Gb/s.
+    /// Whether the measured transport used TLS (`--tls`).
+    pub tls: bool,
+    /// `nixl-ucx` and `tcp --tls`: median throughput of the plaintext `tcp`
+    /// transport measured in the same rounds (same requests), Gb/s.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub tcp_gbps_median: Option<f64>,
-    /// `nixl-ucx` only: `gbps_median / tcp_gbps_median`.
+    /// `nixl-ucx` and `tcp --tls`: `gbps_median / tcp_gbps_median`.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub ratio_vs_tcp: Option<f64>,
 }
@@ -324,11 +333,17 @@ pub async fn run(args: Options) -> Result<Report, Error> {
             "--in-flight, --requests and --rounds must be positive".into(),
         ));
     }
+    if args.tls && args.transport != "tcp" {
+        return Err(Error::Args(
+            "--tls measures the tcp transport (its relay connections)".into(),
+        ));
+    }
     let layout = KvLayout::LLAMA31_8B_S512;
     let blobs: Arc<Vec<Bytes>> = Arc::new(conformance::full_request("bench-source", 7).blobs);
     let bytes_per_request = layout.request_bytes() as u64;
     let shm_dir;
     let mut relay_stop = None;
+    let mut plain_relay_stop = None;
     // With nixl-ucx: a tcp pair on the same relay, measured in the same rounds.
     let mut tcp_too: Option<Pair> = None;
     let (a, b, baseline): (Arc<dyn KvTransport>, Arc<dyn KvTransport>, &str) =
@@ -354,16 +369,54 @@ pub async fn run(args: Options) -> Result<Report, Error> {
                     .map_err(io("binding the relay"))?;
                 let addr = listener.local_addr().map_err(io("relay address"))?;
                 let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+                let secret = relay::Secret::parse("bench-kv-relay-secret-0123456789")?;
                 let cfg = RelayConfig {
                     listen: addr.to_string(),
                     max_bytes: (args.in_flight as u64 + 2) * bytes_per_request,
+                    secret: args.tls.then(|| secret.clone()),
+                    tls: if args.tls {
+                        Some(relay::ServerTls::from_secret(&secret)?)
+                    } else {
+                        None
+                    },
                     ..RelayConfig::default()
                 };
+                if args.tls {
+                    // The plaintext relay of the same-run comparison.
+                    let plain = TcpListener::bind("127.0.0.1:0")
+                        .await
+                        .map_err(io("binding the plaintext relay"))?;
+                    let plain_addr = plain.local_addr().map_err(io("relay address"))?;
+                    let plain_cfg = RelayConfig {
+                        tls: None,
+                        ..cfg.clone()
+                    };
+                    let (ptx, prx) = tokio::sync::oneshot::channel::<()>();
+                    let ptask = tokio::spawn(relay::serve(plain, plain_cfg, async {
+                        let _ = prx.await;
+                    }));
+                    plain_relay_stop = Some((ptx, ptask));
+                    let ccfg = TransportConfig {
+                        tcp_crc: !args.no_crc,
+                        tcp_secret: Some(secret.clone()),
+                        ..TransportConfig::default()
+                    };
+                    tcp_too = Some((
+                        Arc::new(TcpTransport::connect_to(plain_addr.to_string(), &ccfg)),
+                        Arc::new(TcpTransport::connect_to(plain_addr.to_string(), &ccfg)),
+                    ));
+                }
                 let task = tokio::spawn(relay::serve(listener, cfg, async {
                     let _ = rx.await;
                 }));
                 relay_stop = Some((tx, task));
                 let cfg = TransportConfig {
+                    tcp_secret: args.tls.then(|| secret.clone()),
+                    tcp_tls: if args.tls {
+                        Some(relay::ClientTls::from_secret(&secret)?)
+                    } else {
+                        None
+                    },
                     tcp_addr: Some(addr.to_string()),
                     tcp_crc: !args.no_crc,
                     // Room for every request in flight (pushed and being read).
@@ -440,7 +493,7 @@ pub async fn run(args: Options) -> Result<Report, Error> {
             .await?;
             byte_exact &= texact;
             let g = tp.gbps(bytes_per_request, args.requests);
-            println!("round {round}: tcp (same relay) {g:.2} Gb/s");
+            println!("round {round}: plaintext tcp (same requests) {g:.2} Gb/s");
             tcp_gbps.push(g);
         }
         let (tg, bg) = (
@@ -459,7 +512,7 @@ pub async fn run(args: Options) -> Result<Report, Error> {
         t_lat.extend(pass.latencies_ms);
         b_lat.extend(base.latencies_ms);
     }
-    if let Some((tx, task)) = relay_stop {
+    for (tx, task) in relay_stop.into_iter().chain(plain_relay_stop) {
         let _ = tx.send(());
         task.await??;
     }
@@ -480,13 +533,18 @@ pub async fn run(args: Options) -> Result<Report, Error> {
         baseline_ms_per_request_median: median(&mut b_lat),
         crc: args.transport == "shm" || !args.no_crc,
         byte_exact,
+        tls: args.tls,
         tcp_gbps_median,
         ratio_vs_tcp: tcp_gbps_median.map(|t| gbps_median / t),
     };
     if let Some(r) = report.ratio_vs_tcp {
         println!(
-            "{}: {:.2}x the tcp transport ({:.2} Gb/s) in the same run",
-            report.transport,
+            "{}: {:.2}x the plaintext tcp transport ({:.2} Gb/s) in the same run",
+            if report.tls {
+                "tcp over TLS"
+            } else {
+                report.transport.as_str()
+            },
             r,
             tcp_gbps_median.unwrap_or(0.0)
         );

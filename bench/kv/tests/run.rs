@@ -10,6 +10,7 @@ fn args(transport: &str) -> Options {
         requests: 2,
         rounds: 1,
         no_crc: false,
+        tls: false,
         json: true,
     }
 }
@@ -48,6 +49,27 @@ async fn nixl_ucx_run_reports_byte_exact_figures_and_tcp_from_the_same_run() {
         tcp_only.ratio_vs_tcp.is_none(),
         "only nixl-ucx compares with tcp"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tcp_over_tls_reports_plaintext_tcp_from_the_same_run() {
+    let r = run(Options {
+        tls: true,
+        ..args("tcp")
+    })
+    .await
+    .unwrap();
+    assert!(r.tls && r.byte_exact, "TLS and plaintext both byte-exact");
+    let plain = r.tcp_gbps_median.expect("plaintext tcp in the same run");
+    assert!(plain > 0.0 && r.gbps_median > 0.0);
+    assert!((r.ratio_vs_tcp.unwrap() - r.gbps_median / plain).abs() < 1e-9);
+    let err = run(Options {
+        tls: true,
+        ..args("shm")
+    })
+    .await
+    .unwrap_err();
+    assert!(err.to_string().contains("--tls"), "{err}");
 }
 
 #[tokio::test]

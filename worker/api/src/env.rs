@@ -135,6 +135,22 @@ pub const AIRM_KV_TCP_SECRET_FILE: &str = "AIRM_KV_TCP_SECRET_FILE";
 /// `1`: the relay and the `tcp` transport run without the shared secret
 /// (not for production); default off: without a secret they refuse to start.
 pub const AIRM_KV_TCP_INSECURE_NO_AUTH: &str = "AIRM_KV_TCP_INSECURE_NO_AUTH";
+/// TLS of the `tcp` transport's relay connections, on the relay and its
+/// clients alike: `auto` (default: keyed by the mounted certificate files
+/// if given, else by the shared secret) or `off` (plaintext; the secret
+/// still authenticates). Both ends must agree.
+pub const AIRM_KV_TCP_TLS: &str = "AIRM_KV_TCP_TLS";
+/// A `tcp` client: PEM roots that sign the relay's mounted certificate
+/// (instead of trusting the key derived from the shared secret).
+pub const AIRM_KV_TCP_TLS_CA_FILE: &str = "AIRM_KV_TCP_TLS_CA_FILE";
+/// A `tcp` client with `AIRM_KV_TCP_TLS_CA_FILE`: the name the relay's
+/// certificate must carry; default the host of `AIRM_KV_TCP_ADDR`.
+pub const AIRM_KV_TCP_TLS_SERVER_NAME: &str = "AIRM_KV_TCP_TLS_SERVER_NAME";
+/// Relay: PEM certificate chain it presents (with
+/// `AIRM_KV_RELAY_TLS_KEY_FILE`) instead of the key derived from the secret.
+pub const AIRM_KV_RELAY_TLS_CERT_FILE: &str = "AIRM_KV_RELAY_TLS_CERT_FILE";
+/// Relay: PEM private key of `AIRM_KV_RELAY_TLS_CERT_FILE`.
+pub const AIRM_KV_RELAY_TLS_KEY_FILE: &str = "AIRM_KV_RELAY_TLS_KEY_FILE";
 /// Deadline of a `tcp` push, release or STATS (and of connecting), ms; default 30000.
 pub const AIRM_KV_TCP_TIMEOUT_MS: &str = "AIRM_KV_TCP_TIMEOUT_MS";
 /// Relay: a frame must arrive within this of its first byte, ms; default 10000.

@@ -7,6 +7,7 @@ use rngd_api::env;
 
 use crate::KvError;
 use crate::frame::Secret;
+use crate::relay::{ClientTls, TlsMode};
 
 /// Default root of the `shm` transport.
 pub const DEFAULT_SHM_ROOT: &str = "/dev/shm/rngd_kv_cluster";
@@ -37,6 +38,11 @@ pub struct TransportConfig {
     /// with `--insecure-no-auth`). From the environment, `None` with a relay
     /// address needs `AIRM_KV_TCP_INSECURE_NO_AUTH=1`. Never shown by `Debug`.
     pub tcp_secret: Option<Secret>,
+    /// `tcp`: TLS of the relay connections; `None`: plaintext. From the
+    /// environment (`AIRM_KV_TCP_TLS`, default `auto`): the roots of
+    /// `AIRM_KV_TCP_TLS_CA_FILE` (for `AIRM_KV_TCP_TLS_SERVER_NAME`) when
+    /// set, else the relay key derived from the secret; `off` is plaintext.
+    pub tcp_tls: Option<ClientTls>,
     /// `tcp`: deadline of a push, release or STATS (`AIRM_KV_TCP_TIMEOUT_MS`,
     /// default 30 s); also bounds connecting and the handshake.
     pub tcp_timeout: Duration,
@@ -63,6 +69,7 @@ impl Default for TransportConfig {
             tcp_crc: true,
             tcp_log: false,
             tcp_secret: None,
+            tcp_tls: None,
             tcp_timeout: DEFAULT_TCP_TIMEOUT,
             nixl_lib_dir: None,
             nixl_plugin_dir: None,
@@ -170,7 +177,47 @@ impl TransportConfig {
             }
             _ => {}
         }
+        cfg.tcp_tls = client_tls(&lookup, cfg.tcp_secret.as_ref())?;
         Ok(cfg)
+    }
+}
+
+/// The `tcp` client's TLS from `AIRM_KV_TCP_TLS`, its CA file and name, and
+/// the secret.
+fn client_tls(
+    lookup: &impl Fn(&str) -> Option<String>,
+    secret: Option<&Secret>,
+) -> Result<Option<ClientTls>, KvError> {
+    let mode = match lookup(env::AIRM_KV_TCP_TLS) {
+        Some(v) => v.parse::<TlsMode>().map_err(|e| KvError::Config {
+            detail: format!("{}: {e}", env::AIRM_KV_TCP_TLS),
+        })?,
+        None => TlsMode::Auto,
+    };
+    let ca = lookup(env::AIRM_KV_TCP_TLS_CA_FILE);
+    let name = lookup(env::AIRM_KV_TCP_TLS_SERVER_NAME);
+    if name.is_some() && ca.is_none() {
+        return Err(KvError::Config {
+            detail: format!(
+                "{} without {}: a server name is checked only against a CA",
+                env::AIRM_KV_TCP_TLS_SERVER_NAME,
+                env::AIRM_KV_TCP_TLS_CA_FILE
+            ),
+        });
+    }
+    match (mode, ca, secret) {
+        (TlsMode::Off, Some(_), _) => Err(KvError::Config {
+            detail: format!(
+                "{}=off together with {}: pick one",
+                env::AIRM_KV_TCP_TLS,
+                env::AIRM_KV_TCP_TLS_CA_FILE
+            ),
+        }),
+        (TlsMode::Off, None, _) | (TlsMode::Auto, None, None) => Ok(None),
+        (TlsMode::Auto, Some(ca), _) => {
+            ClientTls::from_ca_file(std::path::Path::new(&ca), name.as_deref()).map(Some)
+        }
+        (TlsMode::Auto, None, Some(secret)) => ClientTls::from_secret(secret).map(Some),
     }
 }
 
@@ -288,6 +335,51 @@ mod tests {
             short.contains(env::AIRM_KV_TCP_SECRET) && !short.contains("hunter2"),
             "{short}"
         );
+    }
+
+    #[test]
+    fn tls_follows_the_secret_unless_turned_off_or_given_a_ca() {
+        let with = |vars: &[(&str, &str)]| {
+            let vars: HashMap<&str, &str> = vars.iter().copied().collect();
+            TransportConfig::from_lookup(|k| vars.get(k).map(|v| v.to_string()))
+        };
+        let addr = (env::AIRM_KV_TCP_ADDR, "relay.ns.svc:7070");
+        let secret = (env::AIRM_KV_TCP_SECRET, "worker-secret-0123456789");
+        let s = Secret::parse(secret.1).unwrap();
+        let keyed = with(&[addr, secret]).unwrap().tcp_tls;
+        assert_eq!(keyed, Some(ClientTls::from_secret(&s).unwrap()));
+        let off = with(&[addr, secret, (env::AIRM_KV_TCP_TLS, "off")]).unwrap();
+        assert_eq!(off.tcp_tls, None);
+        let insecure = with(&[addr, (env::AIRM_KV_TCP_INSECURE_NO_AUTH, "1")]).unwrap();
+        assert_eq!(insecure.tcp_tls, None, "nothing to key it with");
+        let bad = with(&[addr, secret, (env::AIRM_KV_TCP_TLS, "maybe")])
+            .unwrap_err()
+            .to_string();
+        assert!(bad.contains(env::AIRM_KV_TCP_TLS), "{bad}");
+        let name_alone = with(&[addr, secret, (env::AIRM_KV_TCP_TLS_SERVER_NAME, "relay")])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            name_alone.contains(env::AIRM_KV_TCP_TLS_CA_FILE),
+            "{name_alone}"
+        );
+        let dir = tempfile::tempdir().unwrap();
+        let ca = dir.path().join("ca.crt");
+        let c = rcgen::generate_simple_self_signed(vec!["relay".to_string()]).unwrap();
+        std::fs::write(&ca, c.cert.pem()).unwrap();
+        let ca = ca.to_str().unwrap();
+        let by_ca = with(&[addr, secret, (env::AIRM_KV_TCP_TLS_CA_FILE, ca)]).unwrap();
+        assert_ne!(by_ca.tcp_tls, keyed);
+        assert!(format!("{:?}", by_ca.tcp_tls).contains("ca.crt"));
+        let both = with(&[
+            addr,
+            secret,
+            (env::AIRM_KV_TCP_TLS, "off"),
+            (env::AIRM_KV_TCP_TLS_CA_FILE, ca),
+        ])
+        .unwrap_err()
+        .to_string();
+        assert!(both.contains("pick one"), "{both}");
     }
 
     #[test]

@@ -5,8 +5,8 @@
 //! PUT stores (checking the CRC-32 and the memory cap), GET waits until the
 //! blob is there (bounded by the wait in the frame), DEL drops a request,
 //! STATS reports counters. Blobs nobody deletes expire after the TTL. Every
-//! connection starts with the handshake of [`crate::frame`] (the shared
-//! secret), under its own short deadline and its own cap of sockets in the
+//! connection runs TLS when configured ([`tls`]), then the handshake of
+//! [`crate::frame`] (the shared secret), both under its own short deadline and its own cap of sockets in the
 //! handshake (over it the oldest is closed), apart from the authenticated
 //! connections; failed handshakes are counted and warned of at most once
 //! per interval. Every frame must arrive within the read deadline, an idle
@@ -22,7 +22,8 @@
 //! - `store`: the blobs, the memory cap, the TTL sweep, the waiting GETs;
 //! - `preauth`: the sockets in the handshake under their cap, the failed
 //!   handshakes, the rate limit of their warnings;
-//! - `client`: the pooled client connections of the `tcp` transport.
+//! - `client`: the pooled client connections of the `tcp` transport;
+//! - `tls`: TLS of both sides (keys from the secret or mounted files).
 //!
 //! Both ends speak [`crate::frame`] and depend on nothing of each other.
 
@@ -43,11 +44,13 @@ pub mod metrics;
 mod preauth;
 mod server;
 mod store;
+pub mod tls;
 
 pub use crate::frame::{RelayStats, Secret};
 pub use client::authenticate;
 pub use server::serve;
 use server::serve_relay;
+pub use tls::{ClientTls, ServerTls, TlsMode};
 
 /// Longest wait a GET may ask for.
 pub const MAX_WAIT: Duration = Duration::from_secs(600);
@@ -72,6 +75,10 @@ pub struct RelayConfig {
     /// gives; [`RelayOptions::config`] refuses it otherwise). The default is
     /// `None` for in-process relays of tests and benchmarks.
     pub secret: Option<Secret>,
+    /// TLS of every connection ([`tls`]); `None`: plaintext. The default is
+    /// `None` for in-process relays of tests and benchmarks;
+    /// [`RelayOptions::config`] turns it on whenever it has a key.
+    pub tls: Option<ServerTls>,
     /// A frame (header, key, body) must arrive within this of its first
     /// byte; a reply must be written within it too.
     pub read_timeout: Duration,
@@ -103,6 +110,7 @@ impl Default for RelayConfig {
             max_bytes: 4 << 30,
             max_frame: 64 << 20,
             secret: None,
+            tls: None,
             read_timeout: Duration::from_secs(10),
             handshake_timeout: Duration::from_secs(2),
             max_handshakes: 128,
@@ -139,6 +147,17 @@ pub struct RelayOptions {
     /// Run without authentication (`--insecure-no-auth`); logged as a
     /// warning. Default false.
     pub insecure_no_auth: bool,
+    /// TLS (`--tls`, `AIRM_KV_TCP_TLS`): `Auto` (the default) keys it with
+    /// `tls_cert_file`/`tls_key_file` when given, else with the secret;
+    /// `Off` is plaintext.
+    pub tls: TlsMode,
+    /// PEM certificate chain the relay presents (`--tls-cert-file`,
+    /// `AIRM_KV_RELAY_TLS_CERT_FILE`), with `tls_key_file`; instead of the
+    /// key derived from the secret.
+    pub tls_cert_file: Option<PathBuf>,
+    /// PEM private key of `tls_cert_file` (`--tls-key-file`,
+    /// `AIRM_KV_RELAY_TLS_KEY_FILE`).
+    pub tls_key_file: Option<PathBuf>,
     /// Per-frame read deadline, ms; must be positive. Default 10000.
     pub read_timeout_ms: u64,
     /// Handshake deadline of a new socket, ms; must be positive. Default 2000.
@@ -170,6 +189,9 @@ impl Default for RelayOptions {
             secret_file: None,
             secret: None,
             insecure_no_auth: false,
+            tls: TlsMode::Auto,
+            tls_cert_file: None,
+            tls_key_file: None,
             read_timeout_ms: d.read_timeout.as_millis() as u64,
             handshake_timeout_ms: d.handshake_timeout.as_millis() as u64,
             max_handshakes: d.max_handshakes,
@@ -250,12 +272,14 @@ impl RelayOptions {
             }
             _ => {}
         }
+        let tls = server_tls(self, secret.as_ref())?;
         Ok(RelayConfig {
             listen: self.listen.clone(),
             ttl,
             max_bytes: self.max_bytes,
             max_frame: self.max_frame,
             secret,
+            tls,
             read_timeout: Duration::from_millis(self.read_timeout_ms),
             handshake_timeout: Duration::from_millis(self.handshake_timeout_ms),
             max_handshakes: self.max_handshakes,
@@ -265,6 +289,27 @@ impl RelayOptions {
             max_waiters: self.max_waiters,
             max_entries: self.max_entries,
         })
+    }
+}
+
+/// The relay's TLS from the options' `tls`, certificate files and the secret.
+fn server_tls(opts: &RelayOptions, secret: Option<&Secret>) -> Result<Option<ServerTls>, KvError> {
+    let files = match (&opts.tls_cert_file, &opts.tls_key_file) {
+        (Some(cert), Some(key)) => Some((cert, key)),
+        (None, None) => None,
+        _ => {
+            return Err(KvError::Config {
+                detail: "--tls-cert-file and --tls-key-file go together".into(),
+            });
+        }
+    };
+    match (opts.tls, files, secret) {
+        (TlsMode::Off, Some(_), _) => Err(KvError::Config {
+            detail: "--tls off together with --tls-cert-file: pick one".into(),
+        }),
+        (TlsMode::Off, None, _) | (TlsMode::Auto, None, None) => Ok(None),
+        (TlsMode::Auto, Some((cert, key)), _) => ServerTls::from_pem_files(cert, key).map(Some),
+        (TlsMode::Auto, None, Some(secret)) => ServerTls::from_secret(secret).map(Some),
     }
 }
 
@@ -360,6 +405,7 @@ pub async fn launch(opts: RelayOptions) -> Result<Launched, KvError> {
         max_bytes = cfg.max_bytes,
         max_frame = cfg.max_frame,
         authenticated = cfg.secret.is_some(),
+        tls = cfg.tls.as_ref().map_or("off", |t| t.origin()),
         read_timeout = ?cfg.read_timeout,
         handshake_timeout = ?cfg.handshake_timeout,
         max_handshakes = cfg.max_handshakes,

@@ -14,8 +14,10 @@
 //! come. The puller connects to its own configured address, never to one taken
 //! from the handle.
 //!
-//! Every new connection is authenticated with the shared secret
-//! (`AIRM_KV_TCP_SECRET` / `AIRM_KV_TCP_SECRET_FILE`, see [`crate::frame`]).
+//! Every new connection runs TLS when configured (`AIRM_KV_TCP_TLS`, by
+//! default keyed by the secret; [`crate::relay::tls`]) and is authenticated
+//! with the shared secret (`AIRM_KV_TCP_SECRET` /
+//! `AIRM_KV_TCP_SECRET_FILE`, see [`crate::frame`]).
 //! Every operation has a deadline: push, release and STATS
 //! `AIRM_KV_TCP_TIMEOUT_MS` (connecting and the handshake at most
 //! [`CONNECT_TIMEOUT`]), pull its timeout plus a grace; a relay that stops
@@ -89,6 +91,7 @@ impl TcpTransport {
                 cfg.tcp_crc,
                 cfg.tcp_log,
                 cfg.tcp_secret.clone(),
+                cfg.tcp_tls.clone(),
                 cfg.tcp_timeout,
             )),
         }

@@ -323,7 +323,15 @@ async fn launched_relay_serves_until_shut_down() {
     .await
     .unwrap();
     assert_ne!(launched.addr.port(), 0, "the bound port is reported");
-    let t = TcpTransport::connect_to(launched.addr.to_string(), &client_cfg());
+    // With a secret the launched relay speaks TLS keyed by it (the default).
+    let tls_cfg = TransportConfig {
+        tcp_tls: Some(relay::ClientTls::from_secret(&common::secret()).unwrap()),
+        ..client_cfg()
+    };
+    let plain = TcpTransport::connect_to(launched.addr.to_string(), &client_cfg());
+    let plain = tokio::time::timeout(Duration::from_secs(10), plain.stats()).await;
+    assert!(matches!(plain, Ok(Err(_))), "a plaintext client is refused");
+    let t = TcpTransport::connect_to(launched.addr.to_string(), &tls_cfg);
     let p = conformance::payload("launched", 5, 3, 1000);
     let h = t.push(p.clone()).await.unwrap();
     assert_eq!(t.pull(&h, Duration::from_secs(5)).await.unwrap(), p.blobs);
@@ -331,7 +339,7 @@ async fn launched_relay_serves_until_shut_down() {
     assert_eq!(t.stats().await.unwrap().keys, 0);
     launched.shutdown();
     launched.join().await.unwrap();
-    let gone = TcpTransport::connect_to(h.location.split('#').next().unwrap(), &client_cfg());
+    let gone = TcpTransport::connect_to(h.location.split('#').next().unwrap(), &tls_cfg);
     assert!(gone.stats().await.is_err(), "the relay stopped listening");
     let bad = relay::launch(relay::RelayOptions {
         listen: "127.0.0.1:0".into(),

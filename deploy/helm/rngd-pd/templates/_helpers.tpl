@@ -283,3 +283,49 @@ release unless `shmHostPath` names one. */}}
 {{- define "rngd-pd.peersDns" -}}
 {{- printf "%s.%s.svc" (include "rngd-pd.peersName" .) .root.Release.Namespace -}}
 {{- end -}}
+
+{{/* TLS of the relay connections, for the relay (role "relay": its
+certificate files when `relay.tlsSecretName` is set) and the workers
+(role "client": the CA that signs it): env, mount, volume. */}}
+{{- define "rngd-pd.relayTlsEnv" -}}
+{{- $r := .root.Values.relay }}
+{{- if not (has $r.tls (list "auto" "off")) }}
+{{- fail (printf "relay.tls must be auto or off, not %q" $r.tls) }}
+{{- end }}
+{{- if and (eq $r.tls "off") $r.tlsSecretName }}
+{{- fail "relay.tls off together with relay.tlsSecretName: pick one" }}
+{{- end }}
+- name: AIRM_KV_TCP_TLS
+  value: {{ $r.tls | quote }}
+{{- if $r.tlsSecretName }}
+{{- if eq .role "relay" }}
+- name: AIRM_KV_RELAY_TLS_CERT_FILE
+  value: /etc/rngd-pd/relay-tls/tls.crt
+- name: AIRM_KV_RELAY_TLS_KEY_FILE
+  value: /etc/rngd-pd/relay-tls/tls.key
+{{- else }}
+- name: AIRM_KV_TCP_TLS_CA_FILE
+  value: /etc/rngd-pd/relay-tls/ca.crt
+{{- end }}
+{{- end }}
+{{- end -}}
+{{- define "rngd-pd.relayTlsMount" -}}
+{{- if .root.Values.relay.tlsSecretName }}
+- name: relay-tls
+  mountPath: /etc/rngd-pd/relay-tls
+  readOnly: true
+{{- end }}
+{{- end -}}
+{{- define "rngd-pd.relayTlsVolume" -}}
+{{- if .root.Values.relay.tlsSecretName }}
+- name: relay-tls
+  secret:
+    secretName: {{ .root.Values.relay.tlsSecretName }}
+    defaultMode: 0400
+    {{- if ne .role "relay" }}
+    items:
+      - key: ca.crt
+        path: ca.crt
+    {{- end }}
+{{- end }}
+{{- end -}}

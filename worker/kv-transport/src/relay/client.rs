@@ -14,11 +14,13 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use rngd_kv_wire::{BlobMeta, KvHandle, WireError};
 use sha2::{Digest, Sha256};
+use std::os::fd::AsFd;
+
 use tokio::io::{AsyncRead, AsyncWriteExt, BufReader, BufWriter};
 use tokio::net::TcpStream;
-use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 
 use super::preauth::PREAUTH_CLOSED;
+use super::tls::{BoxRead, BoxWrite, ClientTls, TlsFailure, client_failure, split_plain};
 use crate::KvError;
 use crate::frame::{
     FLAG_CRC, Header, IO_BUF, Op, RelayStats, Secret, TRANSPORT as NAME, read_body, read_body_crc,
@@ -47,6 +49,8 @@ pub(crate) struct Client {
     pub(crate) log: bool,
     /// The shared secret (`None`: the relay must not check one).
     secret: Option<Secret>,
+    /// TLS of the connections (`None`: plaintext).
+    tls: Option<ClientTls>,
     /// Deadline of push, release and STATS (the transport applies it).
     pub(crate) timeout: Duration,
     idle: Mutex<Vec<Conn>>,
@@ -64,8 +68,12 @@ pub(crate) struct Refused {
 
 /// One connection to the relay.
 pub(crate) struct Conn {
-    rd: BufReader<OwnedReadHalf>,
-    wr: BufWriter<OwnedWriteHalf>,
+    rd: BufReader<BoxRead>,
+    wr: BufWriter<BoxWrite>,
+    /// A second handle on the socket, to see (without reading) whether the
+    /// relay closed it while it was idle in the pool (under TLS the halves
+    /// cannot look at the socket).
+    probe: Option<std::net::TcpStream>,
     /// It came from the pool (so it may have died while idle).
     pub(crate) reused: bool,
 }
@@ -97,6 +105,48 @@ fn is_preauth_closed(e: &KvError) -> bool {
     matches!(e, KvError::Capacity { detail, .. } if detail.starts_with(PREAUTH_CLOSED))
 }
 
+/// What a client sees of a relay that closes a socket before TLS is up
+/// (its pre-auth or connection cap: it cannot send a TLS client a
+/// plaintext reason).
+const TLS_CLOSED: &str = "the relay closed the connection during the TLS handshake";
+
+/// Whether the relay closed our socket before TLS was up (worth a fresh
+/// connection within the connect deadline, like [`is_preauth_closed`]).
+fn is_tls_closed(e: &KvError) -> bool {
+    matches!(e, KvError::ConnectionLost { detail, source: None, .. } if detail.starts_with(TLS_CLOSED))
+}
+
+/// The error of a failed TLS handshake with the relay at `peer`.
+fn tls_error(peer: &str, e: io::Error) -> KvError {
+    match client_failure(&e) {
+        TlsFailure::Untrusted => KvError::Unauthorized {
+            transport: NAME,
+            peer: peer.to_string(),
+            detail: format!(
+                "the relay's TLS key is not the trusted one ({e}): a relay with another \
+                 secret or certificate, or someone in between"
+            ),
+        },
+        TlsFailure::NotTls => KvError::Protocol {
+            transport: NAME,
+            peer: peer.to_string(),
+            detail: format!(
+                "the relay does not speak TLS ({e}); it runs with --tls off while this \
+                 client uses TLS (set {}=off here, or turn TLS on at the relay)",
+                rngd_api::env::AIRM_KV_TCP_TLS
+            ),
+        },
+        TlsFailure::Io => KvError::ConnectionLost {
+            transport: NAME,
+            peer: peer.to_string(),
+            detail: format!(
+                "{TLS_CLOSED} ({e}; it may be at its connection cap, or not expect TLS)"
+            ),
+            source: None,
+        },
+    }
+}
+
 /// Logs size and SHA-256 of a blob (`AIRM_KV_TCP_LOG=1`).
 pub(crate) fn log_blob(dir: &str, request_id: &str, index: usize, blob: &[u8]) {
     let digest = Sha256::digest(blob);
@@ -113,6 +163,7 @@ impl Client {
         crc: bool,
         log: bool,
         secret: Option<Secret>,
+        tls: Option<ClientTls>,
         timeout: Duration,
     ) -> Client {
         Client {
@@ -120,6 +171,7 @@ impl Client {
             crc,
             log,
             secret,
+            tls,
             timeout,
             idle: Mutex::new(Vec::new()),
             seq: AtomicU32::new(1),
@@ -144,8 +196,11 @@ impl Client {
             if !conn.rd.buffer().is_empty() {
                 continue;
             }
-            let mut probe = [0u8; 1];
-            match conn.rd.get_ref().try_read(&mut probe) {
+            let Some(probe) = &conn.probe else {
+                // Cannot look: use it (a dead one is retried on a fresh one).
+                return Ok(conn);
+            };
+            match probe.peek(&mut [0u8; 1]) {
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(conn),
                 _ => continue,
             }
@@ -159,7 +214,10 @@ impl Client {
         let mut backoff = Duration::from_millis(5);
         loop {
             match self.connect_once(limit, started).await {
-                Err(e) if is_preauth_closed(&e) && started.elapsed() + backoff < limit => {
+                Err(e)
+                    if (is_preauth_closed(&e) || is_tls_closed(&e))
+                        && started.elapsed() + backoff < limit =>
+                {
                     tracing::debug!(peer = %self.addr, "tcp: handshake closed over the relay's pre-auth cap; trying again");
                     tokio::time::sleep(backoff).await;
                     backoff = (backoff * 2).min(Duration::from_millis(100));
@@ -187,10 +245,32 @@ impl Client {
                 source: None,
             })?;
         let _ = stream.set_nodelay(true);
-        let (rd, wr) = stream.into_split();
+        // The duplicate shares the socket's non-blocking mode: a peek on it
+        // never waits.
+        let probe = stream
+            .as_fd()
+            .try_clone_to_owned()
+            .ok()
+            .map(std::net::TcpStream::from);
+        let (rd, wr) = match &self.tls {
+            None => split_plain(stream),
+            Some(tls) => {
+                let left = limit.saturating_sub(started.elapsed());
+                tokio::time::timeout(left, tls.connect(&self.addr, stream))
+                    .await
+                    .map_err(|_| KvError::Timeout {
+                        transport: NAME,
+                        peer: self.addr.clone(),
+                        op: "TLS handshake",
+                        after: limit,
+                    })?
+                    .map_err(|e| tls_error(&self.addr, e))?
+            }
+        };
         let mut conn = Conn {
             rd: BufReader::with_capacity(IO_BUF, rd),
             wr: BufWriter::with_capacity(IO_BUF, wr),
+            probe,
             reused: false,
         };
         let left = limit.saturating_sub(started.elapsed());

@@ -1,5 +1,6 @@
-//! The relay server: accepts connections, authenticates each with the
-//! handshake of [`crate::frame`] (in the pre-auth pool of
+//! The relay server: accepts connections, brings TLS up on each when
+//! configured ([`super::tls`]), authenticates each with the
+//! handshake of [`crate::frame`] (both in the pre-auth pool of
 //! [`super::preauth`], under the handshake deadline; it counts against the
 //! connection cap only once it passed), and speaks the protocol over it. Per connection, a reader task handles frames in order
 //! and a writer task sends replies; GETs wait in their own tasks (under the
@@ -21,8 +22,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader};
-use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
+use futures::FutureExt;
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::mpsc;
 use tokio::time::timeout;
@@ -32,12 +33,16 @@ use tokio_util::task::TaskTracker;
 use super::RelayConfig;
 use super::preauth::{Admitted, Failure, Full, PREAUTH_CLOSED, Slot};
 use super::store::{Gauge, Reject, Relay};
+use super::tls::{BoxRead, BoxWrite, ServerTls, split_plain};
 use crate::KvError;
 use crate::frame::{
     self, ErrCode, HELLO_AUTH, Header, IO_BUF, MAC_LEN, NONCE_LEN, Op, read_request_head,
 };
 
 mod requests;
+
+/// A connection's buffered read half (plain or TLS).
+type Rd = BufReader<BoxRead>;
 
 use requests::read_requests;
 
@@ -61,6 +66,9 @@ pub(crate) async fn serve_relay(
         tracing::warn!(
             "KV relay: connections are NOT authenticated (no shared secret; --insecure-no-auth)"
         );
+    }
+    if relay.cfg.tls.is_none() {
+        tracing::info!("KV relay: connections are not encrypted (no TLS)");
     }
     let stop = CancellationToken::new();
     let tracker = TaskTracker::new();
@@ -151,10 +159,13 @@ fn accept(
                     relay.preauth.cap()
                 ),
             );
-            let r = preauth_full_reply(relay);
-            let mut bytes = r.header.encode().to_vec();
-            bytes.extend_from_slice(&r.body);
-            let _ = stream.try_write(&bytes);
+            // A TLS client could not read a plaintext ERR: it sees the close.
+            if relay.cfg.tls.is_none() {
+                let r = preauth_full_reply(relay);
+                let mut bytes = r.header.encode().to_vec();
+                bytes.extend_from_slice(&r.body);
+                let _ = stream.try_write(&bytes);
+            }
             return;
         }
     };
@@ -183,8 +194,12 @@ fn accept(
 }
 
 /// Closes a connection over the cap at once, with an ERR the client can
-/// name (written only if the socket takes it without waiting).
+/// name (written only if the socket takes it without waiting, and only
+/// without TLS: a TLS client sees the close).
 fn refuse_connection(relay: &Relay, stream: TcpStream) {
+    if relay.cfg.tls.is_some() {
+        return;
+    }
     let r = capacity_reply(relay, 0);
     let mut bytes = r.header.encode().to_vec();
     bytes.extend_from_slice(&r.body);
@@ -271,13 +286,42 @@ async fn connection(
 ) {
     let slot = Slot::adopt(&relay.preauth, admitted.id);
     let evict = admitted.evict;
-    let (rd, mut wr) = stream.into_split();
-    let mut rd = BufReader::with_capacity(IO_BUF, rd);
     let deadline = relay.cfg.handshake_timeout;
+    let started = tokio::time::Instant::now();
+    let (rd, mut wr) = match &relay.cfg.tls {
+        None => split_plain(stream),
+        // TLS first, under the same deadline and in the same pool; a socket
+        // closed before TLS is up gets no ERR (its client could not read one).
+        Some(tls) => {
+            let up = tokio::select! {
+                r = timeout(deadline, tls_accept(tls, &slot, stream)) => r,
+                _ = evict.cancelled() => return,
+                _ = stop.cancelled() => return,
+            };
+            match up {
+                Ok(Ok(halves)) => halves,
+                Ok(Err(Refusal::Silent)) => {
+                    tracing::debug!(%peer, "relay: closed before the TLS handshake");
+                    return;
+                }
+                Ok(Err(Refusal::Refused(reason))) => {
+                    handshake_failed(&relay, &slot, Failure::Refused, peer, &reason);
+                    return;
+                }
+                Err(_) => {
+                    let reason = format!("no TLS handshake within {deadline:?}");
+                    handshake_failed(&relay, &slot, Failure::Timeout, peer, &reason);
+                    return;
+                }
+            }
+        }
+    };
+    let mut rd = BufReader::with_capacity(IO_BUF, rd);
+    let left = deadline.saturating_sub(started.elapsed());
     let passed = tokio::select! {
-        r = timeout(deadline, handshake(&relay, &slot, &mut rd, &mut wr)) => r,
+        r = timeout(left, handshake(&relay, &slot, &mut rd, &mut wr)) => r,
         _ = evict.cancelled() => {
-            refuse_evicted(&relay, &wr);
+            refuse_evicted(&relay, &mut wr);
             return;
         }
         _ = stop.cancelled() => return,
@@ -311,7 +355,7 @@ async fn connection(
     // Passed: from now on it counts against the connection cap, not the
     // pre-auth one (unless it was evicted in the last instant).
     if !slot.promote() {
-        refuse_evicted(&relay, &wr);
+        refuse_evicted(&relay, &mut wr);
         return;
     }
     if !relay.admit_connection() {
@@ -328,7 +372,8 @@ async fn connection(
     let _authenticated = Gauge::adopt(&relay.connections);
     let sent = timeout(relay.cfg.read_timeout, async {
         wr.write_all(&ok.header.encode()).await?;
-        wr.write_all(&ok.body).await
+        wr.write_all(&ok.body).await?;
+        wr.flush().await
     })
     .await;
     if !matches!(sent, Ok(Ok(()))) {
@@ -363,21 +408,38 @@ fn preauth_full_reply(relay: &Relay) -> Reply {
 
 /// Tells a socket evicted from the pre-auth pool why (only if the socket
 /// takes it without waiting); it is closed when dropped.
-fn refuse_evicted(relay: &Relay, wr: &OwnedWriteHalf) {
+fn refuse_evicted(relay: &Relay, wr: &mut BoxWrite) {
     let r = preauth_full_reply(relay);
     let mut bytes = r.header.encode().to_vec();
     bytes.extend_from_slice(&r.body);
-    let _ = wr.try_write(&bytes);
+    let _ = async {
+        wr.write_all(&bytes).await?;
+        wr.flush().await
+    }
+    .now_or_never();
+}
+
+/// The TLS handshake of a new socket. Its first byte (the ClientHello),
+/// seen without taking it, marks it as having spoken; a socket closed
+/// before that is silent.
+async fn tls_accept(
+    tls: &ServerTls,
+    slot: &Slot<'_>,
+    stream: TcpStream,
+) -> Result<(BoxRead, BoxWrite), Refusal> {
+    match stream.peek(&mut [0u8; 1]).await {
+        Ok(n) if n > 0 => slot.spoke(),
+        _ => return Err(Refusal::Silent),
+    }
+    tls.accept(stream)
+        .await
+        .map_err(|e| Refusal::Refused(format!("TLS handshake: {e}")))
 }
 
 /// Answers a failed handshake with the fixed refusal and closes, after a
 /// short lingering close (see [`serve_requests`]), smaller than for an
 /// authenticated peer: the refusal must not be lost to a reset.
-async fn refuse_unauthenticated(
-    relay: &Relay,
-    rd: &mut BufReader<OwnedReadHalf>,
-    wr: &mut OwnedWriteHalf,
-) {
+async fn refuse_unauthenticated(relay: &Relay, rd: &mut Rd, wr: &mut BoxWrite) {
     let r = err_reply(
         0,
         relay.epoch,
@@ -404,8 +466,8 @@ async fn refuse_unauthenticated(
 /// error).
 async fn serve_requests(
     relay: &Arc<Relay>,
-    mut rd: BufReader<OwnedReadHalf>,
-    wr: OwnedWriteHalf,
+    mut rd: Rd,
+    wr: BoxWrite,
     peer: SocketAddr,
     stop: &CancellationToken,
 ) {
@@ -454,8 +516,8 @@ async fn serve_requests(
 async fn handshake(
     relay: &Relay,
     slot: &Slot<'_>,
-    rd: &mut BufReader<OwnedReadHalf>,
-    wr: &mut OwnedWriteHalf,
+    rd: &mut Rd,
+    wr: &mut BoxWrite,
 ) -> Result<Reply, Refusal> {
     let relay_nonce = frame::nonce();
     let mut hello = Header::new(Op::Hello, 0);
@@ -471,11 +533,12 @@ async fn handshake(
     let silent = |_| Refusal::Silent;
     wr.write_all(&hello.encode()).await.map_err(silent)?;
     wr.write_all(&relay_nonce).await.map_err(silent)?;
-    // The first byte, seen without taking it from the socket: from now on
-    // the socket is not silent (the pool looks at the socket itself until
+    wr.flush().await.map_err(silent)?;
+    // The first bytes, buffered without taking them: from now on the
+    // socket is not silent (the pool looks at the socket itself until
     // then, so no moment passes where its bytes count for nothing).
-    match rd.get_mut().peek(&mut [0u8; 1]).await {
-        Ok(n) if n > 0 => slot.spoke(),
+    match rd.fill_buf().await {
+        Ok(buf) if !buf.is_empty() => slot.spoke(),
         _ => return Err(Refusal::Silent),
     }
     // Nothing but an AUTH of its fixed size is read before the handshake.
@@ -509,7 +572,7 @@ const LINGER: Duration = Duration::from_secs(2);
 /// How much input such a connection discards at most.
 const LINGER_MAX_BYTES: u64 = 256 << 20;
 
-async fn write_replies(relay: Arc<Relay>, wr: OwnedWriteHalf, mut rx: mpsc::Receiver<Reply>) {
+async fn write_replies(relay: Arc<Relay>, wr: BoxWrite, mut rx: mpsc::Receiver<Reply>) {
     let mut wr = tokio::io::BufWriter::with_capacity(IO_BUF, wr);
     let deadline = relay.cfg.read_timeout;
     while let Some(reply) = rx.recv().await {

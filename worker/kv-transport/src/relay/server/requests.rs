@@ -9,8 +9,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use bytes::Bytes;
-use tokio::io::{AsyncBufReadExt, AsyncReadExt, BufReader};
-use tokio::net::tcp::OwnedReadHalf;
+use tokio::io::{AsyncBufReadExt, AsyncReadExt};
 use tokio::sync::mpsc;
 use tokio::time::{Instant, timeout, timeout_at};
 use tokio_util::sync::CancellationToken;
@@ -25,7 +24,7 @@ use crate::frame::{
 /// Reads and handles frames until EOF or a fatal error (answered before it returns).
 pub(super) async fn read_requests(
     relay: &Arc<Relay>,
-    rd: &mut BufReader<OwnedReadHalf>,
+    rd: &mut super::Rd,
     tx: &mpsc::Sender<Reply>,
     cancel: &CancellationToken,
 ) -> End {
@@ -48,7 +47,7 @@ pub(super) async fn read_requests(
 /// `Err(End)` when the loop must end (any fatal error already answered).
 struct Conn<'a> {
     relay: &'a Arc<Relay>,
-    rd: &'a mut BufReader<OwnedReadHalf>,
+    rd: &'a mut super::Rd,
     tx: &'a mpsc::Sender<Reply>,
     cancel: &'a CancellationToken,
     /// GETs of this connection still waiting (the connection is not idle then).
