@@ -277,3 +277,63 @@ async fn a_mounted_certificate_is_verified_by_name_and_root() {
     assert_eq!(stats.keys, 0, "nothing stored by the refused clients");
     relay.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_silent_flood_of_a_tls_relay_is_closed_without_a_byte_and_never_refuses_a_worker() {
+    const SILENT: usize = 200;
+    let cfg = RelayConfig {
+        max_handshakes: 16,
+        handshake_timeout: Duration::from_millis(500),
+        ..tls_relay_cfg()
+    };
+    let relay = TestRelay::start(cfg.clone()).await;
+    let addr = relay.addr;
+    let flood = tokio::spawn(async move {
+        let mut held = Vec::with_capacity(SILENT);
+        for _ in 0..SILENT {
+            held.push(TcpStream::connect(addr).await.unwrap());
+        }
+        held
+    });
+    // Workers (a fresh TLS client each round: a fresh handshake) while the
+    // flood opens and after: every round passes.
+    let mut rounds = 0;
+    while !flood.is_finished() || rounds < 5 {
+        let t = relay.client(&tls_client_cfg());
+        let p = payload(&format!("tls-flood-{rounds}"), rounds, 2, 8 << 10);
+        let want = p.blobs.clone();
+        let h = t.push(p).await.expect("a worker's push during the flood");
+        assert_eq!(t.pull(&h, Duration::from_secs(5)).await.unwrap(), want);
+        t.release(&h).await.unwrap();
+        rounds += 1;
+    }
+    // Each silent socket is closed by the eviction or the deadline, and
+    // sent nothing (a TLS client could not read a plaintext ERR).
+    let silent = flood.await.unwrap();
+    let closed = futures::future::join_all(silent.into_iter().map(|mut s| async move {
+        let mut got = Vec::new();
+        let _ = s.read_to_end(&mut got).await;
+        got.len()
+    }));
+    let sent = tokio::time::timeout(cfg.handshake_timeout + Duration::from_secs(5), closed)
+        .await
+        .expect("every silent socket closed by the handshake deadline");
+    assert!(sent.iter().all(|&n| n == 0), "bytes sent to silent sockets");
+    let mut stats = tls_stats(&relay).await;
+    for _ in 0..100 {
+        if stats.handshakes == 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        stats = tls_stats(&relay).await;
+    }
+    assert_eq!(stats.handshakes, 0, "{stats:?}");
+    let failed = |r: &str| stats.handshake_failures.get(r).copied().unwrap_or(0);
+    assert!(
+        failed("evicted") + failed("timeout") >= SILENT as u64,
+        "{stats:?}"
+    );
+    assert_eq!(failed("refused"), 0, "{stats:?}");
+    assert_eq!(stats.keys, 0, "{stats:?}");
+    relay.stop().await;
+}
