@@ -150,7 +150,12 @@ fn request(prompt: &str) -> Value {
     json!({"model": common::SERVED_MODEL, "prompt": prompt, "max_tokens": 8, "temperature": 0})
 }
 
-const PROMPT: &str = "The capital of France is";
+/// A prompt of about 450 tokens: the prefill hands over only the valid
+/// positions (the trimmed wire), so a long prompt is what makes a push and a
+/// pull big enough (about 10 MB) to be caught halfway by a kill.
+static PROMPT: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
+    "The quick brown fox jumps over the lazy dog near the river bank. ".repeat(34)
+});
 
 fn client() -> reqwest::Client {
     reqwest::Client::builder()
@@ -179,7 +184,7 @@ async fn ok_json(w: &Proc, body: &Value, rid: &str) -> Value {
 }
 
 fn prefill_body() -> Value {
-    let mut pre = request(PROMPT);
+    let mut pre = request(&PROMPT);
     pre["kv_transfer_params"] = json!({"do_remote_decode": true, "kv_transport": "tcp"});
     pre
 }
@@ -189,11 +194,16 @@ async fn push(prefill: &Proc, rid: &str) -> Value {
     let answer = ok_json(prefill, &prefill_body(), rid).await;
     let params = answer["kv_transfer_params"].clone();
     assert_eq!(params["kv_handle"]["transport"], "tcp", "{answer}");
+    let tokens = params["kv_handle"]["tokens"].as_u64().unwrap();
+    assert!(
+        (400..=500).contains(&tokens),
+        "the prompt is about 450 tokens: {tokens}"
+    );
     params
 }
 
 fn decode_body(params: Value) -> Value {
-    let mut dec = request(PROMPT);
+    let mut dec = request(&PROMPT);
     dec["kv_transfer_params"] = params;
     dec
 }

@@ -211,6 +211,48 @@ async fn pd_over_tcp_matches_solo() {
 }
 
 /// Waits until `cond` holds, polling, or panics after `limit` (the TTL sweep is time-based).
+/// Prompts of 1, S/2 and S-1 token ids (S = 512): the prefill hands each
+/// over in the trimmed wire (only its valid positions, so the bytes grow
+/// with the prompt), and the decode, which restores the S-wide cache,
+/// answers exactly as a solo worker.
+#[tokio::test]
+async fn pd_in_the_trimmed_wire_matches_solo_at_the_edges_of_the_context() {
+    let _serial = SERIAL.lock().await;
+    let mut env = Env::new();
+    let prompt = |n: usize| -> Vec<u64> { (0..n as u64).map(|i| 200 + (i * 37) % 40_000).collect() };
+    let cases = [(1usize, 6u64), (256, 6), (511, 1)];
+    let body = |n: usize, max: u64| {
+        json!({"model": common::SERVED_MODEL, "prompt": prompt(n), "max_tokens": max, "temperature": 0})
+    };
+    let solo = env.worker("solo", "solo");
+    let mut want = Vec::new();
+    for (n, max) in cases {
+        want.push(ids(&complete(&solo, &body(n, max), &[]).await));
+    }
+    solo.kill();
+    let _relay = env.start_relay();
+    let prefill = env.worker("prefill", "prefill");
+    let decode = env.worker("decode", "decode");
+    for (i, (n, max)) in cases.into_iter().enumerate() {
+        let mut pre = body(n, max);
+        pre["kv_transfer_params"] = json!({"do_remote_decode": true, "kv_transport": "tcp"});
+        let answer = complete(&prefill, &pre, &[]).await;
+        let params = answer["kv_transfer_params"].clone();
+        let handle = &params["kv_handle"];
+        assert_eq!(handle["wire"], 2, "{handle}");
+        // SmolLM2: 3 KV heads × 64 dims × n tokens × 2 bytes per blob.
+        let blobs = handle["blobs"].as_array().unwrap();
+        assert!(
+            blobs.iter().all(|b| b["len"] == json!(3 * 64 * n * 2)),
+            "{n} tokens: {handle}"
+        );
+        let mut dec = body(n, max);
+        dec["kv_transfer_params"] = params;
+        let got = complete(&decode, &dec, &[]).await;
+        assert_eq!(ids(&got), want[i], "{n}-token prompt: PD differs from solo");
+    }
+}
+
 async fn eventually(limit: Duration, what: &str, mut cond: impl FnMut() -> bool) {
     let start = Instant::now();
     while !cond() {

@@ -23,6 +23,10 @@ pub struct Args {
     /// `ratio_vs_tcp` is TLS over plaintext.
     #[arg(long)]
     pub tls: bool,
+    /// Also move a prompt of N tokens (1 to 512) in the trimmed wire (only
+    /// its valid positions) in the same rounds, next to the S-wide wire.
+    #[arg(long = "prompt-tokens", value_name = "N")]
+    pub prompt_tokens: Option<usize>,
     /// Print a last line with the report as one JSON object.
     #[arg(long)]
     pub json: bool,
@@ -37,6 +41,7 @@ impl From<Args> for rngd_bench_kv::Options {
             rounds: a.rounds,
             no_crc: a.no_crc,
             tls: a.tls,
+            prompt_tokens: a.prompt_tokens,
             json: a.json,
         }
     }

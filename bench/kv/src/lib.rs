@@ -7,7 +7,9 @@
 //! fresh memory for `tcp` (with an in-process relay) and `nixl-ucx` (two
 //! agents in this process, UCX between them; its descriptors through the same
 //! in-process relay), which also measures the `tcp` transport in the same
-//! rounds (`ratio_vs_tcp`). With `--tls` (tcp only) the relay and its
+//! rounds (`ratio_vs_tcp`). With `--prompt-tokens N` each round also moves
+//! a prompt of N tokens in the trimmed wire (only its valid positions) on
+//! the same transports, next to the S-wide wire. With `--tls` (tcp only) the relay and its
 //! clients speak TLS keyed by a shared secret, and the plaintext `tcp`
 //! transport (same secret, a second relay) is measured in the same rounds:
 //! `ratio_vs_tcp` is then the cost of TLS. Rounds of baseline and
@@ -24,7 +26,7 @@ use rngd_kv_transport::nixl::NixlUcxTransport;
 use rngd_kv_transport::relay::{self, RelayConfig};
 use rngd_kv_transport::tcp::TcpTransport;
 use rngd_kv_transport::{KvError, KvPayload, KvTransport, TransportConfig, conformance, registry};
-use rngd_kv_wire::KvLayout;
+use rngd_kv_wire::{KvLayout, WIRE_FULL, WIRE_TRIMMED};
 use serde::Serialize;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
@@ -45,6 +47,10 @@ pub struct Options {
     /// `tcp` only: TLS on the relay connections (keyed by a shared secret),
     /// with plaintext `tcp` measured in the same rounds. Default off.
     pub tls: bool,
+    /// A prompt of this many tokens (1 to S = 512): each round also moves
+    /// its cache in the trimmed wire (version 2: only the valid positions)
+    /// on the same transports, next to the S-wide wire. Default none.
+    pub prompt_tokens: Option<usize>,
     /// Print a last line with the report as one JSON object. Default off.
     pub json: bool,
 }
@@ -58,6 +64,7 @@ impl Default for Options {
             rounds: 3,
             no_crc: false,
             tls: false,
+            prompt_tokens: None,
             json: false,
         }
     }
@@ -98,6 +105,21 @@ pub struct Report {
     /// transport measured in the same rounds (same requests), Gb/s.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub tcp_gbps_median: Option<f64>,
+    /// `--prompt-tokens`: the prompt's valid positions.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prompt_tokens: Option<usize>,
+    /// `--prompt-tokens`: payload bytes per request in the trimmed wire.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub trimmed_bytes_per_request: Option<u64>,
+    /// `--prompt-tokens`: median push→pull→release time of one request in
+    /// the trimmed wire, ms (measured in the same rounds as
+    /// `ms_per_request_median`, the S-wide wire).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub trimmed_ms_per_request_median: Option<f64>,
+    /// `--prompt-tokens`: `trimmed_ms_per_request_median /
+    /// ms_per_request_median`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub trimmed_vs_full_time: Option<f64>,
     /// `nixl-ucx` and `tcp --tls`: `gbps_median / tcp_gbps_median`.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub ratio_vs_tcp: Option<f64>,
@@ -296,6 +318,30 @@ async fn transport_pass(
     in_flight: usize,
     round: usize,
 ) -> Result<(Pass, bool), Error> {
+    let layout = KvLayout::LLAMA31_8B_S512;
+    wire_pass(
+        a,
+        b,
+        blobs,
+        (layout.seq_len, WIRE_FULL),
+        requests,
+        in_flight,
+        round,
+    )
+    .await
+}
+
+/// [`transport_pass`] for blobs of `tokens` valid positions in wire
+/// version `wire`.
+async fn wire_pass(
+    a: Arc<dyn KvTransport>,
+    b: Arc<dyn KvTransport>,
+    blobs: Arc<Vec<Bytes>>,
+    (tokens, wire): (usize, u32),
+    requests: usize,
+    in_flight: usize,
+    round: usize,
+) -> Result<(Pass, bool), Error> {
     let sample = Arc::new(std::sync::Mutex::new(None::<Vec<Bytes>>));
     let s2 = sample.clone();
     let src = blobs.clone();
@@ -305,7 +351,8 @@ async fn transport_pass(
             let payload = KvPayload {
                 request_id: format!("bench-{}-{round}-{i}", std::process::id()),
                 layout: KvLayout::LLAMA31_8B_S512,
-                tokens: 512,
+                tokens,
+                wire,
                 blobs: blobs.to_vec(),
             };
             let handle = a.push(payload).await?;
@@ -339,6 +386,21 @@ pub async fn run(args: Options) -> Result<Report, Error> {
         ));
     }
     let layout = KvLayout::LLAMA31_8B_S512;
+    if let Some(n) = args.prompt_tokens
+        && !(1..=layout.seq_len).contains(&n)
+    {
+        return Err(Error::Args(format!(
+            "--prompt-tokens {n}: between 1 and S = {}",
+            layout.seq_len
+        )));
+    }
+    // The trimmed wire of a prompt of `n` tokens: each blob carries only
+    // its valid positions (what an engine's prefill hands over).
+    let trimmed: Option<(usize, Arc<Vec<Bytes>>)> = args.prompt_tokens.map(|n| {
+        let len = layout.wire_blob_bytes(WIRE_TRIMMED, n).unwrap_or(0);
+        let p = conformance::payload("bench-trimmed", 11, layout.blob_count(), len);
+        (n, Arc::new(p.blobs))
+    });
     let blobs: Arc<Vec<Bytes>> = Arc::new(conformance::full_request("bench-source", 7).blobs);
     let bytes_per_request = layout.request_bytes() as u64;
     let shm_dir;
@@ -460,6 +522,7 @@ pub async fn run(args: Options) -> Result<Report, Error> {
     let (mut t_gbps, mut b_gbps, mut t_lat, mut b_lat) = (vec![], vec![], vec![], vec![]);
     let mut byte_exact = true;
     let mut tcp_gbps = vec![];
+    let mut trimmed_lat = vec![];
     // Warm-up: one request each way (page cache, connections, allocator).
     let _ = transport_pass(a.clone(), b.clone(), blobs.clone(), 1, 1, usize::MAX).await?;
     if let Some((ta, tb)) = &tcp_too {
@@ -507,6 +570,25 @@ pub async fn run(args: Options) -> Result<Report, Error> {
             median(&mut base.latencies_ms.clone()),
             tg / bg
         );
+        if let Some((n, tblobs)) = &trimmed {
+            let (tp, texact) = wire_pass(
+                a.clone(),
+                b.clone(),
+                tblobs.clone(),
+                (*n, WIRE_TRIMMED),
+                args.requests,
+                args.in_flight,
+                round,
+            )
+            .await?;
+            byte_exact &= texact;
+            println!(
+                "round {round}: {} trimmed wire ({n} tokens) {:.1} ms/request",
+                args.transport,
+                median(&mut tp.latencies_ms.clone())
+            );
+            trimmed_lat.extend(tp.latencies_ms);
+        }
         t_gbps.push(tg);
         b_gbps.push(bg);
         t_lat.extend(pass.latencies_ms);
@@ -519,6 +601,8 @@ pub async fn run(args: Options) -> Result<Report, Error> {
     let gbps_median = median(&mut t_gbps);
     let baseline_gbps_median = median(&mut b_gbps);
     let tcp_gbps_median = tcp_too.is_some().then(|| median(&mut tcp_gbps));
+    let ms_per_request_median = median(&mut t_lat);
+    let trimmed_ms = trimmed.as_ref().map(|_| median(&mut trimmed_lat));
     let report = Report {
         transport: args.transport.clone(),
         bytes_per_request,
@@ -529,14 +613,31 @@ pub async fn run(args: Options) -> Result<Report, Error> {
         gbps_median,
         baseline_gbps_median,
         ratio_vs_baseline: gbps_median / baseline_gbps_median,
-        ms_per_request_median: median(&mut t_lat),
+        ms_per_request_median,
         baseline_ms_per_request_median: median(&mut b_lat),
         crc: args.transport == "shm" || !args.no_crc,
         byte_exact,
         tls: args.tls,
+        prompt_tokens: args.prompt_tokens,
+        trimmed_bytes_per_request: trimmed
+            .as_ref()
+            .map(|(_, b)| b.iter().map(|x| x.len() as u64).sum()),
+        trimmed_ms_per_request_median: trimmed_ms,
+        trimmed_vs_full_time: trimmed_ms.map(|t| t / ms_per_request_median),
         tcp_gbps_median,
         ratio_vs_tcp: tcp_gbps_median.map(|t| gbps_median / t),
     };
+    if let (Some(n), Some(r), Some(bytes)) = (
+        report.prompt_tokens,
+        report.trimmed_vs_full_time,
+        report.trimmed_bytes_per_request,
+    ) {
+        println!(
+            "trimmed wire ({n} tokens): {:.1} MB/request ({:.3}x the S-wide bytes), {r:.2}x the S-wide time in the same rounds",
+            bytes as f64 / 1e6,
+            bytes as f64 / report.bytes_per_request as f64
+        );
+    }
     if let Some(r) = report.ratio_vs_tcp {
         println!(
             "{}: {:.2}x the plaintext tcp transport ({:.2} Gb/s) in the same run",

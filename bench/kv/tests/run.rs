@@ -11,6 +11,7 @@ fn args(transport: &str) -> Options {
         rounds: 1,
         no_crc: false,
         tls: false,
+        prompt_tokens: None,
         json: true,
     }
 }
@@ -70,6 +71,31 @@ async fn tcp_over_tls_reports_plaintext_tcp_from_the_same_run() {
     .await
     .unwrap_err();
     assert!(err.to_string().contains("--tls"), "{err}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_trimmed_wire_is_measured_next_to_the_s_wide_one() {
+    for transport in ["shm", "tcp"] {
+        let r = run(Options {
+            prompt_tokens: Some(100),
+            ..args(transport)
+        })
+        .await
+        .unwrap();
+        assert!(r.byte_exact, "{transport}");
+        // 64 blobs of 8 heads × 128 dims × 100 tokens × 2 bytes.
+        assert_eq!(r.trimmed_bytes_per_request, Some(64 * 8 * 128 * 100 * 2));
+        let t = r.trimmed_ms_per_request_median.unwrap();
+        assert!(t > 0.0);
+        assert!((r.trimmed_vs_full_time.unwrap() - t / r.ms_per_request_median).abs() < 1e-9);
+    }
+    let err = run(Options {
+        prompt_tokens: Some(513),
+        ..args("shm")
+    })
+    .await
+    .unwrap_err();
+    assert!(err.to_string().contains("--prompt-tokens"), "{err}");
 }
 
 #[tokio::test]

@@ -92,6 +92,8 @@ impl EchoEngine {
         KvCache {
             layout,
             tokens: prompt.len(),
+            // S-wide, unlike the CPU engine: receivers read both versions.
+            wire: rngd_kv_wire::WIRE_FULL,
             blobs,
         }
     }

@@ -8,7 +8,7 @@
 
 use bytes::Bytes;
 use half::bf16;
-use rngd_kv_wire::{BlobKind, Dtype, KvLayout};
+use rngd_kv_wire::{BlobKind, Dtype, KvLayout, WIRE_FULL, WIRE_TRIMMED};
 
 use crate::{EngineError, KvCache};
 
@@ -22,6 +22,14 @@ pub(crate) fn to_bf16(x: f32) -> u16 {
 #[inline(always)]
 pub(crate) fn from_bf16(x: u16) -> f32 {
     f32::from_bits(u32::from(x) << 16)
+}
+
+/// Writes bf16 values as little-endian bytes (`out` is twice as long).
+#[inline]
+fn put(out: &mut [u8], src: &[u16]) {
+    for (o, x) in out.chunks_exact_mut(2).zip(src) {
+        o.copy_from_slice(&x.to_le_bytes());
+    }
 }
 
 /// A sequence's cache: `tokens` valid positions out of `layout.seq_len`.
@@ -79,25 +87,17 @@ impl SeqCache {
         }
     }
 
-    /// The element ranges of the valid positions `0..tokens` in a blob of `kind`.
-    fn valid(
-        l: KvLayout,
-        kind: BlobKind,
-        tokens: usize,
-    ) -> impl Iterator<Item = std::ops::Range<usize>> {
-        // A blob is rows of `S` positions: K has one per (head, dim) of
-        // `S` values, V one per head of `S * head_dim` values.
-        let (rows, stride, len) = match kind {
-            BlobKind::K => (l.kv_heads * l.head_dim, l.seq_len, tokens),
-            BlobKind::V => (l.kv_heads, l.seq_len * l.head_dim, tokens * l.head_dim),
-        };
-        (0..rows).map(move |r| r * stride..r * stride + len)
+    /// The cache as wire blobs in the trimmed wire (`K0, V0, K1, V1, …`,
+    /// bf16 little-endian, only the valid positions of each row:
+    /// [`WIRE_TRIMMED`]): what a prefill hands over.
+    pub(crate) fn export(&self) -> KvCache {
+        self.export_as(WIRE_TRIMMED)
     }
 
-    /// The cache as wire blobs (`K0, V0, K1, V1, …`, bf16 little-endian,
-    /// padded to `S` with zeros: a reused buffer may hold stale values of an
-    /// earlier request there).
-    pub(crate) fn export(&self) -> KvCache {
+    /// The cache as wire blobs in wire version `wire`: [`WIRE_TRIMMED`], or
+    /// [`WIRE_FULL`] (S-wide, padded with zeros: a reused buffer may hold
+    /// stale values of an earlier request there).
+    pub(crate) fn export_as(&self, wire: u32) -> KvCache {
         let l = self.layout;
         let mut blobs = Vec::with_capacity(l.blob_count());
         for i in 0..l.blob_count() {
@@ -106,17 +106,32 @@ impl SeqCache {
                 BlobKind::K => &self.k[layer],
                 BlobKind::V => &self.v[layer],
             };
-            let mut out = vec![0u8; src.len() * 2];
-            for r in Self::valid(l, kind, self.tokens) {
-                for (o, x) in out[2 * r.start..2 * r.end].chunks_exact_mut(2).zip(&src[r]) {
-                    o.copy_from_slice(&x.to_le_bytes());
+            let out = if wire == WIRE_FULL {
+                let mut out = vec![0u8; src.len() * 2];
+                for r in l.wire_rows(kind, self.tokens) {
+                    put(&mut out[2 * r.start..2 * r.end], &src[r]);
                 }
-            }
+                out
+            } else {
+                let mut out = vec![0u8; l.kv_heads * l.head_dim * self.tokens * 2];
+                let mut at = 0;
+                for r in l.wire_rows(kind, self.tokens) {
+                    let n = 2 * r.len();
+                    put(&mut out[at..at + n], &src[r]);
+                    at += n;
+                }
+                out
+            };
             blobs.push(Bytes::from(out));
         }
         KvCache {
             layout: l,
             tokens: self.tokens,
+            wire: if wire == WIRE_FULL {
+                WIRE_FULL
+            } else {
+                WIRE_TRIMMED
+            },
             blobs,
         }
     }
@@ -149,12 +164,15 @@ impl SeqCache {
                 kv.tokens, l.seq_len
             )));
         }
+        let want = l
+            .wire_blob_bytes(kv.wire, kv.tokens)
+            .map_err(|e| EngineError::InvalidRequest(e.to_string()))?;
         for (i, blob) in kv.blobs.iter().enumerate() {
-            if blob.len() != l.blob_bytes() {
+            if blob.len() != want {
                 return Err(EngineError::InvalidRequest(format!(
-                    "KV blob {i} has {} bytes, the layout needs {}",
+                    "KV blob {i} has {} bytes, wire version {} of this layout needs {want}",
                     blob.len(),
-                    l.blob_bytes()
+                    kv.wire
                 )));
             }
         }
@@ -164,11 +182,18 @@ impl SeqCache {
                 BlobKind::K => &mut self.k[layer],
                 BlobKind::V => &mut self.v[layer],
             };
-            for r in Self::valid(l, kind, kv.tokens) {
-                for (d, c) in dst[r.clone()]
-                    .iter_mut()
-                    .zip(blob[2 * r.start..2 * r.end].chunks_exact(2))
-                {
+            // The trimmed wire carries the rows back to back; the S-wide one
+            // at their places.
+            let mut at = 0;
+            for r in l.wire_rows(kind, kv.tokens) {
+                let src = if kv.wire == WIRE_FULL {
+                    &blob[2 * r.start..2 * r.end]
+                } else {
+                    let n = 2 * r.len();
+                    at += n;
+                    &blob[at - n..at]
+                };
+                for (d, c) in dst[r].iter_mut().zip(src.chunks_exact(2)) {
                     *d = u16::from_le_bytes([c[0], c[1]]);
                 }
             }
@@ -205,7 +230,7 @@ mod tests {
             }
         }
         c.tokens = 3;
-        let wire = c.export();
+        let wire = c.export_as(WIRE_FULL);
         assert_eq!(wire.blobs.len(), 4);
         assert!(wire.blobs.iter().all(|b| b.len() == layout().blob_bytes()));
         // K layout: element (head 1, dim 2, pos 1) of layer 0.
@@ -219,11 +244,11 @@ mod tests {
         let mut d = SeqCache::new(layout());
         d.import(&wire).unwrap();
         assert_eq!(d.tokens, 3);
-        assert_eq!(d.export(), wire);
+        assert_eq!(d.export_as(WIRE_FULL), wire);
         // A reused buffer: the stale third position must not reach the wire.
         c.reset();
         c.tokens = 2;
-        let wire = c.export();
+        let wire = c.export_as(WIRE_FULL);
         for (i, blob) in wire.blobs.iter().enumerate() {
             for h in 0..l.kv_heads {
                 for pos in 2..l.seq_len {
@@ -237,6 +262,65 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// A cache with distinct values at every valid position.
+    fn filled(tokens: usize) -> SeqCache {
+        let mut c = SeqCache::new(layout());
+        for pos in 0..tokens {
+            for layer in 0..2 {
+                let k: Vec<f32> = (0..8)
+                    .map(|i| (pos * 100 + layer * 10 + i) as f32 * 0.017 + 0.5)
+                    .collect();
+                let v: Vec<f32> = k.iter().map(|x| -2.0 * x).collect();
+                c.write(layer, pos, &k, &v);
+            }
+        }
+        c.tokens = tokens;
+        c
+    }
+
+    #[test]
+    fn the_trimmed_wire_restores_the_s_wide_cache_exactly() {
+        let l = layout();
+        // 1, S/2, S-1 and S valid positions.
+        for tokens in [1, l.seq_len / 2, l.seq_len - 1, l.seq_len] {
+            let c = filled(tokens);
+            let full = c.export_as(WIRE_FULL);
+            let trimmed = c.export();
+            assert_eq!(trimmed.wire, WIRE_TRIMMED);
+            let per_blob = l.kv_heads * l.head_dim * tokens * 2;
+            assert!(
+                trimmed.blobs.iter().all(|b| b.len() == per_blob),
+                "{tokens}"
+            );
+            // What a decode worker holds after either wire is the same, and
+            // it reads back as the same S-wide blobs.
+            let (mut a, mut b) = (SeqCache::new(l), SeqCache::new(l));
+            a.import(&full).unwrap();
+            b.import(&trimmed).unwrap();
+            assert_eq!(a.tokens, b.tokens);
+            assert_eq!(a.export_as(WIRE_FULL), full, "{tokens}");
+            assert_eq!(b.export_as(WIRE_FULL), full, "{tokens}");
+            assert_eq!(b.export(), trimmed, "{tokens}");
+        }
+    }
+
+    #[test]
+    fn a_wire_blob_of_the_wrong_size_or_version_is_refused() {
+        let c = filled(3);
+        let mut d = SeqCache::new(layout());
+        let mut wrong = c.export();
+        wrong.wire = 3;
+        let e = d.import(&wrong).unwrap_err().to_string();
+        assert!(e.contains("version 3"), "{e}");
+        // Trimmed bytes labelled S-wide (and the reverse) do not fit.
+        let mut mislabelled = c.export();
+        mislabelled.wire = WIRE_FULL;
+        assert!(d.import(&mislabelled).is_err());
+        let mut mislabelled = c.export_as(WIRE_FULL);
+        mislabelled.wire = WIRE_TRIMMED;
+        assert!(d.import(&mislabelled).is_err());
     }
 
     #[test]

@@ -176,6 +176,9 @@ pub struct KvCache {
     pub layout: KvLayout,
     /// Valid positions.
     pub tokens: usize,
+    /// Wire version of the blobs (`rngd_kv_wire::WIRE_TRIMMED` from this
+    /// engine's prefill; an import reads `WIRE_FULL` too).
+    pub wire: u32,
     /// The blobs.
     pub blobs: Vec<Bytes>,
 }

@@ -104,6 +104,7 @@ pub fn payload(request_id: &str, seed: u64, count: usize, blob_len: usize) -> Kv
         request_id: request_id.to_string(),
         layout: KvLayout::LLAMA31_8B_S512,
         tokens: 17,
+        wire: rngd_kv_wire::WIRE_FULL,
         blobs: (0..count)
             .map(|i| pattern(seed.wrapping_mul(1000) + i as u64, blob_len))
             .collect(),
@@ -184,8 +185,12 @@ async fn round_trip(
 ) -> Result<(), ConformanceError> {
     let (a, b) = (h.make(), h.make());
     let want = p.blobs.clone();
+    let (tokens, wire) = (p.tokens, p.wire);
     let handle = a.push(p).await.map_err(|e| failed(check, "push", e))?;
-    if handle.blobs.len() != want.len() || handle.transport != a.name() {
+    if handle.blobs.len() != want.len()
+        || handle.transport != a.name()
+        || (handle.tokens, handle.wire) != (tokens, wire)
+    {
         return Err(fail(check, format!("bad handle {handle:?}")));
     }
     let got = b
@@ -210,10 +215,21 @@ pub async fn run_all(h: &dyn Harness) -> Result<Report, ConformanceError> {
         round_trip(h, check, payload(&unique("exact"), len as u64 + 1, n, len)).await?;
     }
     round_trip(h, check, full_request(&unique("full"), 42)).await?;
+    // The trimmed wire of a 100-token prompt: the handle says so.
+    let l = KvLayout::LLAMA31_8B_S512;
+    let len = l
+        .wire_blob_bytes(rngd_kv_wire::WIRE_TRIMMED, 100)
+        .map_err(|e| fail(check, e.to_string()))?;
+    let mut trimmed = payload(&unique("trimmed"), 43, l.blob_count(), len);
+    trimmed.tokens = 100;
+    trimmed.wire = rngd_kv_wire::WIRE_TRIMMED;
+    round_trip(h, check, trimmed).await?;
     settle_to_zero(h, check, SETTLE).await?;
     report.passed.push((
         check,
-        "blob sizes 0, 1, 4 KiB, 4 KiB+1, 1 MiB and a 67.1 MB request".into(),
+        "blob sizes 0, 1, 4 KiB, 4 KiB+1, 1 MiB, a 67.1 MB request, and a \
+         100-token request in the trimmed wire (its version in the handle)"
+            .into(),
     ));
 
     // 2. Eight requests in flight.

@@ -108,6 +108,7 @@ impl KvTransport for MemoryTransport {
             location: "memory".into(),
             layout: payload.layout,
             tokens: payload.tokens,
+            wire: payload.wire,
             blobs,
         })
     }

@@ -202,6 +202,10 @@ pub struct KvPayload {
     pub layout: KvLayout,
     /// Valid positions.
     pub tokens: usize,
+    /// Wire version of the blobs (`rngd_kv_wire::WIRE_FULL` or
+    /// `WIRE_TRIMMED`), carried into the handle; transports move the bytes
+    /// as they are.
+    pub wire: u32,
     /// The blobs, normally `layout.blob_count()` of them (transports move any count).
     pub blobs: Vec<Bytes>,
 }

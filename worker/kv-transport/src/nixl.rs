@@ -342,6 +342,7 @@ impl KvTransport for NixlUcxTransport {
                 request_id: relay_id(&payload.request_id),
                 layout: payload.layout,
                 tokens: payload.tokens,
+                wire: payload.wire,
                 blobs: vec![Bytes::from(desc_bytes)],
             })
             .await;
@@ -364,6 +365,7 @@ impl KvTransport for NixlUcxTransport {
             location: loc.encode(),
             layout: payload.layout,
             tokens: payload.tokens,
+            wire: payload.wire,
             blobs: metas,
         })
     }
@@ -384,6 +386,7 @@ impl KvTransport for NixlUcxTransport {
             location: loc.relay.clone(),
             layout: handle.layout,
             tokens: handle.tokens,
+            wire: handle.wire,
             blobs: vec![BlobMeta {
                 len: loc.len,
                 crc32: loc.crc32,
@@ -562,6 +565,7 @@ impl KvTransport for NixlUcxTransport {
             location: relay,
             layout: handle.layout,
             tokens: handle.tokens,
+            wire: handle.wire,
             blobs: Vec::new(),
         };
         self.inner

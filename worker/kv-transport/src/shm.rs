@@ -504,6 +504,7 @@ impl KvTransport for ShmTransport {
             location: self.inner.location.clone(),
             layout: payload.layout,
             tokens: payload.tokens,
+            wire: payload.wire,
             blobs: metas,
         })
     }

@@ -230,6 +230,7 @@ impl TcpTransport {
             location: format!("{}#{epoch:016x}", c.addr),
             layout: payload.layout,
             tokens: payload.tokens,
+            wire: payload.wire,
             blobs: metas,
         })
     }

@@ -456,6 +456,7 @@ fn small(id: &str) -> KvPayload {
         request_id: id.into(),
         layout: KvLayout::LLAMA31_8B_S512,
         tokens: 3,
+        wire: rngd_kv_wire::WIRE_FULL,
         blobs: vec![Bytes::from(vec![7u8; 5000]), Bytes::from(vec![9u8; 3000])],
     }
 }

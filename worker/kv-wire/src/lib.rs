@@ -6,7 +6,9 @@
 //!   `[layers, kv_heads, S, head_dim]`, one blob per layer per K/V, where `S`
 //!   is the compiled context length;
 //! - [`KvHandle`]: what a prefill worker hands to a decode worker so that it can
-//!   find and verify the blobs (serde, so it travels inside JSON);
+//!   find and verify the blobs (serde, so it travels inside JSON), with the
+//!   wire version its blobs are in ([`WIRE_FULL`]: S positions per row;
+//!   [`WIRE_TRIMMED`]: only the valid ones, [`KvLayout::wire_rows`]);
 //! - checksums ([`crc32`]) and bf16/f16 conversion helpers.
 //!
 //! The normative description is `docs/kv-wire.md`.
@@ -55,6 +57,17 @@ pub struct KvLayout {
     pub dtype: Dtype,
 }
 
+/// Wire version 1: every blob holds all `S` positions of each row (the
+/// NPU's layout as is; past `tokens` it is padding). A handle without a
+/// `wire` field is in this version.
+pub const WIRE_FULL: u32 = 1;
+/// Wire version 2: every blob holds only the valid positions, each row of
+/// the S-wide layout cut to its first `tokens` positions (K: rows of
+/// `tokens` values per (head, dim); V: the first `tokens × head_dim` values
+/// per head), rows back to back in layout order. The receiver restores the
+/// S-wide layout. Bytes per blob: `kv_heads × head_dim × tokens × 2`.
+pub const WIRE_TRIMMED: u32 = 2;
+
 /// Errors of this crate.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum WireError {
@@ -79,6 +92,11 @@ pub enum WireError {
         /// Number found.
         actual: usize,
     },
+    /// A wire version this build does not read.
+    #[error(
+        "KV wire version {0} is not one this worker reads (1: S-wide blobs, 2: trimmed to the valid positions)"
+    )]
+    UnknownWire(u32),
     /// A blob whose checksum does not match the handle.
     #[error("CRC-32 mismatch on blob {index}: expected {expected:08x}, got {actual:08x}")]
     Crc {
@@ -155,6 +173,37 @@ impl KvLayout {
         )
     }
 
+    /// The rows of a blob of `kind` as element ranges of the S-wide blob,
+    /// each cut to the first `tokens` positions: what wire version 2 carries,
+    /// back to back, in this order.
+    pub fn wire_rows(
+        &self,
+        kind: BlobKind,
+        tokens: usize,
+    ) -> impl Iterator<Item = std::ops::Range<usize>> + use<> {
+        // K: one row of `S` values per (head, dim); V: one row of
+        // `S × head_dim` values per head.
+        let (rows, stride, len) = match kind {
+            BlobKind::K => (self.kv_heads * self.head_dim, self.seq_len, tokens),
+            BlobKind::V => (
+                self.kv_heads,
+                self.seq_len * self.head_dim,
+                tokens * self.head_dim,
+            ),
+        };
+        (0..rows).map(move |r| r * stride..r * stride + len)
+    }
+
+    /// Bytes of one blob in wire version `wire` for `tokens` valid
+    /// positions (K and V alike).
+    pub fn wire_blob_bytes(&self, wire: u32, tokens: usize) -> Result<usize, WireError> {
+        match wire {
+            WIRE_FULL => Ok(self.blob_bytes()),
+            WIRE_TRIMMED => Ok(self.kv_heads * self.head_dim * tokens * self.dtype.size()),
+            other => Err(WireError::UnknownWire(other)),
+        }
+    }
+
     /// Element offset of `(head, dim, pos)` inside a K blob (`[kv_heads, head_dim, S]`).
     pub const fn k_offset(&self, head: usize, dim: usize, pos: usize) -> usize {
         (head * self.head_dim + dim) * self.seq_len + pos
@@ -190,8 +239,22 @@ pub struct KvHandle {
     pub layout: KvLayout,
     /// Valid positions (prompt tokens whose K/V were computed); the rest of `S` is padding.
     pub tokens: usize,
+    /// Wire version of the blobs ([`WIRE_FULL`], [`WIRE_TRIMMED`]). Absent
+    /// in JSON means [`WIRE_FULL`], and a version-1 handle is written
+    /// without it, exactly as before versions existed (so its signature
+    /// does not change).
+    #[serde(default = "wire_full", skip_serializing_if = "is_wire_full")]
+    pub wire: u32,
     /// One entry per blob, in wire order (`K0, V0, K1, V1, …`).
     pub blobs: Vec<BlobMeta>,
+}
+
+fn wire_full() -> u32 {
+    WIRE_FULL
+}
+
+fn is_wire_full(wire: &u32) -> bool {
+    *wire == WIRE_FULL
 }
 
 impl KvHandle {
@@ -337,6 +400,7 @@ mod tests {
             location: "/x".into(),
             layout: KvLayout::LLAMA31_8B_S512,
             tokens: 1,
+            wire: WIRE_FULL,
             blobs: describe(&blobs),
         };
         handle.verify(1, &blobs[1]).unwrap();
@@ -353,6 +417,40 @@ mod tests {
         let json = serde_json::to_string(&handle).unwrap();
         let back: KvHandle = serde_json::from_str(&json).unwrap();
         assert_eq!(back, handle);
+        // Version 1 is written as before versions existed; 2 says so.
+        assert!(!json.contains("wire"), "{json}");
+        let trimmed = KvHandle {
+            wire: WIRE_TRIMMED,
+            ..handle
+        };
+        let json = serde_json::to_string(&trimmed).unwrap();
+        assert!(json.contains(r#""wire":2"#), "{json}");
+        assert_eq!(serde_json::from_str::<KvHandle>(&json).unwrap(), trimmed);
+    }
+
+    #[test]
+    fn trimmed_rows_are_the_valid_positions_of_each_row() {
+        let l = KvLayout {
+            layers: 1,
+            kv_heads: 2,
+            head_dim: 3,
+            seq_len: 4,
+            dtype: Dtype::Bf16,
+        };
+        let k: Vec<_> = l.wire_rows(BlobKind::K, 2).collect();
+        assert_eq!(k, vec![0..2, 4..6, 8..10, 12..14, 16..18, 20..22]);
+        let v: Vec<_> = l.wire_rows(BlobKind::V, 2).collect();
+        assert_eq!(v, vec![0..6, 12..18]);
+        for tokens in [0, 1, 2, 4] {
+            for kind in [BlobKind::K, BlobKind::V] {
+                let elems: usize = l.wire_rows(kind, tokens).map(|r| r.len()).sum();
+                assert_eq!(elems * 2, l.wire_blob_bytes(WIRE_TRIMMED, tokens).unwrap());
+            }
+        }
+        assert_eq!(l.wire_blob_bytes(WIRE_FULL, 1).unwrap(), l.blob_bytes());
+        assert_eq!(l.wire_blob_bytes(WIRE_TRIMMED, 4).unwrap(), l.blob_bytes());
+        assert_eq!(l.wire_blob_bytes(3, 1), Err(WireError::UnknownWire(3)));
+        assert!(WireError::UnknownWire(3).to_string().contains("version 3"));
     }
 
     #[test]

@@ -271,7 +271,8 @@ pub enum KvAuth {
 }
 
 /// Checks a handle against the model's layout before anything is pulled: the
-/// layout itself, the blob count, every blob's length, the token count.
+/// layout itself, the blob count, the token count, the wire version (one
+/// this build reads) and every blob's length in it.
 pub fn check_shape(
     handle: &KvHandle,
     layout: &KvLayout,
@@ -290,17 +291,20 @@ pub fn check_shape(
             layout.blob_count()
         )));
     }
-    let want = layout.blob_bytes() as u64;
-    if let Some((i, b)) = handle.blobs.iter().enumerate().find(|(_, b)| b.len != want) {
-        return Err(HandleError::Shape(format!(
-            "blob {i} has {} bytes, the layout's have {want}",
-            b.len
-        )));
-    }
     if handle.tokens != prompt_len || handle.tokens == 0 || handle.tokens > layout.seq_len {
         return Err(HandleError::Shape(format!(
             "the handle covers {} tokens, the prompt has {prompt_len} (context {})",
             handle.tokens, layout.seq_len
+        )));
+    }
+    // A version this build does not know is refused, never guessed at.
+    let want = layout
+        .wire_blob_bytes(handle.wire, handle.tokens)
+        .map_err(|e| HandleError::Shape(e.to_string()))? as u64;
+    if let Some((i, b)) = handle.blobs.iter().enumerate().find(|(_, b)| b.len != want) {
+        return Err(HandleError::Shape(format!(
+            "blob {i} has {} bytes, wire version {} of the layout has {want} for {} tokens",
+            b.len, handle.wire, handle.tokens
         )));
     }
     Ok(())
@@ -329,6 +333,7 @@ mod tests {
             location: "/dev/shm/x".into(),
             layout: l,
             tokens: 3,
+            wire: rngd_kv_wire::WIRE_FULL,
             blobs: vec![
                 BlobMeta {
                     len: l.blob_bytes() as u64,
@@ -462,7 +467,21 @@ mod tests {
         long.tokens = 9;
         let mut other = handle();
         other.layout.layers = 3;
+        // The trimmed wire: 3 tokens × 4 dims × 1 head × 2 bytes per blob.
+        let mut trimmed = handle();
+        trimmed.wire = rngd_kv_wire::WIRE_TRIMMED;
+        for b in &mut trimmed.blobs {
+            b.len = 24;
+        }
+        check_shape(&trimmed, &l, 3).unwrap();
+        let mut unknown = trimmed.clone();
+        unknown.wire = 7;
+        // S-wide lengths under the trimmed label do not fit.
+        let mut mislabelled = handle();
+        mislabelled.wire = rngd_kv_wire::WIRE_TRIMMED;
         for (h, n, needle) in [
+            (unknown, 3, "wire version 7"),
+            (mislabelled, 3, "wire version 2 of the layout has 24"),
             (many, 3, "100000 blobs"),
             (big, 3, "blob 1 has"),
             (long.clone(), 9, "covers 9"),

@@ -37,6 +37,11 @@ fn handle() -> impl Strategy<Value = KvHandle> {
                 location,
                 layout,
                 tokens,
+                wire: if tokens % 2 == 0 {
+                    rngd_kv_wire::WIRE_FULL
+                } else {
+                    rngd_kv_wire::WIRE_TRIMMED
+                },
                 blobs: blobs
                     .into_iter()
                     .map(|(len, crc32)| BlobMeta { len, crc32 })

@@ -67,13 +67,15 @@ pub fn through_the_wire(kv: &rngd_engine::KvCache) -> rngd_engine::KvCache {
     let raw: Vec<Vec<u8>> = kv.blobs.iter().map(|b| b.to_vec()).collect();
     let handle_blobs = rngd_kv_wire::describe(&raw);
     assert_eq!(handle_blobs.len(), kv.layout.blob_count());
+    let want = kv.layout.wire_blob_bytes(kv.wire, kv.tokens).unwrap();
     for (b, meta) in raw.iter().zip(&handle_blobs) {
-        assert_eq!(meta.len as usize, kv.layout.blob_bytes());
-        assert_eq!(b.len(), kv.layout.blob_bytes());
+        assert_eq!(meta.len as usize, want);
+        assert_eq!(b.len(), want);
     }
     rngd_engine::KvCache {
         layout: kv.layout,
         tokens: kv.tokens,
+        wire: kv.wire,
         blobs: raw.into_iter().map(bytes::Bytes::from).collect(),
     }
 }

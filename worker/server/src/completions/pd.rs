@@ -75,6 +75,7 @@ pub(super) async fn prefill_for_remote(
             request_id: key,
             layout: pre.kv.layout,
             tokens: pre.kv.tokens,
+            wire: pre.kv.wire,
             blobs: pre.kv.blobs,
         })
         .await
@@ -319,6 +320,7 @@ pub(super) async fn decode_remote(
         kv: KvCache {
             layout: handle.layout,
             tokens: handle.tokens,
+            wire: handle.wire,
             blobs,
         },
         elapsed: Duration::ZERO,
