@@ -219,11 +219,10 @@ async fn pd_over_tcp_matches_solo() {
 async fn pd_in_the_trimmed_wire_matches_solo_at_the_edges_of_the_context() {
     let _serial = SERIAL.lock().await;
     let mut env = Env::new();
-    let prompt = |n: usize| -> Vec<u64> { (0..n as u64).map(|i| 200 + (i * 37) % 40_000).collect() };
+    let prompt =
+        |n: usize| -> Vec<u64> { (0..n as u64).map(|i| 200 + (i * 37) % 40_000).collect() };
     let cases = [(1usize, 6u64), (256, 6), (511, 1)];
-    let body = |n: usize, max: u64| {
-        json!({"model": common::SERVED_MODEL, "prompt": prompt(n), "max_tokens": max, "temperature": 0})
-    };
+    let body = |n: usize, max: u64| json!({"model": common::SERVED_MODEL, "prompt": prompt(n), "max_tokens": max, "temperature": 0});
     let solo = env.worker("solo", "solo");
     let mut want = Vec::new();
     for (n, max) in cases {

@@ -376,15 +376,20 @@ mod tests {
         }
     }
 
-    #[test]
-    fn offsets_follow_npu_layout() {
-        let l = KvLayout {
+    /// One layer, 2 heads of 3 dims, S = 4.
+    fn small() -> KvLayout {
+        KvLayout {
             layers: 1,
             kv_heads: 2,
             head_dim: 3,
             seq_len: 4,
             dtype: Dtype::Bf16,
-        };
+        }
+    }
+
+    #[test]
+    fn offsets_follow_npu_layout() {
+        let l = small();
         assert_eq!(l.k_offset(1, 2, 3), 23);
         assert_eq!(l.v_offset(1, 3, 2), 23);
         assert_eq!(l.k_offset(0, 1, 0), 4);
@@ -430,13 +435,7 @@ mod tests {
 
     #[test]
     fn trimmed_rows_are_the_valid_positions_of_each_row() {
-        let l = KvLayout {
-            layers: 1,
-            kv_heads: 2,
-            head_dim: 3,
-            seq_len: 4,
-            dtype: Dtype::Bf16,
-        };
+        let l = small();
         let k: Vec<_> = l.wire_rows(BlobKind::K, 2).collect();
         assert_eq!(k, vec![0..2, 4..6, 8..10, 12..14, 16..18, 20..22]);
         let v: Vec<_> = l.wire_rows(BlobKind::V, 2).collect();

@@ -298,19 +298,10 @@ async fn connection(
                 _ = evict.cancelled() => return,
                 _ = stop.cancelled() => return,
             };
-            match up {
-                Ok(Ok(halves)) => halves,
-                Ok(Err(Refusal::Silent)) => {
-                    tracing::debug!(%peer, "relay: closed before the TLS handshake");
-                    return;
-                }
-                Ok(Err(Refusal::Refused(reason))) => {
-                    handshake_failed(&relay, &slot, Failure::Refused, peer, &reason);
-                    return;
-                }
-                Err(_) => {
-                    let reason = format!("no TLS handshake within {deadline:?}");
-                    handshake_failed(&relay, &slot, Failure::Timeout, peer, &reason);
+            match up.map_err(Err).and_then(|r| r.map_err(Ok)) {
+                Ok(halves) => halves,
+                Err(why) => {
+                    not_passed(&relay, &slot, peer, "TLS handshake", deadline, why);
                     return;
                 }
             }
@@ -326,28 +317,15 @@ async fn connection(
         }
         _ = stop.cancelled() => return,
     };
-    let ok = match passed {
-        Ok(Ok(ok)) => ok,
-        Ok(Err(Refusal::Silent)) => {
-            tracing::debug!(%peer, "relay: closed before the handshake");
-            return;
-        }
-        Ok(Err(Refusal::Refused(reason))) => {
-            handshake_failed(&relay, &slot, Failure::Refused, peer, &reason);
-            tokio::select! {
-                _ = refuse_unauthenticated(&relay, &mut rd, &mut wr) => {}
-                _ = evict.cancelled() => {}
-                _ = stop.cancelled() => {}
-            }
-            return;
-        }
-        Err(_) => {
-            let reason = format!("no handshake answer within {deadline:?}");
-            handshake_failed(&relay, &slot, Failure::Timeout, peer, &reason);
-            tokio::select! {
-                _ = refuse_unauthenticated(&relay, &mut rd, &mut wr) => {}
-                _ = evict.cancelled() => {}
-                _ = stop.cancelled() => {}
+    let ok = match passed.map_err(Err).and_then(|r| r.map_err(Ok)) {
+        Ok(ok) => ok,
+        Err(why) => {
+            if not_passed(&relay, &slot, peer, "handshake answer", deadline, why) {
+                tokio::select! {
+                    _ = refuse_unauthenticated(&relay, &mut rd, &mut wr) => {}
+                    _ = evict.cancelled() => {}
+                    _ = stop.cancelled() => {}
+                }
             }
             return;
         }
@@ -380,6 +358,35 @@ async fn connection(
         return;
     }
     serve_requests(&relay, rd, wr, peer, &stop).await;
+}
+
+/// A handshake phase (`what`: the TLS handshake or the frame handshake's
+/// answer) that did not pass within `deadline`: a silent socket is only
+/// logged; a refusal or a timeout is counted and warned of, and `true`
+/// says so (the frame handshake then answers it).
+fn not_passed(
+    relay: &Relay,
+    slot: &Slot<'_>,
+    peer: SocketAddr,
+    what: &str,
+    deadline: Duration,
+    why: Result<Refusal, tokio::time::error::Elapsed>,
+) -> bool {
+    match why {
+        Ok(Refusal::Silent) => {
+            tracing::debug!(%peer, "relay: closed before the {what}");
+            false
+        }
+        Ok(Refusal::Refused(reason)) => {
+            handshake_failed(relay, slot, Failure::Refused, peer, &reason);
+            true
+        }
+        Err(_) => {
+            let reason = format!("no {what} within {deadline:?}");
+            handshake_failed(relay, slot, Failure::Timeout, peer, &reason);
+            true
+        }
+    }
 }
 
 /// Counts a failed handshake (STATS `handshake_failures` and `rejections`)
