@@ -25,8 +25,18 @@ pub struct Args {
     pub tls: bool,
     /// Also move a prompt of N tokens (1 to 512) in the trimmed wire (only
     /// its valid positions) in the same rounds, next to the S-wide wire.
-    #[arg(long = "prompt-tokens", value_name = "N")]
+    #[arg(
+        long = "prompt-tokens",
+        value_name = "N",
+        conflicts_with = "prompt_trace"
+    )]
     pub prompt_tokens: Option<usize>,
+    /// As --prompt-tokens, with request i of each round taking the prompt
+    /// length of row i of this Azure trace CSV (scaled to S = 512 with its
+    /// generation, as `replay` sends it), e.g.
+    /// ../shared/data/AzureLLMInferenceTrace_conv.csv.
+    #[arg(long = "prompt-trace", value_name = "CSV")]
+    pub prompt_trace: Option<std::path::PathBuf>,
     /// Print a last line with the report as one JSON object.
     #[arg(long)]
     pub json: bool,
@@ -42,6 +52,7 @@ impl From<Args> for rngd_bench_kv::Options {
             no_crc: a.no_crc,
             tls: a.tls,
             prompt_tokens: a.prompt_tokens,
+            prompt_trace: a.prompt_trace,
             json: a.json,
         }
     }

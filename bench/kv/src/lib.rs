@@ -51,6 +51,11 @@ pub struct Options {
     /// its cache in the trimmed wire (version 2: only the valid positions)
     /// on the same transports, next to the S-wide wire. Default none.
     pub prompt_tokens: Option<usize>,
+    /// The Azure trace CSV (`TIMESTAMP,ContextTokens,GeneratedTokens`): as
+    /// `prompt_tokens`, with request `i` of each round taking the prompt
+    /// length of row `i` (scaled to S with its generation, as `replay`
+    /// does). Not with `prompt_tokens`. Default none.
+    pub prompt_trace: Option<PathBuf>,
     /// Print a last line with the report as one JSON object. Default off.
     pub json: bool,
 }
@@ -65,6 +70,7 @@ impl Default for Options {
             no_crc: false,
             tls: false,
             prompt_tokens: None,
+            prompt_trace: None,
             json: false,
         }
     }
@@ -108,7 +114,11 @@ pub struct Report {
     /// `--prompt-tokens`: the prompt's valid positions.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub prompt_tokens: Option<usize>,
-    /// `--prompt-tokens`: payload bytes per request in the trimmed wire.
+    /// `--prompt-trace`: the median prompt length of its requests.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub trace_prompt_tokens_median: Option<f64>,
+    /// `--prompt-tokens` (`--prompt-trace`: the mean): payload bytes per
+    /// request in the trimmed wire.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub trimmed_bytes_per_request: Option<u64>,
     /// `--prompt-tokens`: median push→pull→release time of one request in
@@ -323,7 +333,7 @@ async fn transport_pass(
         a,
         b,
         blobs,
-        (layout.seq_len, WIRE_FULL),
+        (Arc::new(vec![layout.seq_len]), WIRE_FULL),
         requests,
         in_flight,
         round,
@@ -331,13 +341,24 @@ async fn transport_pass(
     .await
 }
 
-/// [`transport_pass`] for blobs of `tokens` valid positions in wire
-/// version `wire`.
+/// The blobs of a request of `tokens` valid positions in wire version
+/// `wire`: the S-wide `full` blobs, or (trimmed) the start of each, as long
+/// as the trimmed wire's blobs are (no copy).
+fn request_blobs(full: &[Bytes], tokens: usize, wire: u32) -> Vec<Bytes> {
+    let layout = KvLayout::LLAMA31_8B_S512;
+    match layout.wire_blob_bytes(wire, tokens) {
+        Ok(len) if wire == WIRE_TRIMMED => full.iter().map(|b| b.slice(..len)).collect(),
+        _ => full.to_vec(),
+    }
+}
+
+/// [`transport_pass`] in wire version `wire`, request `i` with
+/// `tokens[i % tokens.len()]` valid positions.
 async fn wire_pass(
     a: Arc<dyn KvTransport>,
     b: Arc<dyn KvTransport>,
     blobs: Arc<Vec<Bytes>>,
-    (tokens, wire): (usize, u32),
+    (tokens, wire): (Arc<Vec<usize>>, u32),
     requests: usize,
     in_flight: usize,
     round: usize,
@@ -345,15 +366,17 @@ async fn wire_pass(
     let sample = Arc::new(std::sync::Mutex::new(None::<Vec<Bytes>>));
     let s2 = sample.clone();
     let src = blobs.clone();
+    let lengths = tokens.clone();
     let pass = drive(requests, in_flight, move |i| {
         let (a, b, blobs, sample) = (a.clone(), b.clone(), src.clone(), s2.clone());
+        let n = lengths[i % lengths.len()];
         async move {
             let payload = KvPayload {
                 request_id: format!("bench-{}-{round}-{i}", std::process::id()),
                 layout: KvLayout::LLAMA31_8B_S512,
-                tokens,
+                tokens: n,
                 wire,
-                blobs: blobs.to_vec(),
+                blobs: request_blobs(&blobs, n, wire),
             };
             let handle = a.push(payload).await?;
             let got = b.pull(&handle, Duration::from_secs(60)).await?;
@@ -366,8 +389,38 @@ async fn wire_pass(
     })
     .await?;
     let got = sample.lock().expect("sample lock").take();
-    let exact = got.is_some_and(|g| g.as_slice() == blobs.as_slice());
+    let want = request_blobs(&blobs, tokens[0], wire);
+    let exact = got.is_some_and(|g| g == want);
     Ok((pass, exact))
+}
+
+/// The prompt lengths of the first `requests` rows of the Azure trace at
+/// `path`, scaled to `seq_len` with their generation (as `replay` sends them).
+fn trace_lengths(
+    path: &std::path::Path,
+    requests: usize,
+    seq_len: usize,
+) -> Result<Vec<usize>, Error> {
+    let text = std::fs::read_to_string(path).map_err(|source| Error::Io {
+        context: format!("reading the trace {}", path.display()),
+        source,
+    })?;
+    let rows = rngd_bench_replay::trace::parse(&text)
+        .map_err(|e| Error::Args(format!("--prompt-trace {}: {e}", path.display())))?;
+    if rows.is_empty() {
+        return Err(Error::Args(format!(
+            "--prompt-trace {}: no rows",
+            path.display()
+        )));
+    }
+    Ok(rows
+        .iter()
+        .take(requests)
+        .map(|r| {
+            let budget = u32::try_from(seq_len).unwrap_or(u32::MAX);
+            rngd_bench_replay::trace::scale(r.context_tokens, r.generated_tokens, budget).0 as usize
+        })
+        .collect())
 }
 
 /// A pushing and a pulling client.
@@ -394,13 +447,21 @@ pub async fn run(args: Options) -> Result<Report, Error> {
             layout.seq_len
         )));
     }
-    // The trimmed wire of a prompt of `n` tokens: each blob carries only
-    // its valid positions (what an engine's prefill hands over).
-    let trimmed: Option<(usize, Arc<Vec<Bytes>>)> = args.prompt_tokens.map(|n| {
-        let len = layout.wire_blob_bytes(WIRE_TRIMMED, n).unwrap_or(0);
-        let p = conformance::payload("bench-trimmed", 11, layout.blob_count(), len);
-        (n, Arc::new(p.blobs))
-    });
+    // The prompt lengths of the trimmed-wire passes: one, or the trace's.
+    let trimmed: Option<Arc<Vec<usize>>> = match (args.prompt_tokens, &args.prompt_trace) {
+        (Some(_), Some(_)) => {
+            return Err(Error::Args(
+                "--prompt-tokens or --prompt-trace, not both".into(),
+            ));
+        }
+        (Some(n), None) => Some(Arc::new(vec![n])),
+        (None, Some(path)) => Some(Arc::new(trace_lengths(
+            path,
+            args.requests,
+            layout.seq_len,
+        )?)),
+        (None, None) => None,
+    };
     let blobs: Arc<Vec<Bytes>> = Arc::new(conformance::full_request("bench-source", 7).blobs);
     let bytes_per_request = layout.request_bytes() as u64;
     let shm_dir;
@@ -570,12 +631,12 @@ pub async fn run(args: Options) -> Result<Report, Error> {
             median(&mut base.latencies_ms.clone()),
             tg / bg
         );
-        if let Some((n, tblobs)) = &trimmed {
+        if let Some(lengths) = &trimmed {
             let (tp, texact) = wire_pass(
                 a.clone(),
                 b.clone(),
-                tblobs.clone(),
-                (*n, WIRE_TRIMMED),
+                blobs.clone(),
+                (lengths.clone(), WIRE_TRIMMED),
                 args.requests,
                 args.in_flight,
                 round,
@@ -583,7 +644,7 @@ pub async fn run(args: Options) -> Result<Report, Error> {
             .await?;
             byte_exact &= texact;
             println!(
-                "round {round}: {} trimmed wire ({n} tokens) {:.1} ms/request",
+                "round {round}: {} trimmed wire {:.1} ms/request",
                 args.transport,
                 median(&mut tp.latencies_ms.clone())
             );
@@ -619,21 +680,36 @@ pub async fn run(args: Options) -> Result<Report, Error> {
         byte_exact,
         tls: args.tls,
         prompt_tokens: args.prompt_tokens,
-        trimmed_bytes_per_request: trimmed
-            .as_ref()
-            .map(|(_, b)| b.iter().map(|x| x.len() as u64).sum()),
+        trace_prompt_tokens_median: args.prompt_trace.as_ref().and(trimmed.as_ref()).map(|l| {
+            let mut l: Vec<f64> = l.iter().map(|&n| n as f64).collect();
+            median(&mut l)
+        }),
+        trimmed_bytes_per_request: trimmed.as_ref().map(|l| {
+            let used = (0..args.requests).map(|i| l[i % l.len()]);
+            let total: u64 = used
+                .map(|n| {
+                    (layout.wire_blob_bytes(WIRE_TRIMMED, n).unwrap_or(0) * layout.blob_count())
+                        as u64
+                })
+                .sum();
+            total / args.requests as u64
+        }),
         trimmed_ms_per_request_median: trimmed_ms,
         trimmed_vs_full_time: trimmed_ms.map(|t| t / ms_per_request_median),
         tcp_gbps_median,
         ratio_vs_tcp: tcp_gbps_median.map(|t| gbps_median / t),
     };
-    if let (Some(n), Some(r), Some(bytes)) = (
-        report.prompt_tokens,
+    if let (Some(r), Some(bytes)) = (
         report.trimmed_vs_full_time,
         report.trimmed_bytes_per_request,
     ) {
+        let what = match (report.prompt_tokens, report.trace_prompt_tokens_median) {
+            (Some(n), _) => format!("{n} tokens"),
+            (None, Some(m)) => format!("trace prompts, median {m} tokens"),
+            _ => String::new(),
+        };
         println!(
-            "trimmed wire ({n} tokens): {:.1} MB/request ({:.3}x the S-wide bytes), {r:.2}x the S-wide time in the same rounds",
+            "trimmed wire ({what}): {:.1} MB/request ({:.3}x the S-wide bytes), {r:.2}x the S-wide time in the same rounds",
             bytes as f64 / 1e6,
             bytes as f64 / report.bytes_per_request as f64
         );

@@ -12,6 +12,7 @@ fn args(transport: &str) -> Options {
         no_crc: false,
         tls: false,
         prompt_tokens: None,
+        prompt_trace: None,
         json: true,
     }
 }
@@ -89,6 +90,28 @@ async fn the_trimmed_wire_is_measured_next_to_the_s_wide_one() {
         assert!(t > 0.0);
         assert!((r.trimmed_vs_full_time.unwrap() - t / r.ms_per_request_median).abs() < 1e-9);
     }
+    // Prompt lengths from a trace: 100 fits; 1000 + 24 is scaled to 500.
+    let dir = tempfile::tempdir().unwrap();
+    let csv = dir.path().join("trace.csv");
+    std::fs::write(
+        &csv,
+        "TIMESTAMP,ContextTokens,GeneratedTokens\n\
+         2023-11-16 18:15:46.6805900,100,20\n\
+         2023-11-16 18:15:50.9951690,1000,24\n",
+    )
+    .unwrap();
+    let r = run(Options {
+        prompt_trace: Some(csv),
+        ..args("tcp")
+    })
+    .await
+    .unwrap();
+    assert!(r.byte_exact);
+    assert_eq!(r.trace_prompt_tokens_median, Some(300.0));
+    assert_eq!(
+        r.trimmed_bytes_per_request,
+        Some(64 * 8 * 128 * 2 * (100 + 500) / 2)
+    );
     let err = run(Options {
         prompt_tokens: Some(513),
         ..args("shm")
