@@ -135,6 +135,9 @@ pub struct ServerTls {
     acceptor: tokio_rustls::TlsAcceptor,
     /// Where the key came from, for logs.
     origin: String,
+    /// What it presents (the public key, or the certificate chain, DER):
+    /// two configurations are equal when they present the same.
+    presents: Vec<u8>,
 }
 
 impl fmt::Debug for ServerTls {
@@ -147,7 +150,7 @@ impl fmt::Debug for ServerTls {
 
 impl PartialEq for ServerTls {
     fn eq(&self, other: &ServerTls) -> bool {
-        self.origin == other.origin
+        self.origin == other.origin && self.presents == other.presents
     }
 }
 
@@ -158,6 +161,7 @@ impl ServerTls {
     /// presented as a raw public key.
     pub fn from_secret(secret: &Secret) -> Result<ServerTls, KvError> {
         let (key, spki) = secret_key(secret)?;
+        let presents = spki.clone();
         let certified = CertifiedKey::new(vec![CertificateDer::from(spki)], key);
         let resolver = rustls::server::AlwaysResolvesServerRawPublicKeys::new(Arc::new(certified));
         let config = server_builder()?
@@ -166,6 +170,7 @@ impl ServerTls {
         Ok(Self::finish(
             config,
             "the key derived from the shared secret",
+            presents,
         ))
     }
 
@@ -173,6 +178,7 @@ impl ServerTls {
     /// private key. Errors name the file, never its contents.
     pub fn from_pem_files(cert: &Path, key: &Path) -> Result<ServerTls, KvError> {
         let chain = read_certs(cert)?;
+        let presents = chain.iter().flat_map(|c| c.as_ref().to_vec()).collect();
         let key_pem = read_file(key)?;
         let key_der = PrivateKeyDer::from_pem_slice(&key_pem).map_err(|e| {
             config_err(format!("{}: no usable PEM private key: {e}", key.display()))
@@ -190,15 +196,17 @@ impl ServerTls {
         Ok(Self::finish(
             config,
             &format!("the certificate {}", cert.display()),
+            presents,
         ))
     }
 
-    fn finish(mut config: rustls::ServerConfig, origin: &str) -> ServerTls {
+    fn finish(mut config: rustls::ServerConfig, origin: &str, presents: Vec<u8>) -> ServerTls {
         config.send_tls13_tickets = 0;
         config.session_storage = Arc::new(rustls::server::NoServerSessionStorage {});
         ServerTls {
             acceptor: tokio_rustls::TlsAcceptor::from(Arc::new(config)),
             origin: origin.to_string(),
+            presents,
         }
     }
 
@@ -254,8 +262,11 @@ pub struct ClientTls {
     connector: tokio_rustls::TlsConnector,
     /// The name to verify (`None`: the host of the relay address).
     name: Option<ServerName<'static>>,
-    /// Where the trust came from, for logs and equality.
+    /// Where the trust came from, for logs.
     origin: String,
+    /// What it trusts (the pinned public key, or the roots, DER): two
+    /// configurations are equal when they trust the same for one name.
+    trusts: Vec<u8>,
 }
 
 impl fmt::Debug for ClientTls {
@@ -268,7 +279,7 @@ impl fmt::Debug for ClientTls {
 
 impl PartialEq for ClientTls {
     fn eq(&self, other: &ClientTls) -> bool {
-        self.origin == other.origin && self.name == other.name
+        self.origin == other.origin && self.trusts == other.trusts && self.name == other.name
     }
 }
 
@@ -278,6 +289,7 @@ impl ClientTls {
     /// Trusts exactly the relay key derived from `secret`.
     pub fn from_secret(secret: &Secret) -> Result<ClientTls, KvError> {
         let (_, spki) = secret_key(secret)?;
+        let trusts = spki.clone();
         let verifier = PinnedKey {
             spki,
             algorithms: provider().signature_verification_algorithms,
@@ -292,6 +304,7 @@ impl ClientTls {
             connector: tokio_rustls::TlsConnector::from(Arc::new(config)),
             name: Some(ServerName::try_from(SECRET_NAME).expect("a valid DNS name")),
             origin: "the key derived from the shared secret".into(),
+            trusts,
         })
     }
 
@@ -299,7 +312,9 @@ impl ClientTls {
     /// `ca`, for `name` (`None`: the host of the relay address).
     pub fn from_ca_file(ca: &Path, name: Option<&str>) -> Result<ClientTls, KvError> {
         let mut roots = rustls::RootCertStore::empty();
-        for cert in read_certs(ca)? {
+        let certs = read_certs(ca)?;
+        let trusts = certs.iter().flat_map(|c| c.as_ref().to_vec()).collect();
+        for cert in certs {
             roots
                 .add(cert)
                 .map_err(|e| config_err(format!("{}: {e}", ca.display())))?;
@@ -318,6 +333,7 @@ impl ClientTls {
             connector: tokio_rustls::TlsConnector::from(Arc::new(config)),
             name,
             origin: format!("the roots in {}", ca.display()),
+            trusts,
         })
     }
 
@@ -454,6 +470,23 @@ mod tests {
         // An Ed25519 SubjectPublicKeyInfo: 12 bytes of header, 32 of key.
         assert_eq!(spki_a.len(), 44);
         assert!(!format!("{:?}", ClientTls::from_secret(&a).unwrap()).contains("relay-secret"));
+        // Equal when they trust or present the same key, whatever the origin.
+        assert_eq!(
+            ClientTls::from_secret(&a).unwrap(),
+            ClientTls::from_secret(&a).unwrap()
+        );
+        assert_ne!(
+            ClientTls::from_secret(&a).unwrap(),
+            ClientTls::from_secret(&b).unwrap()
+        );
+        assert_eq!(
+            ServerTls::from_secret(&a).unwrap(),
+            ServerTls::from_secret(&a).unwrap()
+        );
+        assert_ne!(
+            ServerTls::from_secret(&a).unwrap(),
+            ServerTls::from_secret(&b).unwrap()
+        );
     }
 
     #[test]
