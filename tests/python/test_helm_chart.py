@@ -633,6 +633,23 @@ def test_workers_cache_prefixes_and_publish_kv_events_as_vllm():
         assert "rngd-pd.io/kv-events-port" not in meta["annotations"]
 
 
+
+def test_workers_chunk_prefills_under_the_budget_from_values():
+    """Every worker gets the chunked-prefill budget and, when turned on,
+    `--enable-chunked-prefill` (vLLM's flag names, which
+    `test_container_flags_exist_in_the_binary` checks against the binary);
+    off by default."""
+    default = render()
+    on = render({"chunkedPrefill": {"enabled": True, "maxNumBatchedTokens": 256}})
+    for role in ("prefill", "decode"):
+        args = container(default, f"demo-{role}")["args"]
+        assert "--enable-chunked-prefill" not in args, args
+        assert "--max-num-batched-tokens=128" in args, args
+        args = container(on, f"demo-{role}")["args"]
+        assert "--enable-chunked-prefill" in args, args
+        assert "--max-num-batched-tokens=256" in args, args
+
+
 # === every value is read ===
 
 # Values that only matter once another value turns their part on: the test

@@ -165,6 +165,14 @@ pub struct Args {
     /// Turn the workers' prefix cache off.
     #[arg(long)]
     pub no_enable_prefix_caching: bool,
+    /// The workers chunk their prefills (`rngd-pd worker
+    /// --enable-chunked-prefill`; off by default, as the worker's).
+    #[arg(long)]
+    pub enable_chunked_prefill: bool,
+    /// Each worker's per-iteration token budget of chunked prefill
+    /// (`rngd-pd worker --max-num-batched-tokens`); default the worker's.
+    #[arg(long)]
+    pub max_num_batched_tokens: Option<usize>,
 }
 
 fn ensure_model(model: Option<&Path>) -> anyhow::Result<PathBuf> {

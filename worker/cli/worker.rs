@@ -141,6 +141,20 @@ pub struct Args {
     /// bytes). Default 256 MiB.
     #[arg(long, env = env::RNGD_PD_PREFIX_CACHE_BYTES, default_value_t = rngd_engine::prefix::DEFAULT_PREFIX_CACHE_BYTES)]
     pub prefix_cache_bytes: u64,
+    /// With chunked prefill, the tokens one engine iteration computes at
+    /// most: a prefill is computed in chunks of this budget less the running
+    /// decode streams (one token each), so a long prompt does not stall them
+    /// for its whole length (vLLM's flag; at least 8).
+    #[arg(long, env = env::RNGD_PD_MAX_NUM_BATCHED_TOKENS, default_value_t = rngd_engine::cpu::DEFAULT_MAX_NUM_BATCHED_TOKENS, value_parser = parse_budget)]
+    pub max_num_batched_tokens: usize,
+    /// Chunk prefills under `--max-num-batched-tokens` (vLLM's flag; off by
+    /// default here: on this CPU engine it trades TTFT for shorter decode
+    /// stalls, docs/engine.md "Chunked prefill").
+    #[arg(long, overrides_with = "no_enable_chunked_prefill")]
+    pub enable_chunked_prefill: bool,
+    /// Run each prefill whole, in one engine iteration (the default).
+    #[arg(long, overrides_with = "enable_chunked_prefill")]
+    pub no_enable_chunked_prefill: bool,
     /// KV-cache events as vLLM publishes them: vLLM's JSON, e.g.
     /// `{"enable_kv_cache_events":true,"endpoint":"tcp://*:5557","replay_endpoint":"tcp://*:5558","topic":"kv@pod@model"}`
     /// with vLLM's keys (`publisher`, `endpoint`, `replay_endpoint`, `topic`,
@@ -209,6 +223,9 @@ impl Args {
                 block_size: self.block_size,
                 max_bytes: self.prefix_cache_bytes,
             },
+            max_num_batched_tokens: self
+                .enable_chunked_prefill
+                .then_some(self.max_num_batched_tokens),
             kv_events: self.kv_events_config,
             api_key: self.api_key,
             admin: rngd_worker::admin::AdminListen {
@@ -249,6 +266,18 @@ fn at_least_one(s: &str) -> Result<usize, String> {
     match s.parse::<usize>() {
         Ok(n) if n >= 1 => Ok(n),
         _ => Err(format!("{s} is not a positive integer")),
+    }
+}
+
+/// `--max-num-batched-tokens`: at least the smallest prefill step.
+fn parse_budget(s: &str) -> Result<usize, String> {
+    let min = rngd_engine::cpu::MIN_ROWS;
+    match s.parse::<usize>() {
+        Ok(n) if n >= min => Ok(n),
+        Ok(n) => Err(format!(
+            "{n} is below the smallest prefill step, {min} tokens"
+        )),
+        _ => Err(format!("{s} is not a token count")),
     }
 }
 
@@ -298,4 +327,68 @@ fn check_options(opts: &WorkerOptions) -> anyhow::Result<()> {
         .and_then(|t| t.with_overrides(&overrides))
         .with_context(|| format!("model {}", model.display()))?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use super::*;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        args: Args,
+    }
+
+    fn options(flags: &[&str]) -> Result<WorkerOptions, clap::Error> {
+        let argv = std::iter::once("worker").chain(flags.iter().copied());
+        Cli::try_parse_from(argv).map(|c| c.args.into_options())
+    }
+
+    #[test]
+    fn chunked_prefill_flags_reach_the_options() {
+        // No flag: the library's default (unchunked).
+        assert_eq!(options(&[]).unwrap().max_num_batched_tokens, None);
+        assert_eq!(WorkerOptions::default().max_num_batched_tokens, None);
+        // A budget alone does not turn chunking on (as in vLLM's flags).
+        assert_eq!(
+            options(&["--max-num-batched-tokens", "256"])
+                .unwrap()
+                .max_num_batched_tokens,
+            None
+        );
+        assert_eq!(
+            options(&[
+                "--enable-chunked-prefill",
+                "--max-num-batched-tokens",
+                "256"
+            ])
+            .unwrap()
+            .max_num_batched_tokens,
+            Some(256)
+        );
+        assert_eq!(
+            options(&["--enable-chunked-prefill"])
+                .unwrap()
+                .max_num_batched_tokens,
+            Some(rngd_engine::cpu::DEFAULT_MAX_NUM_BATCHED_TOKENS)
+        );
+        // The last of the pair wins, as for the prefix cache's.
+        assert_eq!(
+            options(&["--enable-chunked-prefill", "--no-enable-chunked-prefill"])
+                .unwrap()
+                .max_num_batched_tokens,
+            None
+        );
+        // Below the smallest prefill step: refused, naming it.
+        let err = options(&["--max-num-batched-tokens", "7"])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("below the smallest prefill step, 8 tokens"),
+            "{err}"
+        );
+        assert!(options(&["--max-num-batched-tokens", "x"]).is_err());
+    }
 }

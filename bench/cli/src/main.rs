@@ -8,6 +8,7 @@
 //! in the same run and, with `--json`, ends with one JSON line.
 
 mod chat_render;
+mod chunked;
 mod engine;
 mod epp;
 mod gateway;
@@ -34,6 +35,8 @@ enum Command {
     Kv(kv::Args),
     /// CPU engine prefill and decode timings (bench/engine_vs_llamacpp compares with llama.cpp).
     Engine(engine::Args),
+    /// The stall a long prefill causes running decode streams, per chunked-prefill budget, against unchunked.
+    Chunked(chunked::Args),
     /// Policy decision cost in wasm against the same logic compiled natively.
     Policy(policy::Args),
     /// Latency the gateway adds over calling a worker directly.
@@ -74,6 +77,9 @@ fn main() -> anyhow::Result<()> {
             }
             Command::Engine(a) => {
                 rngd_bench_engine::run(a.into()).await?;
+            }
+            Command::Chunked(a) => {
+                rngd_bench_engine::stall::run(a.into()).await?;
             }
             Command::Policy(a) => {
                 rngd_bench_policy::run(a.into()).await?;
@@ -126,6 +132,14 @@ mod tests {
         let (o, d) = (
             rngd_bench_engine::Options::from(a),
             rngd_bench_engine::Options::default(),
+        );
+        assert_eq!(format!("{o:?}"), format!("{d:?}"));
+        let Command::Chunked(a) = parse(&["rngd-pd-bench", "chunked"]) else {
+            panic!("chunked")
+        };
+        let (o, d) = (
+            rngd_bench_engine::stall::StallOptions::from(a),
+            rngd_bench_engine::stall::StallOptions::default(),
         );
         assert_eq!(format!("{o:?}"), format!("{d:?}"));
         let Command::Policy(a) = parse(&["rngd-pd-bench", "policy"]) else {

@@ -9,6 +9,11 @@
 //! (a JSON array of arrays, as `bench/engine_vs_llamacpp` writes it so that
 //! llama.cpp gets exactly the same tokens), or built from a fixed English
 //! text cut to `--prompt-tokens` lengths.
+//!
+//! [`stall`] is `rngd-pd-bench chunked`: the stall a long prefill causes the
+//! streams decoding beside it, per chunked-prefill budget.
+
+pub mod stall;
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -126,7 +131,7 @@ pub struct Report {
     pub batch_over_batch1_tok_s: f64,
 }
 
-fn median(v: &mut [f64]) -> f64 {
+pub(crate) fn median(v: &mut [f64]) -> f64 {
     v.sort_by(f64::total_cmp);
     if v.is_empty() {
         return f64::NAN;
@@ -139,7 +144,7 @@ fn median(v: &mut [f64]) -> f64 {
     }
 }
 
-const TEXT: &str = "The history of computing is a story of people, machines and ideas. Early mechanical \
+pub(crate) const TEXT: &str = "The history of computing is a story of people, machines and ideas. Early mechanical \
     calculators gave way to electronic computers in the middle of the twentieth century, and the \
     invention of the transistor and the integrated circuit made them smaller, faster and cheaper every \
     year. Programming languages grew from machine code to assembly, then to high-level languages that \

@@ -88,6 +88,7 @@ fn truncated(s: &str) -> String {
 struct Seen {
     ttft: Option<Duration>,
     last: Option<Duration>,
+    max_gap: Option<Duration>,
     chunks: u64,
     usage_tokens: Option<u64>,
     usage_prompt: Option<u64>,
@@ -101,6 +102,7 @@ impl Seen {
             status,
             ttft: self.ttft,
             decode: self.ttft.zip(self.last).map(|(f, l)| l.saturating_sub(f)),
+            max_gap: self.max_gap,
             tokens: self.usage_tokens.unwrap_or(self.chunks),
             usage_seen: self.usage_tokens.is_some(),
             prompt_tokens: self.usage_prompt,
@@ -144,6 +146,10 @@ impl Seen {
             let finished = c.get("finish_reason").is_some_and(|f| !f.is_null());
             if !text.is_empty() || !finished {
                 self.ttft.get_or_insert(at);
+                if let Some(prev) = self.last {
+                    let gap = at.saturating_sub(prev);
+                    self.max_gap = Some(self.max_gap.map_or(gap, |g| g.max(gap)));
+                }
                 self.last = Some(at);
                 self.chunks += 1;
             }
@@ -192,4 +198,27 @@ async fn exchange(
         }
     }
     Status::Transport
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_longest_gap_is_between_content_chunks_only() {
+        let mut seen = Seen::default();
+        let chunk = |t: &str| format!(r#"{{"choices":[{{"text":"{t}","finish_reason":null}}]}}"#);
+        let ms = Duration::from_millis;
+        assert_eq!(seen.event(&chunk("a"), ms(10)), None);
+        assert_eq!(seen.outcome(Status::Ok).max_gap, None, "one chunk: no gap");
+        seen.event(&chunk("b"), ms(30));
+        seen.event(&chunk("c"), ms(100));
+        seen.event(&chunk("d"), ms(120));
+        // The usage-only chunk and [DONE] are not content.
+        seen.event(r#"{"choices":[],"usage":{"completion_tokens":4}}"#, ms(400));
+        assert_eq!(seen.event("[DONE]", ms(500)), Some(Status::Ok));
+        let o = seen.outcome(Status::Ok);
+        assert_eq!(o.max_gap, Some(ms(70)));
+        assert_eq!(o.decode, Some(ms(110)));
+    }
 }

@@ -411,6 +411,8 @@ mod tests {
             tpot_p50_ms: None,
             tpot_p90_ms: None,
             tpot_p99_ms: None,
+            max_gap_p50_ms: None,
+            max_gap_p99_ms: None,
             slo_share: None,
             goodput_rps: 0.0,
             tok_s: 0.0,

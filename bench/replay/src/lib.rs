@@ -374,6 +374,11 @@ pub struct Report {
     pub tpot_p90_ms: Option<f64>,
     /// TPOT p99, ms.
     pub tpot_p99_ms: Option<f64>,
+    /// p50 over successful requests of each one's longest gap between two
+    /// content chunks (its worst stall), ms.
+    pub max_gap_p50_ms: Option<f64>,
+    /// Its p99, ms.
+    pub max_gap_p99_ms: Option<f64>,
     /// Share of successful requests with TPOT ≤ the SLO (one-token answers
     /// meet it) and, with a TTFT SLO, TTFT within it.
     pub slo_share: Option<f64>,
@@ -784,6 +789,8 @@ async fn replay(
         tpot_p50_ms: s.tpot_ms.p50,
         tpot_p90_ms: s.tpot_ms.p90,
         tpot_p99_ms: s.tpot_ms.p99,
+        max_gap_p50_ms: s.max_gap_ms.p50,
+        max_gap_p99_ms: s.max_gap_ms.p99,
         slo_share: s.slo_share,
         goodput_rps: s.goodput_rps,
         tok_s: s.tok_s,

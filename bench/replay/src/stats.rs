@@ -31,6 +31,10 @@ pub struct Outcome {
     pub ttft: Option<Duration>,
     /// First to last content chunk (`None` without content).
     pub decode: Option<Duration>,
+    /// The longest gap between two consecutive content chunks (`None` with
+    /// fewer than two): the worst stall the stream saw, which a per-request
+    /// mean (TPOT) spreads over its tokens.
+    pub max_gap: Option<Duration>,
     /// Output tokens: the stream's `usage.completion_tokens`, else the
     /// content chunks counted.
     pub tokens: u64,
@@ -50,6 +54,7 @@ impl Outcome {
             status,
             ttft: None,
             decode: None,
+            max_gap: None,
             tokens: 0,
             usage_seen: false,
             prompt_tokens: None,
@@ -127,6 +132,9 @@ pub struct Summary {
     pub ttft_ms: Percentiles,
     /// TPOT of successful requests with at least two tokens, ms.
     pub tpot_ms: Percentiles,
+    /// The longest inter-chunk gap of each successful request with at least
+    /// two content chunks, ms.
+    pub max_gap_ms: Percentiles,
     /// Successful requests meeting the TPOT SLO (TPOT ≤ the SLO; a request
     /// of one token has no TPOT and meets it) and the TTFT SLO when one is
     /// given ([`summarize_with`]).
@@ -165,7 +173,7 @@ pub fn summarize_with(
         requests: outcomes.len() as u64,
         ..Summary::default()
     };
-    let (mut ttft, mut tpot) = (Vec::new(), Vec::new());
+    let (mut ttft, mut tpot, mut gaps) = (Vec::new(), Vec::new(), Vec::new());
     for o in outcomes {
         match o.status {
             Status::Ok => {
@@ -181,6 +189,9 @@ pub fn summarize_with(
                 }
                 if let Some(t) = o.ttft {
                     ttft.push(ms(t));
+                }
+                if let Some(g) = o.max_gap {
+                    gaps.push(ms(g));
                 }
                 let ttft_met = slo_ttft.is_none_or(|b| o.ttft.is_some_and(|t| t <= b));
                 let tpot_met = match o.tpot() {
@@ -205,6 +216,7 @@ pub fn summarize_with(
     s.errors = s.requests - s.ok;
     s.ttft_ms = Percentiles::of(ttft);
     s.tpot_ms = Percentiles::of(tpot);
+    s.max_gap_ms = Percentiles::of(gaps);
     s.slo_share = (s.ok > 0).then(|| s.slo_met as f64 / s.ok as f64);
     let secs = wall.as_secs_f64();
     if secs > 0.0 {

@@ -125,6 +125,7 @@ fn ok(ttft_ms: u64, decode_ms: u64, tokens: u64) -> Outcome {
         status: Status::Ok,
         ttft: Some(Duration::from_millis(ttft_ms)),
         decode: Some(Duration::from_millis(decode_ms)),
+        max_gap: (tokens >= 2).then(|| Duration::from_millis(decode_ms / (tokens - 1) * 2)),
         tokens,
         usage_seen: true,
         prompt_tokens: Some(5),
@@ -180,6 +181,9 @@ fn the_summary_counts_and_rates() {
     assert_eq!(s.ttft_ms.p99, Some(400.0));
     assert_eq!(s.tpot_ms.p50, Some(150.0));
     assert_eq!(s.tpot_ms.p90, Some(200.0));
+    // The longest gaps (200, 400, 300 ms; the one-token answer has none).
+    assert_eq!(s.max_gap_ms.p50, Some(300.0));
+    assert_eq!(s.max_gap_ms.p99, Some(400.0));
     // Nothing succeeded: no share, no percentiles, zero rates.
     let none = stats::summarize(
         &[Outcome::failed(Status::Timeout)],
@@ -514,6 +518,8 @@ async fn a_run_against_a_fake_server_counts_exactly() {
         "tpot_p50_ms",
         "tpot_p90_ms",
         "tpot_p99_ms",
+        "max_gap_p50_ms",
+        "max_gap_p99_ms",
         "slo_share",
         "goodput_rps",
         "tok_s",

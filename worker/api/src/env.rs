@@ -64,6 +64,10 @@ pub const RNGD_PD_ADMIN_LISTEN: &str = "RNGD_PD_ADMIN_LISTEN";
 pub const RNGD_PD_WORKER_ADMIN_LISTEN: &str = "RNGD_PD_WORKER_ADMIN_LISTEN";
 /// Worker: positions per prefix-cache block (`--block-size`); default 16.
 pub const RNGD_PD_BLOCK_SIZE: &str = "RNGD_PD_BLOCK_SIZE";
+/// Worker: tokens one engine iteration computes at most, a prefill chunk
+/// and the decode step together (`--max-num-batched-tokens`, vLLM's name);
+/// default 128.
+pub const RNGD_PD_MAX_NUM_BATCHED_TOKENS: &str = "RNGD_PD_MAX_NUM_BATCHED_TOKENS";
 /// Worker: bytes the prefix cache may hold (`--prefix-cache-bytes`); default 256 MiB.
 pub const RNGD_PD_PREFIX_CACHE_BYTES: &str = "RNGD_PD_PREFIX_CACHE_BYTES";
 /// Worker: vLLM's `--kv-events-config` JSON (KV-cache events over ZMQ); unset = no events.

@@ -236,6 +236,12 @@ pub(super) fn worker_args(
     if args.no_enable_prefix_caching {
         a.push("--no-enable-prefix-caching".into());
     }
+    if args.enable_chunked_prefill {
+        a.push("--enable-chunked-prefill".into());
+    }
+    if let Some(b) = args.max_num_batched_tokens {
+        a.extend(["--max-num-batched-tokens".into(), b.to_string()]);
+    }
     if !args.no_kv_events {
         // Loopback, free ports (the worker prints the bound ones).
         let cfg = serde_json::json!({

@@ -2,11 +2,16 @@
 //!
 //! All compute runs on the scheduler thread (candle's matmuls spread over its
 //! own worker pool). Each turn of its loop it admits waiting decode streams
-//! into free slots (up to `batch`), runs one waiting prefill if there is one,
-//! then steps every running stream by one token in a single batched forward.
-//! Prefills and decode steps alternate, so neither starves the other. A stream
-//! whose receiver was dropped is cancelled before the next step and its slot
-//! freed.
+//! into free slots (up to `batch`), computes one chunk of the prefill in
+//! progress (starting the next waiting one if none is), then steps every
+//! running stream by one token in a single batched forward. A chunk is the
+//! per-iteration token budget (`max_num_batched_tokens`) less the decode
+//! step's tokens (`cpu/prefill.rs`), so a long prompt shares many iterations with
+//! the running streams instead of stalling them for its whole length; without
+//! a budget (the default) the chunk is the whole prompt.
+//! Prefill chunks and decode steps alternate, so neither starves the other.
+//! A stream whose receiver was dropped is cancelled before the next step and
+//! its slot freed; a prefill whose requester is gone, before its next chunk.
 //!
 //! [`Engine::generate`] is [`Engine::prefill`] followed by [`Engine::decode`]
 //! of the exported bf16 cache, exactly what a prefill/decode split does across
@@ -33,9 +38,10 @@ use crate::kv::SeqCache;
 use crate::prefix::{PrefixCache, PrefixCacheOptions, PrefixCacheStats, PrefixEventSink};
 use stream::Stream;
 
+mod prefill;
 mod stream;
 use crate::model::{Model, SeqStep};
-use crate::sampling::{History, sample};
+use crate::sampling::sample;
 use crate::tokenizer::Tokenizer;
 use crate::{
     Engine, EngineError, FinishReason, GenEvent, ModelInfo, Prefilled, SamplingParams,
@@ -63,11 +69,21 @@ pub struct CpuEngineOptions {
     pub tokenizer: crate::tokenizer::TokenizerOverrides,
     /// The prefix cache (default: on, blocks of 16, 256 MiB).
     pub prefix_cache: PrefixCacheOptions,
+    /// Chunked prefill: the tokens one scheduler iteration computes at
+    /// most, the decode step's and a prefill chunk's together (vLLM's
+    /// `max_num_batched_tokens`; at least [`MIN_ROWS`]). Default `None`: a
+    /// prefill runs whole in one iteration (measured: `docs/engine.md`,
+    /// "Chunked prefill").
+    pub max_num_batched_tokens: Option<usize>,
 }
+
+/// The budget chunked prefill takes when none is given (measured:
+/// `docs/engine.md`, "Chunked prefill").
+pub const DEFAULT_MAX_NUM_BATCHED_TOKENS: usize = 128;
 
 impl CpuEngineOptions {
     /// Defaults for a model file: S = 512, batch 8, dense prefill, the
-    /// prefix cache's defaults.
+    /// prefix cache's defaults, prefills unchunked.
     pub fn new(model_path: impl Into<PathBuf>) -> Self {
         CpuEngineOptions {
             model_path: model_path.into(),
@@ -77,6 +93,7 @@ impl CpuEngineOptions {
             dense_prefill: true,
             tokenizer: Default::default(),
             prefix_cache: PrefixCacheOptions::default(),
+            max_num_batched_tokens: None,
         }
     }
 }
@@ -86,8 +103,9 @@ pub fn compute_threads() -> usize {
     candle_core::utils::get_num_threads()
 }
 
-/// Fewest prompt rows a warm prefill computes (see `Scheduler::prefill`).
-const MIN_ROWS: usize = 8;
+/// Fewest prompt rows a prefill step computes (a warm prefill, a chunk),
+/// unless the whole prompt is shorter (`cpu/prefill.rs`).
+pub const MIN_ROWS: usize = 8;
 
 struct PrefillJob {
     prompt: Vec<u32>,
@@ -158,6 +176,7 @@ impl CpuEngine {
                 "seq_len and batch must be at least 1".into(),
             ));
         }
+        check_budget(opts.max_num_batched_tokens)?;
         let (mut model, tokenizer) =
             Model::load_gguf(&opts.model_path, opts.seq_len, opts.dense_prefill)?;
         let tokenizer = tokenizer.with_overrides(&opts.tokenizer)?;
@@ -189,6 +208,7 @@ impl CpuEngine {
             opts.seq_len,
             opts.batch,
             &opts.prefix_cache,
+            opts.max_num_batched_tokens,
         )
     }
 
@@ -199,7 +219,9 @@ impl CpuEngine {
         seq_len: usize,
         batch: usize,
         prefix_options: &PrefixCacheOptions,
+        max_num_batched_tokens: Option<usize>,
     ) -> Result<Arc<CpuEngine>, EngineError> {
+        check_budget(max_num_batched_tokens)?;
         let c = &model.cfg;
         let layout = KvLayout {
             layers: c.layers,
@@ -239,6 +261,8 @@ impl CpuEngine {
             slots: (0..batch).map(|_| None).collect(),
             caches: Vec::new(),
             prefill_cache: None,
+            partial: None,
+            max_num_batched_tokens,
             prefix: prefix.clone(),
             block_size,
         };
@@ -431,6 +455,16 @@ impl Engine for CpuEngine {
     }
 }
 
+/// A usable per-iteration budget: none, or at least [`MIN_ROWS`].
+fn check_budget(budget: Option<usize>) -> Result<(), EngineError> {
+    match budget {
+        Some(b) if b < MIN_ROWS => Err(EngineError::InvalidRequest(format!(
+            "max_num_batched_tokens {b} is below the smallest prefill step, {MIN_ROWS} tokens"
+        ))),
+        _ => Ok(()),
+    }
+}
+
 /// The prefix cache, even after a panic elsewhere (its state is valid
 /// between calls).
 fn lock(p: &Mutex<PrefixCache>) -> MutexGuard<'_, PrefixCache> {
@@ -446,6 +480,10 @@ struct Scheduler {
     /// One cache per slot, allocated on first use and reused.
     caches: Vec<SeqCache>,
     prefill_cache: Option<SeqCache>,
+    /// The prefill in progress (its K/V in `prefill_cache`).
+    partial: Option<prefill::Partial>,
+    /// See [`CpuEngineOptions::max_num_batched_tokens`].
+    max_num_batched_tokens: Option<usize>,
     prefix: Arc<Mutex<PrefixCache>>,
     /// Positions per block, for the block count of [`Shared::used_blocks`].
     block_size: usize,
@@ -463,8 +501,12 @@ impl Scheduler {
                     let free = self.slots.iter().filter(|s| s.is_none()).count();
                     let take = free.min(st.decodes.len());
                     let admitted: Vec<DecodeJob> = st.decodes.drain(..take).collect();
-                    let prefill = st.prefills.pop_front();
-                    let active = self.slots.iter().any(Option::is_some);
+                    let prefill = if self.partial.is_none() {
+                        st.prefills.pop_front()
+                    } else {
+                        None
+                    };
+                    let active = self.slots.iter().any(Option::is_some) || self.partial.is_some();
                     self.shared
                         .waiting
                         .store(st.prefills.len() + st.decodes.len(), Ordering::Relaxed);
@@ -477,8 +519,12 @@ impl Scheduler {
             for job in admitted {
                 self.admit(job);
             }
+            if let Some(job) = prefill {
+                self.begin_prefill(job);
+            }
             self.publish_running();
-            let prefilled = prefill.map_or(0, |job| self.prefill(job));
+            let decoding = self.slots.iter().filter(|s| s.is_some()).count();
+            let prefilled = self.prefill_chunk(decoding);
             let decoded = self.step();
             self.publish_running();
             self.observe_iteration(prefilled + decoded);
@@ -501,6 +547,10 @@ impl Scheduler {
         }
     }
 
+    /// The running count and block usage of the decode streams. The
+    /// prefill in progress is in neither (vLLM counts a chunked prefill as
+    /// running; the routing policy's load signal is calibrated on decode
+    /// slots, and changing it is left to a measured change of its own).
     fn publish_running(&self) {
         let n = self.slots.iter().filter(|s| s.is_some()).count();
         let used: usize = self
@@ -513,85 +563,6 @@ impl Scheduler {
         // The blocks first: whoever sees the stream running sees its blocks.
         self.shared.used_blocks.store(used, Ordering::Release);
         self.shared.running.store(n, Ordering::Release);
-    }
-
-    /// Runs one prefill; the prompt tokens it computed (0 when its
-    /// requester is gone or it failed).
-    fn prefill(&mut self, job: PrefillJob) -> usize {
-        if job.reply.is_closed() {
-            return 0;
-        }
-        let span = tracing::debug_span!("prefill", tokens = job.prompt.len());
-        let _g = span.enter();
-        let started = Instant::now();
-        let cache = self
-            .prefill_cache
-            .get_or_insert_with(|| SeqCache::new(self.layout));
-        cache.reset();
-        // The projections' path is the whole prompt's, so a warm prefill
-        // computes its rows as a cold one does.
-        let dense = job.prompt.len() > 1;
-        let mut prefix = lock(&self.prefix);
-        let salt = job.params.cache_salt.as_deref();
-        let hashes = if prefix.enabled() {
-            prefix.hashes(&job.prompt, salt)
-        } else {
-            Vec::new()
-        };
-        // At least the last prompt token is computed: its logits pick the
-        // first token. Never fewer than MIN_ROWS: candle's f32 GEMM sums a
-        // row in another order when it is given very few rows (a
-        // matrix-vector product for one, measured different for 4), so the
-        // last cached block is recomputed then, and warm == cold bit for bit.
-        let (n, b) = (job.prompt.len(), prefix.block_size());
-        let mut most = (n - 1) / b;
-        while most > 0 && n - most * b < MIN_ROWS {
-            most -= 1;
-        }
-        let cached = if prefix.enabled() {
-            prefix.load(&job.prompt, &hashes, most, cache)
-        } else {
-            0
-        };
-        drop(prefix);
-        let result = self
-            .model
-            .forward(
-                &mut [SeqStep {
-                    tokens: &job.prompt[cached..],
-                    cache,
-                }],
-                dense,
-            )
-            .map(|logits| {
-                let history = History::new(&job.prompt, &job.params, self.tokenizer.stop_ids());
-                let first = sample(&logits, &job.params, 0, &history);
-                Prefilled {
-                    first_token: first.id,
-                    first_logprobs: first.logprobs,
-                    kv: cache.export(),
-                    elapsed: started.elapsed(),
-                    cached_tokens: cached,
-                }
-            });
-        if result.is_ok() && !hashes.is_empty() {
-            lock(&self.prefix).store(&job.prompt, &hashes, cache);
-        }
-        if let Ok(p) = &result {
-            tracing::debug!(
-                ms = p.elapsed.as_secs_f64() * 1e3,
-                first_token = p.first_token,
-                cached_tokens = p.cached_tokens,
-                "prefill done"
-            );
-        }
-        let computed = if result.is_ok() {
-            job.prompt.len() - cached
-        } else {
-            0
-        };
-        let _ = job.reply.send(result);
-        computed
     }
 
     fn admit(&mut self, job: DecodeJob) {

@@ -171,12 +171,25 @@ pub fn engine_with(
     engine_with_prefix(cfg, seq_len, batch, &PrefixCacheOptions::default())
 }
 
-/// [`engine_with`] with these prefix-cache options.
+/// [`engine_with`] with these prefix-cache options (prefills unchunked).
 pub fn engine_with_prefix(
     cfg: &TinyConfig,
     seq_len: usize,
     batch: usize,
     prefix: &PrefixCacheOptions,
+) -> Result<Arc<CpuEngine>, EngineError> {
+    engine_with_budget(cfg, seq_len, batch, prefix, None)
+}
+
+/// [`engine_with_prefix`] with a per-iteration token budget: prefills are
+/// chunked under it (`None`: unchunked; see
+/// [`crate::cpu::CpuEngineOptions::max_num_batched_tokens`]).
+pub fn engine_with_budget(
+    cfg: &TinyConfig,
+    seq_len: usize,
+    batch: usize,
+    prefix: &PrefixCacheOptions,
+    max_num_batched_tokens: Option<usize>,
 ) -> Result<Arc<CpuEngine>, EngineError> {
     if cfg.heads == 0
         || cfg.kv_heads == 0
@@ -187,5 +200,12 @@ pub fn engine_with_prefix(
             "inconsistent tiny config {cfg:?}"
         )));
     }
-    CpuEngine::start(model(cfg, seq_len)?, tokenizer()?, seq_len, batch, prefix)
+    CpuEngine::start(
+        model(cfg, seq_len)?,
+        tokenizer()?,
+        seq_len,
+        batch,
+        prefix,
+        max_num_batched_tokens,
+    )
 }

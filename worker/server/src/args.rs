@@ -98,6 +98,11 @@ pub struct WorkerOptions {
     /// `--no-enable-prefix-caching`, `--block-size`, `--prefix-cache-bytes`;
     /// default on, blocks of 16, 256 MiB). See `docs/engine.md`, "Prefix cache".
     pub prefix_cache: rngd_engine::prefix::PrefixCacheOptions,
+    /// Chunked prefill's per-iteration token budget
+    /// (`--enable-chunked-prefill`, `--max-num-batched-tokens`). Default
+    /// `None`: each prefill runs whole. See `docs/engine.md`, "Chunked
+    /// prefill".
+    pub max_num_batched_tokens: Option<usize>,
     /// KV-cache events as vLLM publishes them (`--kv-events-config`, vLLM's
     /// JSON); none: no publisher. See `docs/engine.md`, "KV events".
     pub kv_events: Option<rngd_kv_events::KvEventsConfig>,
@@ -135,6 +140,7 @@ impl Default for WorkerOptions {
             max_in_flight: crate::state::DEFAULT_MAX_IN_FLIGHT,
             edge: rngd_http_edge::Options::default(),
             prefix_cache: rngd_engine::prefix::PrefixCacheOptions::default(),
+            max_num_batched_tokens: None,
             kv_events: None,
             admin: crate::admin::AdminListen::default(),
             api_key: None,

@@ -452,6 +452,7 @@ pub async fn launch(
 async fn load_engine(args: &WorkerOptions, path: PathBuf) -> Result<Arc<dyn Engine>, WorkerError> {
     let (seq_len, batch, threads) = (args.seq_len, args.batch, args.threads);
     let prefix_cache = args.prefix_cache.clone();
+    let max_num_batched_tokens = args.max_num_batched_tokens;
     let overrides = rngd_engine::tokenizer::TokenizerOverrides {
         chat_template: args.chat_template.clone(),
         served_model_name: args.served_model_name.first().cloned(),
@@ -464,6 +465,7 @@ async fn load_engine(args: &WorkerOptions, path: PathBuf) -> Result<Arc<dyn Engi
             opts.threads = threads;
             opts.tokenizer = overrides;
             opts.prefix_cache = prefix_cache;
+            opts.max_num_batched_tokens = max_num_batched_tokens;
             let engine: Arc<dyn Engine> =
                 rngd_engine::cpu::CpuEngine::load(opts).map_err(Box::new)?;
             Ok(engine)

@@ -1,0 +1,200 @@
+//! Chunked prefill under a per-iteration token budget: a prefill computed
+//! in chunks equals an unchunked one bit for bit (first token,
+//! log-probabilities, every KV value) on the tiny and on the real model, with
+//! and without a prefix-cache hit; a decode stream running alongside a long
+//! prefill gets tokens between its chunks (checked by the order of events,
+//! not by time); a budget below the smallest step is refused.
+
+mod common;
+
+use std::sync::{Arc, Mutex};
+
+use rngd_engine::cpu::{CpuEngine, CpuEngineOptions, MIN_ROWS};
+use rngd_engine::prefix::PrefixCacheOptions;
+use rngd_engine::tiny::{self, TinyConfig};
+use rngd_engine::{Engine, GenEvent, IterationObserver, Prefilled, SamplingParams};
+
+const S: usize = 512;
+
+fn prompt(n: usize, salt: u32) -> Vec<u32> {
+    (0..n as u32).map(|i| (i * 37 + salt * 11) % 256).collect()
+}
+
+fn off() -> PrefixCacheOptions {
+    PrefixCacheOptions {
+        enabled: false,
+        ..PrefixCacheOptions::default()
+    }
+}
+
+fn tiny(budget: Option<usize>, prefix: PrefixCacheOptions) -> Arc<CpuEngine> {
+    tiny::engine_with_budget(&TinyConfig::default(), S, 4, &prefix, budget).unwrap()
+}
+
+/// Greedy with the top-20 log-probabilities of the raw logits.
+fn params(max_tokens: usize) -> SamplingParams {
+    SamplingParams {
+        logprobs: Some(20),
+        ignore_eos: true,
+        ..SamplingParams::greedy(max_tokens)
+    }
+}
+
+fn same(a: &Prefilled, b: &Prefilled, what: &str) {
+    assert_eq!(a.first_token, b.first_token, "{what}: first token");
+    assert_eq!(
+        a.first_logprobs, b.first_logprobs,
+        "{what}: log-probabilities"
+    );
+    assert_eq!(a.kv, b.kv, "{what}: KV");
+}
+
+#[tokio::test]
+async fn a_chunked_prefill_equals_an_unchunked_one_bit_for_bit() {
+    let whole = tiny(None, off());
+    let p = params(1);
+    for budget in [MIN_ROWS, 16, 37, 128] {
+        let chunked = tiny(Some(budget), off());
+        for n in [
+            1,
+            MIN_ROWS - 1,
+            MIN_ROWS,
+            budget,
+            budget + 1,
+            budget + MIN_ROWS,
+            300,
+            S - 1,
+        ] {
+            let ids = prompt(n, n as u32);
+            let a = chunked.prefill(&ids, &p).await.unwrap();
+            let b = whole.prefill(&ids, &p).await.unwrap();
+            same(&a, &b, &format!("budget {budget}, {n} tokens"));
+        }
+    }
+}
+
+#[tokio::test]
+async fn whole_generations_match_and_a_prefix_hit_is_chunked_alike() {
+    let whole = tiny(None, off());
+    let chunked = tiny(Some(24), PrefixCacheOptions::default());
+    let p = params(24);
+    let base = prompt(200, 3);
+    let want = common::solo(&*whole, &base, &p).await.unwrap();
+    let got = common::solo(&*chunked, &base, &p).await.unwrap();
+    assert_eq!(got.ids, want.ids);
+    // A second prompt sharing 150 tokens: a warm start, then chunks.
+    let mut next = base[..150].to_vec();
+    next.extend(prompt(120, 9));
+    let warm = chunked.prefill(&next, &params(1)).await.unwrap();
+    assert!(warm.cached_tokens >= 128, "{}", warm.cached_tokens);
+    let cold = whole.prefill(&next, &params(1)).await.unwrap();
+    same(&warm, &cold, "warm and chunked");
+}
+
+/// Drains what a stream has sent so far; the tokens among it.
+fn drain(rx: &mut tokio::sync::mpsc::Receiver<GenEvent>) -> usize {
+    let mut n = 0;
+    while let Ok(ev) = rx.try_recv() {
+        match ev {
+            GenEvent::Token { .. } => n += 1,
+            GenEvent::Error(e) => panic!("stream failed: {e}"),
+            GenEvent::Done { .. } => panic!("the stream ended before the prefill"),
+        }
+    }
+    n
+}
+
+/// Each iteration's computed tokens, in order.
+#[derive(Default)]
+struct Iterations(Mutex<Vec<usize>>);
+
+impl IterationObserver for Iterations {
+    fn iteration(&self, tokens: usize) {
+        self.0.lock().unwrap().push(tokens);
+    }
+}
+
+/// Tokens a running stream got while a 400-token prompt was prefilled, and
+/// the tokens of each engine iteration meanwhile.
+async fn during_a_long_prefill(engine: &CpuEngine) -> (usize, Vec<usize>) {
+    let mut running = engine.generate(&prompt(20, 1), &params(300)).await.unwrap();
+    // It runs: its first tokens arrived.
+    let mut seen = 0;
+    while seen < 2 {
+        match running.recv().await {
+            Some(GenEvent::Token { .. }) => seen += 1,
+            other => panic!("{other:?}"),
+        }
+    }
+    drain(&mut running);
+    let iterations = Arc::new(Iterations::default());
+    assert!(engine.set_iteration_observer(Some(iterations.clone())));
+    engine.prefill(&prompt(400, 2), &params(1)).await.unwrap();
+    // Each token sent before the prefill's answer is in the channel now.
+    let tokens = drain(&mut running);
+    // The iteration that answered is observed after its decode step: a token
+    // of the next iteration's step means it was.
+    for _ in 0..2 {
+        assert!(matches!(running.recv().await, Some(GenEvent::Token { .. })));
+    }
+    engine.set_iteration_observer(None);
+    let sizes = iterations.0.lock().unwrap().clone();
+    (tokens, sizes)
+}
+
+#[tokio::test]
+async fn a_running_decode_gets_tokens_between_the_chunks() {
+    // 400 tokens at 16 per iteration less the one decode row: 15-row
+    // chunks, the last taking the tail, so at least 25 decode steps run
+    // between the first chunk and the answer.
+    let chunked = tiny(Some(16), off());
+    let (tokens, sizes) = during_a_long_prefill(&chunked).await;
+    let chunks = 400 / 15;
+    assert!(
+        tokens >= chunks - 1,
+        "{tokens} tokens during {chunks} chunks"
+    );
+    // No iteration went past the budget but the last chunk's short tail.
+    assert!(sizes.iter().all(|&n| n < 16 + MIN_ROWS), "{sizes:?}");
+    assert!(sizes.iter().sum::<usize>() >= 400, "{sizes:?}");
+    // Unchunked, the whole prompt is one iteration: the check above fails.
+    let whole = tiny(None, off());
+    let (_, sizes) = during_a_long_prefill(&whole).await;
+    assert!(sizes.iter().any(|&n| n >= 400), "{sizes:?}");
+}
+
+#[test]
+fn a_budget_below_the_smallest_step_is_refused() {
+    let err = tiny::engine_with_budget(&TinyConfig::default(), S, 4, &off(), Some(MIN_ROWS - 1))
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("max_num_batched_tokens 7"), "{err}");
+    assert!(err.contains("8 tokens"), "{err}");
+}
+
+/// The real model (SmolLM2-135M): chunked under a small budget equals
+/// unchunked bit for bit, prefill and a whole greedy generation.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn real_model_chunked_equals_unchunked() {
+    let load = |budget: Option<usize>| {
+        let mut o = CpuEngineOptions::new(common::real_model());
+        o.batch = 1;
+        o.prefix_cache = off();
+        o.max_num_batched_tokens = budget;
+        CpuEngine::load(o).expect("loading the real model")
+    };
+    let (whole, chunked) = (load(None), load(Some(48)));
+    let para = "Rust is a systems programming language focused on safety, speed and concurrency. \
+        It achieves memory safety without a garbage collector. ";
+    for reps in [1, 4, 9] {
+        let ids = whole.tokenize(&para.repeat(reps)).unwrap();
+        let a = chunked.prefill(&ids, &params(1)).await.unwrap();
+        let b = whole.prefill(&ids, &params(1)).await.unwrap();
+        same(&a, &b, &format!("real model, {} tokens", ids.len()));
+    }
+    let ids = whole.tokenize(&para.repeat(5)).unwrap();
+    let p = SamplingParams::greedy(16);
+    let want = common::solo(&*whole, &ids, &p).await.unwrap();
+    let got = common::solo(&*chunked, &ids, &p).await.unwrap();
+    assert_eq!(got, want);
+}
