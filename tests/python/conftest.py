@@ -63,6 +63,17 @@ def counter(addr, name):
                if line.startswith(name) and not line.startswith("#"))
 
 
+def greedy_completion(url, prompt, max_tokens):
+    """A greedy, non-streamed completion from `url` (a base URL); the whole answer."""
+    r = requests.post(
+        url + "/v1/completions",
+        json={"model": SERVED_MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0},
+        timeout=300,
+    )
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
 def model_path():
     m = os.environ.get("RNGD_PD_MODEL")
     if m:

@@ -12,9 +12,7 @@ import subprocess
 
 import openai
 import pytest
-import requests
-
-from conftest import SERVED_MODEL, rngd_bin, start_worker
+from conftest import SERVED_MODEL, greedy_completion, rngd_bin, start_worker
 
 PARAGRAPH = (
     "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg "
@@ -34,19 +32,9 @@ def chunked():
         proc.stop()
 
 
-def complete(url, prompt, max_tokens):
-    r = requests.post(
-        url + "/v1/completions",
-        json={"model": SERVED_MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0},
-        timeout=300,
-    )
-    assert r.status_code == 200, r.text
-    return r.json()
-
-
 def test_a_chunked_long_prompt_beside_running_streams_equals_unchunked(chunked, solo):
-    want_long = complete(solo, LONG, 24)
-    want_short = complete(solo, SHORT, 64)
+    want_long = greedy_completion(solo, LONG, 24)
+    want_short = greedy_completion(solo, SHORT, 64)
     assert want_long["usage"]["prompt_tokens"] > 250, want_long["usage"]
     client = openai.OpenAI(base_url=chunked + "/v1", api_key="unused", max_retries=0, timeout=300)
 
@@ -58,7 +46,7 @@ def test_a_chunked_long_prompt_beside_running_streams_equals_unchunked(chunked, 
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         # Two streams decoding while the long prompt is prefilled in chunks.
         shorts = [pool.submit(streamed_short) for _ in range(2)]
-        long = pool.submit(complete, chunked, LONG, 24)
+        long = pool.submit(greedy_completion, chunked, LONG, 24)
         got_long = long.result(timeout=300)
         got_shorts = [f.result(timeout=300) for f in shorts]
     assert got_long["choices"][0]["text"] == want_long["choices"][0]["text"]

@@ -14,7 +14,7 @@ import openai
 import pytest
 import requests
 
-from conftest import SERVED_MODEL, start_worker
+from conftest import SERVED_MODEL, greedy_completion, start_worker
 
 # Long enough (> the default policy's 32-token threshold) to be disaggregated.
 PROMPT = (
@@ -31,13 +31,7 @@ def client(stack):
 
 
 def solo_completion(solo, prompt, max_tokens):
-    r = requests.post(
-        solo + "/v1/completions",
-        json={"model": SERVED_MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0},
-        timeout=300,
-    )
-    assert r.status_code == 200, r.text
-    return r.json()["choices"][0]
+    return greedy_completion(solo, prompt, max_tokens)["choices"][0]
 
 
 def counter(url, name):

@@ -9,52 +9,24 @@ mod common;
 
 use std::sync::{Arc, Mutex};
 
+use common::{byte_prompt, logprob_params, no_prefix_cache, same_prefill};
 use rngd_engine::cpu::{CpuEngine, CpuEngineOptions, MIN_ROWS};
 use rngd_engine::prefix::PrefixCacheOptions;
 use rngd_engine::tiny::{self, TinyConfig};
-use rngd_engine::{Engine, GenEvent, IterationObserver, Prefilled, SamplingParams};
+use rngd_engine::{Engine, GenEvent, IterationObserver, SamplingParams};
 
 const S: usize = 512;
-
-fn prompt(n: usize, salt: u32) -> Vec<u32> {
-    (0..n as u32).map(|i| (i * 37 + salt * 11) % 256).collect()
-}
-
-fn off() -> PrefixCacheOptions {
-    PrefixCacheOptions {
-        enabled: false,
-        ..PrefixCacheOptions::default()
-    }
-}
 
 fn tiny(budget: Option<usize>, prefix: PrefixCacheOptions) -> Arc<CpuEngine> {
     tiny::engine_with_budget(&TinyConfig::default(), S, 4, &prefix, budget).unwrap()
 }
 
-/// Greedy with the top-20 log-probabilities of the raw logits.
-fn params(max_tokens: usize) -> SamplingParams {
-    SamplingParams {
-        logprobs: Some(20),
-        ignore_eos: true,
-        ..SamplingParams::greedy(max_tokens)
-    }
-}
-
-fn same(a: &Prefilled, b: &Prefilled, what: &str) {
-    assert_eq!(a.first_token, b.first_token, "{what}: first token");
-    assert_eq!(
-        a.first_logprobs, b.first_logprobs,
-        "{what}: log-probabilities"
-    );
-    assert_eq!(a.kv, b.kv, "{what}: KV");
-}
-
 #[tokio::test]
 async fn a_chunked_prefill_equals_an_unchunked_one_bit_for_bit() {
-    let whole = tiny(None, off());
-    let p = params(1);
+    let whole = tiny(None, no_prefix_cache());
+    let p = logprob_params(1);
     for budget in [MIN_ROWS, 16, 37, 128] {
-        let chunked = tiny(Some(budget), off());
+        let chunked = tiny(Some(budget), no_prefix_cache());
         for n in [
             1,
             MIN_ROWS - 1,
@@ -65,30 +37,30 @@ async fn a_chunked_prefill_equals_an_unchunked_one_bit_for_bit() {
             300,
             S - 1,
         ] {
-            let ids = prompt(n, n as u32);
+            let ids = byte_prompt(n, n as u32);
             let a = chunked.prefill(&ids, &p).await.unwrap();
             let b = whole.prefill(&ids, &p).await.unwrap();
-            same(&a, &b, &format!("budget {budget}, {n} tokens"));
+            same_prefill(&a, &b, &format!("budget {budget}, {n} tokens"));
         }
     }
 }
 
 #[tokio::test]
 async fn whole_generations_match_and_a_prefix_hit_is_chunked_alike() {
-    let whole = tiny(None, off());
+    let whole = tiny(None, no_prefix_cache());
     let chunked = tiny(Some(24), PrefixCacheOptions::default());
-    let p = params(24);
-    let base = prompt(200, 3);
+    let p = logprob_params(24);
+    let base = byte_prompt(200, 3);
     let want = common::solo(&*whole, &base, &p).await.unwrap();
     let got = common::solo(&*chunked, &base, &p).await.unwrap();
     assert_eq!(got.ids, want.ids);
     // A second prompt sharing 150 tokens: a warm start, then chunks.
     let mut next = base[..150].to_vec();
-    next.extend(prompt(120, 9));
-    let warm = chunked.prefill(&next, &params(1)).await.unwrap();
+    next.extend(byte_prompt(120, 9));
+    let warm = chunked.prefill(&next, &logprob_params(1)).await.unwrap();
     assert!(warm.cached_tokens >= 128, "{}", warm.cached_tokens);
-    let cold = whole.prefill(&next, &params(1)).await.unwrap();
-    same(&warm, &cold, "warm and chunked");
+    let cold = whole.prefill(&next, &logprob_params(1)).await.unwrap();
+    same_prefill(&warm, &cold, "warm and chunked");
 }
 
 /// Drains what a stream has sent so far; the tokens among it.
@@ -117,7 +89,10 @@ impl IterationObserver for Iterations {
 /// Tokens a running stream got while a 400-token prompt was prefilled, and
 /// the tokens of each engine iteration meanwhile.
 async fn during_a_long_prefill(engine: &CpuEngine) -> (usize, Vec<usize>) {
-    let mut running = engine.generate(&prompt(20, 1), &params(300)).await.unwrap();
+    let mut running = engine
+        .generate(&byte_prompt(20, 1), &logprob_params(300))
+        .await
+        .unwrap();
     // It runs: its first tokens arrived.
     let mut seen = 0;
     while seen < 2 {
@@ -129,7 +104,10 @@ async fn during_a_long_prefill(engine: &CpuEngine) -> (usize, Vec<usize>) {
     drain(&mut running);
     let iterations = Arc::new(Iterations::default());
     assert!(engine.set_iteration_observer(Some(iterations.clone())));
-    engine.prefill(&prompt(400, 2), &params(1)).await.unwrap();
+    engine
+        .prefill(&byte_prompt(400, 2), &logprob_params(1))
+        .await
+        .unwrap();
     // Each token sent before the prefill's answer is in the channel now.
     let tokens = drain(&mut running);
     // The iteration that answered is observed after its decode step: a token
@@ -147,7 +125,7 @@ async fn a_running_decode_gets_tokens_between_the_chunks() {
     // 400 tokens at 16 per iteration less the one decode row: 15-row
     // chunks, the last taking the tail, so at least 25 decode steps run
     // between the first chunk and the answer.
-    let chunked = tiny(Some(16), off());
+    let chunked = tiny(Some(16), no_prefix_cache());
     let (tokens, sizes) = during_a_long_prefill(&chunked).await;
     let chunks = 400 / 15;
     assert!(
@@ -158,16 +136,22 @@ async fn a_running_decode_gets_tokens_between_the_chunks() {
     assert!(sizes.iter().all(|&n| n < 16 + MIN_ROWS), "{sizes:?}");
     assert!(sizes.iter().sum::<usize>() >= 400, "{sizes:?}");
     // Unchunked, the whole prompt is one iteration: the check above fails.
-    let whole = tiny(None, off());
+    let whole = tiny(None, no_prefix_cache());
     let (_, sizes) = during_a_long_prefill(&whole).await;
     assert!(sizes.iter().any(|&n| n >= 400), "{sizes:?}");
 }
 
 #[test]
 fn a_budget_below_the_smallest_step_is_refused() {
-    let err = tiny::engine_with_budget(&TinyConfig::default(), S, 4, &off(), Some(MIN_ROWS - 1))
-        .unwrap_err()
-        .to_string();
+    let err = tiny::engine_with_budget(
+        &TinyConfig::default(),
+        S,
+        4,
+        &no_prefix_cache(),
+        Some(MIN_ROWS - 1),
+    )
+    .unwrap_err()
+    .to_string();
     assert!(err.contains("max_num_batched_tokens 7"), "{err}");
     assert!(err.contains("8 tokens"), "{err}");
 }
@@ -179,7 +163,7 @@ async fn real_model_chunked_equals_unchunked() {
     let load = |budget: Option<usize>| {
         let mut o = CpuEngineOptions::new(common::real_model());
         o.batch = 1;
-        o.prefix_cache = off();
+        o.prefix_cache = no_prefix_cache();
         o.max_num_batched_tokens = budget;
         CpuEngine::load(o).expect("loading the real model")
     };
@@ -188,9 +172,9 @@ async fn real_model_chunked_equals_unchunked() {
         It achieves memory safety without a garbage collector. ";
     for reps in [1, 4, 9] {
         let ids = whole.tokenize(&para.repeat(reps)).unwrap();
-        let a = chunked.prefill(&ids, &params(1)).await.unwrap();
-        let b = whole.prefill(&ids, &params(1)).await.unwrap();
-        same(&a, &b, &format!("real model, {} tokens", ids.len()));
+        let a = chunked.prefill(&ids, &logprob_params(1)).await.unwrap();
+        let b = whole.prefill(&ids, &logprob_params(1)).await.unwrap();
+        same_prefill(&a, &b, &format!("real model, {} tokens", ids.len()));
     }
     let ids = whole.tokenize(&para.repeat(5)).unwrap();
     let p = SamplingParams::greedy(16);

@@ -7,7 +7,9 @@ mod common;
 
 use std::sync::{Arc, Mutex};
 
-use common::{collect, solo, through_the_wire};
+use common::{
+    byte_prompt, collect, logprob_params, no_prefix_cache, same_prefill, solo, through_the_wire,
+};
 use rngd_engine::prefix::{PrefixCacheOptions, PrefixEvent, PrefixEventSink, block_bytes};
 use rngd_engine::tiny::{self, TinyConfig};
 use rngd_engine::{Engine, Prefilled, SamplingParams};
@@ -15,46 +17,16 @@ use rngd_engine::{Engine, Prefilled, SamplingParams};
 const S: usize = 256;
 const B: usize = 16;
 
-fn prompt(n: usize, salt: u32) -> Vec<u32> {
-    (0..n as u32).map(|i| (i * 37 + salt * 11) % 256).collect()
-}
-
 fn engine(prefix: PrefixCacheOptions) -> Arc<rngd_engine::cpu::CpuEngine> {
     tiny::engine_with_prefix(&TinyConfig::default(), S, 4, &prefix).unwrap()
 }
 
-fn off() -> PrefixCacheOptions {
-    PrefixCacheOptions {
-        enabled: false,
-        ..PrefixCacheOptions::default()
-    }
-}
-
-/// Greedy with the top-20 log-probabilities of the raw logits.
-fn params(max_tokens: usize) -> SamplingParams {
-    SamplingParams {
-        logprobs: Some(20),
-        ignore_eos: true,
-        ..SamplingParams::greedy(max_tokens)
-    }
-}
-
-/// What a prefill gives, less its timing and cache count.
-fn same(a: &Prefilled, b: &Prefilled, what: &str) {
-    assert_eq!(a.first_token, b.first_token, "{what}: first token");
-    assert_eq!(
-        a.first_logprobs, b.first_logprobs,
-        "{what}: log-probabilities"
-    );
-    assert_eq!(a.kv, b.kv, "{what}: KV");
-}
-
 #[tokio::test]
 async fn a_warm_prefill_equals_a_cold_one_bit_for_bit() {
-    let cold = engine(off());
+    let cold = engine(no_prefix_cache());
     let warm = engine(PrefixCacheOptions::default());
-    let p = params(1);
-    let base = prompt(150, 1);
+    let p = logprob_params(1);
+    let base = byte_prompt(150, 1);
     let first = warm.prefill(&base, &p).await.unwrap();
     assert_eq!(first.cached_tokens, 0);
     // (prompt, expected cached tokens)
@@ -65,11 +37,11 @@ async fn a_warm_prefill_equals_a_cold_one_bit_for_bit() {
     cases.push(("no block", none, 0));
     // One block shared, then different.
     let mut one = base[..B].to_vec();
-    one.extend(prompt(40, 7));
+    one.extend(byte_prompt(40, 7));
     cases.push(("one block", one, B));
     // Many blocks, then a partial last block of new tokens.
     let mut many = base[..6 * B + 5].to_vec();
-    many.extend(prompt(11, 3));
+    many.extend(byte_prompt(11, 3));
     cases.push(("many blocks + partial", many, 6 * B));
     // The whole prompt again: 150 tokens, 9 full blocks below the last one,
     // which would leave 6 to compute: 8 are reused.
@@ -93,9 +65,9 @@ async fn a_warm_prefill_equals_a_cold_one_bit_for_bit() {
         let w = warm.prefill(&ids, &p).await.unwrap();
         assert_eq!(c.cached_tokens, 0, "{what}");
         assert_eq!(w.cached_tokens, expect, "{what}");
-        same(&w, &c, what);
+        same_prefill(&w, &c, what);
         // And the generation from it.
-        let g = params(24);
+        let g = logprob_params(24);
         let (cs, ws) = (
             solo(&*cold, &ids, &g).await.unwrap(),
             solo(&*warm, &ids, &g).await.unwrap(),
@@ -110,10 +82,10 @@ async fn a_warm_prefill_equals_a_cold_one_bit_for_bit() {
 #[tokio::test]
 async fn cache_salt_keeps_tenants_apart() {
     let e = engine(PrefixCacheOptions::default());
-    let ids = prompt(70, 4);
+    let ids = byte_prompt(70, 4);
     let salted = |s: Option<&str>| SamplingParams {
         cache_salt: s.map(String::from),
-        ..params(1)
+        ..logprob_params(1)
     };
     let a = e.prefill(&ids, &salted(Some("tenant-a"))).await.unwrap();
     assert_eq!(a.cached_tokens, 0);
@@ -124,8 +96,8 @@ async fn cache_salt_keeps_tenants_apart() {
     let a2 = e.prefill(&ids, &salted(Some("tenant-a"))).await.unwrap();
     // 70 tokens: 3 blocks (a 4th would leave 6 to compute).
     assert_eq!(a2.cached_tokens, 3 * B, "the same salt hits");
-    same(&a2, &a, "salted warm");
-    same(&b, &a, "salted cold");
+    same_prefill(&a2, &a, "salted warm");
+    same_prefill(&b, &a, "salted cold");
 }
 
 #[derive(Default)]
@@ -139,7 +111,7 @@ impl PrefixEventSink for Events {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn eviction_under_a_small_budget_while_requests_run() {
-    let reference = engine(off());
+    let reference = engine(no_prefix_cache());
     let budget_blocks = 5;
     let layout = reference.info().kv_layout;
     let opts = PrefixCacheOptions {
@@ -150,14 +122,14 @@ async fn eviction_under_a_small_budget_while_requests_run() {
     let events = Arc::new(Events::default());
     e.set_prefix_events(Some(events.clone()));
     // Prompts sharing prefixes of several lengths, more blocks than fit.
-    let shared = prompt(64, 9);
+    let shared = byte_prompt(64, 9);
     let mut prompts = Vec::new();
     for i in 0..12u32 {
         let mut p = shared[..(i as usize % 4) * B + 3].to_vec();
-        p.extend(prompt(20 + i as usize * 3, 20 + i % 3));
+        p.extend(byte_prompt(20 + i as usize * 3, 20 + i % 3));
         prompts.push(p);
     }
-    let g = params(12);
+    let g = logprob_params(12);
     let mut want = Vec::new();
     for p in &prompts {
         want.push(solo(&*reference, p, &g).await.unwrap().ids);
@@ -219,21 +191,21 @@ async fn eviction_under_a_small_budget_while_requests_run() {
 #[tokio::test]
 async fn a_decode_streams_blocks_serve_the_next_turn() {
     let e = engine(PrefixCacheOptions::default());
-    let turn1 = prompt(37, 5);
-    let g = params(30);
+    let turn1 = byte_prompt(37, 5);
+    let g = logprob_params(30);
     let out = solo(&*e, &turn1, &g).await.unwrap();
     assert_eq!(out.ids.len(), 30);
     // The next turn: the conversation so far, then new tokens.
     let mut turn2 = turn1.clone();
     turn2.extend(&out.ids);
-    turn2.extend(prompt(9, 6));
-    let pre = e.prefill(&turn2, &params(1)).await.unwrap();
+    turn2.extend(byte_prompt(9, 6));
+    let pre = e.prefill(&turn2, &logprob_params(1)).await.unwrap();
     // The stream's cache held the prompt and every generated token but the
     // last (never fed): 37 + 29 = 66 positions, 4 full blocks.
     assert_eq!(pre.cached_tokens, 4 * B);
     // The prompt's 2 blocks came from the prefill, the other 2 were kept by
     // the decode.
-    let turn1_again = e.prefill(&turn1, &params(1)).await.unwrap();
+    let turn1_again = e.prefill(&turn1, &logprob_params(1)).await.unwrap();
     assert_eq!(
         turn1_again.cached_tokens, B,
         "37 tokens: 2 blocks would leave 5"
@@ -242,14 +214,14 @@ async fn a_decode_streams_blocks_serve_the_next_turn() {
 
 #[tokio::test]
 async fn a_pd_split_from_a_warm_prefill_gives_the_solo_tokens() {
-    let reference = engine(off());
+    let reference = engine(no_prefix_cache());
     let prefiller = engine(PrefixCacheOptions::default());
     let decoder = engine(PrefixCacheOptions::default());
-    let base = prompt(120, 2);
-    let g = params(20);
+    let base = byte_prompt(120, 2);
+    let g = logprob_params(20);
     prefiller.prefill(&base, &g).await.unwrap();
     let mut ids = base[..5 * B + 2].to_vec();
-    ids.extend(prompt(30, 8));
+    ids.extend(byte_prompt(30, 8));
     let want = solo(&*reference, &ids, &g).await.unwrap();
     let pre = prefiller.prefill(&ids, &g).await.unwrap();
     assert_eq!(pre.cached_tokens, 5 * B);
@@ -277,12 +249,12 @@ async fn real_model_warm_equals_cold() {
         o.prefix_cache = prefix;
         CpuEngine::load(o).expect("loading the real model")
     };
-    let (cold, warm) = (load(off()), load(PrefixCacheOptions::default()));
+    let (cold, warm) = (load(no_prefix_cache()), load(PrefixCacheOptions::default()));
     let para = "Rust is a systems programming language focused on safety, speed and concurrency. \
         It achieves memory safety without a garbage collector. ";
     let base = warm.tokenize(&para.repeat(6)).unwrap();
     assert!(base.len() > 120, "{}", base.len());
-    let p = params(1);
+    let p = logprob_params(1);
     warm.prefill(&base, &p).await.unwrap();
     for (cut, tail) in [(B + 3, 20), (4 * B + 1, 1), (6 * B, 2), (7 * B + 5, 9)] {
         let mut ids = base[..cut].to_vec();
@@ -290,7 +262,7 @@ async fn real_model_warm_equals_cold() {
         let c = cold.prefill(&ids, &p).await.unwrap();
         let w = warm.prefill(&ids, &p).await.unwrap();
         assert!(w.cached_tokens >= B, "cut {cut}: {}", w.cached_tokens);
-        same(&w, &c, &format!("real model, cut {cut}"));
+        same_prefill(&w, &c, &format!("real model, cut {cut}"));
     }
 }
 
@@ -305,7 +277,7 @@ async fn kv_usage_counts_the_blocks_of_running_streams() {
     let total = (4 * S.div_ceil(B)) as f64;
     let (n, max_tokens) = (40, 180);
     let mut rx = e
-        .generate(&prompt(n, 9), &params(max_tokens))
+        .generate(&byte_prompt(n, 9), &logprob_params(max_tokens))
         .await
         .unwrap();
     let mut seen = Vec::new();

@@ -79,3 +79,36 @@ pub fn through_the_wire(kv: &rngd_engine::KvCache) -> rngd_engine::KvCache {
         blobs: raw.into_iter().map(bytes::Bytes::from).collect(),
     }
 }
+
+/// A prompt of `n` byte tokens (the tiny model's vocabulary), varied by `salt`.
+pub fn byte_prompt(n: usize, salt: u32) -> Vec<u32> {
+    (0..n as u32).map(|i| (i * 37 + salt * 11) % 256).collect()
+}
+
+/// The prefix cache turned off.
+pub fn no_prefix_cache() -> rngd_engine::prefix::PrefixCacheOptions {
+    rngd_engine::prefix::PrefixCacheOptions {
+        enabled: false,
+        ..Default::default()
+    }
+}
+
+/// Greedy with the top-20 log-probabilities of the raw logits, EOS ignored.
+pub fn logprob_params(max_tokens: usize) -> SamplingParams {
+    SamplingParams {
+        logprobs: Some(20),
+        ignore_eos: true,
+        ..SamplingParams::greedy(max_tokens)
+    }
+}
+
+/// Two prefills give the same first token, log-probabilities and KV (their
+/// timing and cache count aside).
+pub fn same_prefill(a: &rngd_engine::Prefilled, b: &rngd_engine::Prefilled, what: &str) {
+    assert_eq!(a.first_token, b.first_token, "{what}: first token");
+    assert_eq!(
+        a.first_logprobs, b.first_logprobs,
+        "{what}: log-probabilities"
+    );
+    assert_eq!(a.kv, b.kv, "{what}: KV");
+}
