@@ -50,7 +50,10 @@ def test_a_chunked_long_prompt_beside_running_streams_equals_unchunked(chunked, 
         got_long = long.result(timeout=300)
         got_shorts = [f.result(timeout=300) for f in shorts]
     assert got_long["choices"][0]["text"] == want_long["choices"][0]["text"]
-    assert got_long["usage"] == want_long["usage"]
+    # The counts; not `cached_tokens`, which depends on what each worker
+    # served before (the session's solo worker is shared).
+    for k in ("prompt_tokens", "completion_tokens", "total_tokens"):
+        assert got_long["usage"][k] == want_long["usage"][k], (k, got_long["usage"], want_long["usage"])
     for text in got_shorts:
         assert text == want_short["choices"][0]["text"]
 
