@@ -448,6 +448,7 @@ async fn prefill_killed_mid_push_leaves_no_relay_entry_and_decode_errs_clearly()
         seed: params["seed"].as_u64(),
         first_token_logprobs: None,
         cached_tokens: params["cached_tokens"].as_u64().map(|c| c as u32),
+        weight_version: params["weight_version"].as_str(),
     };
     params["kv_handle_signature"] =
         json!(signer.sign_with(&handle, first_token, &prompt, expires, &claims));

@@ -222,7 +222,9 @@ impl ApiError {
             // failed stage.
             ApiError::UpstreamStatus { status, .. } => match *status {
                 // A worker's 429 is load, as the gateway's own: passed on.
-                400 | 404 | 413 | 422 | 429 => {
+                // A decode worker's 409 is a weight_version conflict between
+                // the pair the policy chose: the client sees it as it is.
+                400 | 404 | 409 | 413 | 422 | 429 => {
                     StatusCode::from_u16(*status).unwrap_or(StatusCode::BAD_GATEWAY)
                 }
                 504 => StatusCode::GATEWAY_TIMEOUT,
@@ -441,6 +443,23 @@ mod tests {
         assert_eq!(e.status(), 400);
         assert_eq!(e.body().error.message, "bad temperature");
         assert_eq!(e.body().error.param.as_deref(), Some("temperature"));
+        // A decode worker refusing KV that other weights made.
+        let e = ApiError::UpstreamStatus {
+            stage: Stage::Decode,
+            address: "a:1".into(),
+            status: 409,
+            message: "the KV was computed by weight_version a, this worker serves b".into(),
+            code: Some(rngd_api::pd::WEIGHT_VERSION_MISMATCH_CODE.into()),
+            param: Some("kv_transfer_params".into()),
+        };
+        assert_eq!(e.status(), 409);
+        let b = e.body();
+        assert_eq!(b.error.kind, "invalid_request_error");
+        assert_eq!(
+            b.error.code.as_deref(),
+            Some(rngd_api::pd::WEIGHT_VERSION_MISMATCH_CODE)
+        );
+        assert!(b.error.message.contains("weight_version a"));
         let e = ApiError::UpstreamStatus {
             stage: Stage::Prefill,
             address: "a:1".into(),

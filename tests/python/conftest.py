@@ -41,10 +41,11 @@ def worker_env(**extra):
     return dict(os.environ, AIRM_KV_TCP_SECRET=KV_SECRET, **extra)
 
 
-def start_worker(role, *extra, host="127.0.0.1", port=0, env=None):
+def start_worker(role, *extra, host="127.0.0.1", port=0, env=None, model=None):
     """A real worker (the KV secret in its environment, and `env`) on
-    `host:port` (port 0: any), ready (`/ready` 200); returns (proc, "host:port")."""
-    m = model_path()
+    `host:port` (port 0: any) serving `model` (default: the default model's
+    file), ready (`/ready` 200); returns (proc, "host:port")."""
+    m = str(model) if model else model_path()
     if not os.path.isfile(m):
         pytest.fail(f"model {m} not found: run `rngd-pd model fetch` or set RNGD_PD_MODEL")
     p = Proc(f"{role} worker {host}", [rngd_bin(), "worker", "--role", role, "--host", host, "--port", str(port),

@@ -89,6 +89,7 @@ impl ServedModels {
                 }),
                 parent: None,
                 max_model_len: Some(max_model_len),
+                weight_version: None,
                 permission: vec![ModelPermission::read_only(id, created)],
             })
             .collect();

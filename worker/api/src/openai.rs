@@ -530,6 +530,10 @@ pub struct Model {
     /// Compiled context length (vLLM's extension).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_model_len: Option<u32>,
+    /// The identity of the weights a worker serves (rngd-pd extension; a
+    /// worker shows it, the gateway, which holds no weights, does not).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub weight_version: Option<String>,
     /// What a client may do with the model (vLLM's shape of OpenAI's
     /// retired field; clients written for vLLM read it).
     #[serde(default)]
@@ -645,7 +649,7 @@ impl ErrorBody {
     /// The OpenAI error type for an HTTP status.
     pub fn kind_for_status(status: u16) -> &'static str {
         match status {
-            400 | 413 | 422 => "invalid_request_error",
+            400 | 409 | 410 | 413 | 422 => "invalid_request_error",
             401 | 403 => "authentication_error",
             404 => "not_found_error",
             429 => "rate_limit_error",

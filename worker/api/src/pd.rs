@@ -26,6 +26,10 @@ pub use handoff::{
 use rngd_kv_wire::KvHandle;
 use serde::{Deserialize, Serialize};
 
+/// Error code of a decode worker's 409 for a handle whose KV other weights
+/// computed (`kv_transfer_params.weight_version` is not the worker's).
+pub const WEIGHT_VERSION_MISMATCH_CODE: &str = "weight_version_mismatch";
+
 /// `kv_transfer_params` of a completion request or response.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct KvTransferParams {
@@ -72,6 +76,12 @@ pub struct KvTransferParams {
     /// `usage.prompt_tokens_details.cached_tokens`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cached_tokens: Option<u32>,
+    /// The `weight_version` of the engine that computed the KV (prefill
+    /// response, decode request; signed with the handle). A decode worker
+    /// whose weights differ refuses the handle with a 409 naming both
+    /// versions, before it pulls anything.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub weight_version: Option<String>,
     /// Prefill compute time, ms (prefill response).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub prefill_ms: Option<f64>,

@@ -199,6 +199,7 @@ impl CpuEngine {
             batch = opts.batch,
             threads = model.threads(),
             candle_threads,
+            weight_version = %model.weight_version,
             load_ms = started.elapsed().as_millis() as u64,
             "CPU engine loaded"
         );
@@ -235,6 +236,7 @@ impl CpuEngine {
             seq_len,
             kv_layout: layout,
             vocab_size: c.vocab,
+            weight_version: model.weight_version.clone(),
         };
         let tokenizer = Arc::new(tokenizer);
         // The model's identity in every block hash: its served name and the

@@ -31,6 +31,10 @@ use crate::{
     StopReason, TokenLogprobs, check_context,
 };
 
+/// The echo engine's `weight_version` unless [`EchoEngine::with_weight_version`]
+/// says otherwise.
+pub const ECHO_WEIGHT_VERSION: &str = "echo000000000000";
+
 /// TEST FAKE engine: echoes the prompt; see the module docs.
 #[derive(Debug)]
 pub struct EchoEngine {
@@ -54,6 +58,7 @@ impl EchoEngine {
                     dtype: Dtype::Bf16,
                 },
                 vocab_size: 256,
+                weight_version: ECHO_WEIGHT_VERSION.into(),
             },
             token_delay: Duration::ZERO,
             gate: None,
@@ -64,6 +69,13 @@ impl EchoEngine {
     /// test adds them with [`Semaphore::add_permits`]) before it is made.
     pub fn with_gate(mut self, gate: Arc<Semaphore>) -> Self {
         self.gate = Some(gate);
+        self
+    }
+
+    /// Reports `version` as its `weight_version` (a test's stand-in for an
+    /// engine loaded with other weights of the same shape).
+    pub fn with_weight_version(mut self, version: &str) -> Self {
+        self.info.weight_version = version.to_string();
         self
     }
 

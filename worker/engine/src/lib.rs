@@ -20,6 +20,7 @@ pub mod chat_template;
 pub mod cpu;
 #[cfg(feature = "test-util")]
 pub mod fake;
+pub mod identity;
 pub(crate) mod kv;
 pub mod logits;
 pub(crate) mod model;
@@ -123,6 +124,10 @@ pub struct ModelInfo {
     pub kv_layout: KvLayout,
     /// Vocabulary size.
     pub vocab_size: usize,
+    /// The weights' identity ([`identity`]): equal exactly when the tensor
+    /// bytes are. Signed into every KV handle; a decode worker refuses KV
+    /// made under another.
+    pub weight_version: String,
 }
 
 /// How to pick tokens and when to stop (`sampling` has the order the

@@ -90,6 +90,9 @@ pub(crate) struct Model {
     max_pos: usize,
     /// Threads of the quantized matmuls.
     pool: Pool,
+    /// The weights' identity ([`crate::identity`]); set by whoever built
+    /// the model from its tensors.
+    pub(crate) weight_version: String,
 }
 
 /// One sequence's part of a forward pass: new tokens appended to its cache.
@@ -204,6 +207,7 @@ impl Model {
             rope,
             max_pos,
             pool: Pool::new(candle_core::utils::get_num_threads())?,
+            weight_version: String::new(),
         })
     }
 
@@ -234,15 +238,29 @@ impl Model {
         {
             return Err(invalid(config::unknown_tensor_reason(name), None));
         }
-        let model = Model::build(
+        // Every tensor's stored bytes go into the weights' identity, read
+        // once: those the model uses as it loads them, any other after.
+        let mut digest = crate::identity::WeightDigest::new();
+        let read = |name: &str,
+                    file: &mut std::fs::File,
+                    digest: &mut crate::identity::WeightDigest|
+         -> Result<candle_core::quantized::QTensor, EngineError> {
+            let q = content
+                .tensor(file, name, &Device::Cpu)
+                .map_err(|e| invalid(format!("reading tensor `{name}`"), Some(e)))?;
+            let bytes = q
+                .data()
+                .map_err(|e| invalid(format!("reading tensor `{name}`"), Some(e)))?;
+            digest.add(name, &format!("{:?}", q.dtype()), q.shape().dims(), &bytes);
+            Ok(q)
+        };
+        let mut model = Model::build(
             cfg,
             |name| {
                 if !content.tensor_infos.contains_key(name) {
                     return Ok(None);
                 }
-                let q = content
-                    .tensor(&mut file, name, &Device::Cpu)
-                    .map_err(|e| invalid(format!("reading tensor `{name}`"), Some(e)))?;
+                let q = read(name, &mut file, &mut digest)?;
                 let t = q
                     .dequantize(&Device::Cpu)
                     .map_err(|e| invalid(format!("dequantizing tensor `{name}`"), Some(e)))?;
@@ -255,6 +273,12 @@ impl Model {
             EngineError::Other(reason) => invalid(reason, None),
             e => e,
         })?;
+        for name in names {
+            if !digest.contains(name) {
+                read(name, &mut file, &mut digest)?;
+            }
+        }
+        model.weight_version = digest.finish();
         if let Some(n) = meta.opt_uint("llama.vocab_size")
             && n as usize != model.cfg.vocab
         {

@@ -118,7 +118,8 @@ pub(crate) fn model(cfg: &TinyConfig, seq_len: usize) -> Result<Model, EngineErr
     let kvw = cfg.kv_heads * head_dim;
     let s = cfg.seed;
     let inv = |n: usize| 1.0 / (n as f32).sqrt();
-    Model::build(
+    let mut digest = crate::identity::WeightDigest::new();
+    let mut model = Model::build(
         c,
         |name| {
             let salt = name
@@ -150,11 +151,20 @@ pub(crate) fn model(cfg: &TinyConfig, seq_len: usize) -> Result<Model, EngineErr
                 "ffn_down.weight" => random((d, cfg.ffn), 2.0 * inv(cfg.ffn), s, salt)?,
                 _ => return Ok(None),
             };
+            let bytes: Vec<u8> = t
+                .flatten_all()?
+                .to_vec1::<f32>()?
+                .iter()
+                .flat_map(|x| x.to_le_bytes())
+                .collect();
+            digest.add(name, "f32", t.dims(), &bytes);
             Ok(Some(t))
         },
         seq_len,
         true,
-    )
+    )?;
+    model.weight_version = digest.finish();
+    Ok(model)
 }
 
 /// A running engine on the default tiny model.

@@ -1,7 +1,10 @@
 //! The worker's admin API, on its own listener (`--admin-listen`, loopback
 //! by default), never the public one: `POST /reset_prefix_cache` (vLLM's
 //! endpoint) drops every prefix-cache block no running request uses and
-//! publishes `AllBlocksCleared`. Every request needs the bearer token
+//! publishes `AllBlocksCleared`; `POST /update_weights_from_disk` and
+//! `GET /weight_info` (SGLang's endpoints) replace and report the weights
+//! ([`crate::weights`]; this module maps its errors to statuses). Every
+//! request needs the bearer token
 //! (`RNGD_PD_ADMIN_TOKEN`), checked by the guard the policy admin API uses
 //! too ([`rngd_http_edge::admin`]); without a token the listener is not
 //! started at all.
@@ -12,11 +15,12 @@ use axum::Router;
 use axum::extract::{RawQuery, State};
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
-use axum::routing::post;
+use axum::routing::{get, post};
 use rngd_api::openai::ErrorBody;
 use rngd_http_edge::admin::{AdminGuard, AdminToken, LockoutOptions, Refusal};
 use tokio::net::TcpListener;
 
+use crate::weights::UpdateError;
 use crate::{WorkerError, WorkerState};
 
 /// Default of [`AdminListen::listen`]: loopback, port 9904.
@@ -124,19 +128,94 @@ async fn reset_prefix_cache(
     StatusCode::OK.into_response()
 }
 
-/// Any other method on a known path: authenticated, then 405.
-async fn other_method(State(st): State<AdminState>, headers: HeaderMap) -> Response {
+/// The status and body of a refused weight update (the one place its
+/// errors become HTTP).
+fn update_error(e: &UpdateError) -> Response {
+    let status = match e {
+        UpdateError::BadRequest { .. } | UpdateError::Load(_) | UpdateError::Incompatible(_) => {
+            StatusCode::BAD_REQUEST
+        }
+        UpdateError::Busy => StatusCode::CONFLICT,
+        UpdateError::NotReady => StatusCode::SERVICE_UNAVAILABLE,
+        UpdateError::Task(_) => StatusCode::INTERNAL_SERVER_ERROR,
+    };
+    let mut message = e.to_string();
+    let mut src = std::error::Error::source(e);
+    while let Some(s) = src {
+        message.push_str(": ");
+        message.push_str(&s.to_string());
+        src = s.source();
+    }
+    let param = match e {
+        UpdateError::BadRequest { param, .. } => Some(param.as_str()),
+        UpdateError::Load(_) | UpdateError::Incompatible(_) => Some("model_path"),
+        _ => None,
+    };
+    error(status, message, param)
+}
+
+/// `POST /update_weights_from_disk {"model_path": …}`: 200 with
+/// [`crate::weights::UpdateAnswer`] once the new weights serve; an error
+/// body (the old weights still serving) otherwise; 400 on a worker that
+/// cannot reload.
+async fn update_weights(
+    State(st): State<AdminState>,
+    headers: HeaderMap,
+    body: axum::body::Bytes,
+) -> Response {
     if let Some(resp) = st.refusal(&headers) {
         return resp;
     }
-    let mut resp = error(
-        StatusCode::METHOD_NOT_ALLOWED,
-        "/reset_prefix_cache answers POST",
-        None,
-    );
-    resp.headers_mut()
-        .insert(header::ALLOW, HeaderValue::from_static("POST"));
-    resp
+    let Some(updater) = st.worker.weight_updater().cloned() else {
+        return error(
+            StatusCode::BAD_REQUEST,
+            "this worker's engine cannot be reloaded",
+            None,
+        );
+    };
+    match crate::weights::update(&st.worker, &updater, &body).await {
+        Ok(answer) => axum::Json(answer).into_response(),
+        Err(e) => {
+            tracing::warn!(error = %e, "weight update refused");
+            update_error(&e)
+        }
+    }
+}
+
+/// `GET /weight_info`: the served name, `weight_version` and model file.
+async fn weight_info(State(st): State<AdminState>, headers: HeaderMap) -> Response {
+    if let Some(resp) = st.refusal(&headers) {
+        return resp;
+    }
+    let updater = st.worker.weight_updater().cloned();
+    match crate::weights::info(&st.worker, updater.as_deref()) {
+        Some(info) => axum::Json(info).into_response(),
+        None => error(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "the model is still loading",
+            None,
+        ),
+    }
+}
+
+/// Any other method on a known path: authenticated, then 405 naming the one
+/// it answers.
+fn other_method(
+    allow: &'static str,
+) -> impl Fn(State<AdminState>, HeaderMap) -> std::future::Ready<Response> + Clone {
+    move |State(st): State<AdminState>, headers: HeaderMap| {
+        if let Some(resp) = st.refusal(&headers) {
+            return std::future::ready(resp);
+        }
+        let mut resp = error(
+            StatusCode::METHOD_NOT_ALLOWED,
+            format!("this path answers {allow}"),
+            None,
+        );
+        resp.headers_mut()
+            .insert(header::ALLOW, HeaderValue::from_static(allow));
+        std::future::ready(resp)
+    }
 }
 
 /// The admin routes over `worker`, guarded by `token`.
@@ -144,7 +223,15 @@ pub fn router(worker: WorkerState, token: AdminToken) -> Router {
     Router::new()
         .route(
             "/reset_prefix_cache",
-            post(reset_prefix_cache).fallback(other_method),
+            post(reset_prefix_cache).fallback(other_method("POST")),
+        )
+        .route(
+            "/update_weights_from_disk",
+            post(update_weights).fallback(other_method("POST")),
+        )
+        .route(
+            "/weight_info",
+            get(weight_info).fallback(other_method("GET")),
         )
         .with_state(AdminState {
             worker,

@@ -100,6 +100,19 @@ pub enum ApiError {
         /// How long ago, ms.
         ago_ms: u64,
     },
+    /// A handle whose KV was made by other weights than this worker's (a
+    /// verified handle: the prefill worker's own claim). The KV is released
+    /// unpulled → 409.
+    #[error(
+        "the KV was computed by weight_version {}, this worker serves weight_version {ours}: prefill and decode must load the same weights",
+        .theirs.as_deref().unwrap_or("(none)")
+    )]
+    WeightVersion {
+        /// The prefill worker's version, as signed in the handle.
+        theirs: Option<String>,
+        /// This worker's version.
+        ours: String,
+    },
     /// A PD request this worker does not take from this client or without a
     /// KV secret.
     #[error("{0}")]
@@ -271,6 +284,7 @@ impl ApiError {
             ApiError::MethodNotAllowed { .. } => StatusCode::METHOD_NOT_ALLOWED,
             ApiError::BadHandle(_) => StatusCode::BAD_REQUEST,
             ApiError::KvHandleUsed { .. } => StatusCode::GONE,
+            ApiError::WeightVersion { .. } => StatusCode::CONFLICT,
             ApiError::PdRefused(_) => StatusCode::FORBIDDEN,
             ApiError::Body(e) => e.status(),
             ApiError::Overloaded { .. } => StatusCode::TOO_MANY_REQUESTS,
@@ -334,6 +348,9 @@ impl ApiError {
                     .with_code(&format!("kv_handle_{}", state.as_str()))
                     .with_param("kv_transfer_params")
             }
+            ApiError::WeightVersion { .. } => body
+                .with_code(rngd_api::pd::WEIGHT_VERSION_MISMATCH_CODE)
+                .with_param("kv_transfer_params"),
             ApiError::PdRefused(_) => body
                 .with_code("pd_not_allowed")
                 .with_param("kv_transfer_params"),

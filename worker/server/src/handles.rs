@@ -1,8 +1,9 @@
 //! Unforgeable KV handles. A prefill worker names each cache it pushes with a
 //! fresh 128-bit random key ([`new_kv_key`], never derived from a client's
 //! request id) and signs what it hands out: the handle, the first token, the
-//! prompt's token ids (as SHA-256), an expiry and the sampling [`Claims`]
-//! (the seed the decode continues with, the first token's log-probabilities),
+//! prompt's token ids (as SHA-256), an expiry and the [`Claims`] (the seed
+//! the decode continues with, the first token's log-probabilities, the
+//! prefix-cache hit and the `weight_version` of the weights that made the KV),
 //! with HMAC-SHA256 under a key
 //! derived from the deployment's KV secret ([`HandleSigner`]). A decode worker
 //! pulls nothing before [`HandleSigner::verify`] and [`check_shape`] pass: a
@@ -76,6 +77,8 @@ pub struct Claims<'a> {
     pub first_token_logprobs: Option<&'a TokenLogprobs>,
     /// Prompt tokens the prefill found in its prefix cache.
     pub cached_tokens: Option<u32>,
+    /// The `weight_version` of the engine that computed the KV.
+    pub weight_version: Option<&'a str>,
 }
 
 /// A fresh sampling seed from the system generator (a request without
@@ -133,6 +136,8 @@ struct Signed<'a> {
     first_token_logprobs: Option<&'a TokenLogprobs>,
     #[serde(skip_serializing_if = "Option::is_none")]
     cached_tokens: Option<u32>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    weight_version: Option<&'a str>,
 }
 
 fn message(
@@ -155,6 +160,7 @@ fn message(
         seed: claims.seed,
         first_token_logprobs: claims.first_token_logprobs,
         cached_tokens: claims.cached_tokens,
+        weight_version: claims.weight_version,
     };
     let mut m = DOMAIN.to_vec();
     // Serializing plain structs, strings and numbers cannot fail.
@@ -406,6 +412,7 @@ mod tests {
             seed: Some(u64::MAX),
             first_token_logprobs: Some(&lp),
             cached_tokens: Some(32),
+            weight_version: Some("0123456789abcdef"),
         };
         let sig = s.sign_with(&h, 3, &[1, 2, 3], 10_000, &claims);
         s.verify_with(&h, 3, &[1, 2, 3], 10_000, &claims, &sig, 9_000)
@@ -425,6 +432,14 @@ mod tests {
             },
             Claims {
                 cached_tokens: Some(48),
+                ..claims
+            },
+            Claims {
+                weight_version: Some("0123456789abcdee"),
+                ..claims
+            },
+            Claims {
+                weight_version: None,
                 ..claims
             },
             Claims::default(),

@@ -35,6 +35,7 @@ pub mod peer;
 mod render;
 pub mod state;
 pub mod transports;
+pub mod weights;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -127,7 +128,8 @@ async fn ready(State(state): State<WorkerState>) -> Response {
 }
 
 async fn metrics_text(State(state): State<WorkerState>) -> Response {
-    let text = state.metrics().render(state.engine().map(|e| &**e));
+    let engine = state.engine();
+    let text = state.metrics().render(engine.as_deref());
     ([(header::CONTENT_TYPE, rngd_telemetry::CONTENT_TYPE)], text).into_response()
 }
 
@@ -136,8 +138,12 @@ async fn models(State(state): State<WorkerState>) -> Response {
         return ApiError::NotReady.into_response();
     };
     let seq_len = u32::try_from(engine.info().seq_len).unwrap_or(u32::MAX);
-    let root = state.config().model_root.as_deref().unwrap_or_default();
-    axum::Json(served.list(root, seq_len, rngd_api::rules::unix_now())).into_response()
+    let root = state.model_root().unwrap_or_default();
+    let mut list = served.list(&root, seq_len, rngd_api::rules::unix_now());
+    for m in &mut list.data {
+        m.weight_version = Some(engine.info().weight_version.clone());
+    }
+    axum::Json(list).into_response()
 }
 
 /// The request id: `x-request-id` if the client sent a usable one, else a new one.
@@ -413,17 +419,18 @@ pub async fn launch(
     }
     let running = serve_state(listener, state.clone())?;
     tracing::info!(addr = %running.addr, "serving; loading the model");
-    let engine = load_engine(&args, model_file).await?;
+    let (engine, updater) = load_engine(&args, model_file).await?;
     tracing::info!(model = %engine.info().name, seq_len = engine.info().seq_len, "model loaded");
+    state.set_engine(engine);
+    state.set_weight_updater(updater);
     if let Some(p) = &publisher {
         let sink = Arc::new(events::PublisherSink(p.clone()));
-        if !engine.set_prefix_events(Some(sink)) {
+        if !state.set_prefix_sink(Some(sink)) {
             tracing::warn!(
                 "--kv-events-config with the prefix cache off: no block is cached, so no event is published"
             );
         }
     }
-    state.set_engine(engine);
     {
         use std::io::Write;
         let mut out = std::io::stdout().lock();
@@ -440,41 +447,51 @@ pub async fn launch(
     }
     let stopped = running.stop().await;
     // What is queued is sent before the sockets close.
-    if let Some(e) = state.engine() {
-        e.set_prefix_events(None);
-    }
+    state.set_prefix_sink(None);
     if let Some(p) = publisher.and_then(Arc::into_inner) {
         p.shutdown();
     }
     stopped
 }
 
-async fn load_engine(args: &WorkerOptions, path: PathBuf) -> Result<Arc<dyn Engine>, WorkerError> {
-    let (seq_len, batch, threads) = (args.seq_len, args.batch, args.threads);
-    let prefix_cache = args.prefix_cache.clone();
-    let max_num_batched_tokens = args.max_num_batched_tokens;
-    let overrides = rngd_engine::tokenizer::TokenizerOverrides {
+/// The CPU engine's options the flags describe, for `path`.
+fn engine_options(args: &WorkerOptions, path: PathBuf) -> rngd_engine::cpu::CpuEngineOptions {
+    let mut opts = rngd_engine::cpu::CpuEngineOptions::new(path);
+    opts.seq_len = args.seq_len;
+    opts.batch = args.batch;
+    opts.threads = args.threads;
+    opts.tokenizer = rngd_engine::tokenizer::TokenizerOverrides {
         chat_template: args.chat_template.clone(),
         served_model_name: args.served_model_name.first().cloned(),
     };
-    tokio::task::spawn_blocking(
-        move || -> Result<Arc<dyn Engine>, Box<rngd_engine::EngineError>> {
-            let mut opts = rngd_engine::cpu::CpuEngineOptions::new(path);
-            opts.seq_len = seq_len;
-            opts.batch = batch;
-            opts.threads = threads;
-            opts.tokenizer = overrides;
-            opts.prefix_cache = prefix_cache;
-            opts.max_num_batched_tokens = max_num_batched_tokens;
-            let engine: Arc<dyn Engine> =
-                rngd_engine::cpu::CpuEngine::load(opts).map_err(Box::new)?;
-            Ok(engine)
-        },
-    )
+    opts.prefix_cache = args.prefix_cache.clone();
+    opts.max_num_batched_tokens = args.max_num_batched_tokens;
+    opts
+}
+
+/// Loads the model (off the runtime) and returns the engine with the
+/// updater that can replace its weights later.
+async fn load_engine(
+    args: &WorkerOptions,
+    path: PathBuf,
+) -> Result<(Arc<dyn Engine>, weights::WeightUpdater), WorkerError> {
+    let loader = Arc::new(weights::CpuLoader(engine_options(args, path.clone())));
+    let l = loader.clone();
+    let p = path.clone();
+    let engine = tokio::task::spawn_blocking(move || {
+        use weights::EngineLoader;
+        l.load(&p).map_err(Box::new)
+    })
     .await
     .map_err(|e| WorkerError::Io {
         context: "model loading task failed".into(),
         source: std::io::Error::other(e),
     })?
-    .map_err(WorkerError::Engine)
+    .map_err(WorkerError::Engine)?;
+    let updater =
+        weights::WeightUpdater::new(loader, &path, None).map_err(|source| WorkerError::Io {
+            context: format!("resolving the weights directory of {}", path.display()),
+            source,
+        })?;
+    Ok((engine, updater))
 }

@@ -101,6 +101,9 @@ pub struct WorkerMetrics {
     prefix_queries: IntCounterVec,
     prefix_hits: IntCounterVec,
     cache_config: GaugeVec,
+    weight_info: GaugeVec,
+    /// PD decodes refused because other weights made the KV.
+    pub weight_version_refusals: IntCounter,
     /// KV push time, seconds.
     pub kv_save_seconds: Histogram,
     /// KV pull time, seconds.
@@ -304,6 +307,17 @@ impl WorkerMetrics {
                 "Cache configuration: positions per block, blocks the prefix cache holds",
                 &["model_name", "block_size", "num_gpu_blocks"],
             )?,
+            weight_info: rngd_telemetry::gauge_vec(
+                &r,
+                names::WORKER_WEIGHT_INFO,
+                "The weights served: model_name and weight_version",
+                &["model_name", "weight_version"],
+            )?,
+            weight_version_refusals: rngd_telemetry::counter(
+                &r,
+                names::WORKER_WEIGHT_VERSION_REFUSALS_TOTAL,
+                "PD decodes refused because another weight_version computed the KV",
+            )?,
             kv_save_seconds: rngd_telemetry::histogram(
                 &r,
                 names::WORKER_KV_SAVE_SECONDS,
@@ -485,6 +499,18 @@ impl WorkerMetrics {
             self.waiting.with_label_values(&m).set(e.waiting() as f64);
             self.running.with_label_values(&m).set(e.running() as f64);
             self.kv_usage.with_label_values(&m).set(e.kv_usage());
+            // One series: the weights serving now.
+            let version = e.info().weight_version.as_str();
+            if self
+                .weight_info
+                .get_metric_with_label_values(&[m[0], version])
+                .map_or(true, |g| g.get() != 1.0)
+            {
+                self.weight_info.reset();
+                self.weight_info
+                    .with_label_values(&[m[0], version])
+                    .set(1.0);
+            }
             if let Some(p) = e.prefix_cache_stats() {
                 // The engine counts; the counters follow its totals.
                 for (c, total) in [

@@ -365,7 +365,7 @@ async fn start(
     ext: &Extensions,
     body: Body,
 ) -> Result<(Arc<dyn Engine>, Arc<ServedModels>, Bytes), ApiError> {
-    let engine = state.engine().ok_or(ApiError::NotReady)?.clone();
+    let engine = state.engine().ok_or(ApiError::NotReady)?;
     let served = state.served().ok_or(ApiError::NotReady)?.clone();
     let body = crate::completions::read_body(state, headers, ext, body).await?;
     Ok((engine, served, body.bytes().clone()))

@@ -1,11 +1,13 @@
-//! Shared state of a worker: configuration, engine (once loaded), transports,
+//! Shared state of a worker: configuration, engine (once loaded, and
+//! replaceable while serving: [`WorkerState::replace_engine`]), transports,
 //! metrics and the prefill-peer client.
 
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock, RwLock};
 use std::time::Duration;
 
 use rngd_api::models::ServedModels;
 use rngd_engine::Engine;
+use rngd_engine::prefix::PrefixEventSink;
 
 use crate::allow::{ClientAllow, PrefillAllow};
 use crate::args::{Role, WorkerOptions};
@@ -118,8 +120,11 @@ impl WorkerConfig {
 struct Inner {
     slots: Arc<tokio::sync::Semaphore>,
     config: WorkerConfig,
-    engine: OnceLock<Arc<dyn Engine>>,
+    engine: RwLock<Option<Arc<dyn Engine>>>,
+    /// The prefix cache's event sink, moved to a replacing engine.
+    prefix_sink: Mutex<Option<Arc<dyn PrefixEventSink>>>,
     served: OnceLock<Arc<ServedModels>>,
+    weights: OnceLock<Arc<crate::weights::WeightUpdater>>,
     transports: Transports,
     metrics: WorkerMetrics,
     peer: Arc<dyn PrefillPeer>,
@@ -156,8 +161,10 @@ impl WorkerState {
         Ok(WorkerState(Arc::new(Inner {
             slots: Arc::new(tokio::sync::Semaphore::new(config.max_in_flight.max(1))),
             config,
-            engine: OnceLock::new(),
+            engine: RwLock::new(None),
+            prefix_sink: Mutex::new(None),
             served: OnceLock::new(),
+            weights: OnceLock::new(),
             transports,
             metrics: WorkerMetrics::new().map_err(WorkerError::Metrics)?,
             peer,
@@ -176,12 +183,95 @@ impl WorkerState {
         // Names first: whoever sees the engine sees its names (a second
         // engine is refused, and the first one's names stay).
         let _ = self.0.served.set(served);
-        if self.0.engine.get().is_some() {
+        let mut slot = self.0.engine.write().unwrap_or_else(|p| p.into_inner());
+        if slot.is_some() {
             return false;
         }
         // Its iterations feed `vllm:iteration_tokens_total`.
         engine.set_iteration_observer(Some(self.metrics().iteration_observer(&engine.info().name)));
-        self.0.engine.set(engine).is_ok()
+        if let Some(sink) = self.prefix_sink() {
+            engine.set_prefix_events(Some(sink));
+        }
+        *slot = Some(engine);
+        true
+    }
+
+    /// Attaches the prefix cache's event sink (the KV-event publisher) to the
+    /// engine serving now and to any that replaces it; false when the engine
+    /// keeps no prefix cache (nothing will be published).
+    pub fn set_prefix_sink(&self, sink: Option<Arc<dyn PrefixEventSink>>) -> bool {
+        *self.0.prefix_sink.lock().unwrap_or_else(|p| p.into_inner()) = sink.clone();
+        self.engine().is_some_and(|e| e.set_prefix_events(sink))
+    }
+
+    fn prefix_sink(&self) -> Option<Arc<dyn PrefixEventSink>> {
+        self.0
+            .prefix_sink
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    /// Replaces the engine serving new requests with `engine` (other weights
+    /// of the same model) and returns the one it replaced. Requests already
+    /// admitted keep the engine they started on (they hold it) and finish
+    /// there; no request sees both. The replacement must serve the same
+    /// names, KV layout, context and vocabulary (a client, a router and a
+    /// PD peer see only its `weight_version` change); otherwise it is
+    /// refused with the difference and the old engine stays. The old
+    /// engine's prefix cache stops publishing and routers are told every
+    /// block is gone (`AllBlocksCleared`): the new one starts empty.
+    pub fn replace_engine(&self, engine: Arc<dyn Engine>) -> Result<Arc<dyn Engine>, String> {
+        let mut slot = self.0.engine.write().unwrap_or_else(|p| p.into_inner());
+        let Some(old) = slot.clone() else {
+            return Err("no engine is loaded yet".into());
+        };
+        let (a, b) = (old.info(), engine.info());
+        let differs = if a.name != b.name {
+            Some(format!("model name {:?}, serving {:?}", b.name, a.name))
+        } else if a.kv_layout != b.kv_layout {
+            Some(format!(
+                "KV layout {:?}, serving {:?}",
+                b.kv_layout, a.kv_layout
+            ))
+        } else if a.vocab_size != b.vocab_size {
+            Some(format!(
+                "vocabulary of {} tokens, serving {}",
+                b.vocab_size, a.vocab_size
+            ))
+        } else {
+            None
+        };
+        if let Some(d) = differs {
+            return Err(format!("the new model has {d}"));
+        }
+        engine.set_iteration_observer(Some(self.metrics().iteration_observer(&b.name)));
+        if let Some(sink) = self.prefix_sink() {
+            old.set_prefix_events(None);
+            sink.publish(rngd_engine::prefix::PrefixEvent::AllCleared);
+            engine.set_prefix_events(Some(sink));
+        }
+        *slot = Some(engine);
+        Ok(old)
+    }
+
+    /// Lets the admin API update the weights through `updater`; false if
+    /// one was set already.
+    pub fn set_weight_updater(&self, updater: crate::weights::WeightUpdater) -> bool {
+        self.0.weights.set(Arc::new(updater)).is_ok()
+    }
+
+    /// What updates the weights, if this worker can.
+    pub fn weight_updater(&self) -> Option<&Arc<crate::weights::WeightUpdater>> {
+        self.0.weights.get()
+    }
+
+    /// The `root` of `/v1/models`: the name of the file serving now.
+    pub fn model_root(&self) -> Option<String> {
+        match self.weight_updater() {
+            Some(u) => Some(u.current_file()),
+            None => self.0.config.model_root.clone(),
+        }
     }
 
     /// The names the model is served under, once loaded.
@@ -189,14 +279,23 @@ impl WorkerState {
         self.0.served.get()
     }
 
-    /// The engine, once loaded.
-    pub fn engine(&self) -> Option<&Arc<dyn Engine>> {
-        self.0.engine.get()
+    /// The engine serving new requests, once loaded (a request keeps the
+    /// one it got: [`WorkerState::replace_engine`]).
+    pub fn engine(&self) -> Option<Arc<dyn Engine>> {
+        self.0
+            .engine
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
     }
 
     /// Whether the model is loaded.
     pub fn is_ready(&self) -> bool {
-        self.0.engine.get().is_some()
+        self.0
+            .engine
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .is_some()
     }
 
     /// The configuration.

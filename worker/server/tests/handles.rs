@@ -27,10 +27,19 @@ async fn start_with(
     mem: &Arc<MemoryTransport>,
     tweak: impl FnOnce(&mut WorkerConfig),
 ) -> RunningWorker {
+    start_on(EchoEngine::new(64), role, mem, tweak).await
+}
+
+async fn start_on(
+    engine: EchoEngine,
+    role: Role,
+    mem: &Arc<MemoryTransport>,
+    tweak: impl FnOnce(&mut WorkerConfig),
+) -> RunningWorker {
     let mut config = WorkerConfig::new(role).with_kv_secret(SECRET);
     tweak(&mut config);
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let engine: Arc<dyn Engine> = Arc::new(EchoEngine::new(64));
+    let engine: Arc<dyn Engine> = Arc::new(engine);
     let t: Arc<dyn KvTransport> = mem.clone();
     rngd_worker::serve(listener, engine, Transports::fixed(vec![t]), config)
         .await
@@ -105,6 +114,12 @@ async fn forged_and_altered_handles_are_refused_before_any_pull() {
     let mut first = good.clone();
     first.first_token = Some(first.first_token.unwrap() ^ 1);
     cases.push(("first_token altered", first, "does not verify"));
+    let mut other_weights = good.clone();
+    other_weights.weight_version = Some("0123456789abcdef".into());
+    cases.push(("weight_version altered", other_weights, "does not verify"));
+    let mut no_weights = good.clone();
+    no_weights.weight_version = None;
+    cases.push(("weight_version removed", no_weights, "does not verify"));
     let mut later = good.clone();
     *later.kv_handle_expires_ms.as_mut().unwrap() += 3_600_000;
     cases.push(("expiry extended", later, "does not verify"));
@@ -162,6 +177,60 @@ async fn forged_and_altered_handles_are_refused_before_any_pull() {
     assert_eq!(status, 200, "{text}");
     assert_eq!(mem.held(), 0, "pulled and released");
     assert_eq!(kv_loads(&d).await, loads + 1.0);
+}
+
+#[tokio::test]
+async fn kv_made_by_other_weights_is_a_409_naming_both_and_is_released_unpulled() {
+    let mem = Arc::new(MemoryTransport::new());
+    let p = start_with(Role::Prefill, &mem, |_| {}).await;
+    let d = start_on(
+        EchoEngine::new(64).with_weight_version("fedcba9876543210"),
+        Role::Decode,
+        &mem,
+        |_| {},
+    )
+    .await;
+    let params = prefill(&p, "Hello, PD world", "w-1").await;
+    assert_eq!(
+        params.weight_version.as_deref(),
+        Some(rngd_engine::fake::ECHO_WEIGHT_VERSION)
+    );
+    assert_eq!(mem.held(), 1);
+    let loads = kv_loads(&d).await;
+    let (status, body) = {
+        let (s, t) = decode(&d, "Hello, PD world", &params).await;
+        error(s, &t)
+    };
+    assert_eq!(status, 409, "{body:?}");
+    assert_eq!(
+        body.error.code.as_deref(),
+        Some(rngd_api::pd::WEIGHT_VERSION_MISMATCH_CODE)
+    );
+    assert_eq!(body.error.param.as_deref(), Some("kv_transfer_params"));
+    let m = &body.error.message;
+    assert!(
+        m.contains(rngd_engine::fake::ECHO_WEIGHT_VERSION) && m.contains("fedcba9876543210"),
+        "{m}"
+    );
+    assert_eq!(kv_loads(&d).await, loads, "nothing pulled");
+    assert_eq!(mem.held(), 0, "the KV is released, not left to its TTL");
+    assert_eq!(
+        sample(
+            &metrics(&d).await,
+            "rngd_pd_worker_weight_version_refusals_total"
+        ),
+        1.0
+    );
+    // The handle is spent: a retry is a 410, not a second 409 or a pull.
+    let (status, text) = decode(&d, "Hello, PD world", &params).await;
+    assert_eq!(status, 410, "{text}");
+
+    // A decode worker with the prefill worker's weights takes the next one.
+    let same = start_with(Role::Decode, &mem, |_| {}).await;
+    let params = prefill(&p, "Hello, PD world", "w-2").await;
+    let (status, text) = decode(&same, "Hello, PD world", &params).await;
+    assert_eq!(status, 200, "{text}");
+    assert_eq!(mem.held(), 0);
 }
 
 #[tokio::test]

@@ -222,6 +222,15 @@ pub const VLLM_PREFIX_CACHE_HITS_TOTAL: &str = "vllm:prefix_cache_hits_total";
 /// `num_gpu_blocks` (the blocks the prefix cache's budget holds).
 pub const VLLM_CACHE_CONFIG_INFO: &str = "vllm:cache_config_info";
 
+// The weights a worker serves.
+/// Gauge 1 with labels `model_name` and `weight_version` (the engine's
+/// weights identity, `rngd_engine::identity`): one series, the current one.
+pub const WORKER_WEIGHT_INFO: &str = "rngd_pd_worker_weight_info";
+/// Counter: PD decodes refused with 409 because the KV was computed by
+/// another `weight_version` (the KV released unpulled).
+pub const WORKER_WEIGHT_VERSION_REFUSALS_TOTAL: &str =
+    "rngd_pd_worker_weight_version_refusals_total";
+
 // KV relay pre-auth budget. The relay has no HTTP listener: its STATS reply
 // carries these (fields `handshake_failures`, `handshakes`), docs/kv-wire.md.
 /// Relay sockets that failed the handshake, by `reason` (`refused`,

@@ -214,7 +214,7 @@ fn check_completion(answer: Map<String, Value>) -> Result<(), PdAnswerError> {
 }
 
 /// Every field of [`KvTransferParams`] and the type the protocol gives it.
-const PARAM_TYPES: [(&str, &str); 18] = [
+const PARAM_TYPES: [(&str, &str); 19] = [
     ("do_remote_decode", "a boolean"),
     ("do_remote_prefill", "a boolean"),
     ("kv_transport", "a string"),
@@ -229,6 +229,7 @@ const PARAM_TYPES: [(&str, &str); 18] = [
     ("seed", "an unsigned 64-bit integer"),
     ("first_token_logprobs", "{\"logprob\", \"top\"}"),
     ("cached_tokens", "a token count"),
+    ("weight_version", "a string"),
     ("prefill_ms", "a number"),
     ("kv_save_ms", "a number"),
     ("release_only", "a boolean"),

@@ -192,7 +192,7 @@ async fn handle(
     api: Api,
 ) -> Result<Response, ApiError> {
     let started = Instant::now();
-    let engine = state.engine().ok_or(ApiError::NotReady)?.clone();
+    let engine = state.engine().ok_or(ApiError::NotReady)?;
     let served = state.served().ok_or(ApiError::NotReady)?.clone();
     // Parsing a body of up to `body_limit` bytes and rendering a chat (its
     // template, its token count) is CPU work: off the async threads.

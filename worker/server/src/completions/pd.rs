@@ -96,10 +96,12 @@ pub(super) async fn prefill_for_remote(
     let text = engine.detokenize(&[first])?;
     let expires_ms = unix_ms().saturating_add(state.config().handle_ttl.as_millis() as u64);
     let cached_tokens = u32::try_from(pre.cached_tokens).unwrap_or(u32::MAX);
+    let weight_version = engine.info().weight_version.clone();
     let claims = Claims {
         seed: Some(seed),
         first_token_logprobs: first_logprobs.as_ref(),
         cached_tokens: Some(cached_tokens),
+        weight_version: Some(&weight_version),
     };
     let signature = match &state.config().kv_auth {
         KvAuth::Signed(s) => Some(s.sign_with(&handle, first, &prompt, expires_ms, &claims)),
@@ -148,6 +150,7 @@ pub(super) async fn prefill_for_remote(
             seed: Some(seed),
             first_token_logprobs: first_logprobs,
             cached_tokens: Some(cached_tokens),
+            weight_version: Some(weight_version),
             prefill_ms: Some(prefill_ms),
             kv_save_ms: Some(kv_save_ms),
             remote_engine_id: state.config().node.clone(),
@@ -186,7 +189,8 @@ pub(super) struct Call<'a> {
     pub(super) started: Instant,
 }
 
-/// Decode half of the PD protocol: check the handle, take it (a handle serves
+/// Decode half of the PD protocol: check the handle, refuse KV other weights
+/// made (409, the KV released unpulled), take it (a handle serves
 /// one decode: one already consumed or released is a 410 at once), pull
 /// (nothing is re-prefilled), release, continue. With `release_only`: check
 /// the handle, release its KV without pulling, answer [`KvReleaseAnswer`].
@@ -239,6 +243,7 @@ pub(super) async fn decode_remote(
                 seed: params.seed,
                 first_token_logprobs: params.first_token_logprobs.as_ref(),
                 cached_tokens: params.cached_tokens,
+                weight_version: params.weight_version.as_deref(),
             };
             signer.verify_with(&handle, first, &prompt, expires, &claims, sig, now)?;
             expires.saturating_add(CLOCK_SKEW_MS)
@@ -253,6 +258,30 @@ pub(super) async fn decode_remote(
         })?;
     if params.release_only {
         return release_only(state, transport, handle, used_until, now).await;
+    }
+    // KV made by other weights would continue into wrong tokens: it is
+    // released unpulled (no decode can use it anywhere it is not stale) and
+    // the handle refused from now on.
+    let ours = &engine.info().weight_version;
+    if params.weight_version.as_ref() != Some(ours) {
+        let used = state.used_handles();
+        if used.release(&handle.request_id, used_until, now) != pd::HandleState::Unused {
+            // A retry (or a handle released before): the 410 a spent handle gets.
+            if let Err(u) = used.take(&handle.request_id, used_until, now) {
+                return Err(ApiError::KvHandleUsed {
+                    state: u.state,
+                    ago_ms: u.ago_ms,
+                });
+            }
+        }
+        if let Err(e) = transport.release(&handle).await {
+            tracing::warn!(transport = transport.name(), error = %e, "KV release failed; the transport's TTL will free it");
+        }
+        state.metrics().weight_version_refusals.inc();
+        return Err(ApiError::WeightVersion {
+            theirs: params.weight_version,
+            ours: ours.clone(),
+        });
     }
     // The prefill's seed (signed) continues its stream.
     let seed = params

@@ -229,6 +229,7 @@ fn every_parameter_has_its_type_in_the_table() {
         seed: Some(1),
         first_token_logprobs: Some(crate::pd::TokenLogprobs::default()),
         cached_tokens: Some(16),
+        weight_version: Some("0123456789abcdef".into()),
         prefill_ms: Some(1.0),
         kv_save_ms: Some(1.0),
         release_only: true,

@@ -1,0 +1,250 @@
+"""The weights' identity across a PD pair (issue 23, item 5): a prefill worker
+and a decode worker loaded with different weights of the same shape.
+
+The second model is the SmolLM2 file with one tensor's bytes changed, written
+here with the `gguf` package (its reader, memory-mapped for writing). Every
+shape, the vocabulary and the metadata are the original's, so the decode
+worker would import the KV without complaint if nothing compared the weights:
+
+- each worker shows its `weight_version` in `/v1/models` and in
+  `rngd_pd_worker_weight_info`; the two differ, equal files agree;
+- through the header path (`x-prefiller-host-port`) and through the gateway,
+  the decode worker answers 409 `weight_version_mismatch` naming both
+  versions, pulls nothing, and the prefill's KV is gone from the transport at
+  once (not left to its TTL);
+- a decode worker with the prefill worker's weights still decodes, with the
+  solo worker's tokens;
+- a running worker switched to the changed file (`POST
+  /update_weights_from_disk` on its admin listener, under concurrent
+  requests, none of which fails) shows the new version and then answers
+  with the tokens and log-probabilities of a worker started on that file;
+  a file that does not load leaves it serving the old weights.
+"""
+
+import os
+import pathlib
+import shutil
+import signal
+import threading
+
+import numpy as np
+import pytest
+import requests
+
+import gguf
+from conftest import (SERVED_MODEL, Proc, counter, greedy_completion, model_path, poll_ok, rngd_bin, start_worker,
+                      worker_env)
+
+# Long enough for the gateway's policy to disaggregate (threshold 16 below).
+PROMPT = ("The lighthouse keeper climbed the spiral stairs every evening at dusk, carrying oil for the lamp "
+          "and a notebook in which he wrote down the ships he saw. One night")
+CHANGED_TENSOR = "blk.3.ffn_down.weight"
+
+
+def changed_copy(src, dst):
+    """`src` copied to `dst` with the bytes of one tensor altered (same
+    type, same shape); returns the altered tensor's byte count."""
+    shutil.copyfile(src, dst)
+    r = gguf.GGUFReader(dst, "r+")
+    (t,) = [t for t in r.tensors if t.name == CHANGED_TENSOR]
+    raw = t.data.view(np.uint8).reshape(-1)
+    raw[: raw.size // 2] ^= 0x11
+    r.data.flush()
+    return int(t.n_bytes)
+
+
+def weight_version(addr):
+    models = requests.get(f"http://{addr}/v1/models", timeout=10).json()["data"]
+    versions = {m["weight_version"] for m in models}
+    assert len(versions) == 1, models
+    return versions.pop()
+
+
+def shm_entries(root):
+    return sorted(str(p.relative_to(root)) for p in pathlib.Path(root).rglob("*") if p.is_file())
+
+
+class Pair:
+    pass
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    d = tmp_path_factory.mktemp("weights")
+    other = d / "smollm2-changed.gguf"
+    assert changed_copy(model_path(), other) > 0
+    shm = d / "shm"
+    env = {"PD_SHM_ROOT": str(shm)}
+    p = Pair()
+    p.shm = shm
+    p.dir, p.changed = d, other
+    procs = []
+    try:
+        p.prefill_proc, p.prefill = start_worker("prefill", env=env)
+        procs.append(p.prefill_proc)
+        # Decode workers that orchestrate on this prefill worker: one with other weights, one with the same.
+        p.other_proc, p.other = start_worker("decode", "--prefill-allow", p.prefill, env=env, model=other)
+        procs.append(p.other_proc)
+        p.same_proc, p.same = start_worker("decode", "--prefill-allow", p.prefill, env=env)
+        procs.append(p.same_proc)
+        yield p
+    finally:
+        for proc in reversed(procs):
+            proc.stop(signal.SIGTERM)
+
+
+def test_each_worker_shows_its_weights_and_equal_files_agree(pair):
+    ours, theirs, same = weight_version(pair.prefill), weight_version(pair.other), weight_version(pair.same)
+    for v in (ours, theirs):
+        assert len(v) == 16 and all(c in "0123456789abcdef" for c in v), v
+    assert ours == same
+    assert ours != theirs
+    text = requests.get(f"http://{pair.other}/metrics", timeout=10).text
+    info = [line for line in text.splitlines() if line.startswith("rngd_pd_worker_weight_info{")]
+    assert info == [f'rngd_pd_worker_weight_info{{model_name="{SERVED_MODEL}",weight_version="{theirs}"}} 1'], info
+
+
+def pd_by_header(prefill, decode):
+    """A completion sent to `decode`, which has `prefill` prefill it."""
+    return requests.post(
+        f"http://{decode}/v1/completions",
+        json={"model": SERVED_MODEL, "prompt": PROMPT, "max_tokens": 8, "temperature": 0},
+        headers={"x-prefiller-host-port": prefill},
+        timeout=300,
+    )
+
+
+def assert_conflict(r, ours, theirs):
+    assert r.status_code == 409, r.text
+    err = r.json()["error"]
+    assert err["code"] == "weight_version_mismatch", err
+    assert err["param"] == "kv_transfer_params", err
+    assert err["type"] == "invalid_request_error", err
+    assert f"weight_version {ours}" in err["message"] and f"weight_version {theirs}" in err["message"], err
+
+
+def test_the_header_path_refuses_kv_from_other_weights_and_leaves_nothing(pair, solo):
+    ours, theirs = weight_version(pair.prefill), weight_version(pair.other)
+    prefills = counter(pair.prefill, "rngd_pd_worker_prefills_total")
+    loads = counter(pair.other, "rngd_pd_worker_kv_loads_total")
+    r = pd_by_header(pair.prefill, pair.other)
+    assert_conflict(r, ours, theirs)
+    assert counter(pair.prefill, "rngd_pd_worker_prefills_total") == prefills + 1, "the prefill ran"
+    assert counter(pair.other, "rngd_pd_worker_kv_loads_total") == loads, "nothing pulled"
+    assert counter(pair.other, "rngd_pd_worker_weight_version_refusals_total") >= 1
+    assert shm_entries(pair.shm) == [], "the KV is released at once, not left to its TTL"
+
+    # Same weights: decoded, with the solo worker's tokens.
+    r = pd_by_header(pair.prefill, pair.same)
+    assert r.status_code == 200, r.text
+    assert counter(pair.same, "rngd_pd_worker_kv_loads_total") >= 1
+    want = greedy_completion(solo, PROMPT, 8)
+    assert r.json()["choices"][0]["token_ids"] == want["choices"][0]["token_ids"]
+    assert shm_entries(pair.shm) == []
+
+
+def test_the_gateway_passes_the_conflict_on_and_leaves_nothing(pair, tmp_path):
+    ours, theirs = weight_version(pair.prefill), weight_version(pair.other)
+    cfg = tmp_path / "policy.json"
+    cfg.write_text('{"disaggregation_threshold_tokens": 16}')
+    gw = Proc("gateway", [rngd_bin(), "gateway", "--listen", "127.0.0.1:0", "--prefill", f"http://{pair.prefill}",
+                          "--decode", f"http://{pair.other}", "--policy-config", str(cfg), "--model", model_path()],
+              env=dict(os.environ))
+    try:
+        url = gw.wait_line("rngd-pd gateway listening on", 120)
+        loads = counter(pair.other, "rngd_pd_worker_kv_loads_total")
+        prefills = counter(pair.prefill, "rngd_pd_worker_prefills_total")
+        r = requests.post(url + "/v1/completions",
+                          json={"model": SERVED_MODEL, "prompt": PROMPT, "max_tokens": 8, "temperature": 0},
+                          timeout=300)
+        assert_conflict(r, ours, theirs)
+        assert counter(pair.prefill, "rngd_pd_worker_prefills_total") == prefills + 1, "the policy disaggregated"
+        assert counter(pair.other, "rngd_pd_worker_kv_loads_total") == loads, "nothing pulled"
+        assert shm_entries(pair.shm) == []
+    finally:
+        gw.stop()
+
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):", PROMPT]
+TOKEN = "weights-admin-token-0123456789"
+
+
+def scored(addr, prompt):
+    """Greedy tokens and their log-probabilities (top 3) from a worker."""
+    r = requests.post(f"http://{addr}/v1/completions",
+                      json={"model": SERVED_MODEL, "prompt": prompt, "max_tokens": 6, "temperature": 0,
+                            "logprobs": 3},
+                      timeout=300)
+    assert r.status_code == 200, r.text
+    c = r.json()["choices"][0]
+    return c["token_ids"], c["logprobs"]["token_logprobs"], c["logprobs"]["top_logprobs"]
+
+
+def test_a_running_worker_switches_weights_with_the_tokens_of_a_fresh_start(pair):
+    # The worker's weights directory holds the original (a copy) and the changed file.
+    original = pair.dir / "original.gguf"
+    shutil.copyfile(model_path(), original)
+    (pair.dir / "broken.gguf").write_bytes(original.read_bytes()[: 4 << 20])
+    proc = Proc("reloading worker", [rngd_bin(), "worker", "--role", "decode", "--port", "0", "--model", str(original),
+                                     "--admin-listen", "127.0.0.1:0"],
+                env=worker_env(RNGD_PD_ADMIN_TOKEN=TOKEN))
+    try:
+        admin = "http://" + proc.wait_line("rngd-pd worker admin on http://", 120)
+        url = proc.wait_line("rngd-pd worker listening on http://", 300)
+        poll_ok(f"http://{url}/ready", 600, proc)
+        auth = {"Authorization": f"Bearer {TOKEN}"}
+        before = weight_version(url)
+        assert before == weight_version(pair.same)
+        old = {p: scored(url, p) for p in PROMPTS}
+        assert old == {p: scored(pair.same, p) for p in PROMPTS}
+
+        # A file that does not load: refused with the cause, the old weights serve on.
+        r = requests.post(admin + "/update_weights_from_disk", json={"model_path": "broken.gguf"}, headers=auth,
+                          timeout=300)
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == "model_path", r.text
+        assert weight_version(url) == before
+        assert scored(url, PROMPTS[0]) == old[PROMPTS[0]]
+
+        # The switch, with requests running beside it: none fails.
+        results, stop = [], threading.Event()
+
+        def load():
+            while not stop.is_set():
+                r = requests.post(f"http://{url}/v1/completions",
+                                  json={"model": SERVED_MODEL, "prompt": PROMPTS[0], "max_tokens": 6,
+                                        "temperature": 0},
+                                  timeout=300)
+                results.append((r.status_code, r.json()["choices"][0]["token_ids"] if r.ok else r.text))
+
+        threads = [threading.Thread(target=load) for _ in range(2)]
+        for t in threads:
+            t.start()
+        r = requests.post(admin + "/update_weights_from_disk",
+                          json={"model_path": pair.changed.name, "abort_all_requests": False}, headers=auth,
+                          timeout=300)
+        stop.set()
+        for t in threads:
+            t.join(300)
+        assert r.status_code == 200, r.text
+        answer = r.json()
+        assert answer["success"] is True
+        assert answer["previous_weight_version"] == before
+        assert answer["weight_version"] == weight_version(pair.other) != before
+        assert answer["bytes_read"] == os.path.getsize(pair.changed)
+        assert results and all(status == 200 for status, _ in results), results
+        # Each answer is one engine's: the old weights' tokens or the new ones', never a mix.
+        new = {p: scored(pair.other, p) for p in PROMPTS}
+        assert all(ids in (old[PROMPTS[0]][0], new[PROMPTS[0]][0]) for _, ids in results), results
+
+        assert weight_version(url) == answer["weight_version"]
+        models = requests.get(f"http://{url}/v1/models", timeout=10).json()["data"]
+        assert models[0]["root"] == pair.changed.name
+        info = requests.get(admin + "/weight_info", headers=auth, timeout=10).json()
+        assert info == {"model_name": SERVED_MODEL, "weight_version": answer["weight_version"],
+                        "model_file": pair.changed.name}
+        # The tokens and log-probabilities of a worker started on the new file.
+        assert {p: scored(url, p) for p in PROMPTS} == new
+        assert new != old, "the changed tensor changes what the model says"
+    finally:
+        proc.stop(signal.SIGTERM)
