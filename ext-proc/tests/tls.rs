@@ -55,6 +55,7 @@ fn endpoint() -> Endpoint {
         kv_usage: 0.0,
         healthy: true,
         transports: vec!["shm".into()],
+        weight_version: None,
     }
 }
 

@@ -8,10 +8,13 @@ worker would import the KV without complaint if nothing compared the weights:
 
 - each worker shows its `weight_version` in `/v1/models` and in
   `rngd_pd_worker_weight_info`; the two differ, equal files agree;
-- through the header path (`x-prefiller-host-port`) and through the gateway,
-  the decode worker answers 409 `weight_version_mismatch` naming both
-  versions, pulls nothing, and the prefill's KV is gone from the transport at
-  once (not left to its TTL);
+- through the header path (`x-prefiller-host-port`), the decode worker
+  answers 409 `weight_version_mismatch` naming both versions, pulls nothing,
+  and the prefill's KV is gone from the transport at once (not left to its
+  TTL);
+- the gateway's policy, which reads each worker's version from its metrics,
+  never makes such a pair: it serves the request on the decode worker alone
+  (route reason `no_prefill_same_weights`, counted);
 - a decode worker with the prefill worker's weights still decodes, with the
   solo worker's tokens;
 - a running worker switched to the changed file (`POST
@@ -143,24 +146,49 @@ def test_the_header_path_refuses_kv_from_other_weights_and_leaves_nothing(pair, 
     assert shm_entries(pair.shm) == []
 
 
-def test_the_gateway_passes_the_conflict_on_and_leaves_nothing(pair, tmp_path):
-    ours, theirs = weight_version(pair.prefill), weight_version(pair.other)
+def test_the_gateway_never_pairs_other_weights_and_serves_locally(pair, tmp_path):
+    """The gateway scrapes each worker's `rngd_pd_worker_weight_info`: its
+    policy does not send KV from the prefill worker to a decode worker of
+    other weights, serves the request on the decode worker alone and says
+    why (the route reason, counted in `rngd_pd_route_decisions_total`)."""
     cfg = tmp_path / "policy.json"
     cfg.write_text('{"disaggregation_threshold_tokens": 16}')
-    gw = Proc("gateway", [rngd_bin(), "gateway", "--listen", "127.0.0.1:0", "--prefill", f"http://{pair.prefill}",
-                          "--decode", f"http://{pair.other}", "--policy-config", str(cfg), "--model", model_path()],
-              env=dict(os.environ))
+
+    def gateway(decode):
+        return Proc("gateway", [rngd_bin(), "gateway", "--listen", "127.0.0.1:0", "--prefill",
+                                f"http://{pair.prefill}", "--decode", f"http://{decode}", "--policy-config", str(cfg),
+                                "--model", model_path()],
+                    env=dict(os.environ))
+
+    body = {"model": SERVED_MODEL, "prompt": PROMPT, "max_tokens": 8, "temperature": 0}
+    # The control: the same gateway over a decode worker of the same weights disaggregates.
+    gw = gateway(pair.same)
+    try:
+        url = gw.wait_line("rngd-pd gateway listening on", 120)
+        prefills = counter(pair.prefill, "rngd_pd_worker_prefills_total")
+        r = requests.post(url + "/v1/completions", json=body, timeout=300)
+        assert r.status_code == 200, r.text
+        assert r.headers["x-rngd-pd-route-reason"] == "disaggregated", r.headers
+        assert counter(pair.prefill, "rngd_pd_worker_prefills_total") == prefills + 1
+    finally:
+        gw.stop()
+
+    gw = gateway(pair.other)
     try:
         url = gw.wait_line("rngd-pd gateway listening on", 120)
         loads = counter(pair.other, "rngd_pd_worker_kv_loads_total")
         prefills = counter(pair.prefill, "rngd_pd_worker_prefills_total")
-        r = requests.post(url + "/v1/completions",
-                          json={"model": SERVED_MODEL, "prompt": PROMPT, "max_tokens": 8, "temperature": 0},
-                          timeout=300)
-        assert_conflict(r, ours, theirs)
-        assert counter(pair.prefill, "rngd_pd_worker_prefills_total") == prefills + 1, "the policy disaggregated"
+        r = requests.post(url + "/v1/completions", json=body, timeout=300)
+        assert r.status_code == 200, r.text
+        assert r.headers["x-rngd-pd-route-reason"] == "no_prefill_same_weights", r.headers
+        assert counter(pair.prefill, "rngd_pd_worker_prefills_total") == prefills, "no prefill was sent"
         assert counter(pair.other, "rngd_pd_worker_kv_loads_total") == loads, "nothing pulled"
         assert shm_entries(pair.shm) == []
+        # The decode worker's own answer, on its own weights.
+        direct = requests.post(f"http://{pair.other}/v1/completions", json=body, timeout=300).json()
+        assert r.json()["choices"][0]["token_ids"] == direct["choices"][0]["token_ids"]
+        text = requests.get(url + "/metrics", timeout=10).text
+        assert 'rngd_pd_route_decisions_total{reason="no_prefill_same_weights"} 1' in text, text
     finally:
         gw.stop()
 

@@ -208,6 +208,7 @@ pub async fn run(args: Options) -> Result<Report, BenchError> {
                     kv_usage: 0.0,
                     healthy: true,
                     transports: vec![],
+                    weight_version: None,
                 }]);
                 let metrics = EppMetrics::new().map_err(|source| BenchError::Epp { source })?;
                 let policy: Arc<dyn Policy> = if profile {

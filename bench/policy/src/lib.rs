@@ -147,6 +147,8 @@ fn snapshot(n: usize) -> Vec<Endpoint> {
             kv_usage: ((i * 13) % 100) as f64 / 100.0,
             healthy: i % 17 != 5,
             transports: vec!["shm".into(), "tcp".into()],
+            // One version everywhere, so the pairing check runs and passes.
+            weight_version: Some("99dda3c02b151cb8".into()),
         })
         .collect()
 }

@@ -40,6 +40,7 @@ pub fn ep(addr: &str, role: Role) -> Endpoint {
         kv_usage: 0.0,
         healthy: true,
         transports: vec!["shm".to_string()],
+        weight_version: None,
     }
 }
 

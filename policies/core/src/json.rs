@@ -537,6 +537,7 @@ impl Reader<'_> {
             kv_usage: 0.0,
             healthy: true,
             transports: Vec::new(),
+            weight_version: None,
         };
         let mut seen = Seen::default();
         self.object(|r, key| {
@@ -551,6 +552,7 @@ impl Reader<'_> {
                 "kv_usage" => 7,
                 "healthy" => 8,
                 "transports" => 9,
+                "weight_version" => 10,
                 _ => return r.skip(0),
             };
             seen.once(r, bit, &key)?;
@@ -590,6 +592,9 @@ impl Reader<'_> {
                 6 => e.running = r.u32()?,
                 7 => e.kv_usage = r.f64()?,
                 8 => e.healthy = r.bool()?,
+                10 => {
+                    e.weight_version = if r.null() { None } else { Some(r.string()?) };
+                }
                 _ => {
                     let mut ts = Vec::new();
                     r.array(|r| {

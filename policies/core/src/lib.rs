@@ -145,6 +145,11 @@ pub struct Endpoint {
     /// KV transports the endpoint supports.
     #[serde(default)]
     pub transports: Vec<String>,
+    /// The weights the endpoint serves (its `weight_version`, scraped from
+    /// `rngd_pd_worker_weight_info`); `None`: unknown. A prefill endpoint is
+    /// paired only with a decode endpoint of the same weights.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub weight_version: Option<String>,
 }
 
 fn yes() -> bool {

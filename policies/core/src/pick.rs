@@ -402,13 +402,16 @@ fn pick<'a>(
         };
         return Outcome::Route(route);
     }
-    let eligible = |e: &Endpoint| {
+    let fits = |e: &Endpoint| {
         e.role == Role::Prefill
             && e.healthy
             && in_subset(input.subset, &e.address)
             && prompt.is_none_or(|p| p <= u64::from(e.seq_len))
             && config.max_queue_depth.is_none_or(|q| e.queue_depth < q)
     };
+    // KV made by other weights is refused by the decode worker (409): such a
+    // pair is never made.
+    let eligible = |e: &Endpoint| fits(e) && same_weights(e, decode);
     let prefill = match ranking {
         None if round_robin => in_turn(endpoints, turns.prefill, eligible),
         Some(r) => r
@@ -423,7 +426,11 @@ fn pick<'a>(
             .map(|(e, _)| e),
     };
     let Some(prefill) = prefill else {
-        route.reason = "no_prefill_endpoint";
+        route.reason = if endpoints.iter().any(fits) {
+            "no_prefill_same_weights"
+        } else {
+            "no_prefill_endpoint"
+        };
         return Outcome::Route(route);
     };
     if let (Some(p), Some(u)) = (prompt, uncached) {
@@ -472,6 +479,17 @@ fn pick<'a>(
         None => route.reason = "no_common_transport",
     }
     Outcome::Route(route)
+}
+
+/// Whether KV that `prefill` computes can continue on `decode`: the same
+/// `weight_version`, or one of them unknown (an endpoint nobody scraped yet,
+/// or a model server that does not say; the decode worker still checks the
+/// signed version and refuses a mismatch).
+fn same_weights(prefill: &Endpoint, decode: &Endpoint) -> bool {
+    match (&prefill.weight_version, &decode.weight_version) {
+        (Some(p), Some(d)) => crate::same(p.as_bytes(), d.as_bytes()),
+        _ => true,
+    }
 }
 
 /// A healthy decode or solo endpoint the subset hint allows.

@@ -27,6 +27,7 @@ fn ep(address: &str, role: Role, node: &str, queue: u32, healthy: bool) -> Endpo
         kv_usage: 0.1,
         healthy,
         transports: vec![],
+        weight_version: None,
     }
 }
 

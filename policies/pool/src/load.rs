@@ -10,6 +10,11 @@
 //!   `vllm:num_requests_running` is not a model server's: [`parse_load`] says
 //!   `None`, and the scraper counts that as a failed scrape (the endpoint
 //!   turns unhealthy), the same as an unreachable one.
+//! - The weights a worker serves are the `weight_version` label of
+//!   `rngd_pd_worker_weight_info` (the first sample with a value of 1 and a
+//!   plain `[0-9a-z]` label of at most 64 characters); a model server
+//!   without it reads as `None` (unknown weights: the policy pairs it with
+//!   anything, and the decode worker's own check still holds).
 //! - A model server whose gauges are named otherwise is read with
 //!   [`LoadNames`] (the picker's `--total-queued-requests-metric`,
 //!   `--total-running-requests-metric`, `--kv-cache-usage-percentage-metric`,
@@ -18,7 +23,7 @@
 use rngd_telemetry::names;
 
 /// Load figures parsed from one scrape.
-#[derive(Debug, Clone, Copy, PartialEq, Default)]
+#[derive(Debug, Clone, PartialEq, Default)]
 pub struct LoadSample {
     /// `vllm:num_requests_waiting` (summed over label sets).
     pub waiting: u32,
@@ -26,6 +31,36 @@ pub struct LoadSample {
     pub running: u32,
     /// `vllm:kv_cache_usage_perc` (largest over label sets), clamped to 0..=1.
     pub kv_usage: f64,
+    /// The `weight_version` of `rngd_pd_worker_weight_info`, if on the page.
+    pub weight_version: Option<String>,
+}
+
+/// Longest `weight_version` label read.
+const MAX_WEIGHT_VERSION: usize = 64;
+
+/// The `weight_version` label of a `rngd_pd_worker_weight_info` sample line
+/// whose value is 1.
+fn weight_version(line: &str) -> Option<String> {
+    let line = line.trim_matches([' ', '\t', '\r']);
+    let rest = line
+        .strip_prefix(names::WORKER_WEIGHT_INFO)?
+        .strip_prefix('{')?;
+    let (_, value) = sample(line)?;
+    if value != 1.0 {
+        return None;
+    }
+    let at = rest.find("weight_version=\"")?;
+    // Only a label name's start: `xweight_version` is another label.
+    if at > 0 && !matches!(rest.as_bytes()[at - 1], b',' | b' ' | b'\t') {
+        return None;
+    }
+    let v = &rest[at + "weight_version=\"".len()..];
+    let v = &v[..v.find('"')?];
+    let plain = !v.is_empty()
+        && v.len() <= MAX_WEIGHT_VERSION
+        && v.bytes()
+            .all(|b| b.is_ascii_digit() || b.is_ascii_lowercase());
+    plain.then(|| v.to_string())
 }
 
 /// The names of the three load gauges on a model server's page (default:
@@ -125,7 +160,14 @@ pub fn parse_load_named(text: &str, names: &LoadNames) -> Option<LoadSample> {
 
 fn parse(text: &str, w: &str, r: &str, k: &str) -> Option<LoadSample> {
     let (mut waiting, mut running, mut kv) = (None::<f64>, None::<f64>, 0.0f64);
-    for (name, value) in text.lines().filter_map(sample) {
+    let mut version = None;
+    for line in text.lines() {
+        if version.is_none() {
+            version = weight_version(line);
+        }
+        let Some((name, value)) = sample(line) else {
+            continue;
+        };
         if name == w {
             *waiting.get_or_insert(0.0) += value;
         } else if name == r {
@@ -143,6 +185,7 @@ fn parse(text: &str, w: &str, r: &str, k: &str) -> Option<LoadSample> {
         waiting: count(waiting),
         running: count(running),
         kv_usage: kv.clamp(0.0, 1.0),
+        weight_version: version,
     })
 }
 
@@ -186,9 +229,48 @@ mod tests {
             Some(LoadSample {
                 waiting: 3,
                 running: 3,
-                kv_usage: 0.25
+                kv_usage: 0.25,
+                weight_version: None,
             })
         );
+    }
+
+    /// The worker's weights, read from the label of its info gauge.
+    #[test]
+    fn reads_the_weight_version() {
+        let page = |info: &str| format!("vllm:num_requests_waiting 0\n{info}\n");
+        let read = |info: &str| parse_load(&page(info)).unwrap().weight_version;
+        assert_eq!(
+            read(
+                "rngd_pd_worker_weight_info{model_name=\"m\",weight_version=\"99dda3c02b151cb8\"} 1"
+            )
+            .as_deref(),
+            Some("99dda3c02b151cb8")
+        );
+        assert_eq!(
+            read(
+                "rngd_pd_worker_weight_info{weight_version=\"abc\", model_name=\"m\"} 1 1700000000"
+            )
+            .as_deref(),
+            Some("abc")
+        );
+        for none in [
+            "",
+            "rngd_pd_worker_weight_info{weight_version=\"abc\"} 0",
+            "rngd_pd_worker_weight_info{xweight_version=\"abc\"} 1",
+            "rngd_pd_worker_weight_info{weight_version=\"\"} 1",
+            "rngd_pd_worker_weight_info{weight_version=\"A\\\"B\"} 1",
+            "rngd_pd_worker_weight_info{weight_version=\"has space\"} 1",
+            "other_info{weight_version=\"abc\"} 1",
+            "# rngd_pd_worker_weight_info{weight_version=\"abc\"} 1",
+        ] {
+            assert_eq!(read(none), None, "{none}");
+        }
+        let long = format!(
+            "rngd_pd_worker_weight_info{{weight_version=\"{}\"}} 1",
+            "a".repeat(65)
+        );
+        assert_eq!(read(&long), None);
     }
 
     /// The picker's former parser test: sums and maxima over label sets, and

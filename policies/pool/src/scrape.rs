@@ -107,7 +107,7 @@ impl MetricsFetcher for HttpFetcher {
     }
 }
 
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 struct Scraped {
     sample: LoadSample,
     at: Instant,
@@ -206,7 +206,7 @@ impl ScrapedEndpoints {
                         // A sample that had gone stale counts as a change too.
                         let changed = old.sample != *sample
                             || now.saturating_duration_since(old.at) > self.stale_after;
-                        old.sample = *sample;
+                        old.sample = sample.clone();
                         old.at = now;
                         changed
                     }
@@ -214,7 +214,7 @@ impl ScrapedEndpoints {
                         st.samples.insert(
                             address.to_string(),
                             Scraped {
-                                sample: *sample,
+                                sample: sample.clone(),
                                 at: now,
                             },
                         );
@@ -274,6 +274,10 @@ impl ScrapedEndpoints {
                         ep.queue_depth = s.sample.waiting;
                         ep.running = s.sample.running;
                         ep.kv_usage = s.sample.kv_usage;
+                        // What the worker says wins over what discovery said.
+                        if s.sample.weight_version.is_some() {
+                            ep.weight_version = s.sample.weight_version.clone();
+                        }
                         let stale_at = s.at + self.stale_after + Duration::from_nanos(1);
                         valid_until = Some(valid_until.map_or(stale_at, |t| t.min(stale_at)));
                     }
@@ -394,6 +398,7 @@ mod tests {
             kv_usage: 0.0,
             healthy: true,
             transports: vec![],
+            weight_version: None,
         }
     }
 
@@ -431,7 +436,9 @@ mod tests {
         let mut pages = HashMap::new();
         pages.insert(
             "10.0.0.1:1".to_string(),
-            "vllm:num_requests_waiting 7\nvllm:num_requests_running 1\nvllm:kv_cache_usage_perc 0.3\n".to_string(),
+            "vllm:num_requests_waiting 7\nvllm:num_requests_running 1\nvllm:kv_cache_usage_perc 0.3\n\
+             rngd_pd_worker_weight_info{model_name=\"m\",weight_version=\"99dda3c02b151cb8\"} 1\n"
+                .to_string(),
         );
         let failures = prometheus::IntCounter::new("f", "f").expect("counter");
         let src = ScrapedEndpoints::new(
@@ -445,6 +452,7 @@ mod tests {
         let snap = src.snapshot_at(now);
         assert_eq!(snap[0].queue_depth, 7);
         assert_eq!(snap[0].running, 1);
+        assert_eq!(snap[0].weight_version.as_deref(), Some("99dda3c02b151cb8"));
         assert!(snap[0].healthy);
         assert!(!snap[1].healthy, "never scraped successfully → unhealthy");
         assert_eq!(failures.get(), 1);

@@ -294,6 +294,7 @@ pub fn local_endpoint(
         kv_usage: 0.0,
         healthy: true,
         transports: transports.to_vec(),
+        weight_version: None,
     }
 }
 

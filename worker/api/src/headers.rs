@@ -10,7 +10,8 @@ pub const PREFILLER_HOST_PORT: &str = "x-prefiller-host-port";
 pub const KV_TRANSPORT: &str = "x-rngd-pd-kv-transport";
 /// Why the policy routed as it did (`cached`, `short_prompt`,
 /// `ttft_goal_met_locally`, `faster_locally`, `disaggregated`,
-/// `unknown_prompt`, `no_prefill_endpoint`, `no_common_transport`, `solo`):
+/// `unknown_prompt`, `no_prefill_endpoint`, `no_prefill_same_weights`,
+/// `no_common_transport`, `solo`):
 /// set by the policy, never taken from a client.
 pub const ROUTE_REASON: &str = "x-rngd-pd-route-reason";
 /// The client's TTFT goal, ms (llm-d's SLO header).

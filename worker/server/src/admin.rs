@@ -139,13 +139,7 @@ fn update_error(e: &UpdateError) -> Response {
         UpdateError::NotReady => StatusCode::SERVICE_UNAVAILABLE,
         UpdateError::Task(_) => StatusCode::INTERNAL_SERVER_ERROR,
     };
-    let mut message = e.to_string();
-    let mut src = std::error::Error::source(e);
-    while let Some(s) = src {
-        message.push_str(": ");
-        message.push_str(&s.to_string());
-        src = s.source();
-    }
+    let message = crate::error::with_causes(e);
     let param = match e {
         UpdateError::BadRequest { param, .. } => Some(param.as_str()),
         UpdateError::Load(_) | UpdateError::Incompatible(_) => Some("model_path"),

@@ -223,6 +223,19 @@ pub enum ApiError {
     Internal(String),
 }
 
+/// `e`'s message with its causes appended (`: cause: cause`), as every
+/// error body of the worker's listeners says it.
+pub(crate) fn with_causes(e: &dyn std::error::Error) -> String {
+    let mut msg = e.to_string();
+    let mut src = e.source();
+    while let Some(s) = src {
+        msg.push_str(": ");
+        msg.push_str(&s.to_string());
+        src = s.source();
+    }
+    msg
+}
+
 /// Error code of a 403 for an `x-prefiller-host-port` outside `--prefill-allow`.
 pub const PREFILLER_NOT_ALLOWED_CODE: &str = "prefiller_not_allowed";
 /// Error code of a 400 for a malformed `x-prefiller-host-port` entry.
@@ -312,14 +325,7 @@ impl ApiError {
 
     /// The message, with the causes appended (`: cause: cause`).
     pub fn message(&self) -> String {
-        let mut msg = self.to_string();
-        let mut src = std::error::Error::source(self);
-        while let Some(s) = src {
-            msg.push_str(": ");
-            msg.push_str(&s.to_string());
-            src = s.source();
-        }
-        msg
+        with_causes(self)
     }
 
     /// The OpenAI error body.

@@ -289,6 +289,7 @@ pub const PREFIX_ESTIMATED_BLOCKS: &str = "rngd_pd_prefix_estimated_blocks";
 /// Routes chosen by the policy, by `reason` (`x-rngd-pd-route-reason`:
 /// `cached`, `short_prompt`, `ttft_goal_met_locally`, `faster_locally`,
 /// `disaggregated`, `unknown_prompt`, `no_prefill_endpoint`,
+/// `no_prefill_same_weights`,
 /// `no_common_transport`, `solo`; `none` without one, `other` for a reason
 /// that is not a short `[a-z0-9_]` word) (counter, both doors).
 pub const ROUTE_DECISIONS_TOTAL: &str = "rngd_pd_route_decisions_total";

@@ -21,6 +21,7 @@ fn ep(i: usize) -> Endpoint {
         transports: (0..i % 3)
             .map(|t| ["shm", "tcp", "nixl-ucx"][t].into())
             .collect(),
+        weight_version: (!i.is_multiple_of(3)).then(|| format!("{:016x}", i * 7919)),
     }
 }
 
@@ -99,6 +100,9 @@ fn endpoint_documents_accepted_and_refused_alike() {
         format!("[{{{base},\"extra\":{{\"x\":[1,2,{{\"y\":null}}],\"z\":\"\\\"\"}}}}]"),
         format!("[{{{base},\"healthy\":false,\"transports\":[]}}]"),
         format!("[{{{base},\"transports\":[\"shm\",\"tcp\"]}}]"),
+        format!("[{{{base},\"weight_version\":\"99dda3c02b151cb8\"}}]"),
+        format!("[{{{base},\"weight_version\":null}}]"),
+        format!("[{{{base},\"weight_version\" : null , \"node\":\"n\"}}]"),
         format!("[{{{base}}},{{{base}}}]"),
         "[]".into(),
         // refused:
@@ -131,6 +135,9 @@ fn endpoint_documents_accepted_and_refused_alike() {
         format!("[{{{base},\"node\":\"\\x\"}}]"),
         format!("[{{{base},\"node\":\"tab\there\"}}]"),
         format!("[{{{base},\"transports\":[\"shm\",1]}}]"),
+        format!("[{{{base},\"weight_version\":1}}]"),
+        format!("[{{{base},\"weight_version\":nul}}]"),
+        format!("[{{{base},\"weight_version\":\"a\",\"weight_version\":\"b\"}}]"),
         format!("[{{{base},\"extra\":[1,}}]"),
     ];
     docs.push(format!(

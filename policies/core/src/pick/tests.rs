@@ -45,6 +45,14 @@ fn ep(address: &str, role: Role, node: &str, queue: u32) -> Endpoint {
         kv_usage: 0.0,
         healthy: true,
         transports: vec![],
+        weight_version: None,
+    }
+}
+
+fn weights(e: Endpoint, version: Option<&str>) -> Endpoint {
+    Endpoint {
+        weight_version: version.map(String::from),
+        ..e
     }
 }
 
@@ -900,5 +908,62 @@ fn round_robin_takes_the_endpoints_in_turn() {
     });
     for _ in 0..3 {
         assert_eq!(decide(&mut limited, b"300", None).decode, "b:1");
+    }
+}
+
+#[test]
+fn prefill_and_decode_are_paired_only_on_the_same_weights() {
+    let d = |v| weights(ep("d:1", Role::Decode, "", 0), v);
+    let p = |addr, queue, v| weights(ep(addr, Role::Prefill, "", queue), v);
+    let (a, b) = (Some("aaaaaaaaaaaaaaaa"), Some("bbbbbbbbbbbbbbbb"));
+    let load = PolicyConfig::default();
+    let rr = PolicyConfig {
+        routing: crate::config::Routing::RoundRobin,
+        ..PolicyConfig::default()
+    };
+    // (case, endpoints, prefill chosen, reason)
+    let table: Vec<(&str, Vec<Endpoint>, Option<&str>, &str)> = vec![
+        (
+            "same weights",
+            vec![d(a), p("p:1", 0, a)],
+            Some("p:1"),
+            "disaggregated",
+        ),
+        (
+            "other weights only: served locally, said so",
+            vec![d(a), p("p:1", 0, b)],
+            None,
+            "no_prefill_same_weights",
+        ),
+        (
+            "the matching one, though the other wins the tie",
+            vec![d(a), p("p:1", 0, b), p("p:2", 0, a)],
+            Some("p:2"),
+            "disaggregated",
+        ),
+        (
+            "the prefill's version unknown",
+            vec![d(a), p("p:1", 0, None)],
+            Some("p:1"),
+            "disaggregated",
+        ),
+        (
+            "the decode's version unknown",
+            vec![d(None), p("p:1", 0, b)],
+            Some("p:1"),
+            "disaggregated",
+        ),
+        ("no prefill at all", vec![d(a)], None, "no_prefill_endpoint"),
+    ];
+    for (cfg_name, cfg) in [("load", &load), ("round robin", &rr)] {
+        for (case, eps, prefill, why) in &table {
+            let r = cached_route(cfg, eps, 400, None, None);
+            assert_eq!(
+                (r.prefill.as_deref(), reason(&r)),
+                (*prefill, *why),
+                "{cfg_name}: {case}"
+            );
+            assert_eq!(r.decode, "d:1", "{cfg_name}: {case}");
+        }
     }
 }

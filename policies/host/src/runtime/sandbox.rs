@@ -102,6 +102,7 @@ pub(crate) fn canned_requests() -> Vec<(&'static str, PolicyRequest)> {
         kv_usage: 0.25,
         healthy: true,
         transports: vec![],
+        weight_version: None,
     };
     let pool = vec![
         ep("10.0.0.1:8001", Role::Decode, "node-a", 2),

@@ -276,6 +276,7 @@ pub fn endpoint_of(pod: &Pod, port: u16) -> Result<Endpoint, Skip> {
         kv_usage: 0.0,
         healthy: true,
         transports,
+        weight_version: None,
     })
 }
 
