@@ -181,9 +181,11 @@ async fn weight_info(State(st): State<AdminState>, headers: HeaderMap) -> Respon
     if let Some(resp) = st.refusal(&headers) {
         return resp;
     }
-    let updater = st.worker.weight_updater().cloned();
-    match crate::weights::info(&st.worker, updater.as_deref()) {
-        Some(info) => axum::Json(info).into_response(),
+    match st.worker.engine() {
+        Some(engine) => {
+            let file = st.worker.model_root().unwrap_or_default();
+            axum::Json(crate::weights::info(&*engine, file)).into_response()
+        }
         None => error(
             StatusCode::SERVICE_UNAVAILABLE,
             "the model is still loading",

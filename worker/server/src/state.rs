@@ -335,6 +335,16 @@ impl WorkerState {
     }
 }
 
+impl crate::weights::EngineSlot for WorkerState {
+    fn engine(&self) -> Option<Arc<dyn Engine>> {
+        WorkerState::engine(self)
+    }
+
+    fn replace_engine(&self, engine: Arc<dyn Engine>) -> Result<Arc<dyn Engine>, String> {
+        WorkerState::replace_engine(self, engine)
+    }
+}
+
 /// One request's engine slot; dropping it frees the slot.
 #[derive(Debug)]
 pub struct Slot {

@@ -7,7 +7,7 @@
 //! vocabulary) is refused with the cause and the old weights keep serving:
 //! the update is transactional. Requests admitted before the swap finish on
 //! the engine they started on; later ones get the new one
-//! ([`crate::WorkerState::replace_engine`]).
+//! ([`EngineSlot::replace_engine`], the worker state's).
 //!
 //! The new weights are read whole: this build does not yet read only the
 //! tensors whose bytes changed (`bytes_read` says so).
@@ -20,7 +20,14 @@ use rngd_engine::{Engine, EngineError};
 use serde::Serialize;
 use serde_json::{Map, Value};
 
-use crate::WorkerState;
+/// Where the serving engine lives (the worker's state implements it).
+pub trait EngineSlot: Send + Sync {
+    /// The engine serving new requests, once loaded.
+    fn engine(&self) -> Option<Arc<dyn Engine>>;
+    /// Makes `engine` serve new requests if it is the same model; returns
+    /// the one it replaced, or why not.
+    fn replace_engine(&self, engine: Arc<dyn Engine>) -> Result<Arc<dyn Engine>, String>;
+}
 
 /// Loads a model file into a new engine with the worker's engine options.
 pub trait EngineLoader: Send + Sync {
@@ -241,7 +248,7 @@ fn parse(body: &[u8]) -> Result<String, UpdateError> {
 /// Loads the file a request body names and, if it loads and is the same
 /// model, makes it serve. The old weights serve until then, and on any error.
 pub async fn update(
-    state: &WorkerState,
+    state: &dyn EngineSlot,
     updater: &WeightUpdater,
     body: &[u8],
 ) -> Result<UpdateAnswer, UpdateError> {
@@ -298,17 +305,13 @@ pub async fn update(
     })
 }
 
-/// The weights serving now.
-pub fn info(state: &WorkerState, updater: Option<&WeightUpdater>) -> Option<WeightInfo> {
-    let engine = state.engine()?;
-    Some(WeightInfo {
+/// The weights `engine` serves, loaded from `model_file`.
+pub fn info(engine: &dyn Engine, model_file: String) -> WeightInfo {
+    WeightInfo {
         model_name: engine.info().name.clone(),
         weight_version: engine.info().weight_version.clone(),
-        model_file: updater
-            .map(WeightUpdater::current_file)
-            .or_else(|| state.config().model_root.clone())
-            .unwrap_or_default(),
-    })
+        model_file,
+    }
 }
 
 #[cfg(test)]
