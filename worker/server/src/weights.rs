@@ -257,10 +257,9 @@ pub async fn update(
     let Ok(_one) = updater.busy.try_lock() else {
         return Err(UpdateError::Busy);
     };
-    let Some(old) = state.engine() else {
+    if state.engine().is_none() {
         return Err(UpdateError::NotReady);
-    };
-    drop(old);
+    }
     let started = Instant::now();
     let loader = updater.loader.clone();
     let p = path.clone();

@@ -274,9 +274,7 @@ pub(super) async fn decode_remote(
                 });
             }
         }
-        if let Err(e) = transport.release(&handle).await {
-            tracing::warn!(transport = transport.name(), error = %e, "KV release failed; the transport's TTL will free it");
-        }
+        release_kv(&*transport, &handle).await;
         state.metrics().weight_version_refusals.inc();
         return Err(ApiError::WeightVersion {
             theirs: params.weight_version,
@@ -384,9 +382,7 @@ async fn release_only(
     let previous = state
         .used_handles()
         .release(&handle.request_id, used_until, now);
-    if let Err(e) = transport.release(&handle).await {
-        tracing::warn!(transport = transport.name(), error = %e, "KV release failed; the transport's TTL will free it");
-    }
+    release_kv(&*transport, &handle).await;
     tracing::info!(
         transport = transport.name(),
         previous = previous.as_str(),
@@ -398,6 +394,14 @@ async fn release_only(
         previous_state: previous,
     };
     Ok(axum::Json(answer).into_response())
+}
+
+/// Releases a handle's KV now; a failure is only logged (the transport's
+/// TTL frees what is left).
+async fn release_kv(transport: &dyn KvTransport, handle: &KvHandle) {
+    if let Err(e) = transport.release(handle).await {
+        tracing::warn!(transport = transport.name(), error = %e, "KV release failed; the transport's TTL will free it");
+    }
 }
 
 /// Releases a handle's KV: [`ReleaseOnDrop::now`], or in the background if
@@ -414,10 +418,8 @@ impl ReleaseOnDrop {
     }
 
     async fn now(mut self) {
-        if let Some((t, h)) = self.armed.take()
-            && let Err(e) = t.release(&h).await
-        {
-            tracing::warn!(transport = t.name(), error = %e, "KV release failed; the transport's TTL will free it");
+        if let Some((t, h)) = self.armed.take() {
+            release_kv(&*t, &h).await;
         }
     }
 }
