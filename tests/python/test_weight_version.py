@@ -21,13 +21,21 @@ worker would import the KV without complaint if nothing compared the weights:
   /update_weights_from_disk` on its admin listener, under concurrent
   requests, none of which fails) shows the new version and then answers
   with the tokens and log-probabilities of a worker started on that file;
-  a file that does not load leaves it serving the old weights.
+  a file that does not load leaves it serving the old weights;
+- with per-tensor manifests (`rngd-pd model manifest`, checked here against
+  the tensors' bytes with `hashlib`), the switch is a delta: the worker reads
+  the header and the one changed tensor only (`bytes_read` equals the
+  header plus that tensor's bytes, from the `gguf` reader), under
+  concurrent requests, and answers exactly as a worker started on the
+  changed file.
 """
 
+import hashlib
 import os
 import pathlib
 import shutil
 import signal
+import subprocess
 import threading
 
 import numpy as np
@@ -259,7 +267,10 @@ def test_a_running_worker_switches_weights_with_the_tokens_of_a_fresh_start(pair
         assert answer["success"] is True
         assert answer["previous_weight_version"] == before
         assert answer["weight_version"] == weight_version(pair.other) != before
+        # No manifest in the file: it is read whole, and the worker still tells what changed.
+        assert answer["mode"] == "full", answer
         assert answer["bytes_read"] == os.path.getsize(pair.changed)
+        assert answer["changed_tensors"] == [CHANGED_TENSOR] and answer["tensors_changed"] == 1, answer
         assert results and all(status == 200 for status, _ in results), results
         # Each answer is one engine's: the old weights' tokens or the new ones', never a mix.
         new = {p: scored(pair.other, p) for p in PROMPTS}
@@ -274,5 +285,90 @@ def test_a_running_worker_switches_weights_with_the_tokens_of_a_fresh_start(pair
         # The tokens and log-probabilities of a worker started on the new file.
         assert {p: scored(url, p) for p in PROMPTS} == new
         assert new != old, "the changed tensor changes what the model says"
+    finally:
+        proc.stop(signal.SIGTERM)
+
+
+def manifested(src, dst):
+    """`rngd-pd model manifest src dst`; checks every entry against the
+    tensor's bytes as the `gguf` reader sees them. Returns the reader."""
+    out = subprocess.run([rngd_bin(), "model", "manifest", str(src), str(dst)], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr
+    r = gguf.GGUFReader(dst)
+    entries = r.fields["rngd_pd.tensor_sha256"].contents()
+    listed = dict(e.rsplit(":", 1) for e in entries)
+    assert listed == {t.name: hashlib.sha256(t.data.tobytes()).hexdigest() for t in r.tensors}
+    return r
+
+
+def test_a_manifest_makes_the_update_read_only_the_changed_tensor(pair):
+    d = pair.dir / "delta"
+    d.mkdir()
+    base, changed = d / "base.gguf", d / "changed.gguf"
+    manifested(model_path(), base)
+    reader = manifested(pair.changed, changed)
+    (t,) = [t for t in reader.tensors if t.name == CHANGED_TENSOR]
+    header = int(reader.data_offset)
+    proc = Proc("delta worker", [rngd_bin(), "worker", "--role", "decode", "--port", "0", "--model", str(base),
+                                 "--admin-listen", "127.0.0.1:0"],
+                env=worker_env(RNGD_PD_ADMIN_TOKEN=TOKEN))
+    try:
+        admin = "http://" + proc.wait_line("rngd-pd worker admin on http://", 120)
+        url = proc.wait_line("rngd-pd worker listening on http://", 300)
+        poll_ok(f"http://{url}/ready", 600, proc)
+        auth = {"Authorization": f"Bearer {TOKEN}"}
+        before = weight_version(url)
+        assert before == weight_version(pair.same), "the manifest copy holds the same weights"
+        old = scored(url, PROMPTS[0])
+
+        results, stop = [], threading.Event()
+
+        def load():
+            while not stop.is_set():
+                r = requests.post(f"http://{url}/v1/completions",
+                                  json={"model": SERVED_MODEL, "prompt": PROMPTS[0], "max_tokens": 6,
+                                        "temperature": 0},
+                                  timeout=300)
+                results.append((r.status_code, r.json()["choices"][0]["token_ids"] if r.ok else r.text))
+
+        threads = [threading.Thread(target=load) for _ in range(2)]
+        for th in threads:
+            th.start()
+        r = requests.post(admin + "/update_weights_from_disk", json={"model_path": "changed.gguf"}, headers=auth,
+                          timeout=300)
+        stop.set()
+        for th in threads:
+            th.join(300)
+        assert r.status_code == 200, r.text
+        answer = r.json()
+        assert answer["mode"] == "delta", answer
+        assert answer["changed_tensors"] == [CHANGED_TENSOR] and answer["tensors_changed"] == 1, answer
+        assert answer["bytes_read"] == header + int(t.n_bytes), (answer, header, int(t.n_bytes))
+        assert answer["bytes_read"] < os.path.getsize(changed) // 20
+        assert answer["previous_weight_version"] == before
+        assert answer["weight_version"] == weight_version(pair.other) == weight_version(url)
+        assert results and all(status == 200 for status, _ in results), results
+        new = {p: scored(pair.other, p) for p in PROMPTS}
+        assert all(ids in (old[0], new[PROMPTS[0]][0]) for _, ids in results), results
+        assert {p: scored(url, p) for p in PROMPTS} == new
+
+        # Back by delta too; a manifest that lies about a changed tensor is refused, the weights stay.
+        r = requests.post(admin + "/update_weights_from_disk", json={"model_path": "base.gguf"}, headers=auth,
+                          timeout=300)
+        assert r.status_code == 200 and r.json()["mode"] == "delta", r.text
+        assert weight_version(url) == before
+        lying = d / "lying.gguf"
+        shutil.copyfile(changed, lying)
+        lr = gguf.GGUFReader(lying, "r+")
+        (lt,) = [x for x in lr.tensors if x.name == CHANGED_TENSOR]
+        lt.data.view(np.uint8).reshape(-1)[7] ^= 0x01
+        lr.data.flush()
+        r = requests.post(admin + "/update_weights_from_disk", json={"model_path": "lying.gguf"}, headers=auth,
+                          timeout=300)
+        assert r.status_code == 400, r.text
+        assert "manifest digest" in r.json()["error"]["message"], r.text
+        assert weight_version(url) == before
+        assert scored(url, PROMPTS[0]) == old
     finally:
         proc.stop(signal.SIGTERM)

@@ -12,6 +12,16 @@ pub enum Command {
         #[arg(long)]
         cache: Option<PathBuf>,
     },
+    /// Write a copy of a GGUF file with a per-tensor manifest
+    /// (`rngd_pd.tensor_sha256`: each tensor's SHA-256), so a running worker
+    /// updated to it reads only the tensors that changed. Prints the copy's
+    /// weight_version.
+    Manifest {
+        /// The GGUF file to copy.
+        input: PathBuf,
+        /// Where to write the copy (not the input).
+        output: PathBuf,
+    },
 }
 
 /// Runs the subcommand.
@@ -22,6 +32,22 @@ pub async fn run(cmd: Command) -> anyhow::Result<()> {
             let path = tokio::task::spawn_blocking(move || rngd_engine::model_fetch::fetch(&cache))
                 .await??;
             println!("{}", path.display());
+            Ok(())
+        }
+        Command::Manifest { input, output } => {
+            if output.exists() && output.canonicalize()? == input.canonicalize()? {
+                anyhow::bail!("the output must not be the input ({})", input.display());
+            }
+            let out = output.clone();
+            let stamped =
+                tokio::task::spawn_blocking(move || rngd_engine::manifest::stamp(&input, &out))
+                    .await??;
+            println!(
+                "{} tensors, weight_version {} -> {}",
+                stamped.tensors,
+                stamped.weight_version,
+                output.display()
+            );
             Ok(())
         }
     }

@@ -39,6 +39,7 @@ use crate::prefix::{PrefixCache, PrefixCacheOptions, PrefixCacheStats, PrefixEve
 use stream::Stream;
 
 mod prefill;
+mod reload;
 mod stream;
 use crate::model::{Model, SeqStep};
 use crate::sampling::sample;
@@ -150,6 +151,11 @@ impl Shared {
 /// A Llama on the CPU with continuous batching. See the module docs.
 pub struct CpuEngine {
     info: ModelInfo,
+    /// The weights (the scheduler's too); a reload derives the next from them.
+    model: Arc<Model>,
+    /// Where the weights came from, for a reload; `None` for a model built
+    /// in memory.
+    source: Option<reload::Source>,
     tokenizer: Arc<Tokenizer>,
     shared: Arc<Shared>,
     batch: usize,
@@ -210,19 +216,23 @@ impl CpuEngine {
             opts.batch,
             &opts.prefix_cache,
             opts.max_num_batched_tokens,
+            Some(reload::Source { opts: opts.clone() }),
         )
     }
 
     /// Starts an engine on an already-built model (the tiny test model uses this).
     pub(crate) fn start(
         model: Model,
-        tokenizer: Tokenizer,
+        tokenizer: impl Into<Arc<Tokenizer>>,
         seq_len: usize,
         batch: usize,
         prefix_options: &PrefixCacheOptions,
         max_num_batched_tokens: Option<usize>,
+        source: Option<reload::Source>,
     ) -> Result<Arc<CpuEngine>, EngineError> {
         check_budget(max_num_batched_tokens)?;
+        let model = Arc::new(model);
+        let tokenizer: Arc<Tokenizer> = tokenizer.into();
         let c = &model.cfg;
         let layout = KvLayout {
             layers: c.layers,
@@ -238,7 +248,6 @@ impl CpuEngine {
             vocab_size: c.vocab,
             weight_version: model.weight_version.clone(),
         };
-        let tokenizer = Arc::new(tokenizer);
         // The model's identity in every block hash: its served name and the
         // cache layout (docs/engine.md, Prefix cache).
         let prefix = Arc::new(Mutex::new(PrefixCache::new(
@@ -256,7 +265,7 @@ impl CpuEngine {
         });
         let block_size = prefix_options.block_size.max(1);
         let scheduler = Scheduler {
-            model,
+            model: model.clone(),
             tokenizer: tokenizer.clone(),
             shared: shared.clone(),
             layout,
@@ -277,6 +286,8 @@ impl CpuEngine {
             })?;
         Ok(Arc::new(CpuEngine {
             info,
+            model,
+            source,
             tokenizer,
             shared,
             batch,
@@ -325,6 +336,10 @@ impl Drop for CpuEngine {
 impl Engine for CpuEngine {
     fn info(&self) -> &ModelInfo {
         &self.info
+    }
+
+    fn reload(&self, model: &std::path::Path) -> Result<crate::Reloaded, EngineError> {
+        self.reload_from(model)
     }
 
     fn tokenize(&self, text: &str) -> Result<Vec<u32>, EngineError> {
@@ -474,7 +489,7 @@ fn lock(p: &Mutex<PrefixCache>) -> MutexGuard<'_, PrefixCache> {
 }
 
 struct Scheduler {
-    model: Model,
+    model: Arc<Model>,
     tokenizer: Arc<Tokenizer>,
     shared: Arc<Shared>,
     layout: KvLayout,

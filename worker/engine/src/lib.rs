@@ -23,6 +23,7 @@ pub mod fake;
 pub mod identity;
 pub(crate) mod kv;
 pub mod logits;
+pub mod manifest;
 pub(crate) mod model;
 pub mod model_fetch;
 pub mod prefix;
@@ -336,6 +337,41 @@ pub trait Engine: Send + Sync + 'static {
     ) -> bool {
         let _ = observer;
         false
+    }
+    /// A new engine on the weights in `model`, another checkpoint of this
+    /// one's model (same configuration and tokenizer), this engine left
+    /// serving. Blocking (it reads the file). This default cannot.
+    fn reload(&self, model: &std::path::Path) -> Result<Reloaded, EngineError> {
+        Err(EngineError::InvalidRequest(format!(
+            "this engine cannot load other weights ({})",
+            model.display()
+        )))
+    }
+}
+
+/// What [`Engine::reload`] built and what it read.
+pub struct Reloaded {
+    /// The engine on the new weights (not serving yet).
+    pub engine: std::sync::Arc<dyn Engine>,
+    /// Tensors whose records (type, shape, bytes) differ from the old
+    /// weights', by name; one present in only one of the two counts too.
+    pub tensors_changed: Vec<String>,
+    /// Bytes read from the file: its header and the changed tensors for a
+    /// delta load, the whole file otherwise.
+    pub bytes_read: u64,
+    /// Whether only the changed tensors were read (the file has a
+    /// manifest, [`identity::MANIFEST_KEY`]).
+    pub delta: bool,
+}
+
+impl std::fmt::Debug for Reloaded {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Reloaded")
+            .field("weight_version", &self.engine.info().weight_version)
+            .field("tensors_changed", &self.tensors_changed)
+            .field("bytes_read", &self.bytes_read)
+            .field("delta", &self.delta)
+            .finish()
     }
 }
 

@@ -17,7 +17,9 @@
 //! is kept in f32 and the output head is tied to it when the file has no
 //! `output.weight`.
 
+use std::collections::HashMap;
 use std::path::Path;
+use std::sync::Arc;
 
 use candle_core::quantized::QMatMul;
 use candle_core::{Device, Module, Tensor};
@@ -68,24 +70,67 @@ impl Linear {
             _ => Ok(self.quant.matmul(&x, rows, pool)),
         }
     }
+
+    /// This projection with row ranges replaced: each `(at, w)` puts the
+    /// f32 rows `w` (`[n, inp]`) at row `at`. Rows are quantized one by one,
+    /// so the result is the projection a fresh build from the patched
+    /// weights gives, bit for bit; the other rows are copied, never re-read.
+    fn patched(&self, parts: &[(usize, &Tensor)]) -> Result<Linear, EngineError> {
+        let mut quant = None;
+        let mut dense = self.dense.clone();
+        for (at, w) in parts {
+            let (n, inp) = w.dims2()?;
+            if inp != self.inp {
+                return Err(EngineError::Other(format!(
+                    "a patch of width {inp} for a projection of width {}",
+                    self.inp
+                )));
+            }
+            let data = w.flatten_all()?.to_vec1::<f32>()?;
+            let part = QWeights::quantize(&data, n, inp)?;
+            quant = Some(quant.as_ref().unwrap_or(&self.quant).splice(*at, &part)?);
+            if let Some(QMatMul::Tensor(d)) = &dense {
+                let total = d.dims2()?.0;
+                let mut pieces = Vec::with_capacity(3);
+                if *at > 0 {
+                    pieces.push(d.narrow(0, 0, *at)?);
+                }
+                pieces.push((*w).clone());
+                if at + n < total {
+                    pieces.push(d.narrow(0, at + n, total - at - n)?);
+                }
+                dense = Some(QMatMul::Tensor(Tensor::cat(&pieces, 0)?));
+            }
+        }
+        Ok(Linear {
+            quant: quant.unwrap_or_else(|| self.quant.clone()),
+            dense,
+            inp: self.inp,
+        })
+    }
 }
 
+/// One block. Projections are shared (`Arc`) between a model and the one a
+/// weight update derives from it when their tensors did not change.
+#[derive(Clone)]
 struct Layer {
     attn_norm: Vec<f32>,
-    qkv: Linear,
-    wo: Linear,
+    qkv: Arc<Linear>,
+    wo: Arc<Linear>,
     ffn_norm: Vec<f32>,
-    gate_up: Linear,
-    down: Linear,
+    gate_up: Arc<Linear>,
+    down: Arc<Linear>,
 }
 
 /// A loaded Llama.
 pub(crate) struct Model {
     pub(crate) cfg: Config,
-    embed: Vec<f32>,
+    embed: Arc<[f32]>,
     layers: Vec<Layer>,
     out_norm: Vec<f32>,
-    lm_head: Linear,
+    lm_head: Arc<Linear>,
+    /// Whether the output head is the embedding table (no `output.weight`).
+    tied_head: bool,
     rope: Rope,
     max_pos: usize,
     /// Threads of the quantized matmuls.
@@ -93,6 +138,11 @@ pub(crate) struct Model {
     /// The weights' identity ([`crate::identity`]); set by whoever built
     /// the model from its tensors.
     pub(crate) weight_version: String,
+    /// Every tensor's record (empty for a model not built from a file).
+    pub(crate) tensors: crate::identity::WeightDigest,
+    /// The digest of the file's tokenizer metadata
+    /// ([`crate::manifest::tokenizer_digest`]; zero when not from a file).
+    pub(crate) tokenizer_digest: [u8; 32],
 }
 
 /// One sequence's part of a forward pass: new tokens appended to its cache.
@@ -177,19 +227,19 @@ impl Model {
             let gate_up = Tensor::cat(&[&gate, &up], 0)?;
             layers.push(Layer {
                 attn_norm: vec1(need(&p("attn_norm"))?)?,
-                qkv: Linear::new(&qkv, keep_dense)?,
-                wo: Linear::new(&need(&p("attn_output"))?, keep_dense)?,
+                qkv: Arc::new(Linear::new(&qkv, keep_dense)?),
+                wo: Arc::new(Linear::new(&need(&p("attn_output"))?, keep_dense)?),
                 ffn_norm: vec1(need(&p("ffn_norm"))?)?,
-                gate_up: Linear::new(&gate_up, keep_dense)?,
-                down: Linear::new(&need(&p("ffn_down"))?, keep_dense)?,
+                gate_up: Arc::new(Linear::new(&gate_up, keep_dense)?),
+                down: Arc::new(Linear::new(&need(&p("ffn_down"))?, keep_dense)?),
             });
         }
         let out_norm = vec1(need("output_norm.weight")?)?;
-        let lm_head = match get("output.weight")? {
-            Some(w) => Linear::new(&w, false)?,
-            None => Linear::new(&embed_t, false)?,
+        let (lm_head, tied_head) = match get("output.weight")? {
+            Some(w) => (Linear::new(&w, false)?, false),
+            None => (Linear::new(&embed_t, false)?, true),
         };
-        let embed = vec1(embed_t)?;
+        let embed: Arc<[f32]> = vec1(embed_t)?.into();
         let freq_factors = get("rope_freqs.weight")?.map(vec1).transpose()?;
         let rope = Rope::new(
             cfg.rope_dims,
@@ -203,11 +253,131 @@ impl Model {
             embed,
             layers,
             out_norm,
-            lm_head,
+            lm_head: Arc::new(lm_head),
+            tied_head,
             rope,
             max_pos,
             pool: Pool::new(candle_core::utils::get_num_threads())?,
             weight_version: String::new(),
+            tensors: Default::default(),
+            tokenizer_digest: [0; 32],
+        })
+    }
+
+    /// A model with the tensors in `changed` (f32, by GGUF name, each the
+    /// shape of the one it replaces) and every other weight shared with
+    /// this one: what [`Model::build`] gives from the patched tensors, bit
+    /// for bit (`tests`: a patched model's logits equal a fresh build's).
+    /// Its `weight_version` and records are the caller's to set.
+    pub(crate) fn patched(&self, changed: &HashMap<String, Tensor>) -> Result<Model, EngineError> {
+        let c = &self.cfg;
+        let vec1 = |t: &Tensor| -> Result<Vec<f32>, EngineError> {
+            Ok(t.flatten_all()?.to_vec1::<f32>()?)
+        };
+        let norm = |name: String, old: &Vec<f32>| -> Result<Vec<f32>, EngineError> {
+            match changed.get(&name) {
+                Some(t) => {
+                    let v = vec1(t)?;
+                    if v.len() != old.len() {
+                        return Err(EngineError::Other(format!(
+                            "tensor `{name}` has {} values, the running model's {}",
+                            v.len(),
+                            old.len()
+                        )));
+                    }
+                    Ok(v)
+                }
+                None => Ok(old.clone()),
+            }
+        };
+        // A projection fused from `members` (name, rows), rebuilt only where
+        // a member changed.
+        let fused =
+            |old: &Arc<Linear>, members: &[(String, usize)]| -> Result<Arc<Linear>, EngineError> {
+                let mut parts = Vec::new();
+                let mut at = 0;
+                for (name, rows) in members {
+                    if let Some(t) = changed.get(name) {
+                        if t.dims2()?.0 != *rows {
+                            return Err(EngineError::Other(format!(
+                                "tensor `{name}` has {:?} rows, the running model's {rows}",
+                                t.dims()
+                            )));
+                        }
+                        parts.push((at, t));
+                    }
+                    at += rows;
+                }
+                if parts.is_empty() {
+                    Ok(old.clone())
+                } else {
+                    Ok(Arc::new(old.patched(&parts)?))
+                }
+            };
+        let (q_rows, kv_rows) = (c.heads * c.head_dim, c.kv_heads * c.head_dim);
+        let mut layers = Vec::with_capacity(self.layers.len());
+        for (i, l) in self.layers.iter().enumerate() {
+            let p = |n: &str| format!("blk.{i}.{n}.weight");
+            layers.push(Layer {
+                attn_norm: norm(p("attn_norm"), &l.attn_norm)?,
+                qkv: fused(
+                    &l.qkv,
+                    &[
+                        (p("attn_q"), q_rows),
+                        (p("attn_k"), kv_rows),
+                        (p("attn_v"), kv_rows),
+                    ],
+                )?,
+                wo: fused(&l.wo, &[(p("attn_output"), c.hidden)])?,
+                ffn_norm: norm(p("ffn_norm"), &l.ffn_norm)?,
+                gate_up: fused(&l.gate_up, &[(p("ffn_gate"), c.ffn), (p("ffn_up"), c.ffn)])?,
+                down: fused(&l.down, &[(p("ffn_down"), c.hidden)])?,
+            });
+        }
+        let out_norm = norm("output_norm.weight".into(), &self.out_norm)?;
+        let embed: Arc<[f32]> = match changed.get("token_embd.weight") {
+            Some(t) => {
+                if t.dims2()? != (c.vocab, c.hidden) {
+                    return Err(EngineError::Other(format!(
+                        "token_embd has shape {:?}, the running model's [{}, {}]",
+                        t.dims(),
+                        c.vocab,
+                        c.hidden
+                    )));
+                }
+                vec1(t)?.into()
+            }
+            None => self.embed.clone(),
+        };
+        let head_source = if self.tied_head {
+            "token_embd.weight"
+        } else {
+            "output.weight"
+        };
+        let lm_head = fused(&self.lm_head, &[(head_source.to_string(), c.vocab)])?;
+        let rope = match changed.get("rope_freqs.weight") {
+            Some(t) => Rope::new(
+                c.rope_dims,
+                c.rope_base,
+                c.rope_freq_scale,
+                Some(&vec1(t)?),
+                self.max_pos,
+            )?,
+            None => self.rope.clone(),
+        };
+        Ok(Model {
+            cfg: self.cfg.clone(),
+            embed,
+            layers,
+            out_norm,
+            lm_head,
+            tied_head: self.tied_head,
+            rope,
+            max_pos: self.max_pos,
+            pool: Pool::new(self.pool.threads())?,
+            weight_version: String::new(),
+            tensors: Default::default(),
+            tokenizer_digest: self.tokenizer_digest,
         })
     }
 
@@ -242,7 +412,7 @@ impl Model {
         // once: those the model uses as it loads them, any other after.
         let mut digest = crate::identity::WeightDigest::new();
         let read = |name: &str,
-                    file: &mut std::fs::File,
+                    file: &mut std::io::BufReader<std::fs::File>,
                     digest: &mut crate::identity::WeightDigest|
          -> Result<candle_core::quantized::QTensor, EngineError> {
             let q = content
@@ -279,6 +449,8 @@ impl Model {
             }
         }
         model.weight_version = digest.finish();
+        model.tensors = digest;
+        model.tokenizer_digest = crate::manifest::tokenizer_digest(&content.metadata);
         if let Some(n) = meta.opt_uint("llama.vocab_size")
             && n as usize != model.cfg.vocab
         {

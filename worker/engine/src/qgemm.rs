@@ -144,6 +144,7 @@ fn block_of<'a>(x: &'a [f32], b: usize, buf: &'a mut [f32; BLOCK]) -> &'a [f32; 
 }
 
 /// Quantized weights `[n, k]` in the kernel's layout (see the module docs).
+#[derive(Clone, PartialEq)]
 pub(crate) struct QWeights {
     n: usize,
     k: usize,
@@ -206,6 +207,44 @@ impl QWeights {
             panels,
             mins,
         })
+    }
+
+    /// These weights with rows `at..at + part.n` replaced by `part`'s (same
+    /// `k`). Every row is quantized on its own, so splicing the quantized
+    /// rows of a tensor gives what quantizing the spliced f32 rows would.
+    pub(crate) fn splice(&self, at: usize, part: &QWeights) -> Result<QWeights, EngineError> {
+        if part.k != self.k || at + part.n > self.n {
+            return Err(EngineError::Other(format!(
+                "cannot put [{}, {}] weights at row {at} of [{}, {}]",
+                part.n, part.k, self.n, self.k
+            )));
+        }
+        let mut out = self.clone();
+        let with_mins = !self.mins.is_empty() || !part.mins.is_empty();
+        if with_mins && out.mins.is_empty() {
+            out.mins = vec![MinBlock([0.0; PANEL]); out.panels.len()];
+        }
+        let blocks = self.blocks;
+        for r in 0..part.n {
+            let (sp, sc) = (r / PANEL, r % PANEL);
+            let (dp, dc) = ((at + r) / PANEL, (at + r) % PANEL);
+            for b in 0..blocks {
+                let src = &part.panels[sp * blocks + b];
+                let dst = &mut out.panels[dp * blocks + b];
+                dst.d[dc] = src.d[sc];
+                for j in 0..BLOCK / 4 {
+                    dst.q[j][4 * dc..4 * dc + 4].copy_from_slice(&src.q[j][4 * sc..4 * sc + 4]);
+                }
+                if with_mins {
+                    out.mins[dp * blocks + b].0[dc] =
+                        part.mins.get(sp * blocks + b).map_or(0.0, |m| m.0[sc]);
+                }
+            }
+        }
+        if out.mins.iter().all(|m| m.0.iter().all(|v| *v == 0.0)) {
+            out.mins = Vec::new();
+        }
+        Ok(out)
     }
 
     fn panel_count(&self) -> usize {

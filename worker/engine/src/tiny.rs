@@ -217,5 +217,6 @@ pub fn engine_with_budget(
         batch,
         prefix,
         max_num_batched_tokens,
+        None,
     )
 }

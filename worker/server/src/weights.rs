@@ -9,14 +9,18 @@
 //! the engine they started on; later ones get the new one
 //! ([`EngineSlot::replace_engine`], the worker state's).
 //!
-//! The new weights are read whole: this build does not yet read only the
-//! tensors whose bytes changed (`bytes_read` says so).
+//! A file with a per-tensor manifest (`rngd_pd.tensor_sha256`,
+//! `rngd-pd model manifest` writes one) loads by delta: only the tensors
+//! whose digest differs from the running weights' are read, each checked,
+//! and the new engine shares every other weight with the old one. A file
+//! without one is read whole (`rngd_engine::Engine::reload`). The answer
+//! says which (`mode`), what changed and the bytes read.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
 
-use rngd_engine::{Engine, EngineError};
+use rngd_engine::{Engine, EngineError, Reloaded};
 use serde::Serialize;
 use serde_json::{Map, Value};
 
@@ -33,6 +37,18 @@ pub trait EngineSlot: Send + Sync {
 pub trait EngineLoader: Send + Sync {
     /// A new engine on `model` (blocking: called off the async runtime).
     fn load(&self, model: &Path) -> Result<Arc<dyn Engine>, EngineError>;
+    /// A new engine on `model`, another checkpoint of `current`'s model
+    /// (blocking). By default a fresh [`EngineLoader::load`], which reads the
+    /// whole file and cannot tell what changed.
+    fn reload(&self, current: &Arc<dyn Engine>, model: &Path) -> Result<Reloaded, EngineError> {
+        let _ = current;
+        Ok(Reloaded {
+            engine: self.load(model)?,
+            tensors_changed: Vec::new(),
+            bytes_read: std::fs::metadata(model).map(|m| m.len()).unwrap_or(0),
+            delta: false,
+        })
+    }
 }
 
 /// The CPU engine's loader: the worker's options with another model file.
@@ -45,6 +61,12 @@ impl EngineLoader for CpuLoader {
         opts.model_path = model.to_path_buf();
         let engine: Arc<dyn Engine> = rngd_engine::cpu::CpuEngine::load(opts)?;
         Ok(engine)
+    }
+
+    /// The running engine derives the next (a delta load when the file has
+    /// a manifest), keeping its own options.
+    fn reload(&self, current: &Arc<dyn Engine>, model: &Path) -> Result<Reloaded, EngineError> {
+        current.reload(model)
     }
 }
 
@@ -107,7 +129,14 @@ pub struct UpdateAnswer {
     pub weight_version: String,
     /// The weights they replaced.
     pub previous_weight_version: String,
-    /// Bytes read from disk: the whole file (this build reads every tensor).
+    /// `delta` (only the changed tensors were read) or `full`.
+    pub mode: &'static str,
+    /// How many tensors differ from the old weights (type, shape or bytes).
+    pub tensors_changed: usize,
+    /// Their names, in order.
+    pub changed_tensors: Vec<String>,
+    /// Bytes read from disk: the header and the changed tensors for a
+    /// delta, the whole file otherwise.
     pub bytes_read: u64,
     /// Load and swap, ms.
     pub elapsed_ms: f64,
@@ -257,17 +286,22 @@ pub async fn update(
     let Ok(_one) = updater.busy.try_lock() else {
         return Err(UpdateError::Busy);
     };
-    if state.engine().is_none() {
+    let Some(current) = state.engine() else {
         return Err(UpdateError::NotReady);
-    }
+    };
     let started = Instant::now();
     let loader = updater.loader.clone();
     let p = path.clone();
-    let engine = tokio::task::spawn_blocking(move || loader.load(&p))
+    let reloaded = tokio::task::spawn_blocking(move || loader.reload(&current, &p))
         .await
         .map_err(|e| UpdateError::Task(e.to_string()))?
         .map_err(UpdateError::Load)?;
-    let bytes_read = std::fs::metadata(&path).map(|m| m.len()).unwrap_or(0);
+    let Reloaded {
+        engine,
+        tensors_changed,
+        bytes_read,
+        delta,
+    } = reloaded;
     let new_version = engine.info().weight_version.clone();
     let old = match state.replace_engine(engine.clone()) {
         Ok(old) => old,
@@ -278,6 +312,7 @@ pub async fn update(
         }
     };
     let previous = old.info().weight_version.clone();
+    let mode = if delta { "delta" } else { "full" };
     // The old engine is dropped once its last request finishes (each holds
     // it); this reference goes now, off the runtime (its scheduler is joined).
     tokio::task::spawn_blocking(move || drop(old));
@@ -288,17 +323,24 @@ pub async fn update(
         file = %file_name(&path),
         weight_version = %new_version,
         previous_weight_version = %previous,
+        mode,
+        tensors_changed = tensors_changed.len(),
+        bytes_read,
         elapsed_ms,
         "weights updated"
     );
     Ok(UpdateAnswer {
         success: true,
         message: format!(
-            "weights updated from {} ({previous} -> {new_version})",
-            file_name(&path)
+            "weights updated from {} ({previous} -> {new_version}; {mode}: {} tensors changed, {bytes_read} bytes read)",
+            file_name(&path),
+            tensors_changed.len()
         ),
         weight_version: new_version,
         previous_weight_version: previous,
+        mode,
+        tensors_changed: tensors_changed.len(),
+        changed_tensors: tensors_changed,
         bytes_read,
         elapsed_ms,
     })

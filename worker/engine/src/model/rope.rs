@@ -9,6 +9,7 @@
 use crate::EngineError;
 
 /// The cos/sin table for positions `0..max_pos`.
+#[derive(Clone)]
 pub(crate) struct Rope {
     /// `rope_dims / 2`.
     half: usize,

@@ -335,6 +335,49 @@ fn qgemm_speed() {
 }
 
 #[test]
+fn splicing_quantized_rows_equals_quantizing_the_spliced_rows() {
+    // Row counts that do not fall on panel edges; Q8_0-rule rows (random)
+    // and Q4_1 rows (with offsets) on either side.
+    let k = 72;
+    for (n, at, m, old_q4, new_q4) in [
+        (50, 0, 50, false, false),
+        (50, 7, 20, false, true),
+        (50, 33, 17, true, false),
+        (48, 16, 16, true, true),
+        (40, 3, 1, true, false),
+    ] {
+        let old = if old_q4 {
+            q4_1_values(n * k, 3)
+        } else {
+            random(n * k, 3)
+        };
+        let part = if new_q4 {
+            q4_1_values(m * k, 9)
+        } else {
+            random(m * k, 9)
+        };
+        let mut spliced = old.clone();
+        spliced[at * k..(at + m) * k].copy_from_slice(&part);
+        let fresh = QWeights::quantize(&spliced, n, k).unwrap();
+        let patched = QWeights::quantize(&old, n, k)
+            .unwrap()
+            .splice(at, &QWeights::quantize(&part, m, k).unwrap())
+            .unwrap();
+        assert!(patched == fresh, "n {n} at {at} m {m}");
+        assert_eq!(patched.mins.is_empty(), fresh.mins.is_empty());
+    }
+    let w = QWeights::quantize(&random(4 * k, 1), 4, k).unwrap();
+    assert!(
+        w.splice(3, &QWeights::quantize(&random(2 * k, 1), 2, k).unwrap())
+            .is_err()
+    );
+    assert!(
+        w.splice(0, &QWeights::quantize(&random(32, 1), 1, 32).unwrap())
+            .is_err()
+    );
+}
+
+#[test]
 fn bad_shapes_are_refused() {
     assert!(QWeights::quantize(&[0.0; 10], 3, 4).is_err());
     assert!(QWeights::quantize(&[], 3, 0).is_err());

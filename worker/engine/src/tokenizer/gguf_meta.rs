@@ -13,16 +13,20 @@ use crate::EngineError;
 /// Reads only the header and metadata of a GGUF file.
 pub(crate) fn read_gguf_header(
     path: &Path,
-) -> Result<(gguf_file::Content, std::fs::File), EngineError> {
+) -> Result<(gguf_file::Content, std::io::BufReader<std::fs::File>), EngineError> {
     if !path.exists() {
         return Err(EngineError::ModelNotFound {
             path: path.to_path_buf(),
         });
     }
-    let mut file = std::fs::File::open(path).map_err(|source| EngineError::Io {
+    let file = std::fs::File::open(path).map_err(|source| EngineError::Io {
         context: format!("opening {}", path.display()),
         source,
     })?;
+    // Buffered: the metadata is tens of thousands of small reads (measured
+    // by hand: a delta weight update changing nothing took ~170 ms
+    // unbuffered, ~45 ms buffered).
+    let mut file = std::io::BufReader::with_capacity(1 << 20, file);
     let content = gguf_file::Content::read(&mut file).map_err(|source| {
         let reason = match unsupported_tensor_type(path) {
             Some((name, ty)) => format!(
