@@ -18,6 +18,7 @@ mod policy;
 mod prefix;
 mod replay;
 mod tokenize;
+mod weights;
 
 use clap::{Parser, Subcommand};
 
@@ -53,6 +54,8 @@ enum Command {
     Prefix(prefix::Args),
     /// The engine tokenizer's ids of texts (one JSON line), for the tokenizer fidelity test.
     Tokenize(tokenize::Args),
+    /// Time to the first token on new weights: a delta update of a running worker against a restart.
+    Weights(weights::Args),
 }
 
 fn init_tracing() {
@@ -104,6 +107,9 @@ fn main() -> anyhow::Result<()> {
             }
             Command::Tokenize(a) => {
                 tokenize::run(a)?;
+            }
+            Command::Weights(a) => {
+                rngd_bench_weights::run(a.into()).await?;
             }
         }
         Ok(())

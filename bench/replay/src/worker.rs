@@ -16,6 +16,10 @@ use crate::Error;
 /// (`rngd_worker::LISTENING_PREFIX`), followed by its address.
 pub const LISTENING_PREFIX: &str = "rngd-pd worker listening on http://";
 
+/// What a worker prints on stdout once its admin listener is bound
+/// (`rngd_worker::ADMIN_PREFIX`), followed by its address.
+pub const ADMIN_PREFIX: &str = "rngd-pd worker admin on http://";
+
 /// A running worker started here.
 #[derive(Debug)]
 pub struct Worker {
@@ -24,6 +28,8 @@ pub struct Worker {
     pub pid: u32,
     /// Its base URL (`http://ADDR`).
     pub url: String,
+    /// Its admin listener's base URL, when it has one (`--admin-listen`).
+    pub admin_url: Option<String>,
 }
 
 /// The worker's base URL from one stdout line, if it is the listening line.
@@ -42,7 +48,19 @@ pub async fn start(
     extra: &[String],
     timeout: Duration,
 ) -> Result<Worker, Error> {
+    start_with_env(bin, seq_len, extra, &[], timeout).await
+}
+
+/// [`start`] with extra environment variables (e.g. the admin token).
+pub async fn start_with_env(
+    bin: &Path,
+    seq_len: u32,
+    extra: &[String],
+    env: &[(String, String)],
+    timeout: Duration,
+) -> Result<Worker, Error> {
     let mut cmd = Command::new(bin);
+    cmd.envs(env.iter().map(|(k, v)| (k, v)));
     cmd.args([
         "worker",
         "--role",
@@ -72,6 +90,7 @@ pub async fn start(
         .take()
         .ok_or_else(|| Error::Worker("no stdout".into()))?;
     let mut lines = BufReader::new(stdout).lines();
+    let mut admin_url = None;
     let read = async {
         while let Some(line) = lines
             .next_line()
@@ -80,6 +99,9 @@ pub async fn start(
         {
             if let Some(url) = listening_url(&line) {
                 return Ok(url);
+            }
+            if let Some(a) = line.trim().strip_prefix(ADMIN_PREFIX) {
+                admin_url = Some(format!("http://{a}"));
             }
             eprintln!("[worker] {line}");
         }
@@ -103,7 +125,12 @@ pub async fn start(
             eprintln!("[worker] {line}");
         }
     });
-    Ok(Worker { child, pid, url })
+    Ok(Worker {
+        child,
+        pid,
+        url,
+        admin_url,
+    })
 }
 
 impl Worker {
