@@ -10,7 +10,7 @@ use std::collections::{BTreeMap, VecDeque};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use prometheus::{Histogram, HistogramVec, IntCounterVec, Registry};
+use prometheus::{Histogram, HistogramVec, IntCounter, IntCounterVec, Registry};
 use rngd_telemetry::{MS_BUCKETS, US_BUCKETS, names};
 
 use crate::error::GatewayError;
@@ -45,6 +45,7 @@ pub struct GatewayMetrics {
     kv_transfer: HistogramVec,
     policy_decision: Histogram,
     requests: IntCounterVec,
+    prefill_context_fallbacks: IntCounter,
     window: Mutex<VecDeque<RequestSample>>,
 }
 
@@ -91,8 +92,14 @@ impl GatewayMetrics {
             "Requests answered, by HTTP status code.",
             &["code"],
         )?;
+        let prefill_context_fallbacks = rngd_telemetry::counter(
+            &registry,
+            names::GATEWAY_PREFILL_CONTEXT_FALLBACKS_TOTAL,
+            "PD routes whose prefill worker refused the prompt as too long; the decode worker prefilled it.",
+        )?;
         Ok(GatewayMetrics {
             registry,
+            prefill_context_fallbacks,
             ttft,
             tpot,
             kv_transfer,
@@ -110,6 +117,11 @@ impl GatewayMetrics {
     /// Counts a response by status code.
     pub fn count_response(&self, code: u16) {
         self.requests.with_label_values(&[&code.to_string()]).inc();
+    }
+
+    /// Counts a prefill refused for its length and served by the decode worker.
+    pub fn count_prefill_context_fallback(&self) {
+        self.prefill_context_fallbacks.inc();
     }
 
     /// Records one policy decision.

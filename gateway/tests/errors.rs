@@ -118,9 +118,11 @@ async fn bad_input_matrix() {
     )
     .await;
 
-    // Over the compiled length → the policy's 400 naming the numbers.
+    // Over the compiled length → the policy's 400 naming the numbers. The
+    // endpoints were listed with 64 positions; the workers' own
+    // `rngd_pd_worker_variant_info` says 512, and what a worker says wins.
     let m = error_of(
-        post(json!({"model": "fake-model", "prompt": LONG, "max_tokens": 60}).to_string())
+        post(json!({"model": "fake-model", "prompt": LONG, "max_tokens": 600}).to_string())
             .send()
             .await
             .unwrap(),
@@ -128,7 +130,7 @@ async fn bad_input_matrix() {
     )
     .await;
     assert!(
-        m.contains("6 tokens") && m.contains("60") && m.contains("66") && m.contains("64"),
+        m.contains("6 tokens") && m.contains("600") && m.contains("606") && m.contains("512"),
         "{m}"
     );
 

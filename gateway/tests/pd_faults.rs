@@ -312,3 +312,49 @@ async fn client_steering_headers_reach_no_worker_and_no_policy() {
         }
     }
 }
+
+/// A prefill worker switched to a shorter variant since the gateway last
+/// looked (its endpoint still says 512) refuses a prompt as too long: the
+/// gateway lets the decode worker, which the policy found it fits, prefill
+/// it, says so in the route reason and a counter, and nothing is pulled.
+#[tokio::test]
+async fn a_prefill_refused_for_its_length_falls_back_to_the_decode_worker() {
+    let kv = Arc::new(Counting::default());
+    let p = worker(Role::Prefill, &kv, Duration::ZERO, |_| {}).await;
+    let d = worker(Role::Decode, &kv, Duration::ZERO, |_| {}).await;
+    let url = gateway(p.addr.to_string(), d.addr.to_string()).await;
+    let body = json!({"model": "fake-model", "prompt": LONG, "max_tokens": 5, "temperature": 0});
+    let r = client()
+        .post(format!("{url}/v1/completions"))
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    assert_eq!(kv.pulls.load(Ordering::SeqCst), 1, "disaggregated first");
+
+    p.state
+        .replace_variant(Arc::new(EchoEngine::new(16)))
+        .unwrap();
+    assert!(LONG.len() + 5 > 16);
+    let r = client()
+        .post(format!("{url}/v1/completions"))
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    assert_eq!(
+        r.headers()[rngd_api::headers::ROUTE_REASON],
+        "prefill_context_fallback"
+    );
+    let v: Value = r.json().await.unwrap();
+    assert_eq!(v["choices"][0]["text"], common::expected_text(LONG, 5));
+    assert_eq!(kv.pulls.load(Ordering::SeqCst), 1, "nothing more pulled");
+    let m = common::metrics(&url).await;
+    assert_eq!(
+        common::sample(&m, "rngd_pd_gateway_prefill_context_fallbacks_total"),
+        Some(1.0),
+        "{m}"
+    );
+}

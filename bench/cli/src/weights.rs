@@ -31,6 +31,12 @@ pub struct Args {
     /// Deadline of each request, seconds.
     #[arg(long, default_value_t = rngd_bench_weights::Options::default().request_timeout_s)]
     pub request_timeout_s: f64,
+    /// Context length of the variant swapped to.
+    #[arg(long, default_value_t = rngd_bench_weights::Options::default().variant_seq_len)]
+    pub variant_seq_len: u32,
+    /// Batch of the variant swapped to.
+    #[arg(long, default_value_t = rngd_bench_weights::Options::default().variant_max_batch)]
+    pub variant_max_batch: u32,
     /// Print only the JSON line (no progress on stderr).
     #[arg(long)]
     pub json: bool,
@@ -47,6 +53,8 @@ impl From<Args> for rngd_bench_weights::Options {
             rounds: a.rounds,
             worker_timeout_s: a.worker_timeout_s,
             request_timeout_s: a.request_timeout_s,
+            variant_seq_len: a.variant_seq_len,
+            variant_max_batch: a.variant_max_batch,
             json: a.json,
         }
     }

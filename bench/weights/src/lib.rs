@@ -19,6 +19,13 @@
 //! - **Checks**: the updated worker's `weight_version` equals the restarted
 //!   one's, and so does the token; the answer's `bytes_read` and
 //!   `tensors_changed` are reported.
+//! - **Variant swap**: on the same long-lived worker, `POST /switch_variant`
+//!   to (`variant_seq_len`, `variant_max_batch`), prepared once before the
+//!   rounds, timed until it answers (the variant serves) and until a
+//!   one-token completion after it answers; against a worker started with
+//!   `--seq-len`/`--batch` of that variant, timed until it prints its
+//!   listening line (it serves) and until the same completion answers.
+//!   Each round switches back (untimed).
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -80,6 +87,10 @@ pub struct Options {
     pub worker_timeout_s: f64,
     /// Deadline of each request, seconds.
     pub request_timeout_s: f64,
+    /// Context length of the variant swapped to.
+    pub variant_seq_len: u32,
+    /// Batch of the variant swapped to.
+    pub variant_max_batch: u32,
     /// Print only the JSON line.
     pub json: bool,
 }
@@ -100,6 +111,8 @@ impl Default for Options {
             rounds: 3,
             worker_timeout_s: 600.0,
             request_timeout_s: 120.0,
+            variant_seq_len: 1024,
+            variant_max_batch: 4,
             json: false,
         }
     }
@@ -128,6 +141,32 @@ pub struct Row {
     pub file_bytes: u64,
 }
 
+/// The variant swap: medians over the rounds.
+#[derive(Debug, Clone, Serialize)]
+pub struct VariantRow {
+    /// The variant's context length.
+    pub seq_len: u32,
+    /// Its batch.
+    pub max_batch: u32,
+    /// Swap until the variant serves (the admin answer), seconds (median).
+    pub swap_s: f64,
+    /// Restart with the variant until it serves (its listening line),
+    /// seconds (median).
+    pub restart_s: f64,
+    /// Median over rounds of swap / restart.
+    pub ratio: f64,
+    /// Swap + a one-token completion, seconds (median).
+    pub swap_first_token_s: f64,
+    /// Restart + the same completion, seconds (median).
+    pub restart_first_token_s: f64,
+    /// Median over rounds of the two.
+    pub ratio_first_token: f64,
+    /// Every round's (swap, restart, swap + token, restart + token), seconds.
+    pub samples: Vec<(f64, f64, f64, f64)>,
+    /// Whether every timed swap found the variant prepared.
+    pub prepared: bool,
+}
+
 /// The run's result.
 #[derive(Debug, Clone, Serialize)]
 pub struct Report {
@@ -139,8 +178,8 @@ pub struct Report {
     pub rounds: usize,
     /// One row per `k`.
     pub rows: Vec<Row>,
-    /// What this run does not measure.
-    pub not_measured: &'static str,
+    /// The swap to a prepared variant.
+    pub variant: VariantRow,
 }
 
 impl Report {
@@ -201,7 +240,7 @@ async fn first_token(
     timeout: Duration,
 ) -> Result<String, Error> {
     let body = json!({
-        "model": rngd_bench_replay::first_model(client, base).await.unwrap_or_default(),
+        "model": SERVED_MODEL,
         "prompt": "The lighthouse keeper climbed the stairs and",
         "max_tokens": 1,
         "temperature": 0,
@@ -220,6 +259,9 @@ async fn first_token(
         .unwrap_or_default()
         .to_string())
 }
+
+/// `--served-model-name` of every worker this benchmark starts.
+const SERVED_MODEL: &str = "bench-weights";
 
 async fn post(
     client: &reqwest::Client,
@@ -290,7 +332,12 @@ pub async fn launch(opts: Options) -> Result<Report, Error> {
     let load_timeout = Duration::from_secs_f64(opts.worker_timeout_s);
     let req_timeout = Duration::from_secs_f64(opts.request_timeout_s);
     let with_model = |p: &Path, admin: bool| {
-        let mut a = vec!["--model".to_string(), p.display().to_string()];
+        let mut a = vec![
+            "--model".to_string(),
+            p.display().to_string(),
+            "--served-model-name".to_string(),
+            SERVED_MODEL.to_string(),
+        ];
         if admin {
             a.extend(["--admin-listen".to_string(), "127.0.0.1:0".to_string()]);
         }
@@ -361,6 +408,75 @@ pub async fn launch(opts: Options) -> Result<Report, Error> {
                 answers[i] = answer;
             }
         }
+        // The variant: prepared once, then swapped to in each round.
+        let admin_post = |path: &'static str, body: Value| {
+            let (client, admin, token) = (&client, &admin, &token);
+            async move {
+                post(
+                    client,
+                    &format!("{admin}{path}"),
+                    &body,
+                    Some(token),
+                    req_timeout,
+                    path,
+                )
+                .await
+            }
+        };
+        let vs = json!({"seq_len": opts.variant_seq_len, "max_batch": opts.variant_max_batch});
+        let back = admin_post("/switch_variant", vs.clone()).await?;
+        let home = back["variants"]
+            .as_array()
+            .and_then(|v| v.iter().find(|x| x["active"] == false))
+            .cloned()
+            .ok_or_else(|| Error::Mismatch(format!("no previous variant in {back}")))?;
+        let home = json!({"seq_len": home["seq_len"], "max_batch": home["max_batch"]});
+        admin_post("/switch_variant", home.clone()).await?;
+        let mut vsamples = Vec::new();
+        let mut all_prepared = true;
+        let restart_args = {
+            let mut a = with_model(&dir.path().join("base.gguf"), false);
+            a.extend(["--batch".to_string(), opts.variant_max_batch.to_string()]);
+            a
+        };
+        for round in 0..opts.rounds {
+            say(format!("round {round}: variant restart"));
+            let t0 = Instant::now();
+            let w = worker::start(&bin, opts.variant_seq_len, &restart_args, load_timeout).await?;
+            let ready = t0.elapsed().as_secs_f64();
+            let fresh = first_token(&client, &w.url, req_timeout).await;
+            let restart = t0.elapsed().as_secs_f64();
+            if let Err(e) = w.stop(Duration::from_secs(30)).await {
+                eprintln!("weights: {e}");
+            }
+            let fresh = fresh?;
+            say(format!("round {round}: variant swap"));
+            let t0 = Instant::now();
+            let a = admin_post("/switch_variant", vs.clone()).await?;
+            let swapped_at = t0.elapsed().as_secs_f64();
+            let swapped = first_token(&client, &long.url, req_timeout).await?;
+            let swap = t0.elapsed().as_secs_f64();
+            all_prepared &= a["was_prepared"] == true;
+            if swapped != fresh {
+                return Err(Error::Mismatch(format!(
+                    "variant: token {swapped:?} vs {fresh:?}"
+                )));
+            }
+            admin_post("/switch_variant", home.clone()).await?;
+            vsamples.push((swapped_at, ready, swap, restart));
+        }
+        let variant = VariantRow {
+            seq_len: opts.variant_seq_len,
+            max_batch: opts.variant_max_batch,
+            swap_s: median(vsamples.iter().map(|x| x.0).collect()),
+            restart_s: median(vsamples.iter().map(|x| x.1).collect()),
+            ratio: median(vsamples.iter().map(|x| x.0 / x.1).collect()),
+            swap_first_token_s: median(vsamples.iter().map(|x| x.2).collect()),
+            restart_first_token_s: median(vsamples.iter().map(|x| x.3).collect()),
+            ratio_first_token: median(vsamples.iter().map(|x| x.2 / x.3).collect()),
+            samples: vsamples,
+            prepared: all_prepared,
+        };
         let rows = samples
             .into_iter()
             .zip(answers)
@@ -383,7 +499,7 @@ pub async fn launch(opts: Options) -> Result<Report, Error> {
             model: model.display().to_string(),
             rounds: opts.rounds,
             rows,
-            not_measured: "variant swap (/switch_variant is not built)",
+            variant,
         })
     }
     .await;

@@ -140,7 +140,8 @@ async fn run_inner(
         }
         Err(e) => return Err(ApiError::Policy(e)),
     };
-    let reason = rngd_pool::pick::route_reason(&route).and_then(|r| HeaderValue::from_str(r).ok());
+    let mut reason =
+        rngd_pool::pick::route_reason(&route).and_then(|r| HeaderValue::from_str(r).ok());
     tracing::debug!(decode = %route.decode, prefill = ?route.prefill, kv_transport = ?route.kv_transport, reason = ?reason, "routed");
 
     // Prefill (PD), or none: the decode worker prefills itself.
@@ -149,7 +150,7 @@ async fn run_inner(
     let mut guard = KvGuard::disarmed();
     if let Some(prefill) = &route.prefill {
         let req = pd::prefill_request(&p.request.upstream, route.kv_transport.clone());
-        let answer = call_bytes(
+        let answer = match call_bytes(
             &gw,
             Stage::Prefill,
             prefill,
@@ -157,18 +158,37 @@ async fn run_inner(
             &rid,
             gw.config.prefill_timeout,
         )
-        .await?;
-        let handoff = pd::decode_request_from(&p.request.upstream, &answer).map_err(|e| {
-            ApiError::Upstream {
-                stage: Stage::Prefill,
-                address: prefill.clone(),
-                detail: e.to_string(),
-                source: None,
+        .await
+        {
+            // The prefill worker holds less context than the last scrape
+            // said (a variant switch since): the decode worker, which the
+            // policy found the prompt fits, prefills it itself.
+            Err(ApiError::UpstreamStatus {
+                status: 400,
+                code: Some(code),
+                message,
+                ..
+            }) if code == rngd_api::openai::CONTEXT_LENGTH_CODE => {
+                tracing::warn!(%prefill, %message, "prefill worker refused the prompt as too long; the decode worker prefills it");
+                gw.metrics.count_prefill_context_fallback();
+                reason = Some(HeaderValue::from_static("prefill_context_fallback"));
+                None
             }
-        })?;
-        guard = KvGuard::arm(&gw, &route.decode, &handoff.request, &rid);
-        decode_req = handoff.request;
-        prefill_info = Some((handoff.params, Instant::now()));
+            other => Some(other?),
+        };
+        if let Some(answer) = answer {
+            let handoff = pd::decode_request_from(&p.request.upstream, &answer).map_err(|e| {
+                ApiError::Upstream {
+                    stage: Stage::Prefill,
+                    address: prefill.clone(),
+                    detail: e.to_string(),
+                    source: None,
+                }
+            })?;
+            guard = KvGuard::arm(&gw, &route.decode, &handoff.request, &rid);
+            decode_req = handoff.request;
+            prefill_info = Some((handoff.params, Instant::now()));
+        }
     }
     p.tell_prefilled();
 

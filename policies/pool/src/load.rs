@@ -15,6 +15,11 @@
 //!   plain `[0-9a-z]` label of at most 64 characters); a model server
 //!   without it reads as `None` (unknown weights: the policy pairs it with
 //!   anything, and the decode worker's own check still holds).
+//! - The context length a worker serves now is the `seq_len` label of
+//!   `rngd_pd_worker_variant_info` (value 1, an integer from 1 to
+//!   2^31); the scraper makes it the endpoint's `seq_len`, so admission
+//!   follows a variant switch (`/switch_variant`) from the next scrape. A
+//!   model server without it keeps the `seq_len` its source gave.
 //! - A model server whose gauges are named otherwise is read with
 //!   [`LoadNames`] (the picker's `--total-queued-requests-metric`,
 //!   `--total-running-requests-metric`, `--kv-cache-usage-percentage-metric`,
@@ -33,29 +38,46 @@ pub struct LoadSample {
     pub kv_usage: f64,
     /// The `weight_version` of `rngd_pd_worker_weight_info`, if on the page.
     pub weight_version: Option<String>,
+    /// The `seq_len` of `rngd_pd_worker_variant_info`, if on the page.
+    pub seq_len: Option<u32>,
 }
 
 /// Longest `weight_version` label read.
 const MAX_WEIGHT_VERSION: usize = 64;
 
-/// The `weight_version` label of a `rngd_pd_worker_weight_info` sample line
+/// The value of label `label` on a sample line of the info gauge `metric`
 /// whose value is 1.
-fn weight_version(line: &str) -> Option<String> {
+fn info_label<'a>(line: &'a str, metric: &str, label: &str) -> Option<&'a str> {
     let line = line.trim_matches([' ', '\t', '\r']);
-    let rest = line
-        .strip_prefix(names::WORKER_WEIGHT_INFO)?
-        .strip_prefix('{')?;
+    let rest = line.strip_prefix(metric)?.strip_prefix('{')?;
     let (_, value) = sample(line)?;
     if value != 1.0 {
         return None;
     }
-    let at = rest.find("weight_version=\"")?;
+    let key = format!("{label}=\"");
+    let at = rest.find(&key)?;
     // Only a label name's start: `xweight_version` is another label.
     if at > 0 && !matches!(rest.as_bytes()[at - 1], b',' | b' ' | b'\t') {
         return None;
     }
-    let v = &rest[at + "weight_version=\"".len()..];
-    let v = &v[..v.find('"')?];
+    let v = &rest[at + key.len()..];
+    Some(&v[..v.find('"')?])
+}
+
+/// The `seq_len` label of a `rngd_pd_worker_variant_info` sample line whose
+/// value is 1: a decimal integer from 1 to 2^31.
+fn variant_seq_len(line: &str) -> Option<u32> {
+    let v = info_label(line, names::WORKER_VARIANT_INFO, "seq_len")?;
+    if v.is_empty() || v.len() > 10 || !v.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    v.parse::<u32>().ok().filter(|n| (1..=1 << 31).contains(n))
+}
+
+/// The `weight_version` label of a `rngd_pd_worker_weight_info` sample line
+/// whose value is 1.
+fn weight_version(line: &str) -> Option<String> {
+    let v = info_label(line, names::WORKER_WEIGHT_INFO, "weight_version")?;
     let plain = !v.is_empty()
         && v.len() <= MAX_WEIGHT_VERSION
         && v.bytes()
@@ -160,10 +182,13 @@ pub fn parse_load_named(text: &str, names: &LoadNames) -> Option<LoadSample> {
 
 fn parse(text: &str, w: &str, r: &str, k: &str) -> Option<LoadSample> {
     let (mut waiting, mut running, mut kv) = (None::<f64>, None::<f64>, 0.0f64);
-    let mut version = None;
+    let (mut version, mut seq_len) = (None, None);
     for line in text.lines() {
         if version.is_none() {
             version = weight_version(line);
+        }
+        if seq_len.is_none() {
+            seq_len = variant_seq_len(line);
         }
         let Some((name, value)) = sample(line) else {
             continue;
@@ -186,6 +211,7 @@ fn parse(text: &str, w: &str, r: &str, k: &str) -> Option<LoadSample> {
         running: count(running),
         kv_usage: kv.clamp(0.0, 1.0),
         weight_version: version,
+        seq_len,
     })
 }
 
@@ -231,11 +257,39 @@ mod tests {
                 running: 3,
                 kv_usage: 0.25,
                 weight_version: None,
+                seq_len: None,
             })
         );
     }
 
     /// The worker's weights, read from the label of its info gauge.
+    #[test]
+    fn reads_the_variant_seq_len() {
+        let page = |info: &str| format!("vllm:num_requests_waiting 0\n{info}\n");
+        let read = |info: &str| parse_load(&page(info)).unwrap().seq_len;
+        assert_eq!(
+            read("rngd_pd_worker_variant_info{model_name=\"m\",seq_len=\"256\",max_batch=\"4\"} 1"),
+            Some(256)
+        );
+        assert_eq!(
+            read("rngd_pd_worker_variant_info{max_batch=\"4\", seq_len=\"8192\"} 1 1700000000"),
+            Some(8192)
+        );
+        for refused in [
+            "rngd_pd_worker_variant_info{seq_len=\"256\"} 0",
+            "rngd_pd_worker_variant_info{xseq_len=\"256\"} 1",
+            "rngd_pd_worker_variant_info{seq_len=\"0\"} 1",
+            "rngd_pd_worker_variant_info{seq_len=\"-5\"} 1",
+            "rngd_pd_worker_variant_info{seq_len=\"99999999999\"} 1",
+            "rngd_pd_worker_variant_info{seq_len=\"2147483649\"} 1",
+            "rngd_pd_worker_variant_info{seq_len=\"25x\"} 1",
+            "rngd_pd_worker_weight_info{seq_len=\"256\"} 1",
+        ] {
+            assert_eq!(read(refused), None, "{refused}");
+        }
+        assert_eq!(read(""), None);
+    }
+
     #[test]
     fn reads_the_weight_version() {
         let page = |info: &str| format!("vllm:num_requests_waiting 0\n{info}\n");

@@ -278,6 +278,10 @@ impl ScrapedEndpoints {
                         if s.sample.weight_version.is_some() {
                             ep.weight_version = s.sample.weight_version.clone();
                         }
+                        // The variant it serves now (`/switch_variant`).
+                        if let Some(n) = s.sample.seq_len {
+                            ep.seq_len = n;
+                        }
                         let stale_at = s.at + self.stale_after + Duration::from_nanos(1);
                         valid_until = Some(valid_until.map_or(stale_at, |t| t.min(stale_at)));
                     }
@@ -437,7 +441,8 @@ mod tests {
         pages.insert(
             "10.0.0.1:1".to_string(),
             "vllm:num_requests_waiting 7\nvllm:num_requests_running 1\nvllm:kv_cache_usage_perc 0.3\n\
-             rngd_pd_worker_weight_info{model_name=\"m\",weight_version=\"99dda3c02b151cb8\"} 1\n"
+             rngd_pd_worker_weight_info{model_name=\"m\",weight_version=\"99dda3c02b151cb8\"} 1\n\
+             rngd_pd_worker_variant_info{model_name=\"m\",seq_len=\"256\",max_batch=\"2\"} 1\n"
                 .to_string(),
         );
         let failures = prometheus::IntCounter::new("f", "f").expect("counter");
@@ -453,6 +458,8 @@ mod tests {
         assert_eq!(snap[0].queue_depth, 7);
         assert_eq!(snap[0].running, 1);
         assert_eq!(snap[0].weight_version.as_deref(), Some("99dda3c02b151cb8"));
+        // The worker's own variant replaces the source's 512.
+        assert_eq!((snap[0].seq_len, snap[1].seq_len), (256, 512));
         assert!(snap[0].healthy);
         assert!(!snap[1].healthy, "never scraped successfully → unhealthy");
         assert_eq!(failures.get(), 1);

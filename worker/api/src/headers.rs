@@ -12,7 +12,9 @@ pub const KV_TRANSPORT: &str = "x-rngd-pd-kv-transport";
 /// `ttft_goal_met_locally`, `faster_locally`, `disaggregated`,
 /// `unknown_prompt`, `no_prefill_endpoint`, `no_prefill_same_weights`,
 /// `no_common_transport`, `solo`):
-/// set by the policy, never taken from a client.
+/// set by the policy, never taken from a client. The gateway replaces it
+/// with `prefill_context_fallback` when the prefill worker it was sent to
+/// refused the prompt as too long and the decode worker prefilled it.
 pub const ROUTE_REASON: &str = "x-rngd-pd-route-reason";
 /// The client's TTFT goal, ms (llm-d's SLO header).
 pub const SLO_TTFT_MS: &str = "x-llm-d-slo-ttft-ms";

@@ -342,6 +342,15 @@ impl Engine for CpuEngine {
         self.reload_from(model)
     }
 
+    fn max_batch(&self) -> Option<usize> {
+        Some(self.batch)
+    }
+
+    fn variant(&self, seq_len: usize, max_batch: usize) -> Result<Arc<dyn Engine>, EngineError> {
+        let engine: Arc<dyn Engine> = self.variant_of(seq_len, max_batch)?;
+        Ok(engine)
+    }
+
     fn tokenize(&self, text: &str) -> Result<Vec<u32>, EngineError> {
         self.tokenizer.encode(text)
     }

@@ -41,6 +41,8 @@ pub struct EchoEngine {
     info: ModelInfo,
     token_delay: Duration,
     gate: Option<Arc<Semaphore>>,
+    /// What [`Engine::max_batch`] says (8; a variant's own).
+    max_batch: usize,
 }
 
 impl EchoEngine {
@@ -62,6 +64,7 @@ impl EchoEngine {
             },
             token_delay: Duration::ZERO,
             gate: None,
+            max_batch: 8,
         }
     }
 
@@ -131,6 +134,24 @@ fn stop_reason(finish: FinishReason, stops: &StopScanner) -> Option<StopReason> 
 impl Engine for EchoEngine {
     fn info(&self) -> &ModelInfo {
         &self.info
+    }
+
+    fn max_batch(&self) -> Option<usize> {
+        Some(self.max_batch)
+    }
+
+    /// The same name and weights, context `seq_len`, ungated.
+    fn variant(&self, seq_len: usize, max_batch: usize) -> Result<Arc<dyn Engine>, EngineError> {
+        if seq_len == 0 || max_batch == 0 {
+            return Err(EngineError::InvalidRequest(
+                "seq_len and max_batch must be at least 1".into(),
+            ));
+        }
+        let mut e = EchoEngine::new(seq_len).with_weight_version(&self.info.weight_version);
+        e.info.name = self.info.name.clone();
+        e.token_delay = self.token_delay;
+        e.max_batch = max_batch;
+        Ok(Arc::new(e))
     }
 
     fn tokenize(&self, text: &str) -> Result<Vec<u32>, EngineError> {

@@ -347,6 +347,23 @@ pub trait Engine: Send + Sync + 'static {
             model.display()
         )))
     }
+    /// Decode streams stepped together (the compiled batch), when known.
+    fn max_batch(&self) -> Option<usize> {
+        None
+    }
+    /// A new engine on the same weights (none re-read, shared in memory)
+    /// compiled for another variant: context length `seq_len` and
+    /// `max_batch` decode streams. Its tokens are those of an engine started
+    /// with that variant. This default cannot.
+    fn variant(
+        &self,
+        seq_len: usize,
+        max_batch: usize,
+    ) -> Result<std::sync::Arc<dyn Engine>, EngineError> {
+        Err(EngineError::InvalidRequest(format!(
+            "this engine cannot switch to another variant (seq_len {seq_len}, max_batch {max_batch})"
+        )))
+    }
 }
 
 /// What [`Engine::reload`] built and what it read.

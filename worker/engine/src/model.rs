@@ -132,6 +132,9 @@ pub(crate) struct Model {
     /// Whether the output head is the embedding table (no `output.weight`).
     tied_head: bool,
     rope: Rope,
+    /// `rope_freqs.weight`, when the file has it (a variant rebuilds the
+    /// table from it).
+    freq_factors: Option<Vec<f32>>,
     max_pos: usize,
     /// Threads of the quantized matmuls.
     pool: Pool,
@@ -256,12 +259,34 @@ impl Model {
             lm_head: Arc::new(lm_head),
             tied_head,
             rope,
+            freq_factors,
             max_pos,
             pool: Pool::new(candle_core::utils::get_num_threads())?,
             weight_version: String::new(),
             tensors: Default::default(),
             tokenizer_digest: [0; 32],
         })
+    }
+
+    /// This model for `max_pos` positions: every weight shared, the RoPE
+    /// table rebuilt (a position's entries do not depend on the table's
+    /// length).
+    pub(crate) fn with_max_pos(&self, max_pos: usize) -> Result<Model, EngineError> {
+        let mut m = self.patched(&HashMap::new())?;
+        if max_pos != self.max_pos {
+            let c = &self.cfg;
+            m.rope = Rope::new(
+                c.rope_dims,
+                c.rope_base,
+                c.rope_freq_scale,
+                self.freq_factors.as_deref(),
+                max_pos,
+            )?;
+            m.max_pos = max_pos;
+        }
+        m.weight_version = self.weight_version.clone();
+        m.tensors = self.tensors.clone();
+        Ok(m)
     }
 
     /// A model with the tensors in `changed` (f32, by GGUF name, each the
@@ -355,15 +380,19 @@ impl Model {
             "output.weight"
         };
         let lm_head = fused(&self.lm_head, &[(head_source.to_string(), c.vocab)])?;
-        let rope = match changed.get("rope_freqs.weight") {
-            Some(t) => Rope::new(
-                c.rope_dims,
-                c.rope_base,
-                c.rope_freq_scale,
-                Some(&vec1(t)?),
-                self.max_pos,
-            )?,
-            None => self.rope.clone(),
+        let (rope, freq_factors) = match changed.get("rope_freqs.weight") {
+            Some(t) => {
+                let f = vec1(t)?;
+                let rope = Rope::new(
+                    c.rope_dims,
+                    c.rope_base,
+                    c.rope_freq_scale,
+                    Some(&f),
+                    self.max_pos,
+                )?;
+                (rope, Some(f))
+            }
+            None => (self.rope.clone(), self.freq_factors.clone()),
         };
         Ok(Model {
             cfg: self.cfg.clone(),
@@ -373,6 +402,7 @@ impl Model {
             lm_head,
             tied_head: self.tied_head,
             rope,
+            freq_factors,
             max_pos: self.max_pos,
             pool: Pool::new(self.pool.threads())?,
             weight_version: String::new(),

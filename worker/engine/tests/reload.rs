@@ -216,3 +216,47 @@ async fn a_file_without_a_manifest_loads_whole_and_bad_files_are_refused() {
         "after the refusals",
     );
 }
+
+/// A variant (another context length and batch) shares the weights, reads
+/// nothing, and computes what an engine started with that variant does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_variant_equals_a_fresh_start_with_it() {
+    let running = load(&real_model());
+    let fresh = |seq_len: usize, batch: usize| {
+        let mut o = CpuEngineOptions::new(real_model());
+        o.seq_len = seq_len;
+        o.batch = batch;
+        o.prefix_cache = no_prefix_cache();
+        CpuEngine::load(o).unwrap()
+    };
+    let long = "The tide came in over the flats, slow and grey, and the birds rose. ".repeat(40);
+    for (seq_len, batch) in [(256, 1), (1024, 4)] {
+        let v = running.variant(seq_len, batch).unwrap();
+        let f = fresh(seq_len, batch);
+        assert_eq!(v.info().seq_len, seq_len);
+        assert_eq!(v.max_batch(), Some(batch));
+        assert_eq!(v.info().kv_layout, f.info().kv_layout);
+        assert_eq!(v.info().weight_version, running.info().weight_version);
+        for p in PROMPTS {
+            let ids = f.tokenize(p).unwrap();
+            same_prefill(
+                &v.prefill(&ids, &logprob_params(1)).await.unwrap(),
+                &f.prefill(&ids, &logprob_params(1)).await.unwrap(),
+                &format!("{p} at S = {seq_len}"),
+            );
+        }
+        // Past the default 512 only the longer variant takes the prompt.
+        let ids = f.tokenize(&long).unwrap();
+        assert!(ids.len() > 600 && ids.len() < 1000, "{}", ids.len());
+        let g = SamplingParams::greedy(8);
+        if seq_len > ids.len() + 8 {
+            assert_eq!(
+                common::solo(&*v, &ids, &g).await.unwrap(),
+                common::solo(&*f, &ids, &g).await.unwrap()
+            );
+            assert!(common::solo(&*running, &ids, &g).await.is_err());
+        } else {
+            assert!(common::solo(&*v, &ids, &g).await.is_err());
+        }
+    }
+}

@@ -3,7 +3,9 @@
 //! endpoint) drops every prefix-cache block no running request uses and
 //! publishes `AllBlocksCleared`; `POST /update_weights_from_disk` and
 //! `GET /weight_info` (SGLang's endpoints) replace and report the weights
-//! ([`crate::weights`]; this module maps its errors to statuses). Every
+//! ([`crate::weights`]); `POST /switch_variant` and `GET /variants` switch
+//! and list compiled variants ([`crate::variants`]). This module maps their
+//! errors to statuses. Every
 //! request needs the bearer token
 //! (`RNGD_PD_ADMIN_TOKEN`), checked by the guard the policy admin API uses
 //! too ([`rngd_http_edge::admin`]); without a token the listener is not
@@ -132,9 +134,10 @@ async fn reset_prefix_cache(
 /// errors become HTTP).
 fn update_error(e: &UpdateError) -> Response {
     let status = match e {
-        UpdateError::BadRequest { .. } | UpdateError::Load(_) | UpdateError::Incompatible(_) => {
-            StatusCode::BAD_REQUEST
-        }
+        UpdateError::BadRequest { .. }
+        | UpdateError::Load(_)
+        | UpdateError::Incompatible(_)
+        | UpdateError::Variant(_) => StatusCode::BAD_REQUEST,
         UpdateError::Busy => StatusCode::CONFLICT,
         UpdateError::NotReady => StatusCode::SERVICE_UNAVAILABLE,
         UpdateError::Task(_) => StatusCode::INTERNAL_SERVER_ERROR,
@@ -173,6 +176,57 @@ async fn update_weights(
             tracing::warn!(error = %e, "weight update refused");
             update_error(&e)
         }
+    }
+}
+
+/// `POST /switch_variant {"seq_len", "max_batch"}`: 200 with
+/// [`crate::variants::SwitchAnswer`] once the variant serves; an error body
+/// (the current one still serving) otherwise.
+async fn switch_variant(
+    State(st): State<AdminState>,
+    headers: HeaderMap,
+    body: axum::body::Bytes,
+) -> Response {
+    if let Some(resp) = st.refusal(&headers) {
+        return resp;
+    }
+    let Some(updater) = st.worker.weight_updater().cloned() else {
+        return error(
+            StatusCode::BAD_REQUEST,
+            "this worker's engine has no variants",
+            None,
+        );
+    };
+    match crate::variants::switch(&st.worker, &updater, &body).await {
+        Ok(answer) => axum::Json(answer).into_response(),
+        Err(e) => {
+            tracing::warn!(error = %e, "variant switch refused");
+            update_error(&e)
+        }
+    }
+}
+
+/// `GET /variants`: the variant serving and those prepared, each with its
+/// memory cost.
+async fn variants(State(st): State<AdminState>, headers: HeaderMap) -> Response {
+    if let Some(resp) = st.refusal(&headers) {
+        return resp;
+    }
+    match (st.worker.engine(), st.worker.weight_updater()) {
+        (Some(engine), Some(updater)) => axum::Json(serde_json::json!({
+            "variants": crate::variants::list(&*engine, updater),
+        }))
+        .into_response(),
+        (None, _) => error(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "the model is still loading",
+            None,
+        ),
+        (Some(_), None) => error(
+            StatusCode::BAD_REQUEST,
+            "this worker's engine has no variants",
+            None,
+        ),
     }
 }
 
@@ -229,6 +283,11 @@ pub fn router(worker: WorkerState, token: AdminToken) -> Router {
             "/weight_info",
             get(weight_info).fallback(other_method("GET")),
         )
+        .route(
+            "/switch_variant",
+            post(switch_variant).fallback(other_method("POST")),
+        )
+        .route("/variants", get(variants).fallback(other_method("GET")))
         .with_state(AdminState {
             worker,
             guard: AdminGuard::new(token, LockoutOptions::default()),

@@ -278,13 +278,21 @@ pub enum KvAuth {
 
 /// Checks a handle against the model's layout before anything is pulled: the
 /// layout itself, the blob count, the token count, the wire version (one
-/// this build reads) and every blob's length in it.
+/// this build reads) and every blob's length in it. A trimmed handle (wire
+/// version 2: only its valid positions travel) from a worker compiled for
+/// another context length is accepted when its tokens fit this one's: its
+/// blobs do not depend on `seq_len` (variants, `/switch_variant`).
 pub fn check_shape(
     handle: &KvHandle,
     layout: &KvLayout,
     prompt_len: usize,
 ) -> Result<(), HandleError> {
-    if handle.layout != *layout {
+    let other_context = KvLayout {
+        seq_len: layout.seq_len,
+        ..handle.layout
+    } == *layout
+        && handle.wire == rngd_kv_wire::WIRE_TRIMMED;
+    if handle.layout != *layout && !other_context {
         return Err(HandleError::Shape(format!(
             "layout {:?}, this model's is {layout:?}",
             handle.layout
@@ -348,6 +356,36 @@ mod tests {
                 l.blob_count()
             ],
         }
+    }
+
+    #[test]
+    fn a_trimmed_handle_of_another_context_length_fits_when_its_tokens_do() {
+        let l = layout();
+        let trimmed = |seq_len: usize, tokens: usize| {
+            let mut h = handle();
+            h.layout.seq_len = seq_len;
+            h.wire = rngd_kv_wire::WIRE_TRIMMED;
+            h.tokens = tokens;
+            let len = h.layout.wire_blob_bytes(h.wire, tokens).unwrap() as u64;
+            h.blobs.iter_mut().for_each(|b| b.len = len);
+            h
+        };
+        check_shape(&trimmed(8, 3), &l, 3).unwrap();
+        check_shape(&trimmed(4, 3), &l, 3).unwrap();
+        check_shape(&trimmed(64, 3), &l, 3).unwrap();
+        // More tokens than this context holds.
+        assert!(check_shape(&trimmed(64, 9), &l, 9).is_err());
+        // The full wire's blobs are S wide: only this layout's.
+        let mut full = handle();
+        full.layout.seq_len = 16;
+        full.blobs
+            .iter_mut()
+            .for_each(|b| b.len = full.layout.blob_bytes() as u64);
+        assert!(check_shape(&full, &l, 3).is_err());
+        // Another dimension: refused whatever the wire.
+        let mut heads = trimmed(8, 3);
+        heads.layout.kv_heads = 2;
+        assert!(check_shape(&heads, &l, 3).is_err());
     }
 
     #[test]

@@ -35,6 +35,7 @@ pub mod peer;
 mod render;
 pub mod state;
 pub mod transports;
+pub mod variants;
 pub mod weights;
 
 use std::net::SocketAddr;

@@ -102,6 +102,7 @@ pub struct WorkerMetrics {
     prefix_hits: IntCounterVec,
     cache_config: GaugeVec,
     weight_info: GaugeVec,
+    variant_info: GaugeVec,
     /// PD decodes refused because other weights made the KV.
     pub weight_version_refusals: IntCounter,
     /// KV push time, seconds.
@@ -313,6 +314,12 @@ impl WorkerMetrics {
                 "The weights served: model_name and weight_version",
                 &["model_name", "weight_version"],
             )?,
+            variant_info: rngd_telemetry::gauge_vec(
+                &r,
+                names::WORKER_VARIANT_INFO,
+                "The compiled variant served: model_name, seq_len and max_batch",
+                &["model_name", "seq_len", "max_batch"],
+            )?,
             weight_version_refusals: rngd_telemetry::counter(
                 &r,
                 names::WORKER_WEIGHT_VERSION_REFUSALS_TOTAL,
@@ -510,6 +517,19 @@ impl WorkerMetrics {
                 self.weight_info
                     .with_label_values(&[m[0], version])
                     .set(1.0);
+            }
+            let (s, b) = (
+                e.info().seq_len.to_string(),
+                e.max_batch().map(|b| b.to_string()).unwrap_or_default(),
+            );
+            let variant = [m[0], s.as_str(), b.as_str()];
+            if self
+                .variant_info
+                .get_metric_with_label_values(&variant)
+                .map_or(true, |g| g.get() != 1.0)
+            {
+                self.variant_info.reset();
+                self.variant_info.with_label_values(&variant).set(1.0);
             }
             if let Some(p) = e.prefix_cache_stats() {
                 // The engine counts; the counters follow its totals.

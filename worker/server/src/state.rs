@@ -222,14 +222,43 @@ impl WorkerState {
     /// engine's prefix cache stops publishing and routers are told every
     /// block is gone (`AllBlocksCleared`): the new one starts empty.
     pub fn replace_engine(&self, engine: Arc<dyn Engine>) -> Result<Arc<dyn Engine>, String> {
+        self.swap_engine(engine, false)
+    }
+
+    /// [`WorkerState::replace_engine`] for a variant of the same weights
+    /// (`/switch_variant`): the context length (and the KV layout's
+    /// `seq_len`) may differ, the `weight_version` may not. Its prefix
+    /// cache is emptied before it serves (a prepared variant may hold
+    /// blocks routers were told are gone).
+    pub fn replace_variant(&self, engine: Arc<dyn Engine>) -> Result<Arc<dyn Engine>, String> {
+        self.swap_engine(engine, true)
+    }
+
+    fn swap_engine(
+        &self,
+        engine: Arc<dyn Engine>,
+        variant: bool,
+    ) -> Result<Arc<dyn Engine>, String> {
         let mut slot = self.0.engine.write().unwrap_or_else(|p| p.into_inner());
         let Some(old) = slot.clone() else {
             return Err("no engine is loaded yet".into());
         };
         let (a, b) = (old.info(), engine.info());
+        let layout = |l: &rngd_engine::KvLayout| {
+            let mut l = *l;
+            if variant {
+                l.seq_len = 0;
+            }
+            l
+        };
         let differs = if a.name != b.name {
             Some(format!("model name {:?}, serving {:?}", b.name, a.name))
-        } else if a.kv_layout != b.kv_layout {
+        } else if variant && a.weight_version != b.weight_version {
+            Some(format!(
+                "weight_version {}, serving {}",
+                b.weight_version, a.weight_version
+            ))
+        } else if layout(&a.kv_layout) != layout(&b.kv_layout) {
             Some(format!(
                 "KV layout {:?}, serving {:?}",
                 b.kv_layout, a.kv_layout
@@ -246,6 +275,10 @@ impl WorkerState {
             return Err(format!("the new model has {d}"));
         }
         engine.set_iteration_observer(Some(self.metrics().iteration_observer(&b.name)));
+        if variant {
+            // Nothing is attached yet: no event leaves.
+            engine.reset_prefix_cache();
+        }
         if let Some(sink) = self.prefix_sink() {
             old.set_prefix_events(None);
             sink.publish(rngd_engine::prefix::PrefixEvent::AllCleared);
@@ -342,6 +375,10 @@ impl crate::weights::EngineSlot for WorkerState {
 
     fn replace_engine(&self, engine: Arc<dyn Engine>) -> Result<Arc<dyn Engine>, String> {
         WorkerState::replace_engine(self, engine)
+    }
+
+    fn replace_variant(&self, engine: Arc<dyn Engine>) -> Result<Arc<dyn Engine>, String> {
+        WorkerState::replace_variant(self, engine)
     }
 }
 

@@ -31,6 +31,9 @@ pub trait EngineSlot: Send + Sync {
     /// Makes `engine` serve new requests if it is the same model; returns
     /// the one it replaced, or why not.
     fn replace_engine(&self, engine: Arc<dyn Engine>) -> Result<Arc<dyn Engine>, String>;
+    /// Makes `engine`, a variant of the same weights (another context
+    /// length or batch), serve new requests; returns the one it replaced.
+    fn replace_variant(&self, engine: Arc<dyn Engine>) -> Result<Arc<dyn Engine>, String>;
 }
 
 /// Loads a model file into a new engine with the worker's engine options.
@@ -75,8 +78,11 @@ pub struct WeightUpdater {
     loader: Arc<dyn EngineLoader>,
     /// The only directory whose `.gguf` files an update may name (canonical).
     dir: PathBuf,
-    /// One update at a time.
-    busy: tokio::sync::Mutex<()>,
+    /// One update or variant switch at a time.
+    pub(crate) busy: tokio::sync::Mutex<()>,
+    /// Prepared variants other than the one serving
+    /// ([`crate::variants`]); dropped when the weights change.
+    pub(crate) prepared: std::sync::Mutex<Vec<Arc<dyn Engine>>>,
     /// The name of the file serving now (the `root` of `/v1/models`), as
     /// it was given (a symbolic link's own name).
     current: std::sync::Mutex<String>,
@@ -116,6 +122,9 @@ pub enum UpdateError {
     /// The loading task died.
     #[error("the loading task failed: {0}")]
     Task(String),
+    /// The engine could not prepare the variant; the old one serves.
+    #[error("the variant could not be prepared, the current one keeps serving")]
+    Variant(#[source] EngineError),
 }
 
 /// The answer to a successful update.
@@ -182,6 +191,7 @@ impl WeightUpdater {
             loader,
             dir,
             busy: tokio::sync::Mutex::new(()),
+            prepared: std::sync::Mutex::new(Vec::new()),
             current: std::sync::Mutex::new(current),
         })
     }
@@ -314,8 +324,10 @@ pub async fn update(
     let previous = old.info().weight_version.clone();
     let mode = if delta { "delta" } else { "full" };
     // The old engine is dropped once its last request finishes (each holds
-    // it); this reference goes now, off the runtime (its scheduler is joined).
-    tokio::task::spawn_blocking(move || drop(old));
+    // it); this reference goes now, off the runtime (its scheduler is
+    // joined), with the variants prepared on the old weights.
+    let stale = std::mem::take(&mut *updater.prepared.lock().unwrap_or_else(|p| p.into_inner()));
+    tokio::task::spawn_blocking(move || drop((old, stale)));
     *updater.current.lock().unwrap_or_else(|p| p.into_inner()) =
         rngd_api::models::root(Path::new(&model_path));
     let elapsed_ms = started.elapsed().as_secs_f64() * 1e3;

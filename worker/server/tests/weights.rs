@@ -397,3 +397,148 @@ async fn a_refused_update_leaves_the_serving_weights_alone() {
     assert_eq!(served_version(&s).await.0, "5105105105105105");
     s.admin.stop().await;
 }
+
+async fn admin(s: &Setup, path: &str, body: Option<Value>) -> (u16, Value) {
+    let c = reqwest::Client::new();
+    let url = format!("http://{}{path}", s.admin.addr);
+    let req = match body {
+        Some(b) => c.post(url).json(&b),
+        None => c.get(url),
+    };
+    let r = req.bearer_auth(TOKEN).send().await.unwrap();
+    let status = r.status().as_u16();
+    (status, r.json().await.unwrap())
+}
+
+async fn max_model_len(s: &Setup) -> u64 {
+    let v: Value = reqwest::get(format!("{}/v1/models", s.w.url()))
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    v["data"][0]["max_model_len"].as_u64().unwrap()
+}
+
+async fn complete(s: &Setup, prompt: &str) -> (u16, Value) {
+    let r = reqwest::Client::new()
+        .post(format!("{}/v1/completions", s.w.url()))
+        .json(&json!({"model": "echo", "prompt": prompt, "max_tokens": 4, "temperature": 0}))
+        .send()
+        .await
+        .unwrap();
+    let status = r.status().as_u16();
+    (status, r.json().await.unwrap())
+}
+
+#[tokio::test]
+async fn a_variant_switch_moves_admission_and_keeps_the_old_variant_prepared() {
+    let s = setup().await;
+    s.old_gate.add_permits(1 << 16);
+    let long = "x".repeat(40);
+    assert_eq!(complete(&s, &long).await.0, 200);
+    assert_eq!(max_model_len(&s).await, 64);
+
+    let (status, a) = admin(
+        &s,
+        "/switch_variant",
+        Some(json!({"seq_len": 32, "max_batch": 2})),
+    )
+    .await;
+    assert_eq!(status, 200, "{a}");
+    assert_eq!(
+        (a["seq_len"].as_u64(), a["max_batch"].as_u64()),
+        (Some(32), Some(2))
+    );
+    assert_eq!(a["was_prepared"], false);
+    // The variant serving, then the one it replaced, each with its KV memory:
+    // layers 2 × kv_heads 1 × head_dim 8 × S × K and V × bf16, per slot and
+    // for the prefill cache.
+    assert_eq!(
+        a["variants"],
+        json!([
+            {"seq_len": 32, "max_batch": 2, "kv_cache_bytes": 2 * 8 * 32 * 4 * 3, "active": true},
+            {"seq_len": 64, "max_batch": 8, "kv_cache_bytes": 2 * 8 * 64 * 4 * 9, "active": false},
+        ])
+    );
+    // Admission follows at once: the worker's own and what it tells routers.
+    assert_eq!(max_model_len(&s).await, 32);
+    let (status, e) = complete(&s, &long).await;
+    assert_eq!(status, 400, "{e}");
+    assert_eq!(e["error"]["code"], "context_length_exceeded", "{e}");
+    assert!(
+        e["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("context length of 32"),
+        "{e}"
+    );
+    assert_eq!(complete(&s, "abc").await.0, 200);
+    let page = reqwest::get(format!("{}/metrics", s.w.url()))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(
+        page.contains(
+            "rngd_pd_worker_variant_info{max_batch=\"2\",model_name=\"echo\",seq_len=\"32\"} 1"
+        ),
+        "{page}"
+    );
+    assert!(!page.contains("seq_len=\"64\""), "one series: {page}");
+    // The weights did not change.
+    assert_eq!(served_version(&s).await.0, "aaaaaaaaaaaaaaaa");
+
+    // Back: a swap to the prepared variant.
+    let (status, a) = admin(
+        &s,
+        "/switch_variant",
+        Some(json!({"seq_len": 64, "max_batch": 8})),
+    )
+    .await;
+    assert_eq!(status, 200, "{a}");
+    assert_eq!(a["was_prepared"], true);
+    assert_eq!(a["variants"].as_array().unwrap().len(), 2);
+    assert_eq!(complete(&s, &long).await.0, 200);
+    // The same variant again: nothing to do.
+    let (status, a) = admin(&s, "/switch_variant", Some(json!({}))).await;
+    assert_eq!((status, a["was_prepared"].clone()), (200, json!(true)));
+
+    // Refusals name the field; the serving variant stays.
+    for (body, param) in [
+        (json!({"seq_len": 0}), "seq_len"),
+        (json!({"max_batch": 100000}), "max_batch"),
+        (json!({"seq": 12}), "seq"),
+    ] {
+        let (status, e) = admin(&s, "/switch_variant", Some(body)).await;
+        assert_eq!(status, 400, "{e}");
+        assert_eq!(e["error"]["param"], param, "{e}");
+    }
+    assert_eq!(max_model_len(&s).await, 64);
+
+    // New weights drop the variants prepared on the old ones.
+    assert_eq!(update(&s, json!({"model_path": "b.gguf"})).await.0, 200);
+    let (status, v) = admin(&s, "/variants", None).await;
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["variants"].as_array().unwrap().len(), 1, "{v}");
+    assert_eq!(v["variants"][0]["active"], true);
+}
+
+#[tokio::test]
+async fn at_most_four_variants_are_kept_prepared() {
+    let s = setup().await;
+    for n in [10, 11, 12, 13, 14, 15] {
+        let (status, a) = admin(&s, "/switch_variant", Some(json!({"seq_len": n}))).await;
+        assert_eq!(status, 200, "{a}");
+    }
+    let (_, v) = admin(&s, "/variants", None).await;
+    let lens: Vec<u64> = v["variants"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x["seq_len"].as_u64().unwrap())
+        .collect();
+    // The serving one, then the four most recent it replaced.
+    assert_eq!(lens, [15, 11, 12, 13, 14]);
+}

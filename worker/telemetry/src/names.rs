@@ -94,6 +94,11 @@ pub const AIRM_KV_TRANSFER_MS: &str = "airm_kv_transfer_ms";
 
 /// Requests by status code (counter, label `code`).
 pub const GATEWAY_REQUESTS_TOTAL: &str = "rngd_pd_gateway_requests_total";
+/// PD routes the prefill worker refused with `context_length_exceeded` (its
+/// variant holds less context than the gateway's last scrape said) and the
+/// decode worker then prefilled itself (counter).
+pub const GATEWAY_PREFILL_CONTEXT_FALLBACKS_TOTAL: &str =
+    "rngd_pd_gateway_prefill_context_fallbacks_total";
 
 // Policy host.
 /// Module reloads that failed (the old module stayed active).
@@ -226,6 +231,10 @@ pub const VLLM_CACHE_CONFIG_INFO: &str = "vllm:cache_config_info";
 /// Gauge 1 with labels `model_name` and `weight_version` (the engine's
 /// weights identity, `rngd_engine::identity`): one series, the current one.
 pub const WORKER_WEIGHT_INFO: &str = "rngd_pd_worker_weight_info";
+/// Gauge 1 for the compiled variant a worker serves now, labels
+/// `model_name`, `seq_len`, `max_batch` (`/switch_variant` changes it; the
+/// routers read `seq_len` for admission): one series, the current one.
+pub const WORKER_VARIANT_INFO: &str = "rngd_pd_worker_variant_info";
 /// Counter: PD decodes refused with 409 because the KV was computed by
 /// another `weight_version` (the KV released unpulled).
 pub const WORKER_WEIGHT_VERSION_REFUSALS_TOTAL: &str =

@@ -16,6 +16,10 @@
 //! - **Full** otherwise: the file loads as at startup, with the engine's
 //!   options.
 //!
+//! And a **variant** of the running engine ([`crate::Engine::variant`]):
+//! the same weights (shared, nothing read) with another context length and
+//! batch.
+//!
 //! Nothing here touches the running engine; the caller swaps.
 
 use std::collections::HashMap;
@@ -65,6 +69,38 @@ fn changed_between(
 }
 
 impl CpuEngine {
+    /// See [`crate::Engine::variant`]: the weights shared, the RoPE table
+    /// rebuilt for `seq_len` positions, the engine's other options kept.
+    pub(crate) fn variant_of(
+        &self,
+        seq_len: usize,
+        max_batch: usize,
+    ) -> Result<std::sync::Arc<CpuEngine>, EngineError> {
+        let source = self.source.as_ref().ok_or_else(|| {
+            EngineError::InvalidRequest(
+                "this engine's model was not loaded from a file; it has no variants".into(),
+            )
+        })?;
+        if seq_len == 0 || max_batch == 0 {
+            return Err(EngineError::InvalidRequest(
+                "seq_len and max_batch must be at least 1".into(),
+            ));
+        }
+        let mut opts = source.opts.clone();
+        opts.seq_len = seq_len;
+        opts.batch = max_batch;
+        let model = self.model.with_max_pos(seq_len)?;
+        CpuEngine::start(
+            model,
+            self.tokenizer.clone(),
+            seq_len,
+            max_batch,
+            &opts.prefix_cache.clone(),
+            opts.max_num_batched_tokens,
+            Some(Source { opts }),
+        )
+    }
+
     /// See [`crate::Engine::reload`] and the module docs.
     pub(crate) fn reload_from(&self, path: &Path) -> Result<Reloaded, EngineError> {
         let source = self.source.as_ref().ok_or_else(|| {

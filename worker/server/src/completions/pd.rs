@@ -345,7 +345,9 @@ pub(super) async fn decode_remote(
         first_token: first,
         first_logprobs: params.first_token_logprobs.clone(),
         kv: KvCache {
-            layout: handle.layout,
+            // This engine's: a trimmed handle of another context length was
+            // admitted by `check_shape` (its blobs are the same).
+            layout: engine.info().kv_layout,
             tokens: handle.tokens,
             wire: handle.wire,
             blobs,
