@@ -216,6 +216,32 @@ def scored(addr, prompt):
     return c["token_ids"], c["logprobs"]["token_logprobs"], c["logprobs"]["top_logprobs"]
 
 
+def update_under_load(url, admin, body):
+    """`POST /update_weights_from_disk` with `body` while two clients keep
+    sending a greedy completion of `PROMPTS[0]`; returns the update's answer
+    and every completion's (status, token ids or error text)."""
+    results, stop = [], threading.Event()
+
+    def load():
+        while not stop.is_set():
+            r = requests.post(f"http://{url}/v1/completions",
+                              json={"model": SERVED_MODEL, "prompt": PROMPTS[0], "max_tokens": 6, "temperature": 0},
+                              timeout=300)
+            results.append((r.status_code, r.json()["choices"][0]["token_ids"] if r.ok else r.text))
+
+    threads = [threading.Thread(target=load) for _ in range(2)]
+    for t in threads:
+        t.start()
+    try:
+        r = requests.post(admin + "/update_weights_from_disk", json=body,
+                          headers={"Authorization": f"Bearer {TOKEN}"}, timeout=300)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(300)
+    return r, results
+
+
 def test_a_running_worker_switches_weights_with_the_tokens_of_a_fresh_start(pair):
     # The worker's weights directory holds the original (a copy) and the changed file.
     original = pair.dir / "original.gguf"
@@ -243,25 +269,7 @@ def test_a_running_worker_switches_weights_with_the_tokens_of_a_fresh_start(pair
         assert scored(url, PROMPTS[0]) == old[PROMPTS[0]]
 
         # The switch, with requests running beside it: none fails.
-        results, stop = [], threading.Event()
-
-        def load():
-            while not stop.is_set():
-                r = requests.post(f"http://{url}/v1/completions",
-                                  json={"model": SERVED_MODEL, "prompt": PROMPTS[0], "max_tokens": 6,
-                                        "temperature": 0},
-                                  timeout=300)
-                results.append((r.status_code, r.json()["choices"][0]["token_ids"] if r.ok else r.text))
-
-        threads = [threading.Thread(target=load) for _ in range(2)]
-        for t in threads:
-            t.start()
-        r = requests.post(admin + "/update_weights_from_disk",
-                          json={"model_path": pair.changed.name, "abort_all_requests": False}, headers=auth,
-                          timeout=300)
-        stop.set()
-        for t in threads:
-            t.join(300)
+        r, results = update_under_load(url, admin, {"model_path": pair.changed.name, "abort_all_requests": False})
         assert r.status_code == 200, r.text
         answer = r.json()
         assert answer["success"] is True
@@ -322,24 +330,7 @@ def test_a_manifest_makes_the_update_read_only_the_changed_tensor(pair):
         assert before == weight_version(pair.same), "the manifest copy holds the same weights"
         old = scored(url, PROMPTS[0])
 
-        results, stop = [], threading.Event()
-
-        def load():
-            while not stop.is_set():
-                r = requests.post(f"http://{url}/v1/completions",
-                                  json={"model": SERVED_MODEL, "prompt": PROMPTS[0], "max_tokens": 6,
-                                        "temperature": 0},
-                                  timeout=300)
-                results.append((r.status_code, r.json()["choices"][0]["token_ids"] if r.ok else r.text))
-
-        threads = [threading.Thread(target=load) for _ in range(2)]
-        for th in threads:
-            th.start()
-        r = requests.post(admin + "/update_weights_from_disk", json={"model_path": "changed.gguf"}, headers=auth,
-                          timeout=300)
-        stop.set()
-        for th in threads:
-            th.join(300)
+        r, results = update_under_load(url, admin, {"model_path": "changed.gguf"})
         assert r.status_code == 200, r.text
         answer = r.json()
         assert answer["mode"] == "delta", answer

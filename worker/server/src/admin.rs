@@ -151,6 +151,30 @@ fn update_error(e: &UpdateError) -> Response {
     error(status, message, param)
 }
 
+/// The updater of a worker whose engine can change, or the 400 saying it
+/// `cannot`.
+fn updater(
+    st: &AdminState,
+    cannot: &'static str,
+) -> Result<std::sync::Arc<crate::weights::WeightUpdater>, Response> {
+    st.worker
+        .weight_updater()
+        .cloned()
+        .ok_or_else(|| error(StatusCode::BAD_REQUEST, cannot, None))
+}
+
+/// The answer to a change of the serving engine: its JSON, or the refusal
+/// mapped to its status (logged as `what`).
+fn changed<T: serde::Serialize>(r: Result<T, UpdateError>, what: &'static str) -> Response {
+    match r {
+        Ok(answer) => axum::Json(answer).into_response(),
+        Err(e) => {
+            tracing::warn!(error = %e, what, "engine change refused");
+            update_error(&e)
+        }
+    }
+}
+
 /// `POST /update_weights_from_disk {"model_path": …}`: 200 with
 /// [`crate::weights::UpdateAnswer`] once the new weights serve; an error
 /// body (the old weights still serving) otherwise; 400 on a worker that
@@ -163,19 +187,12 @@ async fn update_weights(
     if let Some(resp) = st.refusal(&headers) {
         return resp;
     }
-    let Some(updater) = st.worker.weight_updater().cloned() else {
-        return error(
-            StatusCode::BAD_REQUEST,
-            "this worker's engine cannot be reloaded",
-            None,
-        );
-    };
-    match crate::weights::update(&st.worker, &updater, &body).await {
-        Ok(answer) => axum::Json(answer).into_response(),
-        Err(e) => {
-            tracing::warn!(error = %e, "weight update refused");
-            update_error(&e)
-        }
+    match updater(&st, "this worker's engine cannot be reloaded") {
+        Ok(u) => changed(
+            crate::weights::update(&st.worker, &u, &body).await,
+            "weight update",
+        ),
+        Err(resp) => resp,
     }
 }
 
@@ -190,21 +207,17 @@ async fn switch_variant(
     if let Some(resp) = st.refusal(&headers) {
         return resp;
     }
-    let Some(updater) = st.worker.weight_updater().cloned() else {
-        return error(
-            StatusCode::BAD_REQUEST,
-            "this worker's engine has no variants",
-            None,
-        );
-    };
-    match crate::variants::switch(&st.worker, &updater, &body).await {
-        Ok(answer) => axum::Json(answer).into_response(),
-        Err(e) => {
-            tracing::warn!(error = %e, "variant switch refused");
-            update_error(&e)
-        }
+    match updater(&st, NO_VARIANTS) {
+        Ok(u) => changed(
+            crate::variants::switch(&st.worker, &u, &body).await,
+            "variant switch",
+        ),
+        Err(resp) => resp,
     }
 }
+
+/// Why a worker cannot switch variants.
+const NO_VARIANTS: &str = "this worker's engine has no variants";
 
 /// `GET /variants`: the variant serving and those prepared, each with its
 /// memory cost.
@@ -222,11 +235,7 @@ async fn variants(State(st): State<AdminState>, headers: HeaderMap) -> Response 
             "the model is still loading",
             None,
         ),
-        (Some(_), None) => error(
-            StatusCode::BAD_REQUEST,
-            "this worker's engine has no variants",
-            None,
-        ),
+        (Some(_), None) => error(StatusCode::BAD_REQUEST, NO_VARIANTS, None),
     }
 }
 
