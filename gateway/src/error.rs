@@ -171,7 +171,7 @@ pub enum ApiError {
     #[error("overloaded ({}): {max_concurrent} requests are being served", reason.as_str())]
     Overloaded {
         /// Queue full or waited too long.
-        reason: crate::admission::Overload,
+        reason: rngd_pool::admission::Overload,
         /// The concurrency limit.
         max_concurrent: usize,
         /// Seconds to wait before retrying (`Retry-After`).
@@ -361,6 +361,18 @@ impl IntoResponse for ApiError {
             e.set_headers(resp.headers_mut());
         }
         resp
+    }
+}
+
+// === impl From<Overloaded> ===
+
+impl From<rngd_pool::admission::Overloaded> for ApiError {
+    fn from(o: rngd_pool::admission::Overloaded) -> Self {
+        ApiError::Overloaded {
+            reason: o.reason,
+            max_concurrent: o.max_concurrent,
+            retry_after_s: o.retry_after_s,
+        }
     }
 }
 

@@ -83,7 +83,7 @@ pub struct Args {
     /// On SIGTERM or Ctrl-C, seconds the ext_proc streams in flight have to
     /// end (fractions allowed); meanwhile gRPC readiness is NOT_SERVING and
     /// no new connection is taken. A second signal exits at once.
-    #[arg(long, value_name = "SECONDS", value_parser = crate::gateway::seconds,
+    #[arg(long, value_name = "SECONDS", value_parser = crate::listener::seconds,
           default_value_t = rngd_http_edge::DEFAULT_SHUTDOWN_TIMEOUT.as_secs_f64())]
     pub shutdown_timeout: f64,
     /// Poll interval of the endpoints file and the policy module, ms.

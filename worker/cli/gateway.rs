@@ -62,7 +62,7 @@ pub struct Args {
     /// API key of the public routes (vLLM's `--api-key`): every route but
     /// `/health`, `/ping`, `/metrics` and `/version` wants `Authorization:
     /// Bearer KEY`; the gateway sends it to the workers (give them the same).
-    #[arg(long, env = env::VLLM_API_KEY, hide_env_values = true, value_parser = crate::worker::parse_api_key)]
+    #[arg(long, env = env::VLLM_API_KEY, hide_env_values = true, value_parser = crate::listener::parse_api_key)]
     pub api_key: Option<rngd_http_edge::api_key::ApiKey>,
     /// Listener of the policy admin API (`GET`/`PUT /admin/policy`), apart
     /// from the public and metrics ports; loopback by default.
@@ -117,7 +117,7 @@ pub struct Args {
     pub ssl_keyfile: Option<PathBuf>,
     /// The listener limits.
     #[command(flatten)]
-    pub listener: ListenerArgs,
+    pub listener: crate::listener::ListenerArgs,
     /// Worker `/metrics` scrape period, ms.
     #[arg(long, default_value_t = 50)]
     pub scrape_interval_ms: u64,
@@ -289,63 +289,4 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     launched.shutdown();
     launched.join().await?;
     Ok(())
-}
-
-/// The listener limits, one flag name per meaning in every subcommand that
-/// serves HTTP (`gateway`, `worker`); the defaults are
-/// [`rngd_http_edge::Options`]'s (`docs/gateway.md`, "Listener limits").
-#[derive(Debug, Clone, clap::Args)]
-pub struct ListenerArgs {
-    /// Time a connection has to send a request's complete header block, ms
-    /// (from the accept, or from the end of the previous response on a
-    /// kept-alive connection); then it is closed.
-    #[arg(long, default_value_t = rngd_http_edge::DEFAULT_HEADER_TIMEOUT.as_millis() as u64)]
-    pub header_timeout_ms: u64,
-    /// Time a kept-alive connection may sit with no request in flight, ms;
-    /// then it is closed.
-    #[arg(long, default_value_t = rngd_http_edge::DEFAULT_IDLE_TIMEOUT.as_millis() as u64)]
-    pub idle_timeout_ms: u64,
-    /// Connections served at once per listener; one more is accepted and
-    /// closed at once.
-    #[arg(long, default_value_t = rngd_http_edge::DEFAULT_MAX_CONNECTIONS)]
-    pub max_connections: usize,
-    /// Bytes of request bodies being read at once per listener (each body's
-    /// Content-Length reserved before it is read); a body that does not fit
-    /// is a 503 with `Retry-After` before anything is buffered.
-    #[arg(long, default_value_t = rngd_http_edge::DEFAULT_MAX_INFLIGHT_BODY_BYTES)]
-    pub max_inflight_body_bytes: usize,
-    /// On SIGTERM or Ctrl-C, seconds the requests in flight have to finish
-    /// (fractions allowed); meanwhile `/ready` answers 503 and new requests
-    /// a 503 `shutting_down`. Then a stream still running ends with an error
-    /// event and `data: [DONE]`, a unary request gets a 503. A second signal
-    /// exits at once.
-    #[arg(long, value_name = "SECONDS", value_parser = seconds,
-          default_value_t = rngd_http_edge::DEFAULT_SHUTDOWN_TIMEOUT.as_secs_f64())]
-    pub shutdown_timeout: f64,
-}
-
-/// A duration in seconds: finite, not negative, at most a day.
-pub fn seconds(s: &str) -> Result<f64, String> {
-    let v: f64 = s
-        .parse()
-        .map_err(|_| format!("`{s}` is not a number of seconds"))?;
-    if !v.is_finite() || !(0.0..=86_400.0).contains(&v) {
-        return Err(format!("`{s}` must be between 0 and 86400 seconds"));
-    }
-    Ok(v)
-}
-
-impl ListenerArgs {
-    /// The flags as the edge's options (the polite-close bounds keep their
-    /// defaults).
-    pub fn options(&self) -> rngd_http_edge::Options {
-        rngd_http_edge::Options {
-            header_timeout: Duration::from_millis(self.header_timeout_ms),
-            idle_timeout: Duration::from_millis(self.idle_timeout_ms),
-            max_connections: self.max_connections,
-            max_inflight_body_bytes: self.max_inflight_body_bytes,
-            shutdown_timeout: Duration::from_secs_f64(self.shutdown_timeout),
-            ..rngd_http_edge::Options::default()
-        }
-    }
 }

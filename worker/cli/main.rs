@@ -7,6 +7,7 @@
 mod ext_proc;
 mod gateway;
 mod kv;
+mod listener;
 mod model;
 mod policy;
 mod pool;

@@ -130,7 +130,7 @@ pub struct Args {
     /// finish the requests in flight (their `--shutdown-timeout`): the front
     /// doors drain first, then the workers, then the relay. A second Ctrl-C
     /// kills the stack at once.
-    #[arg(long, value_name = "SECONDS", value_parser = crate::gateway::seconds,
+    #[arg(long, value_name = "SECONDS", value_parser = crate::listener::seconds,
           default_value_t = rngd_http_edge::DEFAULT_SHUTDOWN_TIMEOUT.as_secs_f64())]
     pub shutdown_timeout: f64,
     /// Decode streams each worker steps together (the workers' `--batch`);
@@ -242,7 +242,7 @@ pub async fn run(args: Args, log_format: crate::LogFormat) -> anyhow::Result<()>
     rngd_kv_transport::registry::check_name(&args.kv_transport)
         .with_context(|| format!("--kv-transport {}", args.kv_transport))?;
     if let Some(k) = &args.api_key {
-        crate::worker::parse_api_key(k).map_err(|e| anyhow::anyhow!("--api-key: {e}"))?;
+        crate::listener::parse_api_key(k).map_err(|e| anyhow::anyhow!("--api-key: {e}"))?;
     }
     ports_are_free(&args, &plans)?;
     let model = {

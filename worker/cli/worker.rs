@@ -115,18 +115,18 @@ pub struct Args {
     #[arg(long, env = env::RNGD_PD_FRONT_DOOR_ALLOW, default_value = "127.0.0.0/8,::1")]
     pub front_door_allow: ClientAllow,
     /// Largest request body, bytes; larger is a 413 (OpenAI error body).
-    #[arg(long, env = env::RNGD_PD_WORKER_BODY_LIMIT, default_value_t = rngd_worker::state::DEFAULT_BODY_LIMIT)]
+    #[arg(long, env = env::RNGD_PD_WORKER_BODY_LIMIT, default_value_t = rngd_worker::args::DEFAULT_BODY_LIMIT)]
     pub body_limit: usize,
     /// Time a client has to send its whole body, ms; then 408.
     #[arg(long, default_value_t = 30_000)]
     pub body_timeout_ms: u64,
     /// Completion requests admitted at once (queued in the engine or running,
     /// their pulled KV held); one more is a 429 with `Retry-After`, never a wait.
-    #[arg(long, default_value_t = rngd_worker::state::DEFAULT_MAX_IN_FLIGHT)]
+    #[arg(long, default_value_t = rngd_worker::args::DEFAULT_MAX_IN_FLIGHT)]
     pub max_in_flight: usize,
     /// The listener limits (the same flags as the gateway's).
     #[command(flatten)]
-    pub listener: crate::gateway::ListenerArgs,
+    pub listener: crate::listener::ListenerArgs,
     /// Reuse the KV of cached prompt prefixes (vLLM's flag; on by default).
     #[arg(long, overrides_with = "no_enable_prefix_caching")]
     pub enable_prefix_caching: bool,
@@ -171,7 +171,7 @@ pub struct Args {
     /// API key of the public routes (vLLM's `--api-key`): every route but
     /// `/health`, `/ready`, `/ping`, `/metrics` and `/version` wants
     /// `Authorization: Bearer KEY`; the worker sends it to its prefill peers.
-    #[arg(long, env = env::VLLM_API_KEY, hide_env_values = true, value_parser = parse_api_key)]
+    #[arg(long, env = env::VLLM_API_KEY, hide_env_values = true, value_parser = crate::listener::parse_api_key)]
     pub api_key: Option<rngd_http_edge::api_key::ApiKey>,
     /// Bearer token of the worker admin API; unset: no admin listener.
     #[arg(long, env = env::RNGD_PD_ADMIN_TOKEN, hide_env_values = true)]
@@ -236,15 +236,6 @@ impl Args {
                     .and_then(rngd_http_edge::admin::AdminToken::new),
             },
         }
-    }
-}
-
-/// `--api-key`: a usable header value, not empty.
-pub(crate) fn parse_api_key(s: &str) -> Result<rngd_http_edge::api_key::ApiKey, String> {
-    match rngd_http_edge::api_key::ApiKey::parse(s) {
-        Ok(Some(k)) => Ok(k),
-        Ok(None) => Err("the API key is empty".into()),
-        Err(e) => Err(e.into()),
     }
 }
 

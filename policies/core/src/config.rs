@@ -1,9 +1,10 @@
 //! The default policy's plugin configuration (JSON), documented field by field
-//! in `docs/policy-abi.md`.
+//! in `docs/policy-abi.md`: its fields, defaults and scores. Its reader,
+//! `PolicyConfig::from_json`, lives with the other JSON reader in `json`.
 
 use serde::{Deserialize, Serialize};
 
-use crate::{CoreError, Endpoint};
+use crate::Endpoint;
 
 /// Plugin configuration of the default PD policy. Every field has a default,
 /// so `{}` (or an empty configuration) is valid.
@@ -128,14 +129,6 @@ impl Default for PolicyConfig {
 }
 
 impl PolicyConfig {
-    /// Parses a plugin configuration; empty or whitespace-only means defaults.
-    pub fn from_json(bytes: &[u8]) -> Result<Self, CoreError> {
-        if bytes.iter().all(u8::is_ascii_whitespace) {
-            return Ok(PolicyConfig::default());
-        }
-        crate::json::config(bytes).map_err(|source| CoreError::Config { source })
-    }
-
     /// Load score of an endpoint: lower is better.
     pub fn score(&self, e: &Endpoint) -> f64 {
         f64::from(e.queue_depth) * self.queue_weight

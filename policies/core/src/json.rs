@@ -15,7 +15,7 @@
 
 use std::fmt;
 
-use crate::{Endpoint, PolicyConfig, Role, Vendor, push_digit};
+use crate::{CoreError, Endpoint, PolicyConfig, Role, Vendor, push_digit};
 
 /// Nesting deeper than this is refused (as `serde_json` does).
 const MAX_DEPTH: usize = 128;
@@ -48,6 +48,16 @@ pub(crate) fn endpoints(doc: &[u8]) -> Result<Vec<Endpoint>, JsonError> {
     })?;
     r.end()?;
     Ok(out)
+}
+
+impl PolicyConfig {
+    /// Parses a plugin configuration; empty or whitespace-only means defaults.
+    pub fn from_json(bytes: &[u8]) -> Result<Self, CoreError> {
+        if bytes.iter().all(u8::is_ascii_whitespace) {
+            return Ok(PolicyConfig::default());
+        }
+        config(bytes).map_err(|source| CoreError::Config { source })
+    }
 }
 
 /// Parses a plugin configuration object (absent fields take their defaults,

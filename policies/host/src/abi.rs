@@ -55,8 +55,6 @@ mod stream;
 mod time;
 mod wasi;
 
-pub use headers::{decode_map, encode_map};
-
 /// The proxy-wasm import module.
 const ENV: &str = "env";
 

@@ -19,6 +19,7 @@ mod check;
 pub mod codes;
 mod guest;
 pub mod locate;
+mod map;
 mod request;
 mod runtime;
 
@@ -26,9 +27,9 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
-pub use abi::{decode_map as decode_header_map, encode_map as encode_header_map};
 pub use admin::{AdminOptions, AdminToken, admin_router, admin_router_with};
 pub use check::{CheckOptions, check};
+pub use map::{decode_map as decode_header_map, encode_map as encode_header_map};
 pub use request::RequestState;
 pub use rngd_policy_core::{Decision, Endpoint, LocalResponse, Route};
 pub use runtime::PolicyRuntime;

@@ -9,8 +9,8 @@ use std::sync::Arc;
 use rngd_api::headers;
 use rngd_policy_core::{Decision, LocalResponse, Route};
 
-use crate::abi::decode_map;
 use crate::codes::status;
+use crate::map::decode_map;
 use crate::{PolicyError, PolicyRequest};
 
 /// The request the guest is looking at, and what it did to it.

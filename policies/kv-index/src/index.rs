@@ -11,6 +11,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use crate::decode::{Batch, BlockId, Event};
+use crate::endpoint::Health;
 use crate::keys::{ROOT_KEY, chain_key};
 use crate::stats::{Counters, add};
 
@@ -26,52 +27,6 @@ const MAX_TOUCH_DEPTH: usize = 4096;
 /// Engine hashes kept per block at most (several name one block when the
 /// engine hashes more than the tokens, e.g. per cache salt).
 const MAX_ENGINE_IDS: usize = 16;
-
-/// Whether an endpoint's cache information can be trusted; only
-/// [`Health::Live`] endpoints get a match, every other state answers `None`
-/// (no cache information), never 0.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum Health {
-    /// Subscribed, nothing known yet (no batch, no replay).
-    Unknown,
-    /// A replay that rebuilds the endpoint's entries is under way.
-    Replaying,
-    /// Every batch applied in order: the information is current.
-    Live,
-    /// No batch for `stale_after` and no probe answered.
-    Stale,
-    /// A stored chain named a parent hash never stored.
-    UnknownParent,
-    /// Batches were lost and no replay could bring them (no replay socket,
-    /// a failed replay, or history the publisher no longer holds).
-    MissedBatches,
-    /// A payload could not be decoded.
-    Undecodable,
-}
-
-impl Health {
-    /// The state's name (`"live"`, `"stale"`, …) for logs and metrics.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Health::Unknown => "unknown",
-            Health::Replaying => "replaying",
-            Health::Live => "live",
-            Health::Stale => "stale",
-            Health::UnknownParent => "unknown_parent",
-            Health::MissedBatches => "missed_batches",
-            Health::Undecodable => "undecodable",
-        }
-    }
-
-    /// A state that only a successful recovery replay or an
-    /// `AllBlocksCleared` ends.
-    pub fn is_broken(self) -> bool {
-        matches!(
-            self,
-            Health::UnknownParent | Health::MissedBatches | Health::Undecodable
-        )
-    }
-}
 
 /// What applying one batch found.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]

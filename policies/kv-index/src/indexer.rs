@@ -10,25 +10,11 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use crate::KvIndexError;
-use crate::index::{Health, Index};
+use crate::endpoint::{EndpointSpec, Health};
+use crate::index::Index;
 use crate::options::Options;
 use crate::stats::{EndpointStats, IndexStats};
 use crate::stream::{Command, Subscriber};
-
-/// One endpoint whose events are indexed.
-#[derive(Debug, Clone, PartialEq, Eq, Hash)]
-pub struct EndpointSpec {
-    /// The id the routers name it by (its URL, its pod name); unique.
-    pub id: String,
-    /// The publisher's PUB endpoint to connect to (`tcp://host:5557`).
-    pub endpoint: String,
-    /// The publisher's ROUTER replay endpoint; without one a gap or a late
-    /// join cannot be recovered and leaves the endpoint without cache
-    /// information until an `AllBlocksCleared`.
-    pub replay_endpoint: Option<String>,
-    /// The topic prefix to subscribe to (`""`: every message).
-    pub topic: String,
-}
 
 /// Commands waiting for the thread, at most.
 const COMMAND_QUEUE: usize = 16;

@@ -11,9 +11,12 @@
 //! - [`decode`]: the lenient MessagePack decoding of vLLM's event batches;
 //! - [`Index`]: the index itself (router key → endpoints, a block cap with
 //!   LRU eviction), usable without sockets;
+//! - [`EndpointSpec`] / [`Health`]: an endpoint to index and whether its
+//!   cache information can be trusted;
 //! - [`IndexStats`] / [`EndpointStats`]: the counters.
 
 pub mod decode;
+pub mod endpoint;
 pub mod index;
 pub mod indexer;
 pub mod keys;
@@ -22,8 +25,9 @@ pub mod stats;
 mod stream;
 
 pub use decode::{Batch, BlockId, DecodeError, Event, decode_batch};
-pub use index::{Applied, Health, Index};
-pub use indexer::{EndpointSpec, KvIndexer};
+pub use endpoint::{EndpointSpec, Health};
+pub use index::{Applied, Index};
+pub use indexer::KvIndexer;
 pub use keys::{ROOT_KEY, block_keys, chain_key};
 pub use options::Options;
 pub use stats::{EndpointStats, IndexStats};

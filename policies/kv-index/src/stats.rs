@@ -4,7 +4,7 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use crate::index::Health;
+use crate::endpoint::Health;
 
 /// Monotonic counters, updated by the subscriber thread.
 #[derive(Debug, Default)]

@@ -26,8 +26,8 @@ use std::time::{Duration, Instant};
 
 use crate::KvIndexError;
 use crate::decode::decode_batch;
-use crate::index::{Health, Index};
-use crate::indexer::EndpointSpec;
+use crate::endpoint::{EndpointSpec, Health};
+use crate::index::Index;
 use crate::options::Options;
 use crate::stats::add;
 

@@ -11,7 +11,6 @@ use crate::openai::{
     ChatCompletionResponse, ChatDelta, ChatLogprobs, ChatResponseMessage, ChoiceLogprobs,
     CompletionResponse, Prompt, Usage,
 };
-use crate::rules;
 
 /// `object` of a chat answer.
 pub const CHAT_OBJECT: &str = "chat.completion";
@@ -108,7 +107,7 @@ pub fn max_tokens(req: &ChatCompletionRequest, prompt_tokens: usize, seq_len: Op
     match (requested_max_tokens(req), seq_len) {
         (Some(m), _) => m,
         (None, Some(s)) => (s as usize).saturating_sub(prompt_tokens).max(1) as u32,
-        (None, None) => rules::DEFAULT_MAX_TOKENS,
+        (None, None) => crate::openai::DEFAULT_MAX_TOKENS,
     }
 }
 
@@ -383,7 +382,7 @@ mod tests {
         };
         assert_eq!(max_tokens(&req, 9, Some(100)), 91);
         assert_eq!(max_tokens(&req, 200, Some(100)), 1);
-        assert_eq!(max_tokens(&req, 9, None), rules::DEFAULT_MAX_TOKENS);
+        assert_eq!(max_tokens(&req, 9, None), crate::openai::DEFAULT_MAX_TOKENS);
         req.sampling.max_tokens = Some(5);
         assert_eq!(max_tokens(&req, 9, Some(100)), 5);
         req.max_completion_tokens = Some(4);

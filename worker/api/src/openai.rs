@@ -659,21 +659,6 @@ impl ErrorBody {
     }
 }
 
-/// A broken request rule as the 400 body every door sends: its message, its
-/// `param` (the parameter, or the unknown field) and its code.
-impl From<&crate::rules::RuleError> for ErrorBody {
-    fn from(r: &crate::rules::RuleError) -> Self {
-        let mut body = ErrorBody::new(ErrorBody::kind_for_status(400), r.message.clone());
-        if let Some(p) = r.param_name() {
-            body = body.with_param(p);
-        }
-        if let Some(c) = r.code {
-            body = body.with_code(c);
-        }
-        body
-    }
-}
-
 /// The message for a prompt that does not fit the compiled context length.
 /// Every component that refuses one uses this text.
 pub fn context_length_message(prompt_tokens: usize, max_tokens: usize, seq_len: usize) -> String {
@@ -682,6 +667,9 @@ pub fn context_length_message(prompt_tokens: usize, max_tokens: usize, seq_len: 
         prompt_tokens + max_tokens
     )
 }
+
+/// `max_tokens` of a completion that sets none (OpenAI's default).
+pub const DEFAULT_MAX_TOKENS: u32 = 16;
 
 /// Error code used with [`context_length_message`].
 pub const CONTEXT_LENGTH_CODE: &str = "context_length_exceeded";

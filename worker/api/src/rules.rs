@@ -25,10 +25,9 @@ pub use sampling::{
     logit_bias, seed_bits, top_k,
 };
 
-use crate::openai::{ChatCompletionRequest, CompletionRequest, Prompt};
+use crate::openai::{ChatCompletionRequest, CompletionRequest, ErrorBody, Prompt};
 
-/// `max_tokens` of a completion that sets none (OpenAI's default).
-pub const DEFAULT_MAX_TOKENS: u32 = 16;
+pub use crate::openai::DEFAULT_MAX_TOKENS;
 
 /// Largest `temperature` accepted (OpenAI's range is `[0, 2]`).
 pub const MAX_TEMPERATURE: f32 = 2.0;
@@ -410,6 +409,23 @@ pub fn unix_now() -> u64 {
 /// A duration in milliseconds, as the `timings` fields carry it.
 pub fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1e3
+}
+
+// === impl From<&RuleError> for ErrorBody ===
+
+/// A broken request rule as the 400 body every door sends: its message, its
+/// `param` (the parameter, or the unknown field) and its code.
+impl From<&RuleError> for ErrorBody {
+    fn from(r: &RuleError) -> Self {
+        let mut body = ErrorBody::new(ErrorBody::kind_for_status(400), r.message.clone());
+        if let Some(p) = r.param_name() {
+            body = body.with_param(p);
+        }
+        if let Some(c) = r.code {
+            body = body.with_code(c);
+        }
+        body
+    }
 }
 
 #[cfg(test)]

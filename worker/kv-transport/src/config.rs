@@ -223,8 +223,15 @@ fn client_tls(
 
 /// Parses a positive number of seconds (fractions allowed).
 pub(crate) fn parse_secs(name: &str, v: &str) -> Result<Duration, KvError> {
-    match v.trim().parse::<f64>() {
-        Ok(s) if s.is_finite() && s > 0.0 => Ok(Duration::from_secs_f64(s)),
+    // Negative, NaN, infinite or too large for a `Duration`: refused, never
+    // a panic.
+    match v
+        .trim()
+        .parse::<f64>()
+        .ok()
+        .and_then(|s| Duration::try_from_secs_f64(s).ok())
+    {
+        Some(d) if !d.is_zero() => Ok(d),
         _ => Err(KvError::Config {
             detail: format!("{name}={v:?}: expected a positive number of seconds"),
         }),
@@ -384,11 +391,17 @@ mod tests {
 
     #[test]
     fn bad_values_name_the_variable() {
-        let err = TransportConfig::from_lookup(|k| {
-            (k == env::AIRM_KV_SHM_TTL_S).then(|| "-3".to_string())
-        })
-        .unwrap_err();
-        assert!(err.to_string().contains(env::AIRM_KV_SHM_TTL_S), "{err}");
+        // Negative, not a number, too large for a duration, rounding to zero.
+        for v in ["-3", "NaN", "inf", "1e300", "1e-12"] {
+            let err = TransportConfig::from_lookup(|k| {
+                (k == env::AIRM_KV_SHM_TTL_S).then(|| v.to_string())
+            })
+            .unwrap_err();
+            assert!(
+                err.to_string().contains(env::AIRM_KV_SHM_TTL_S),
+                "{v}: {err}"
+            );
+        }
         let err =
             TransportConfig::from_lookup(|k| (k == env::AIRM_KV_TCP_CRC).then(|| "maybe".into()))
                 .unwrap_err();

@@ -8,7 +8,7 @@
 //! needs RNGD device memory exported as a dmabuf, ATOM device memory
 //! registered with NIXL and NIXL's HETERO_NPU backend plugin; this build has
 //! no NPU runtime and its NIXL (the PyPI wheel) ships no HETERO_NPU backend,
-//! so [`crate::registry::by_name`] answers `nixl` with [`refusal`].
+//! so the registry answers `nixl` with [`refusal`].
 
 use std::fmt;
 
@@ -154,8 +154,9 @@ pub fn plan(src: DeviceKind, dst: DeviceKind) -> Result<Route, RouteError> {
 }
 
 /// What a worker asked to use `nixl` gets, at startup or per request: the
-/// name is known, but this build cannot move bytes over it.
-pub fn refusal() -> KvError {
+/// name is known, but this build cannot move bytes over it; `runnable` are
+/// the transports it can run (the registry's list).
+pub fn refusal(runnable: &[&str]) -> KvError {
     KvError::NotInThisBuild {
         transport: NAME,
         detail: format!(
@@ -163,7 +164,7 @@ pub fn refusal() -> KvError {
              RNGD device memory exported as a dmabuf and ATOM device memory registered with NIXL; \
              this build has no NPU runtime and its NIXL (the PyPI wheel) ships no HETERO_NPU \
              backend. Transports this build can run: {}",
-            crate::registry::KNOWN.join(", ")
+            runnable.join(", ")
         ),
     }
 }
@@ -229,10 +230,11 @@ mod tests {
 
     #[test]
     fn refusal_names_the_backend_and_the_buffers() {
-        let err = refusal();
+        let err = refusal(&["shm", "tcp"]);
         assert_eq!(err.transport(), Some(NAME));
         let msg = err.to_string();
         for needed in [
+            "Transports this build can run: shm, tcp",
             "`nixl`",
             "HETERO_NPU",
             "RNGD device memory exported as a dmabuf",

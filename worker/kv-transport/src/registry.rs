@@ -46,7 +46,7 @@ pub fn is_known(name: &str) -> bool {
 pub fn check_name(name: &str) -> Result<(), KvError> {
     match name.trim() {
         n if KNOWN.contains(&n) => Ok(()),
-        crate::nixl_route::NAME => Err(crate::nixl_route::refusal()),
+        crate::nixl_route::NAME => Err(crate::nixl_route::refusal(KNOWN)),
         other => Err(unknown(other)),
     }
 }
@@ -70,7 +70,7 @@ pub fn by_name(name: &str, cfg: &TransportConfig) -> Result<Arc<dyn KvTransport>
         "tcp" => Ok(Arc::new(TcpTransport::new(cfg)?)),
         #[cfg(feature = "nixl")]
         "nixl-ucx" => Ok(Arc::new(crate::nixl::NixlUcxTransport::new(cfg)?)),
-        crate::nixl_route::NAME => Err(crate::nixl_route::refusal()),
+        crate::nixl_route::NAME => Err(crate::nixl_route::refusal(KNOWN)),
         other => Err(unknown(other)),
     }
 }

@@ -208,7 +208,15 @@ impl RelayOptions {
     /// The [`RelayConfig`] these options describe. Reads `secret_file`.
     /// Without a secret this is an error unless `insecure_no_auth`.
     pub fn config(&self) -> Result<RelayConfig, KvError> {
-        let ttl = crate::config::parse_secs("--ttl-s", &self.ttl_s.to_string())?;
+        let ttl = Duration::try_from_secs_f64(self.ttl_s)
+            .ok()
+            .filter(|t| !t.is_zero())
+            .ok_or_else(|| KvError::Config {
+                detail: format!(
+                    "--ttl-s={}: expected a positive number of seconds",
+                    self.ttl_s
+                ),
+            })?;
         let positive = |what: &str, ok: bool| {
             if ok {
                 Ok(())
@@ -450,11 +458,13 @@ mod tests {
     #[test]
     fn options_are_validated() {
         let bad = |o: RelayOptions| o.config().unwrap_err().to_string();
-        let ttl = bad(RelayOptions {
-            ttl_s: 0.0,
-            ..insecure()
-        });
-        assert!(ttl.contains("--ttl-s"), "{ttl}");
+        for ttl_s in [0.0, -1.0, f64::NAN, f64::INFINITY, 1e300] {
+            let ttl = bad(RelayOptions {
+                ttl_s,
+                ..insecure()
+            });
+            assert!(ttl.contains("--ttl-s"), "{ttl_s}: {ttl}");
+        }
         let cap = bad(RelayOptions {
             max_frame: 0,
             ..insecure()

@@ -151,18 +151,6 @@ fn update_error(e: &UpdateError) -> Response {
     error(status, message, param)
 }
 
-/// The updater of a worker whose engine can change, or the 400 saying it
-/// `cannot`.
-fn updater(
-    st: &AdminState,
-    cannot: &'static str,
-) -> Result<std::sync::Arc<crate::weights::WeightUpdater>, Response> {
-    st.worker
-        .weight_updater()
-        .cloned()
-        .ok_or_else(|| error(StatusCode::BAD_REQUEST, cannot, None))
-}
-
 /// The answer to a change of the serving engine: its JSON, or the refusal
 /// mapped to its status (logged as `what`).
 fn changed<T: serde::Serialize>(r: Result<T, UpdateError>, what: &'static str) -> Response {
@@ -187,12 +175,16 @@ async fn update_weights(
     if let Some(resp) = st.refusal(&headers) {
         return resp;
     }
-    match updater(&st, "this worker's engine cannot be reloaded") {
-        Ok(u) => changed(
+    match st.worker.weight_updater().cloned() {
+        Some(u) => changed(
             crate::weights::update(&st.worker, &u, &body).await,
             "weight update",
         ),
-        Err(resp) => resp,
+        None => error(
+            StatusCode::BAD_REQUEST,
+            "this worker's engine cannot be reloaded",
+            None,
+        ),
     }
 }
 
@@ -207,12 +199,12 @@ async fn switch_variant(
     if let Some(resp) = st.refusal(&headers) {
         return resp;
     }
-    match updater(&st, NO_VARIANTS) {
-        Ok(u) => changed(
+    match st.worker.weight_updater().cloned() {
+        Some(u) => changed(
             crate::variants::switch(&st.worker, &u, &body).await,
             "variant switch",
         ),
-        Err(resp) => resp,
+        None => error(StatusCode::BAD_REQUEST, NO_VARIANTS, None),
     }
 }
 

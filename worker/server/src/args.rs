@@ -31,6 +31,14 @@ impl Backend {
     }
 }
 
+/// Default of the completion requests a worker admits at once
+/// ([`WorkerOptions::max_in_flight`], and the serving configuration's).
+pub const DEFAULT_MAX_IN_FLIGHT: usize = 64;
+
+/// Default of the largest request body, bytes: 2 MiB
+/// ([`WorkerOptions::body_limit`], and the serving configuration's).
+pub const DEFAULT_BODY_LIMIT: usize = 2 << 20;
+
 /// Everything a worker is started from (`rngd-pd worker` flags; defaults in [`Default`]).
 #[derive(Debug, Clone)]
 pub struct WorkerOptions {
@@ -135,9 +143,9 @@ impl Default for WorkerOptions {
             prefill_timeout_ms: 120_000,
             prefill_allow: PrefillAllow::default(),
             front_door_allow: ClientAllow::loopback(),
-            body_limit: crate::state::DEFAULT_BODY_LIMIT,
+            body_limit: DEFAULT_BODY_LIMIT,
             body_timeout_ms: 30_000,
-            max_in_flight: crate::state::DEFAULT_MAX_IN_FLIGHT,
+            max_in_flight: DEFAULT_MAX_IN_FLIGHT,
             edge: rngd_http_edge::Options::default(),
             prefix_cache: rngd_engine::prefix::PrefixCacheOptions::default(),
             max_num_batched_tokens: None,

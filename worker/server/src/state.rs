@@ -61,12 +61,6 @@ pub struct WorkerConfig {
     pub api_key: Option<rngd_http_edge::api_key::ApiKey>,
 }
 
-/// Default of [`WorkerConfig::max_in_flight`].
-pub const DEFAULT_MAX_IN_FLIGHT: usize = 64;
-
-/// Default of [`WorkerConfig::body_limit`]: 2 MiB.
-pub const DEFAULT_BODY_LIMIT: usize = 2 << 20;
-
 impl WorkerConfig {
     /// Defaults for `role`: 30 s KV pull timeout, 120 s prefill-peer timeout,
     /// no prefill peer allowed, `do_remote_decode` from loopback only, no KV
@@ -82,9 +76,9 @@ impl WorkerConfig {
             front_door_allow: ClientAllow::loopback(),
             kv_auth: KvAuth::Off,
             handle_ttl: Duration::from_secs(60),
-            body_limit: DEFAULT_BODY_LIMIT,
+            body_limit: crate::args::DEFAULT_BODY_LIMIT,
             body_timeout: Duration::from_secs(30),
-            max_in_flight: DEFAULT_MAX_IN_FLIGHT,
+            max_in_flight: crate::args::DEFAULT_MAX_IN_FLIGHT,
             edge: rngd_http_edge::Options::default(),
             model_aliases: Vec::new(),
             model_root: None,

@@ -1,6 +1,5 @@
-//! Header maps: the ABI's map encoding ([`encode_map`], [`decode_map`]) and
-//! the request-header hostcalls (get, set, add, replace, remove, whole-map
-//! get and set). Only the request headers exist; the other maps are empty
+//! Header maps: the request-header hostcalls (get, set, add, replace, remove, whole-map
+//! get and set), in the map encoding of [`crate::map`]. Only the request headers exist; the other maps are empty
 //! (reads) or refused (writes). Edits overlay the passed headers (see
 //! [`RequestState`](crate::RequestState)). What a guest sets in one
 //! decision is capped in count and bytes
@@ -11,6 +10,7 @@
 use super::memory::{give, give_from, range, read, with_guest};
 use super::{Cx, ENV, HostCaps, Hostcall, R};
 use crate::codes::{MAP_REQUEST_HEADERS, status};
+use crate::map::{decode_map, encode_map};
 use crate::request::RequestState;
 
 /// The header-map hostcalls.
@@ -23,29 +23,6 @@ pub(super) const HOSTCALLS: &[Hostcall] = hostcalls![ENV =>
     proxy_add_header_map_value,
 ];
 
-/// Serializes header pairs in the ABI's map encoding (u32 count, then
-/// (key length, value length) u32 pairs, then each key and value
-/// NUL-terminated, all little-endian).
-pub fn encode_map(pairs: &[(String, String)]) -> Vec<u8> {
-    let size = 4 + pairs
-        .iter()
-        .map(|(k, v)| 8 + k.len() + v.len() + 2)
-        .sum::<usize>();
-    let mut out = Vec::with_capacity(size);
-    out.extend_from_slice(&(pairs.len() as u32).to_le_bytes());
-    for (k, v) in pairs {
-        out.extend_from_slice(&(k.len() as u32).to_le_bytes());
-        out.extend_from_slice(&(v.len() as u32).to_le_bytes());
-    }
-    for (k, v) in pairs {
-        out.extend_from_slice(k.as_bytes());
-        out.push(0);
-        out.extend_from_slice(v.as_bytes());
-        out.push(0);
-    }
-    out
-}
-
 /// Whether setting `key` to a value of `value_len` bytes keeps the headers
 /// the guest set within the caps.
 fn set_fits(req: &RequestState, caps: &HostCaps, key: &str, value_len: usize) -> bool {
@@ -56,45 +33,6 @@ fn set_fits(req: &RequestState, caps: &HostCaps, key: &str, value_len: usize) ->
         bytes += k.len() + v.len();
     }
     count < caps.set_headers && bytes + key.len() + value_len <= caps.set_header_bytes
-}
-
-/// Parses the ABI's map encoding; `None` if malformed. What it allocates is
-/// bounded by the input: the pair count is checked against `bytes.len()`
-/// (at most one pair per 10 bytes) before the list is allocated, and every
-/// string is a checked slice of `bytes` (about 6 × `bytes.len()` at most).
-pub fn decode_map(bytes: &[u8]) -> Option<Vec<(String, String)>> {
-    if bytes.is_empty() {
-        return Some(Vec::new());
-    }
-    let word = |at: usize| -> Option<usize> {
-        Some(u32::from_le_bytes(bytes.get(at..at + 4)?.try_into().ok()?) as usize)
-    };
-    let n = word(0)?;
-    let mut p = 4usize.checked_add(n.checked_mul(8)?)?;
-    // Every pair also needs its two NULs: a count the input cannot hold is
-    // refused before anything is allocated for it.
-    if p.checked_add(n.checked_mul(2)?)? > bytes.len() {
-        return None;
-    }
-    let mut out = Vec::with_capacity(n);
-    for i in 0..n {
-        let kl = word(4 + i * 8)?;
-        let vl = word(8 + i * 8)?;
-        // Each string is followed by its terminator, which must be there
-        // (its value is not checked, as in Envoy).
-        let k = bytes.get(p..p.checked_add(kl)?)?;
-        p = p.checked_add(kl)?.checked_add(1)?;
-        let v = bytes.get(p..p.checked_add(vl)?)?;
-        p = p.checked_add(vl)?.checked_add(1)?;
-        if p > bytes.len() {
-            return None;
-        }
-        out.push((
-            String::from_utf8(k.to_vec()).ok()?,
-            String::from_utf8(v.to_vec()).ok()?,
-        ));
-    }
-    Some(out)
 }
 
 /// Sets (`add`: appends to) a request header, reading name and value in
@@ -245,7 +183,6 @@ fn proxy_add_header_map_value(mut cx: Cx<'_>, map: u32, kp: u32, kl: u32, vp: u3
 
 #[cfg(test)]
 mod tests {
-    use super::*;
     use crate::request::RequestState;
 
     fn state() -> RequestState {
@@ -293,12 +230,5 @@ mod tests {
             )]
         );
         assert_eq!(st.removed, vec!["accept".to_string()]);
-    }
-
-    #[test]
-    fn map_encoding_round_trips() {
-        let pairs = state().headers;
-        assert_eq!(decode_map(&encode_map(&pairs)), Some(pairs));
-        assert_eq!(decode_map(&[1, 0, 0, 0, 9, 0, 0, 0]), None);
     }
 }

@@ -7,7 +7,7 @@
 use std::time::{Duration, Instant};
 
 use super::{END_SEQ, ReplayKind, Stream, Subscriber, digest, ms};
-use crate::index::Health;
+use crate::endpoint::Health;
 
 /// The longest single wait inside a replay before the stop flag is looked at.
 const REPLAY_SLICE: Duration = Duration::from_millis(50);
