@@ -104,6 +104,16 @@ async fn wait_for(limit: Duration, what: &str, mut done: impl AsyncFnMut() -> bo
     }
 }
 
+/// `POST {url}/v1/completions` with `body`.
+async fn complete(url: &str, body: &Value) -> reqwest::Response {
+    client()
+        .post(format!("{url}/v1/completions"))
+        .json(body)
+        .send()
+        .await
+        .unwrap()
+}
+
 #[tokio::test]
 async fn abandoned_pd_requests_leave_no_slot_taken() {
     let kv = Arc::new(Counting::default());
@@ -148,12 +158,11 @@ async fn abandoned_pd_requests_leave_no_slot_taken() {
         "one pull per request: no decode was re-sent"
     );
     // A normal request is served.
-    let r = client()
-        .post(format!("{url}/v1/completions"))
-        .json(&json!({"model": "fake-model", "prompt": LONG, "max_tokens": 3}))
-        .send()
-        .await
-        .unwrap();
+    let r = complete(
+        &url,
+        &json!({"model": "fake-model", "prompt": LONG, "max_tokens": 3}),
+    )
+    .await;
     assert_eq!(r.status(), 200, "{}", r.text().await.unwrap());
     let m = common::metrics(&d.url()).await;
     assert_eq!(
@@ -237,12 +246,7 @@ async fn a_bad_prefill_answer_has_one_verdict_at_both_orchestrators() {
         *body.lock().unwrap() = bad;
         let req = json!({"model": "fake-model", "prompt": LONG, "max_tokens": 3});
         // Through the gateway's two-step flow.
-        let r = client()
-            .post(format!("{url}/v1/completions"))
-            .json(&req)
-            .send()
-            .await
-            .unwrap();
+        let r = complete(&url, &req).await;
         let gw_msg = common::error_of(r, 502).await;
         // Through the decode worker's x-prefiller-host-port path.
         let r = client()
@@ -324,12 +328,7 @@ async fn a_prefill_refused_for_its_length_falls_back_to_the_decode_worker() {
     let d = worker(Role::Decode, &kv, Duration::ZERO, |_| {}).await;
     let url = gateway(p.addr.to_string(), d.addr.to_string()).await;
     let body = json!({"model": "fake-model", "prompt": LONG, "max_tokens": 5, "temperature": 0});
-    let r = client()
-        .post(format!("{url}/v1/completions"))
-        .json(&body)
-        .send()
-        .await
-        .unwrap();
+    let r = complete(&url, &body).await;
     assert_eq!(r.status(), 200);
     assert_eq!(kv.pulls.load(Ordering::SeqCst), 1, "disaggregated first");
 
@@ -337,12 +336,7 @@ async fn a_prefill_refused_for_its_length_falls_back_to_the_decode_worker() {
         .replace_variant(Arc::new(EchoEngine::new(16)))
         .unwrap();
     assert!(LONG.len() + 5 > 16);
-    let r = client()
-        .post(format!("{url}/v1/completions"))
-        .json(&body)
-        .send()
-        .await
-        .unwrap();
+    let r = complete(&url, &body).await;
     assert_eq!(r.status(), 200);
     assert_eq!(
         r.headers()[rngd_api::headers::ROUTE_REASON],

@@ -203,6 +203,7 @@ def test_the_gateway_never_pairs_other_weights_and_serves_locally(pair, tmp_path
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", PROMPT]
 TOKEN = "weights-admin-token-0123456789"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
 
 def scored(addr, prompt):
@@ -234,7 +235,7 @@ def update_under_load(url, admin, body):
         t.start()
     try:
         r = requests.post(admin + "/update_weights_from_disk", json=body,
-                          headers={"Authorization": f"Bearer {TOKEN}"}, timeout=300)
+                          headers=AUTH, timeout=300)
     finally:
         stop.set()
         for t in threads:
@@ -242,26 +243,36 @@ def update_under_load(url, admin, body):
     return r, results
 
 
-def test_a_running_worker_switches_weights_with_the_tokens_of_a_fresh_start(pair):
-    # The worker's weights directory holds the original (a copy) and the changed file.
-    original = pair.dir / "original.gguf"
-    shutil.copyfile(model_path(), original)
-    (pair.dir / "broken.gguf").write_bytes(original.read_bytes()[: 4 << 20])
-    proc = Proc("reloading worker", [rngd_bin(), "worker", "--role", "decode", "--port", "0", "--model", str(original),
-                                     "--admin-listen", "127.0.0.1:0"],
+def admin_worker(name, model):
+    """A decode worker of `model` with an admin listener (token `TOKEN`);
+    returns (process, admin base URL, API address) once it is ready."""
+    proc = Proc(name, [rngd_bin(), "worker", "--role", "decode", "--port", "0", "--model", str(model),
+                       "--admin-listen", "127.0.0.1:0"],
                 env=worker_env(RNGD_PD_ADMIN_TOKEN=TOKEN))
     try:
         admin = "http://" + proc.wait_line("rngd-pd worker admin on http://", 120)
         url = proc.wait_line("rngd-pd worker listening on http://", 300)
         poll_ok(f"http://{url}/ready", 600, proc)
-        auth = {"Authorization": f"Bearer {TOKEN}"}
+    except BaseException:
+        proc.stop(signal.SIGTERM)
+        raise
+    return proc, admin, url
+
+
+def test_a_running_worker_switches_weights_with_the_tokens_of_a_fresh_start(pair):
+    # The worker's weights directory holds the original (a copy) and the changed file.
+    original = pair.dir / "original.gguf"
+    shutil.copyfile(model_path(), original)
+    (pair.dir / "broken.gguf").write_bytes(original.read_bytes()[: 4 << 20])
+    proc, admin, url = admin_worker("reloading worker", original)
+    try:
         before = weight_version(url)
         assert before == weight_version(pair.same)
         old = {p: scored(url, p) for p in PROMPTS}
         assert old == {p: scored(pair.same, p) for p in PROMPTS}
 
         # A file that does not load: refused with the cause, the old weights serve on.
-        r = requests.post(admin + "/update_weights_from_disk", json={"model_path": "broken.gguf"}, headers=auth,
+        r = requests.post(admin + "/update_weights_from_disk", json={"model_path": "broken.gguf"}, headers=AUTH,
                           timeout=300)
         assert r.status_code == 400, r.text
         assert r.json()["error"]["param"] == "model_path", r.text
@@ -287,7 +298,7 @@ def test_a_running_worker_switches_weights_with_the_tokens_of_a_fresh_start(pair
         assert weight_version(url) == answer["weight_version"]
         models = requests.get(f"http://{url}/v1/models", timeout=10).json()["data"]
         assert models[0]["root"] == pair.changed.name
-        info = requests.get(admin + "/weight_info", headers=auth, timeout=10).json()
+        info = requests.get(admin + "/weight_info", headers=AUTH, timeout=10).json()
         assert info == {"model_name": SERVED_MODEL, "weight_version": answer["weight_version"],
                         "model_file": pair.changed.name}
         # The tokens and log-probabilities of a worker started on the new file.
@@ -318,14 +329,8 @@ def test_a_manifest_makes_the_update_read_only_the_changed_tensor(pair):
     reader = manifested(pair.changed, changed)
     (t,) = [t for t in reader.tensors if t.name == CHANGED_TENSOR]
     header = int(reader.data_offset)
-    proc = Proc("delta worker", [rngd_bin(), "worker", "--role", "decode", "--port", "0", "--model", str(base),
-                                 "--admin-listen", "127.0.0.1:0"],
-                env=worker_env(RNGD_PD_ADMIN_TOKEN=TOKEN))
+    proc, admin, url = admin_worker("delta worker", base)
     try:
-        admin = "http://" + proc.wait_line("rngd-pd worker admin on http://", 120)
-        url = proc.wait_line("rngd-pd worker listening on http://", 300)
-        poll_ok(f"http://{url}/ready", 600, proc)
-        auth = {"Authorization": f"Bearer {TOKEN}"}
         before = weight_version(url)
         assert before == weight_version(pair.same), "the manifest copy holds the same weights"
         old = scored(url, PROMPTS[0])
@@ -345,7 +350,7 @@ def test_a_manifest_makes_the_update_read_only_the_changed_tensor(pair):
         assert {p: scored(url, p) for p in PROMPTS} == new
 
         # Back by delta too; a manifest that lies about a changed tensor is refused, the weights stay.
-        r = requests.post(admin + "/update_weights_from_disk", json={"model_path": "base.gguf"}, headers=auth,
+        r = requests.post(admin + "/update_weights_from_disk", json={"model_path": "base.gguf"}, headers=AUTH,
                           timeout=300)
         assert r.status_code == 200 and r.json()["mode"] == "delta", r.text
         assert weight_version(url) == before
@@ -355,7 +360,7 @@ def test_a_manifest_makes_the_update_read_only_the_changed_tensor(pair):
         (lt,) = [x for x in lr.tensors if x.name == CHANGED_TENSOR]
         lt.data.view(np.uint8).reshape(-1)[7] ^= 0x01
         lr.data.flush()
-        r = requests.post(admin + "/update_weights_from_disk", json={"model_path": "lying.gguf"}, headers=auth,
+        r = requests.post(admin + "/update_weights_from_disk", json={"model_path": "lying.gguf"}, headers=AUTH,
                           timeout=300)
         assert r.status_code == 400, r.text
         assert "manifest digest" in r.json()["error"]["message"], r.text

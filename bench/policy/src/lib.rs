@@ -179,7 +179,7 @@ fn request(endpoints: Vec<Endpoint>) -> PolicyRequest {
         body: body.into_bytes(),
         endpoints: Some(endpoints.into()),
         prompt_tokens: Some(210),
-        prefix_cache: None,
+        ..PolicyRequest::default()
     }
 }
 

@@ -78,7 +78,7 @@ fn request(headers: &[&str], body: &str) -> PolicyRequest {
         body: body.as_bytes().to_vec(),
         endpoints: None,
         prompt_tokens: None,
-        prefix_cache: None,
+        ..PolicyRequest::default()
     }
 }
 

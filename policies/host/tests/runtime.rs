@@ -45,7 +45,7 @@ fn req(
         body: body.as_bytes().to_vec(),
         endpoints: endpoints.map(Arc::from),
         prompt_tokens,
-        prefix_cache: None,
+        ..PolicyRequest::default()
     }
 }
 

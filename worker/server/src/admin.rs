@@ -12,6 +12,7 @@
 //! started at all.
 
 use std::net::{Ipv4Addr, SocketAddr};
+use std::sync::Arc;
 
 use axum::Router;
 use axum::extract::{RawQuery, State};
@@ -151,10 +152,28 @@ fn update_error(e: &UpdateError) -> Response {
     error(status, message, param)
 }
 
-/// The answer to a change of the serving engine: its JSON, or the refusal
-/// mapped to its status (logged as `what`).
-fn changed<T: serde::Serialize>(r: Result<T, UpdateError>, what: &'static str) -> Response {
-    match r {
+/// A change of the serving engine (`what`, for the log): refused without
+/// the token; a 400 saying `cannot` on a worker whose engine cannot change;
+/// otherwise `run`'s answer as JSON, or its refusal mapped to its status.
+async fn engine_change<T, F, Fut>(
+    st: &AdminState,
+    headers: &HeaderMap,
+    cannot: &'static str,
+    what: &'static str,
+    run: F,
+) -> Response
+where
+    T: serde::Serialize,
+    F: FnOnce(Arc<crate::weights::WeightUpdater>) -> Fut,
+    Fut: Future<Output = Result<T, UpdateError>>,
+{
+    if let Some(resp) = st.refusal(headers) {
+        return resp;
+    }
+    let Some(updater) = st.worker.weight_updater().cloned() else {
+        return error(StatusCode::BAD_REQUEST, cannot, None);
+    };
+    match run(updater).await {
         Ok(answer) => axum::Json(answer).into_response(),
         Err(e) => {
             tracing::warn!(error = %e, what, "engine change refused");
@@ -172,20 +191,12 @@ async fn update_weights(
     headers: HeaderMap,
     body: axum::body::Bytes,
 ) -> Response {
-    if let Some(resp) = st.refusal(&headers) {
-        return resp;
-    }
-    match st.worker.weight_updater().cloned() {
-        Some(u) => changed(
-            crate::weights::update(&st.worker, &u, &body).await,
-            "weight update",
-        ),
-        None => error(
-            StatusCode::BAD_REQUEST,
-            "this worker's engine cannot be reloaded",
-            None,
-        ),
-    }
+    let (worker, body) = (&st.worker, &body);
+    let cannot = "this worker's engine cannot be reloaded";
+    engine_change(&st, &headers, cannot, "weight update", |u| async move {
+        crate::weights::update(worker, &u, body).await
+    })
+    .await
 }
 
 /// `POST /switch_variant {"seq_len", "max_batch"}`: 200 with
@@ -196,16 +207,15 @@ async fn switch_variant(
     headers: HeaderMap,
     body: axum::body::Bytes,
 ) -> Response {
-    if let Some(resp) = st.refusal(&headers) {
-        return resp;
-    }
-    match st.worker.weight_updater().cloned() {
-        Some(u) => changed(
-            crate::variants::switch(&st.worker, &u, &body).await,
-            "variant switch",
-        ),
-        None => error(StatusCode::BAD_REQUEST, NO_VARIANTS, None),
-    }
+    let (worker, body) = (&st.worker, &body);
+    engine_change(
+        &st,
+        &headers,
+        NO_VARIANTS,
+        "variant switch",
+        |u| async move { crate::variants::switch(worker, &u, body).await },
+    )
+    .await
 }
 
 /// Why a worker cannot switch variants.

@@ -410,6 +410,11 @@ async fn admin(s: &Setup, path: &str, body: Option<Value>) -> (u16, Value) {
     (status, r.json().await.unwrap())
 }
 
+/// `POST /switch_variant` with `body` on the admin listener.
+async fn switch(s: &Setup, body: Value) -> (u16, Value) {
+    admin(s, "/switch_variant", Some(body)).await
+}
+
 async fn max_model_len(s: &Setup) -> u64 {
     let v: Value = reqwest::get(format!("{}/v1/models", s.w.url()))
         .await
@@ -439,12 +444,7 @@ async fn a_variant_switch_moves_admission_and_keeps_the_old_variant_prepared() {
     assert_eq!(complete(&s, &long).await.0, 200);
     assert_eq!(max_model_len(&s).await, 64);
 
-    let (status, a) = admin(
-        &s,
-        "/switch_variant",
-        Some(json!({"seq_len": 32, "max_batch": 2})),
-    )
-    .await;
+    let (status, a) = switch(&s, json!({"seq_len": 32, "max_batch": 2})).await;
     assert_eq!(status, 200, "{a}");
     assert_eq!(
         (a["seq_len"].as_u64(), a["max_batch"].as_u64()),
@@ -491,18 +491,13 @@ async fn a_variant_switch_moves_admission_and_keeps_the_old_variant_prepared() {
     assert_eq!(served_version(&s).await.0, "aaaaaaaaaaaaaaaa");
 
     // Back: a swap to the prepared variant.
-    let (status, a) = admin(
-        &s,
-        "/switch_variant",
-        Some(json!({"seq_len": 64, "max_batch": 8})),
-    )
-    .await;
+    let (status, a) = switch(&s, json!({"seq_len": 64, "max_batch": 8})).await;
     assert_eq!(status, 200, "{a}");
     assert_eq!(a["was_prepared"], true);
     assert_eq!(a["variants"].as_array().unwrap().len(), 2);
     assert_eq!(complete(&s, &long).await.0, 200);
     // The same variant again: nothing to do.
-    let (status, a) = admin(&s, "/switch_variant", Some(json!({}))).await;
+    let (status, a) = switch(&s, json!({})).await;
     assert_eq!((status, a["was_prepared"].clone()), (200, json!(true)));
 
     // Refusals name the field; the serving variant stays.
@@ -511,7 +506,7 @@ async fn a_variant_switch_moves_admission_and_keeps_the_old_variant_prepared() {
         (json!({"max_batch": 100000}), "max_batch"),
         (json!({"seq": 12}), "seq"),
     ] {
-        let (status, e) = admin(&s, "/switch_variant", Some(body)).await;
+        let (status, e) = switch(&s, body).await;
         assert_eq!(status, 400, "{e}");
         assert_eq!(e["error"]["param"], param, "{e}");
     }
@@ -529,7 +524,7 @@ async fn a_variant_switch_moves_admission_and_keeps_the_old_variant_prepared() {
 async fn at_most_four_variants_are_kept_prepared() {
     let s = setup().await;
     for n in [10, 11, 12, 13, 14, 15] {
-        let (status, a) = admin(&s, "/switch_variant", Some(json!({"seq_len": n}))).await;
+        let (status, a) = switch(&s, json!({"seq_len": n})).await;
         assert_eq!(status, 200, "{a}");
     }
     let (_, v) = admin(&s, "/variants", None).await;

@@ -126,7 +126,7 @@ pub(crate) fn canned_requests() -> Vec<(&'static str, PolicyRequest)> {
                 body: chat.clone(),
                 endpoints: Some(pool.clone().into()),
                 prompt_tokens: Some(200),
-                prefix_cache: None,
+                ..PolicyRequest::default()
             },
         ),
         (
@@ -136,7 +136,7 @@ pub(crate) fn canned_requests() -> Vec<(&'static str, PolicyRequest)> {
                 body: chat.clone(),
                 endpoints: Some(pool.clone().into()),
                 prompt_tokens: Some(8),
-                prefix_cache: None,
+                ..PolicyRequest::default()
             },
         ),
         (
@@ -146,7 +146,7 @@ pub(crate) fn canned_requests() -> Vec<(&'static str, PolicyRequest)> {
                 body: chat.clone(),
                 endpoints: Some(pool.into()),
                 prompt_tokens: Some(500),
-                prefix_cache: None,
+                ..PolicyRequest::default()
             },
         ),
         (
@@ -156,7 +156,7 @@ pub(crate) fn canned_requests() -> Vec<(&'static str, PolicyRequest)> {
                 body: chat,
                 endpoints: Some(Arc::from([])),
                 prompt_tokens: Some(10),
-                prefix_cache: None,
+                ..PolicyRequest::default()
             },
         ),
         (
@@ -166,7 +166,7 @@ pub(crate) fn canned_requests() -> Vec<(&'static str, PolicyRequest)> {
                 body: vec![],
                 endpoints: None,
                 prompt_tokens: None,
-                prefix_cache: None,
+                ..PolicyRequest::default()
             },
         ),
     ]
