@@ -325,7 +325,11 @@ async fn client_steering_headers_reach_no_worker_and_no_policy() {
 async fn a_prefill_refused_for_its_length_falls_back_to_the_decode_worker() {
     let kv = Arc::new(Counting::default());
     let p = worker(Role::Prefill, &kv, Duration::ZERO, |_| {}).await;
-    let d = worker(Role::Decode, &kv, Duration::ZERO, |_| {}).await;
+    let allow = p.addr.to_string();
+    let d = worker(Role::Decode, &kv, Duration::ZERO, move |c| {
+        c.prefill_allow = allow.parse().unwrap()
+    })
+    .await;
     let url = gateway(p.addr.to_string(), d.addr.to_string()).await;
     let body = json!({"model": "fake-model", "prompt": LONG, "max_tokens": 5, "temperature": 0});
     let r = complete(&url, &body).await;
@@ -351,4 +355,35 @@ async fn a_prefill_refused_for_its_length_falls_back_to_the_decode_worker() {
         Some(1.0),
         "{m}"
     );
+
+    // The header path (x-prefiller-host-port to the decode worker) falls
+    // back the same way: the decode worker prefills, nothing is pulled.
+    let direct = |prompt: String| {
+        client()
+            .post(format!("{}/v1/completions", d.url()))
+            .header("x-prefiller-host-port", p.addr.to_string())
+            .json(&json!({"model": "echo", "prompt": prompt, "max_tokens": 5, "temperature": 0}))
+            .send()
+    };
+    let r = direct(LONG.to_string()).await.unwrap();
+    assert_eq!(r.status(), 200);
+    let v: Value = r.json().await.unwrap();
+    assert_eq!(v["choices"][0]["text"], common::expected_text(LONG, 5));
+    assert_eq!(kv.pulls.load(Ordering::SeqCst), 1, "nothing more pulled");
+    let m = common::metrics(&d.url()).await;
+    assert_eq!(
+        common::sample(&m, "rngd_pd_worker_prefill_context_fallbacks_total"),
+        Some(1.0),
+        "{m}"
+    );
+    // A prompt the decode worker cannot hold either: its own refusal.
+    let e = common::error_of(direct("x".repeat(600)).await.unwrap(), 400).await;
+    assert!(e.contains("context length of 512"), "{e}");
+    // A prompt the peer holds is still prefilled there.
+    p.state
+        .replace_variant(Arc::new(EchoEngine::new(512)))
+        .unwrap();
+    let r = direct(LONG.to_string()).await.unwrap();
+    assert_eq!(r.status(), 200);
+    assert_eq!(kv.pulls.load(Ordering::SeqCst), 2, "disaggregated again");
 }

@@ -105,6 +105,9 @@ pub struct WorkerMetrics {
     variant_info: GaugeVec,
     /// PD decodes refused because other weights made the KV.
     pub weight_version_refusals: IntCounter,
+    /// Orchestrated requests prefilled here after the peer refused them for
+    /// their length.
+    pub prefill_context_fallbacks: IntCounter,
     /// KV push time, seconds.
     pub kv_save_seconds: Histogram,
     /// KV pull time, seconds.
@@ -324,6 +327,11 @@ impl WorkerMetrics {
                 &r,
                 names::WORKER_WEIGHT_VERSION_REFUSALS_TOTAL,
                 "PD decodes refused because another weight_version computed the KV",
+            )?,
+            prefill_context_fallbacks: rngd_telemetry::counter(
+                &r,
+                names::WORKER_PREFILL_CONTEXT_FALLBACKS_TOTAL,
+                "Orchestrated requests the prefill peer refused for their length, prefilled here",
             )?,
             kv_save_seconds: rngd_telemetry::histogram(
                 &r,

@@ -335,7 +335,7 @@ async fn a_peers_body_is_never_repeated() {
     let json_400 = fake_peer(response(
         "400 Bad Request",
         "application/json",
-        &json!({"error": {"message": secret, "type": "invalid_request_error", "code": "context_length_exceeded"}})
+        &json!({"error": {"message": secret, "type": "invalid_request_error", "code": "invalid_value"}})
             .to_string(),
     ))
     .await;
@@ -370,10 +370,11 @@ async fn a_peers_body_is_never_repeated() {
         body.error.message
     );
 
-    // A 4xx keeps its status and its code, not its message.
+    // A 4xx keeps its status and its code, not its message (but for a
+    // refusal for length, after which this worker prefills itself).
     let (status, body) = refused(&decode, &json_400).await;
     assert_eq!(status, 400);
-    assert_eq!(body.error.code.as_deref(), Some("context_length_exceeded"));
+    assert_eq!(body.error.code.as_deref(), Some("invalid_value"));
     assert!(!body.error.message.contains(secret), "{body:?}");
 
     // A code that is not a plausible code is dropped.

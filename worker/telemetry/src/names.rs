@@ -239,6 +239,12 @@ pub const WORKER_VARIANT_INFO: &str = "rngd_pd_worker_variant_info";
 /// another `weight_version` (the KV released unpulled).
 pub const WORKER_WEIGHT_VERSION_REFUSALS_TOTAL: &str =
     "rngd_pd_worker_weight_version_refusals_total";
+/// Counter: `x-prefiller-host-port` requests whose prefill peer refused the
+/// prompt with `context_length_exceeded` (its variant holds less context
+/// than the router's last scrape said) and which this worker then prefilled
+/// itself.
+pub const WORKER_PREFILL_CONTEXT_FALLBACKS_TOTAL: &str =
+    "rngd_pd_worker_prefill_context_fallbacks_total";
 
 // KV relay pre-auth budget. The relay has no HTTP listener: its STATS reply
 // carries these (fields `handshake_failures`, `handshakes`), docs/kv-wire.md.

@@ -294,9 +294,23 @@ async fn handle(
         return orchestrate(call, &req, &peer, transport).await;
     }
     tracing::info!(mode = "local");
-    let prompt = prompt_ids(&engine, &req.prompt).await?;
-    let seed = client_seed(&req).unwrap_or_else(random_seed);
-    let sp = sampling(&req, &prompt, engine.info(), seed)?;
+    serve_local(call, &req).await
+}
+
+/// Prefills and decodes `req` on this worker's engine (the local mode, and
+/// the fallback of an orchestrated request whose peer refused it for its
+/// length): the engine's own context length decides whether it fits.
+async fn serve_local(call: Call<'_>, req: &CompletionRequest) -> Result<Response, ApiError> {
+    let Call {
+        state,
+        engine,
+        request_id,
+        api,
+        started,
+    } = call;
+    let prompt = prompt_ids(engine, &req.prompt).await?;
+    let seed = client_seed(req).unwrap_or_else(random_seed);
+    let sp = sampling(req, &prompt, engine.info(), seed)?;
     // `Engine::generate` is exactly this prefill and decode; called apart,
     // the prefill's queue wait and compute are measured.
     let called = Instant::now();
@@ -308,8 +322,8 @@ async fn handle(
     let rx = engine.decode(&prompt, pre, &sp).await?;
     let meta = Meta::new(
         api,
-        &engine,
-        &req,
+        engine,
+        req,
         &prompt,
         request_id,
         started,

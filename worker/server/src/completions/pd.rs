@@ -461,10 +461,25 @@ pub(super) async fn orchestrate(
     token_params(req, engine.info().vocab_size)?;
     // The peer prefills a completion (a chat arrives here already rendered).
     let pre = pd::prefill_request(req, transport);
-    let answer = state
+    let answer = match state
         .peer()
         .prefill(peer, request_id, &pre, state.config().prefill_timeout)
-        .await?;
+        .await
+    {
+        // The peer holds less context than the router's last scrape said (a
+        // variant switch since): this worker prefills the prompt itself, if
+        // its own context holds it (else its own 400).
+        Err(ApiError::PrefillPeerRejected {
+            status: 400,
+            code: Some(code),
+            ..
+        }) if code == rngd_api::openai::CONTEXT_LENGTH_CODE => {
+            tracing::warn!(prefiller = %peer, "prefill peer refused the prompt as too long; prefilling it here");
+            state.metrics().prefill_context_fallbacks.inc();
+            return super::serve_local(call, req).await;
+        }
+        other => other?,
+    };
     let handoff = pd::decode_request_from(req, &answer).map_err(|e| ApiError::PrefillPeer {
         peer: peer.to_string(),
         request_id: request_id.to_string(),
