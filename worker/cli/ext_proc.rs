@@ -92,8 +92,9 @@ pub struct Args {
     /// Largest request body buffered for a pick, bytes (also the policy's
     /// body cap); a larger one, declared or received, is a 413 before it is
     /// buffered whole. The gateway's `--body-limit` has the same default.
-    #[arg(long, alias = "body-limit", default_value_t = DEFAULT_MAX_BODY)]
-    pub max_body_bytes: usize,
+    /// `--max-body-bytes` is its older spelling.
+    #[arg(long, alias = "max-body-bytes", default_value_t = DEFAULT_MAX_BODY)]
+    pub body_limit: usize,
     /// Requests in their request phase at once (headers to the pick: body
     /// buffering, prompt counting, the policy call).
     #[arg(long, default_value_t = admission::DEFAULT_MAX_CONCURRENT)]
@@ -189,14 +190,14 @@ fn options(args: &Args) -> anyhow::Result<Options> {
             config: read_config(args.policy_config.as_deref())?,
             // The door's body limit is the policy's too.
             limits: SandboxLimits {
-                max_body_bytes: args.max_body_bytes,
+                max_body_bytes: args.body_limit,
                 ..SandboxLimits::default()
             },
             watch_every: Some(watch),
         },
         tokenizer,
         processor: ProcessorConfig {
-            max_body_bytes: args.max_body_bytes,
+            max_body_bytes: args.body_limit,
             chunk_size: MAX_CHUNK,
             request_idle_timeout: Duration::from_millis(args.request_idle_timeout_ms),
             response_idle_timeout: Duration::from_millis(args.response_idle_timeout_ms),

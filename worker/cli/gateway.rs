@@ -129,9 +129,11 @@ pub struct Args {
     pub load_names: crate::pool::LoadNameArgs,
     #[command(flatten)]
     pub prefix: crate::pool::PrefixArgs,
-    /// Policy file change check period, ms (0 = no hot reload).
-    #[arg(long, default_value_t = 1_000)]
-    pub policy_watch_ms: u64,
+    /// Poll period of the policy module, ms (0 = no hot reload); the
+    /// picker's flag of the same name also polls its endpoints file.
+    /// `--policy-watch-ms` is its older spelling.
+    #[arg(long, alias = "policy-watch-ms", default_value_t = 1_000)]
+    pub watch_ms: u64,
     /// Validate the flags and files (endpoints, policy module and its
     /// configuration through the module's self-test, the model's tokenizer)
     /// and exit: 0 and `ok`, or a clear error.
@@ -240,8 +242,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
             module,
             config: policy_config,
             limits: Default::default(),
-            watch_every: (args.policy_watch_ms > 0)
-                .then(|| Duration::from_millis(args.policy_watch_ms)),
+            watch_every: (args.watch_ms > 0).then(|| Duration::from_millis(args.watch_ms)),
         },
         admin_token: args.admin_token.clone(),
         admin_listen: args.admin_listen,

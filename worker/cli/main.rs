@@ -150,3 +150,82 @@ fn main() -> anyhow::Result<()> {
         }
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use std::collections::HashMap;
+
+    use clap::CommandFactory;
+
+    use super::Cli;
+
+    /// Spellings a flag had before its meaning got one name everywhere:
+    /// still accepted (hidden aliases), never a flag's name.
+    const OLDER: &[(&str, &str)] = &[
+        ("ext-proc", "max-body-bytes"),
+        ("gateway", "policy-watch-ms"),
+    ];
+
+    /// Flags with one meaning at several subcommands, and where they are.
+    const SHARED: &[(&str, &[&str])] = &[
+        ("model", &["worker", "gateway", "ext-proc", "up"]),
+        ("chat-template", &["worker", "gateway", "ext-proc", "up"]),
+        (
+            "served-model-name",
+            &["worker", "gateway", "ext-proc", "up"],
+        ),
+        ("body-limit", &["worker", "gateway", "ext-proc"]),
+        ("watch-ms", &["gateway", "ext-proc"]),
+        ("api-key", &["worker", "gateway", "up"]),
+        ("shutdown-timeout", &["worker", "gateway", "ext-proc", "up"]),
+        ("header-timeout-ms", &["worker", "gateway"]),
+        ("max-connections", &["worker", "gateway"]),
+    ];
+
+    #[test]
+    fn every_subcommand_spells_the_shared_flags_the_same() {
+        let cli = Cli::command();
+        // One field (one meaning) has one name wherever it appears.
+        let mut named: HashMap<String, (String, String)> = HashMap::new();
+        for sub in cli.get_subcommands() {
+            for a in sub.get_arguments() {
+                let Some(long) = a.get_long() else { continue };
+                let (id, here) = (a.get_id().to_string(), sub.get_name().to_string());
+                match named.get(&id) {
+                    Some((there, other)) => assert_eq!(
+                        long, other,
+                        "`{id}` is --{long} at {here} but --{other} at {there}"
+                    ),
+                    None => {
+                        named.insert(id, (here.clone(), long.to_string()));
+                    }
+                }
+                assert!(
+                    !OLDER.iter().any(|(_, old)| *old == long),
+                    "{here}: --{long} is an older spelling"
+                );
+            }
+        }
+        for (flag, subs) in SHARED {
+            for sub in *subs {
+                let c = cli.find_subcommand(sub).unwrap();
+                assert!(
+                    c.get_arguments().any(|a| a.get_long() == Some(flag)),
+                    "{sub} has no --{flag}"
+                );
+            }
+        }
+        // The older spellings still parse, as hidden aliases of the new name.
+        for (sub, old) in OLDER {
+            let c = cli.find_subcommand(sub).unwrap();
+            let a = c
+                .get_arguments()
+                .find(|a| a.get_all_aliases().is_some_and(|v| v.contains(old)))
+                .unwrap_or_else(|| panic!("{sub} no longer takes --{old}"));
+            assert!(
+                a.get_visible_aliases().is_none_or(|v| !v.contains(old)),
+                "--{old} is shown in {sub}'s help"
+            );
+        }
+    }
+}

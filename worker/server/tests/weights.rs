@@ -170,13 +170,18 @@ async fn update(s: &Setup, body: Value) -> (u16, Value) {
     (status, r.json().await.unwrap())
 }
 
-async fn served_version(s: &Setup) -> (String, String) {
-    let v: Value = reqwest::get(format!("{}/v1/models", s.w.url()))
+/// The worker's `GET /v1/models`.
+async fn models(s: &Setup) -> Value {
+    reqwest::get(format!("{}/v1/models", s.w.url()))
         .await
         .unwrap()
         .json()
         .await
-        .unwrap();
+        .unwrap()
+}
+
+async fn served_version(s: &Setup) -> (String, String) {
+    let v = models(s).await;
     (
         v["data"][0]["weight_version"].as_str().unwrap().to_string(),
         v["data"][0]["root"].as_str().unwrap().to_string(),
@@ -416,13 +421,9 @@ async fn switch(s: &Setup, body: Value) -> (u16, Value) {
 }
 
 async fn max_model_len(s: &Setup) -> u64 {
-    let v: Value = reqwest::get(format!("{}/v1/models", s.w.url()))
-        .await
+    models(s).await["data"][0]["max_model_len"]
+        .as_u64()
         .unwrap()
-        .json()
-        .await
-        .unwrap();
-    v["data"][0]["max_model_len"].as_u64().unwrap()
 }
 
 async fn complete(s: &Setup, prompt: &str) -> (u16, Value) {
