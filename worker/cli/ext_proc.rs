@@ -63,16 +63,12 @@ pub struct Args {
     /// Policy plugin configuration (JSON file); default `{}`.
     #[arg(long, env = env::RNGD_PD_POLICY_CONFIG)]
     pub policy_config: Option<PathBuf>,
-    /// GGUF model (or a directory holding exactly one) whose tokenizer and
-    /// chat template count prompt tokens (default: `$RNGD_PD_MODEL`, then the cache).
-    #[arg(long)]
-    pub model: Option<PathBuf>,
-    /// Jinja chat template file the workers render chats with instead of the
-    /// model's own (give the workers the same file).
-    #[arg(long, value_name = "FILE", conflicts_with = "no_tokenizer")]
-    pub chat_template: Option<PathBuf>,
-    /// Do not count prompt tokens (the policy then cannot check the context length).
-    #[arg(long)]
+    /// The model: file, chat template, served names.
+    #[command(flatten)]
+    pub model_args: crate::flags::ModelArgs,
+    /// Do not count prompt tokens (the policy then cannot check the context
+    /// length); refused with `--chat-template`.
+    #[arg(long, conflicts_with = "chat_template")]
     pub no_tokenizer: bool,
     /// Interval of the endpoints' `/metrics` scrapes, ms (0 = no scraping: the file's `healthy` is used as is).
     #[arg(long, default_value_t = 50)]
@@ -83,7 +79,7 @@ pub struct Args {
     /// On SIGTERM or Ctrl-C, seconds the ext_proc streams in flight have to
     /// end (fractions allowed); meanwhile gRPC readiness is NOT_SERVING and
     /// no new connection is taken. A second signal exits at once.
-    #[arg(long, value_name = "SECONDS", value_parser = crate::listener::seconds,
+    #[arg(long, value_name = "SECONDS", value_parser = crate::flags::seconds,
           default_value_t = rngd_http_edge::DEFAULT_SHUTDOWN_TIMEOUT.as_secs_f64())]
     pub shutdown_timeout: f64,
     /// Poll interval of the endpoints file and the policy module, ms.
@@ -111,13 +107,6 @@ pub struct Args {
     /// `Retry-After` before anything is buffered.
     #[arg(long, default_value_t = admission::DEFAULT_MAX_INFLIGHT_BODY_BYTES)]
     pub max_inflight_body_bytes: usize,
-    /// The model names the workers serve (their `--served-model-name`,
-    /// repeated the same way): the tokenizer reports the first instead of
-    /// the GGUF's; a request naming none of them (nor, when none is given,
-    /// the model file's stem) is refused with 404 `model_not_found`. Each
-    /// labels the per-model metrics.
-    #[arg(long = "served-model-name", value_name = "NAME")]
-    pub served_model_name: Vec<String>,
     /// Longest wait for Envoy's next ext_proc message before the pick, ms
     /// (a stalled request stream is ended; Envoy fails the request).
     #[arg(long, default_value_t = rngd_ext_proc::processor::DEFAULT_REQUEST_IDLE_TIMEOUT.as_millis() as u64)]
@@ -156,11 +145,11 @@ fn options(args: &Args) -> anyhow::Result<Options> {
     let tokenizer = if args.no_tokenizer {
         None
     } else {
-        let path = rngd_engine::model_fetch::resolve(args.model.as_deref())
+        let path = rngd_engine::model_fetch::resolve(args.model_args.model.as_deref())
             .context("model for the tokenizer")?;
         let overrides = rngd_pool::TokenizerOverrides {
-            chat_template: args.chat_template.clone(),
-            served_model_name: args.served_model_name.first().cloned(),
+            chat_template: args.model_args.chat_template.clone(),
+            served_model_name: args.model_args.served_model_name.first().cloned(),
         };
         Some(TokenizerChoice::Gguf(path, overrides))
     };
@@ -220,8 +209,8 @@ fn options(args: &Args) -> anyhow::Result<Options> {
 /// The names the picker serves besides the tokenizer's, by the workers' rule
 /// ([`rngd_api::models::aliases`]): the flags, else the model file's stem.
 fn served_models(args: &Args, tokenizer: Option<&TokenizerChoice>) -> Vec<String> {
-    if !args.served_model_name.is_empty() {
-        return args.served_model_name.clone();
+    if !args.model_args.served_model_name.is_empty() {
+        return args.model_args.served_model_name.clone();
     }
     let file = match tokenizer {
         Some(TokenizerChoice::Gguf(p, _)) => Some(p.as_path()),

@@ -43,26 +43,16 @@ pub struct Args {
     /// Plugin configuration of the policy (JSON file).
     #[arg(long, env = env::RNGD_PD_POLICY_CONFIG)]
     pub policy_config: Option<PathBuf>,
-    /// Model file (GGUF), or a directory holding exactly one, whose tokenizer
-    /// and chat template count prompt tokens; default: the cached model.
-    #[arg(long, env = env::RNGD_PD_MODEL)]
-    pub model: Option<PathBuf>,
-    /// Jinja chat template file the workers render chats with instead of the
-    /// model's own (give the workers the same file).
-    #[arg(long, value_name = "FILE")]
-    pub chat_template: Option<PathBuf>,
-    /// Model name to serve instead of the one from the file's metadata;
-    /// repeat for aliases: the first is the name in `/v1/models` and answers,
-    /// every one is accepted in requests.
-    #[arg(long = "served-model-name", value_name = "NAME")]
-    pub served_model_name: Vec<String>,
+    /// The model: file, chat template, served names.
+    #[command(flatten)]
+    pub model_args: crate::flags::ModelArgs,
     /// Bearer token of the policy admin API (every verb, GET included); unset = admin API off.
     #[arg(long, env = env::RNGD_PD_ADMIN_TOKEN, hide_env_values = true)]
     pub admin_token: Option<String>,
     /// API key of the public routes (vLLM's `--api-key`): every route but
     /// `/health`, `/ping`, `/metrics` and `/version` wants `Authorization:
     /// Bearer KEY`; the gateway sends it to the workers (give them the same).
-    #[arg(long, env = env::VLLM_API_KEY, hide_env_values = true, value_parser = crate::listener::parse_api_key)]
+    #[arg(long, env = env::VLLM_API_KEY, hide_env_values = true, value_parser = crate::flags::parse_api_key)]
     pub api_key: Option<rngd_http_edge::api_key::ApiKey>,
     /// Listener of the policy admin API (`GET`/`PUT /admin/policy`), apart
     /// from the public and metrics ports; loopback by default.
@@ -117,7 +107,7 @@ pub struct Args {
     pub ssl_keyfile: Option<PathBuf>,
     /// The listener limits.
     #[command(flatten)]
-    pub listener: crate::listener::ListenerArgs,
+    pub listener: crate::flags::ListenerArgs,
     /// Worker `/metrics` scrape period, ms.
     #[arg(long, default_value_t = 50)]
     pub scrape_interval_ms: u64,
@@ -202,10 +192,10 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
             .with_context(|| format!("reading the policy configuration {}", p.display()))?,
         None => Vec::new(),
     };
-    let model = rngd_engine::model_fetch::resolve(args.model.as_deref())?;
+    let model = rngd_engine::model_fetch::resolve(args.model_args.model.as_deref())?;
     let overrides = rngd_pool::TokenizerOverrides {
-        chat_template: args.chat_template.clone(),
-        served_model_name: args.served_model_name.first().cloned(),
+        chat_template: args.model_args.chat_template.clone(),
+        served_model_name: args.model_args.served_model_name.first().cloned(),
     };
     let tls = match (&args.ssl_certfile, &args.ssl_keyfile) {
         (Some(cert), Some(key)) => Some(rngd_http_edge::tls::ServerTls::from_pem_files(cert, key)?),
@@ -248,7 +238,10 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         admin_listen: args.admin_listen,
         tokenizer: TokenizerChoice::Gguf(model.clone(), overrides),
         config: GatewayConfig {
-            model_aliases: rngd_api::models::aliases(&args.served_model_name, Some(&model)),
+            model_aliases: rngd_api::models::aliases(
+                &args.model_args.served_model_name,
+                Some(&model),
+            ),
             model_root: None,
             api_key: args.api_key.clone(),
             seq_len: args.seq_len,

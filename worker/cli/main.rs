@@ -5,9 +5,9 @@
 //! (`bench/cli`), so this one links no harness.
 
 mod ext_proc;
+mod flags;
 mod gateway;
 mod kv;
-mod listener;
 mod model;
 mod policy;
 mod pool;

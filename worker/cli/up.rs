@@ -98,18 +98,9 @@ pub struct Args {
     /// Port of the gateway's KPI endpoint (`airm_*`); unset = off.
     #[arg(long, env = env::AIRM_METRICS_PORT)]
     pub metrics_port: Option<u16>,
-    /// Model file (GGUF), or a directory holding exactly one; default: the
-    /// cached SmolLM2-135M-Instruct, fetched if missing.
-    #[arg(long, env = env::RNGD_PD_MODEL)]
-    pub model: Option<PathBuf>,
-    /// Jinja chat template file instead of the model's own (passed to the
-    /// workers, the gateway and the picker alike).
-    #[arg(long, value_name = "FILE")]
-    pub chat_template: Option<PathBuf>,
-    /// Model name to serve instead of the one from the file's metadata
-    /// (passed to the workers and the gateway); repeat for aliases.
-    #[arg(long = "served-model-name", value_name = "NAME")]
-    pub served_model_name: Vec<String>,
+    /// The model: file, chat template, served names.
+    #[command(flatten)]
+    pub model_args: crate::flags::ModelArgs,
     /// KV transport between prefill and decode: one of this build's
     /// transports (`shm`, `tcp`, `nixl-ucx`; `rngd-pd kv doctor` shows what
     /// each would use here). The relay runs whichever is chosen: `tcp`
@@ -130,7 +121,7 @@ pub struct Args {
     /// finish the requests in flight (their `--shutdown-timeout`): the front
     /// doors drain first, then the workers, then the relay. A second Ctrl-C
     /// kills the stack at once.
-    #[arg(long, value_name = "SECONDS", value_parser = crate::listener::seconds,
+    #[arg(long, value_name = "SECONDS", value_parser = crate::flags::seconds,
           default_value_t = rngd_http_edge::DEFAULT_SHUTDOWN_TIMEOUT.as_secs_f64())]
     pub shutdown_timeout: f64,
     /// Decode streams each worker steps together (the workers' `--batch`);
@@ -232,7 +223,7 @@ async fn build_default_policy() -> anyhow::Result<PathBuf> {
 pub async fn run(args: Args, log_format: crate::LogFormat) -> anyhow::Result<()> {
     // The flags first: a wrong count or port fails before any download.
     let plans = plan::plan_workers(&args)?;
-    if let Some(t) = &args.chat_template
+    if let Some(t) = &args.model_args.chat_template
         && !t.is_file()
     {
         bail!("chat template file {} does not exist", t.display());
@@ -242,11 +233,11 @@ pub async fn run(args: Args, log_format: crate::LogFormat) -> anyhow::Result<()>
     rngd_kv_transport::registry::check_name(&args.kv_transport)
         .with_context(|| format!("--kv-transport {}", args.kv_transport))?;
     if let Some(k) = &args.api_key {
-        crate::listener::parse_api_key(k).map_err(|e| anyhow::anyhow!("--api-key: {e}"))?;
+        crate::flags::parse_api_key(k).map_err(|e| anyhow::anyhow!("--api-key: {e}"))?;
     }
     ports_are_free(&args, &plans)?;
     let model = {
-        let m = args.model.clone();
+        let m = args.model_args.model.clone();
         tokio::task::spawn_blocking(move || ensure_model(m.as_deref())).await??
     };
     // --policy or $RNGD_PD_POLICY must exist; with neither, a module not

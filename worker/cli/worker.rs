@@ -63,20 +63,9 @@ pub struct Args {
     /// Default KV transport (`shm`, `tcp`); a request may name another.
     #[arg(long, env = env::AIRM_KV_TRANSPORT, default_value = "shm")]
     pub kv_transport: String,
-    /// GGUF model file, or a directory holding exactly one `.gguf`; default:
-    /// the model cache (`rngd-pd model fetch`).
-    #[arg(long, env = env::RNGD_PD_MODEL)]
-    pub model: Option<PathBuf>,
-    /// Jinja chat template file to render chats with instead of the model's
-    /// own `tokenizer.chat_template`.
-    #[arg(long, value_name = "FILE")]
-    pub chat_template: Option<PathBuf>,
-    /// Model name to serve (`/v1/models`, `model` in answers, the
-    /// `model_name` metric label) instead of the one from the file's metadata.
-    /// May be repeated as for the gateway: the first is served, the others
-    /// are accepted aliases; any other `model` is a 404 `model_not_found`.
-    #[arg(long = "served-model-name", value_name = "NAME")]
-    pub served_model_name: Vec<String>,
+    /// The model: file, chat template, served names.
+    #[command(flatten)]
+    pub model_args: crate::flags::ModelArgs,
     /// Compiled context length S.
     #[arg(long, env = env::RNGD_PD_SEQ_LEN, default_value_t = 512)]
     pub seq_len: usize,
@@ -126,7 +115,7 @@ pub struct Args {
     pub max_in_flight: usize,
     /// The listener limits (the same flags as the gateway's).
     #[command(flatten)]
-    pub listener: crate::listener::ListenerArgs,
+    pub listener: crate::flags::ListenerArgs,
     /// Reuse the KV of cached prompt prefixes (vLLM's flag; on by default).
     #[arg(long, overrides_with = "no_enable_prefix_caching")]
     pub enable_prefix_caching: bool,
@@ -171,7 +160,7 @@ pub struct Args {
     /// API key of the public routes (vLLM's `--api-key`): every route but
     /// `/health`, `/ready`, `/ping`, `/metrics` and `/version` wants
     /// `Authorization: Bearer KEY`; the worker sends it to its prefill peers.
-    #[arg(long, env = env::VLLM_API_KEY, hide_env_values = true, value_parser = crate::listener::parse_api_key)]
+    #[arg(long, env = env::VLLM_API_KEY, hide_env_values = true, value_parser = crate::flags::parse_api_key)]
     pub api_key: Option<rngd_http_edge::api_key::ApiKey>,
     /// Bearer token of the worker admin API; unset: no admin listener.
     #[arg(long, env = env::RNGD_PD_ADMIN_TOKEN, hide_env_values = true)]
@@ -200,9 +189,9 @@ impl Args {
             host: self.host,
             port: self.port,
             kv_transport: self.kv_transport,
-            model: self.model,
-            chat_template: self.chat_template,
-            served_model_name: self.served_model_name,
+            model: self.model_args.model,
+            chat_template: self.model_args.chat_template,
+            served_model_name: self.model_args.served_model_name,
             seq_len: self.seq_len,
             batch: self.batch,
             threads: self.threads,

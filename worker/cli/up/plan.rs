@@ -180,11 +180,11 @@ impl SharedFlags {
     /// From the flags (the template file is checked by the caller).
     pub(super) fn new(args: &Args, model: &std::path::Path) -> Self {
         let mut template = Vec::new();
-        if let Some(t) = &args.chat_template {
+        if let Some(t) = &args.model_args.chat_template {
             template.extend(["--chat-template".into(), t.display().to_string()]);
         }
         let mut names = Vec::new();
-        for n in &args.served_model_name {
+        for n in &args.model_args.served_model_name {
             names.extend(["--served-model-name".into(), n.clone()]);
         }
         SharedFlags {

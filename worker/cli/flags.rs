@@ -1,8 +1,36 @@
-//! What every subcommand that serves HTTP shares on its command line: the
-//! listener limits ([`ListenerArgs`], one flag name per meaning), the API
-//! key's parser and durations given in seconds.
+//! Flag groups and parsers several subcommands share, so a meaning has one
+//! name and one help text everywhere: the model flags ([`ModelArgs`]), the
+//! listener limits ([`ListenerArgs`]), the API key's parser and durations
+//! given in seconds.
 
+use std::path::PathBuf;
 use std::time::Duration;
+
+use rngd_api::env;
+
+/// The model flags of every subcommand that serves or counts a model
+/// (`worker`, `gateway`, `ext-proc`, `up`).
+#[derive(Debug, Clone, clap::Args)]
+pub struct ModelArgs {
+    /// Model file (GGUF), or a directory holding exactly one: the weights a
+    /// worker serves, the tokenizer and chat template a front door counts
+    /// prompts with (`up` gives its children the same); default: the cached
+    /// model (`rngd-pd model fetch`; `up` fetches it if missing).
+    #[arg(long, env = env::RNGD_PD_MODEL)]
+    pub model: Option<PathBuf>,
+    /// Jinja chat template file chats are rendered with instead of the
+    /// model's own `tokenizer.chat_template` (give the workers and the front
+    /// doors the same file; `up` does).
+    #[arg(long, value_name = "FILE")]
+    pub chat_template: Option<PathBuf>,
+    /// Model name to serve instead of the one from the file's metadata;
+    /// repeat for aliases: the first is the name in `/v1/models`, in answers
+    /// and in the `model_name` metric label, every one is accepted in
+    /// requests; any other `model` is a 404 `model_not_found` (a front door
+    /// is given the names its workers serve).
+    #[arg(long = "served-model-name", value_name = "NAME")]
+    pub served_model_name: Vec<String>,
+}
 
 /// The listener limits, one flag name per meaning in every subcommand that
 /// serves HTTP (`gateway`, `worker`); the defaults are
