@@ -21,8 +21,8 @@ use rngd_telemetry::{TelemetryError, names};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 /// Largest request body a front door buffers by default, bytes (1 MiB): the
-/// gateway's `--body-limit` and the picker's `--max-body-bytes`, and at the
-/// picker also the policy's own body cap.
+/// default of both doors' `--body-limit`, and at the picker also the
+/// policy's own body cap.
 pub const DEFAULT_MAX_BODY_BYTES: usize = 1 << 20;
 /// Default [`AdmissionOptions::max_concurrent`].
 pub const DEFAULT_MAX_CONCURRENT: usize = 256;
