@@ -5,6 +5,8 @@
 //! other methods 405; vLLM's query parameters refused by name; an engine
 //! without a prefix cache answers 400.
 
+mod common;
+
 use std::sync::{Arc, Mutex};
 
 use rngd_engine::Engine;
@@ -155,12 +157,7 @@ async fn reset_needs_the_token_and_empties_the_cache() {
         heard.0.lock().unwrap().last(),
         Some(&PrefixEvent::AllCleared)
     );
-    let m = reqwest::get(format!("{}/metrics", w.url()))
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let m = common::metrics(&w).await;
     assert!(
         m.contains("rngd_pd_worker_admin_refusals_total{reason=\"unauthorized\"} 3"),
         "{m}"

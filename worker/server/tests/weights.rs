@@ -13,6 +13,8 @@
 //!   a `.gguf`, a missing file, `abort_all_requests: true`, an unknown field,
 //!   and a second update while one loads (409).
 
+mod common;
+
 use std::collections::HashMap;
 use std::path::Path;
 use std::sync::{Arc, Condvar, Mutex};
@@ -269,12 +271,7 @@ async fn requests_in_flight_finish_on_the_old_weights_and_new_ones_get_the_new()
         .collect();
     assert_eq!(text, "abcd");
 
-    let m = reqwest::get(format!("{}/metrics", s.w.url()))
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let m = common::metrics(&s.w).await;
     let info: Vec<&str> = m
         .lines()
         .filter(|l| l.starts_with("rngd_pd_worker_weight_info{"))
@@ -475,12 +472,7 @@ async fn a_variant_switch_moves_admission_and_keeps_the_old_variant_prepared() {
         "{e}"
     );
     assert_eq!(complete(&s, "abc").await.0, 200);
-    let page = reqwest::get(format!("{}/metrics", s.w.url()))
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let page = common::metrics(&s.w).await;
     assert!(
         page.contains(
             "rngd_pd_worker_variant_info{max_batch=\"2\",model_name=\"echo\",seq_len=\"32\"} 1"
