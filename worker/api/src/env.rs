@@ -6,6 +6,10 @@ pub const AIRM_KV_TRANSPORT: &str = "AIRM_KV_TRANSPORT";
 pub const PD_SHM_ROOT: &str = "PD_SHM_ROOT";
 /// Seconds an unread `shm` request lives before the sweeper removes it; default 60.
 pub const AIRM_KV_SHM_TTL_S: &str = "AIRM_KV_SHM_TTL_S";
+/// Slots of the `shm` transport's arena (requests written in place, each
+/// slot the size of a full S-wide request); `0` writes every request to a
+/// file of its own. Default 8.
+pub const AIRM_KV_SHM_SLOTS: &str = "AIRM_KV_SHM_SLOTS";
 /// `host:port` of the `tcp` KV relay.
 pub const AIRM_KV_TCP_ADDR: &str = "AIRM_KV_TCP_ADDR";
 /// Seconds an unread blob lives in the relay; default 60.

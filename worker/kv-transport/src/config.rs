@@ -13,6 +13,10 @@ use crate::relay::{ClientTls, TlsMode};
 pub const DEFAULT_SHM_ROOT: &str = "/dev/shm/rngd_kv_cluster";
 /// Default lifetime of an unread request (both transports).
 pub const DEFAULT_TTL: Duration = Duration::from_secs(60);
+/// Default slots of the `shm` arena.
+pub const DEFAULT_SHM_SLOTS: usize = 8;
+/// Most slots an `shm` arena may have.
+pub const MAX_SHM_SLOTS: usize = 256;
 /// Default deadline of a `tcp` push, release or STATS.
 pub const DEFAULT_TCP_TIMEOUT: Duration = Duration::from_secs(30);
 /// Default size of the `nixl-ucx` arena, MiB.
@@ -25,6 +29,10 @@ pub struct TransportConfig {
     pub shm_root: PathBuf,
     /// `shm`: age after which the sweeper removes an unread request (`AIRM_KV_SHM_TTL_S`).
     pub shm_ttl: Duration,
+    /// `shm`: slots of the arena that requests are written into in place
+    /// (`AIRM_KV_SHM_SLOTS`, default [`DEFAULT_SHM_SLOTS`], at most
+    /// [`MAX_SHM_SLOTS`]); `0`: none, every request goes to a file of its own.
+    pub shm_slots: usize,
     /// `tcp`: `host:port` of the relay (`AIRM_KV_TCP_ADDR`); required by `tcp`.
     pub tcp_addr: Option<String>,
     /// `tcp`: lifetime of unread blobs in a relay this process starts (`AIRM_KV_TCP_TTL_S`).
@@ -64,6 +72,7 @@ impl Default for TransportConfig {
         TransportConfig {
             shm_root: PathBuf::from(DEFAULT_SHM_ROOT),
             shm_ttl: DEFAULT_TTL,
+            shm_slots: DEFAULT_SHM_SLOTS,
             tcp_addr: None,
             tcp_ttl: DEFAULT_TTL,
             tcp_crc: true,
@@ -94,6 +103,19 @@ impl TransportConfig {
         }
         if let Some(v) = lookup(env::AIRM_KV_SHM_TTL_S) {
             cfg.shm_ttl = parse_secs(env::AIRM_KV_SHM_TTL_S, &v)?;
+        }
+        if let Some(v) = lookup(env::AIRM_KV_SHM_SLOTS) {
+            cfg.shm_slots = match v.trim().parse::<usize>() {
+                Ok(n) if n <= MAX_SHM_SLOTS => n,
+                _ => {
+                    return Err(KvError::Config {
+                        detail: format!(
+                            "{}={v:?}: expected a slot count from 0 to {MAX_SHM_SLOTS}",
+                            env::AIRM_KV_SHM_SLOTS
+                        ),
+                    });
+                }
+            };
         }
         cfg.tcp_addr = lookup(env::AIRM_KV_TCP_ADDR);
         if let Some(v) = lookup(env::AIRM_KV_TCP_TTL_S) {
@@ -272,6 +294,7 @@ mod tests {
         let vars: HashMap<&str, &str> = [
             (env::PD_SHM_ROOT, "/tmp/x"),
             (env::AIRM_KV_SHM_TTL_S, "2.5"),
+            (env::AIRM_KV_SHM_SLOTS, "3"),
             (env::AIRM_KV_TCP_ADDR, "10.0.0.1:7000"),
             (env::AIRM_KV_TCP_TTL_S, "5"),
             (env::AIRM_KV_TCP_CRC, "0"),
@@ -286,6 +309,14 @@ mod tests {
         let cfg = TransportConfig::from_lookup(|k| vars.get(k).map(|v| v.to_string())).unwrap();
         assert_eq!(cfg.shm_root, PathBuf::from("/tmp/x"));
         assert_eq!(cfg.shm_ttl, Duration::from_millis(2500));
+        assert_eq!(cfg.shm_slots, 3);
+        for bad in ["-1", "257", "many"] {
+            let err = TransportConfig::from_lookup(|k| {
+                (k == env::AIRM_KV_SHM_SLOTS).then(|| bad.to_string())
+            })
+            .unwrap_err();
+            assert!(err.to_string().contains("AIRM_KV_SHM_SLOTS"), "{err}");
+        }
         assert_eq!(cfg.tcp_addr.as_deref(), Some("10.0.0.1:7000"));
         assert_eq!(cfg.tcp_ttl, Duration::from_secs(5));
         assert!(!cfg.tcp_crc);

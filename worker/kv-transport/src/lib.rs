@@ -1,7 +1,8 @@
 //! KV transports: move one request's KV cache (a set of blobs described by a
 //! [`KvHandle`]) from a prefill worker to a decode worker.
 //!
-//! - [`KvTransport`]: the trait every transport implements (`push`, `pull`, `release`).
+//! - [`KvTransport`]: the trait every transport implements (`push`, `pull`,
+//!   `release`, and `reserve` where a producer can write in place: `shm`).
 //! - [`registry`]: transports selected by name (`AIRM_KV_TRANSPORT`, default `shm`),
 //!   configured by [`TransportConfig`].
 //! - [`shm`]: files in `/dev/shm`, published by rename and mapped with memmap2.
@@ -21,7 +22,7 @@
 use std::time::Duration;
 
 use bytes::Bytes;
-pub use rngd_kv_wire::{KvHandle, KvLayout, WireError};
+pub use rngd_kv_wire::{KvHandle, KvLayout, KvSink, SinkShape, WireError};
 
 pub mod config;
 #[cfg(feature = "test-util")]
@@ -210,6 +211,34 @@ pub struct KvPayload {
     pub blobs: Vec<Bytes>,
 }
 
+/// Room a transport made for one request's blobs ([`KvTransport::reserve`]):
+/// the producer writes every blob through `sink` and drops it; then `slot`
+/// publishes them. Dropping either before publishing frees the room and
+/// publishes nothing.
+pub struct Reserved {
+    /// Where the blobs are written.
+    pub sink: Box<dyn KvSink>,
+    /// What publishes them.
+    pub slot: Box<dyn KvSlot>,
+}
+
+impl std::fmt::Debug for Reserved {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Reserved")
+            .field("shape", &self.sink.shape())
+            .finish_non_exhaustive()
+    }
+}
+
+/// The publishing half of a [`Reserved`] room.
+#[async_trait::async_trait]
+pub trait KvSlot: Send {
+    /// Publishes the blobs written through the room's sink, which must be
+    /// gone (dropped) with every blob sealed; returns the handle the other
+    /// side pulls with. An unfinished room is refused and freed.
+    async fn publish(self: Box<Self>) -> Result<KvHandle, KvError>;
+}
+
 /// A KV transport.
 #[async_trait::async_trait]
 pub trait KvTransport: Send + Sync + 'static {
@@ -217,6 +246,18 @@ pub trait KvTransport: Send + Sync + 'static {
     fn name(&self) -> &'static str;
     /// Publishes the blobs; returns the handle the other side pulls with.
     async fn push(&self, payload: KvPayload) -> Result<KvHandle, KvError>;
+    /// Makes room for the blobs of `shape` under `request_id` that a
+    /// producer writes in place ([`Reserved`]): the one-copy path. `None`:
+    /// this transport has no such room (the default), so the producer makes
+    /// blobs and [`KvTransport::push`]es them.
+    async fn reserve(
+        &self,
+        request_id: &str,
+        shape: SinkShape,
+    ) -> Result<Option<Reserved>, KvError> {
+        let _ = (request_id, shape);
+        Ok(None)
+    }
     /// Fetches and verifies (CRC-32) every blob of `handle`, waiting at most `timeout`.
     async fn pull(&self, handle: &KvHandle, timeout: Duration) -> Result<Vec<Bytes>, KvError>;
     /// Frees whatever the transport holds for `handle`. Idempotent.

@@ -1,6 +1,8 @@
 //! The `shm` transport: one file per request under `PD_SHM_ROOT`
 //! (default `/dev/shm/rngd_kv_cluster`).
 //!
+//! - reserve ([`slot`]): the same temporary file, allocated whole and mapped,
+//!   for a producer that writes the blobs in place; published as a push is;
 //! - push: blobs are written to a temporary name (`.tmp.<key>.<pid>.<n>`, mode
 //!   0600, `O_EXCL|O_NOFOLLOW`) and published atomically as `<key>.kv` by a
 //!   `link`, which replaces nothing (only this user's own earlier file of the
@@ -33,7 +35,15 @@ use std::time::{Duration, Instant, SystemTime};
 use bytes::Bytes;
 use rngd_kv_wire::{BlobMeta, KvHandle};
 
-use crate::{KvError, KvPayload, KvTransport, TransportConfig, check_handle, sanitize_key};
+use crate::{
+    KvError, KvPayload, KvTransport, Reserved, SinkShape, TransportConfig, check_handle,
+    sanitize_key,
+};
+
+mod arena;
+mod slot;
+pub use arena::ARENA_EXT;
+pub use slot::{ShmSink, ShmSlot};
 
 /// Registry name.
 pub const NAME: &str = "shm";
@@ -52,6 +62,33 @@ const TMP_PREFIX: &str = ".tmp.";
 pub trait ShmWriter: Send + Sync + 'static {
     /// Writes all of `bytes` at `offset` of `file`.
     fn write_all_at(&self, file: &File, bytes: &[u8], offset: u64) -> io::Result<()>;
+    /// Allocates `len` bytes of `file` at `offset` (growing it if they end
+    /// past its end; pages already there stay), so that writing them through
+    /// a mapping cannot fail for space: a full disk is an error here.
+    fn allocate(&self, file: &File, offset: u64, len: u64) -> io::Result<()> {
+        allocate(file, offset, len)
+    }
+}
+
+/// `fallocate(2)` of `len` bytes at `offset`.
+fn allocate(file: &File, offset: u64, len: u64) -> io::Result<()> {
+    use std::os::fd::AsRawFd;
+    let (offset, len) = (
+        libc::off_t::try_from(offset).map_err(io::Error::other)?,
+        libc::off_t::try_from(len).map_err(io::Error::other)?,
+    );
+    loop {
+        // SAFETY: a plain system call on a descriptor this `File` owns for
+        // the whole call; no memory is passed.
+        let r = unsafe { libc::fallocate(file.as_raw_fd(), 0, offset, len) };
+        if r == 0 {
+            return Ok(());
+        }
+        let e = io::Error::last_os_error();
+        if e.kind() != io::ErrorKind::Interrupted {
+            return Err(e);
+        }
+    }
 }
 
 /// Offset of the first blob in a request file of `blob_count` blobs (the
@@ -81,6 +118,12 @@ struct Inner {
     location: String,
     ttl: Duration,
     writer: Arc<dyn ShmWriter>,
+    /// Slots of this process's arena (0: none).
+    slots: usize,
+    /// This process's arena, made on the first reserve.
+    arena: std::sync::Mutex<Option<Arc<arena::Arena>>>,
+    /// Other processes' arenas this one reads from.
+    maps: std::sync::Mutex<Vec<Arc<arena::Arena>>>,
 }
 
 impl std::fmt::Debug for ShmTransport {
@@ -209,6 +252,9 @@ impl ShmTransport {
             root,
             ttl: cfg.shm_ttl,
             writer,
+            slots: cfg.shm_slots.min(crate::config::MAX_SHM_SLOTS),
+            arena: Default::default(),
+            maps: Default::default(),
         });
         if let Ok(rt) = tokio::runtime::Handle::try_current() {
             rt.spawn(sweeper(Arc::downgrade(&inner)));
@@ -227,11 +273,25 @@ impl ShmTransport {
         Ok(self.inner.root.join(format!("{key}.{EXT}")))
     }
 
-    /// Files currently in the root (published and temporary): the leak counter.
+    /// Request files currently in the root (published, pointers and
+    /// temporary; not the arenas): with [`ShmTransport::busy_slots`], the
+    /// leak counter.
     pub fn held_files(&self) -> Result<usize, KvError> {
         let dir = std::fs::read_dir(&self.inner.root)
             .map_err(io_err(format!("listing {}", self.inner.root.display())))?;
-        Ok(dir.filter(|e| e.is_ok()).count())
+        let arena = format!(".{}", arena::ARENA_EXT);
+        Ok(dir
+            .flatten()
+            .filter(|e| !e.file_name().to_string_lossy().ends_with(&arena))
+            .count())
+    }
+
+    /// Slots of this process's arena not free (written, published or being
+    /// read); 0 before the first reserve.
+    pub fn busy_slots(&self) -> usize {
+        slot_lock(&self.inner.arena)
+            .as_ref()
+            .map_or(0, |a| a.busy())
     }
 
     /// Removes every file older than the TTL now; returns how many were removed.
@@ -243,8 +303,24 @@ impl ShmTransport {
 /// How far a file's modification time may lag behind the clock it is compared with.
 const MTIME_SLACK: Duration = Duration::from_millis(20);
 
+fn slot_lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 impl Inner {
     fn sweep(&self) -> Result<usize, KvError> {
+        // First the arena (which touches its file, so the scan below leaves it).
+        let own = slot_lock(&self.arena).clone();
+        if let Some(a) = &own {
+            let freed = a.sweep(self.ttl);
+            if freed > 0 {
+                tracing::info!(
+                    freed,
+                    arena = a.name(),
+                    "shm: freed expired or orphaned slots"
+                );
+            }
+        }
         let now = SystemTime::now();
         let mut removed = 0;
         let dir = std::fs::read_dir(&self.root)
@@ -276,39 +352,44 @@ impl Inner {
         Ok(removed)
     }
 
-    fn write_request(&self, key: &str, blobs: &[Bytes]) -> Result<Vec<BlobMeta>, KvError> {
+    /// Creates a fresh temporary file for `key` (`O_EXCL|O_NOFOLLOW`, mode
+    /// 0600), removed again by the returned guard unless it is disarmed.
+    fn create_tmp(&self, key: &str) -> Result<(PathBuf, File, TmpGuard), KvError> {
         static SEQ: AtomicU64 = AtomicU64::new(0);
         // O_EXCL: an existing name (a symlink or file somebody planted at a
         // guessed temporary name) is never opened; try another name.
         let mut attempt = 0;
-        let (tmp, file) = loop {
+        loop {
             let tmp = self.root.join(format!(
                 "{TMP_PREFIX}{key}.{}.{}",
                 std::process::id(),
                 SEQ.fetch_add(1, Ordering::Relaxed)
             ));
             match OpenOptions::new()
+                .read(true)
                 .write(true)
                 .create_new(true)
                 .mode(0o600)
                 .custom_flags(libc::O_NOFOLLOW)
                 .open(&tmp)
             {
-                Ok(f) => break (tmp, f),
+                Ok(f) => return Ok((tmp.clone(), f, TmpGuard(Some(tmp)))),
                 Err(e) if e.kind() == io::ErrorKind::AlreadyExists && attempt < 16 => {
                     attempt += 1;
                 }
                 Err(e) => return Err(self.write_error(&tmp, e)),
             }
-        };
-        let guard = TmpGuard(Some(tmp.clone()));
-        let header_len = FIXED_HEADER + BLOB_ENTRY * blobs.len();
-        let data_offset = data_offset(blobs.len()) as usize;
+        }
+    }
+
+    fn write_request(&self, key: &str, blobs: &[Bytes]) -> Result<Vec<BlobMeta>, KvError> {
+        let (tmp, file, guard) = self.create_tmp(key)?;
+        let data_offset = data_offset(blobs.len());
         let total: u64 = blobs.iter().map(|b| b.len() as u64).sum();
-        file.set_len(data_offset as u64 + total)
+        file.set_len(data_offset + total)
             .map_err(|e| self.write_error(&tmp, e))?;
         let mut metas = Vec::with_capacity(blobs.len());
-        let mut offset = data_offset as u64;
+        let mut offset = data_offset;
         for blob in blobs {
             // CRC right before the write: the blob is still in cache for the copy.
             metas.push(BlobMeta {
@@ -320,25 +401,54 @@ impl Inner {
                 .map_err(|e| self.write_error(&tmp, e))?;
             offset += blob.len() as u64;
         }
-        let mut header = Vec::with_capacity(header_len);
+        self.seal_and_publish(key, &tmp, file, guard, &metas)?;
+        Ok(metas)
+    }
+
+    /// Writes the header of a filled temporary file and publishes it under
+    /// `key` (the temporary name goes with the guard).
+    fn seal_and_publish(
+        &self,
+        key: &str,
+        tmp: &Path,
+        file: File,
+        guard: TmpGuard,
+        metas: &[BlobMeta],
+    ) -> Result<(), KvError> {
+        let data_offset = data_offset(metas.len());
+        let total: u64 = metas.iter().map(|m| m.len).sum();
+        let mut header = Vec::with_capacity(FIXED_HEADER + BLOB_ENTRY * metas.len());
         header.extend_from_slice(MAGIC);
         header.extend_from_slice(&VERSION.to_le_bytes());
-        header.extend_from_slice(&(blobs.len() as u32).to_le_bytes());
-        header.extend_from_slice(&(data_offset as u64).to_le_bytes());
+        header.extend_from_slice(&(metas.len() as u32).to_le_bytes());
+        header.extend_from_slice(&data_offset.to_le_bytes());
         header.extend_from_slice(&total.to_le_bytes());
-        for m in &metas {
+        for m in metas {
             header.extend_from_slice(&m.len.to_le_bytes());
             header.extend_from_slice(&m.crc32.to_le_bytes());
         }
         self.writer
             .write_all_at(&file, &header, 0)
+            .map_err(|e| self.write_error(tmp, e))?;
+        drop(file);
+        let path = self.root.join(format!("{key}.{EXT}"));
+        self.publish(tmp, &path)?;
+        // The temporary name (still linked after a `link`) goes with the guard.
+        drop(guard);
+        Ok(())
+    }
+
+    /// Publishes `bytes` as the whole file of `key` (a pointer file).
+    fn publish_bytes(&self, key: &str, bytes: &[u8]) -> Result<(), KvError> {
+        let (tmp, file, guard) = self.create_tmp(key)?;
+        self.writer
+            .write_all_at(&file, bytes, 0)
             .map_err(|e| self.write_error(&tmp, e))?;
         drop(file);
         let path = self.root.join(format!("{key}.{EXT}"));
         self.publish(&tmp, &path)?;
-        // The temporary name (still linked after a `link`) goes with the guard.
         drop(guard);
-        Ok(metas)
+        Ok(())
     }
 
     /// Gives the temporary file its published name, replacing nothing but this
@@ -410,6 +520,13 @@ async fn sweeper(inner: Weak<Inner>) {
         })
         .await;
     }
+}
+
+/// The header version of a request file (`None`: no header or not ours).
+fn version_of(file: &File) -> Option<u32> {
+    let mut head = [0u8; 12];
+    file.read_exact_at(&mut head, 0).ok()?;
+    (&head[..8] == MAGIC).then(|| u32::from_le_bytes(head[8..12].try_into().expect("4 bytes")))
 }
 
 /// Maps a published file and checks it against the handle.
@@ -509,6 +626,24 @@ impl KvTransport for ShmTransport {
         })
     }
 
+    #[tracing::instrument(name = "kv.reserve", skip_all, fields(transport = NAME, request_id = %request_id, tokens = shape.tokens))]
+    async fn reserve(
+        &self,
+        request_id: &str,
+        shape: SinkShape,
+    ) -> Result<Option<Reserved>, KvError> {
+        let key = sanitize_key(NAME, request_id)?;
+        let inner = self.inner.clone();
+        let id = request_id.to_string();
+        tokio::task::spawn_blocking(move || slot::reserve(&inner, id, key, shape))
+            .await
+            .map_err(|e| KvError::Io {
+                transport: NAME,
+                context: "reserve task failed".into(),
+                source: io::Error::other(e),
+            })?
+    }
+
     #[tracing::instrument(name = "kv.pull", skip_all, fields(transport = NAME, request_id = %handle.request_id, bytes = handle.total_bytes()))]
     async fn pull(&self, handle: &KvHandle, timeout: Duration) -> Result<Vec<Bytes>, KvError> {
         check_handle(NAME, handle)?;
@@ -557,12 +692,17 @@ impl KvTransport for ShmTransport {
             }
         };
         let h = handle.clone();
+        let inner = self.inner.clone();
         let blobs = tokio::task::spawn_blocking(move || {
             let meta = file
                 .metadata()
                 .map_err(io_err(format!("stat {}", path.display())))?;
             check_own_file(&path, &meta)?;
-            let blobs = load(&path, file, &h)?;
+            let blobs = if version_of(&file) == Some(slot::POINTER_VERSION) {
+                slot::load_slot(&inner, &path, &file, &h)?
+            } else {
+                load(&path, file, &h)?
+            };
             // The reader releases (the mapping stays valid after the unlink),
             // unless the name now belongs to another file.
             let same = std::fs::symlink_metadata(&path)
@@ -591,6 +731,18 @@ impl KvTransport for ShmTransport {
     async fn release(&self, handle: &KvHandle) -> Result<(), KvError> {
         check_handle(NAME, handle)?;
         let path = self.path_of(&handle.request_id)?;
+        // A pointer file's slot is freed first (its own file, never a link's target).
+        if let Ok(file) = OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
+            .open(&path)
+            && file
+                .metadata()
+                .is_ok_and(|m| check_own_file(&path, &m).is_ok())
+            && version_of(&file) == Some(slot::POINTER_VERSION)
+        {
+            slot::release_slot(&self.inner, &path, &file);
+        }
         match std::fs::remove_file(&path) {
             Ok(()) => Ok(()),
             Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),

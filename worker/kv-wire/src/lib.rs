@@ -1,6 +1,6 @@
 //! The KV-cache wire format shared by every rngd-pd component.
 //!
-//! This crate owns three things and nothing else:
+//! This crate owns four things and nothing else:
 //! - [`KvLayout`]: the shape of one request's KV cache as the NPU graphs lay it
 //!   out: K as `[layers, kv_heads, head_dim, S]`, V as
 //!   `[layers, kv_heads, S, head_dim]`, one blob per layer per K/V, where `S`
@@ -9,11 +9,16 @@
 //!   find and verify the blobs (serde, so it travels inside JSON), with the
 //!   wire version its blobs are in ([`WIRE_FULL`]: S positions per row;
 //!   [`WIRE_TRIMMED`]: only the valid ones, [`KvLayout::wire_rows`]);
-//! - checksums ([`crc32`]) and bf16/f16 conversion helpers.
+//! - checksums ([`crc32`]) and bf16/f16 conversion helpers;
+//! - [`sink`]: the seam through which a producer writes blobs in place into
+//!   a transport's room.
 //!
 //! The normative description is `docs/kv-wire.md`.
 
 use serde::{Deserialize, Serialize};
+
+pub mod sink;
+pub use sink::{KvSink, SinkShape};
 
 /// Element type of the cache on the wire.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
