@@ -31,7 +31,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::Instant;
 
-use rngd_kv_wire::{Dtype, KvLayout};
+use rngd_kv_wire::{Dtype, KvLayout, KvSink};
 use tokio::sync::{mpsc, oneshot};
 
 use crate::kv::SeqCache;
@@ -111,6 +111,8 @@ pub const MIN_ROWS: usize = 8;
 struct PrefillJob {
     prompt: Vec<u32>,
     params: SamplingParams,
+    /// Where the cache goes in place (`None`: into the answer's blobs).
+    sink: Option<Box<dyn KvSink>>,
     reply: oneshot::Sender<Result<Prefilled, EngineError>>,
 }
 
@@ -307,6 +309,28 @@ impl CpuEngine {
         self.batch
     }
 
+    /// Queues a prefill (its cache into `sink` when given) and waits for it.
+    async fn prefill_job(
+        &self,
+        prompt: &[u32],
+        params: &SamplingParams,
+        sink: Option<Box<dyn KvSink>>,
+    ) -> Result<Prefilled, EngineError> {
+        if prompt.is_empty() {
+            return Err(EngineError::InvalidRequest("the prompt is empty".into()));
+        }
+        check_context(prompt.len(), params.max_tokens, self.info.seq_len)?;
+        let (reply, rx) = oneshot::channel();
+        let job = PrefillJob {
+            prompt: prompt.to_vec(),
+            params: params.clone(),
+            sink,
+            reply,
+        };
+        self.submit(|st| st.prefills.push_back(job))?;
+        rx.await.map_err(|_| EngineError::Stopped)?
+    }
+
     fn submit(&self, f: impl FnOnce(&mut State)) -> Result<(), EngineError> {
         let mut st = self.shared.lock();
         if st.shutdown {
@@ -380,18 +404,26 @@ impl Engine for CpuEngine {
         prompt: &[u32],
         params: &SamplingParams,
     ) -> Result<Prefilled, EngineError> {
-        if prompt.is_empty() {
-            return Err(EngineError::InvalidRequest("the prompt is empty".into()));
+        self.prefill_job(prompt, params, None).await
+    }
+
+    async fn prefill_into(
+        &self,
+        prompt: &[u32],
+        params: &SamplingParams,
+        sink: Box<dyn KvSink>,
+    ) -> Result<Prefilled, EngineError> {
+        let shape = sink.shape();
+        if shape.layout != self.info.kv_layout || shape.tokens != prompt.len() {
+            return Err(EngineError::InvalidRequest(format!(
+                "a KV sink for {} positions of {:?} does not fit a prompt of {} tokens on {:?}",
+                shape.tokens,
+                shape.layout,
+                prompt.len(),
+                self.info.kv_layout
+            )));
         }
-        check_context(prompt.len(), params.max_tokens, self.info.seq_len)?;
-        let (reply, rx) = oneshot::channel();
-        let job = PrefillJob {
-            prompt: prompt.to_vec(),
-            params: params.clone(),
-            reply,
-        };
-        self.submit(|st| st.prefills.push_back(job))?;
-        rx.await.map_err(|_| EngineError::Stopped)?
+        self.prefill_job(prompt, params, Some(sink)).await
     }
 
     async fn decode(

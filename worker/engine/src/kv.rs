@@ -8,7 +8,7 @@
 
 use bytes::Bytes;
 use half::bf16;
-use rngd_kv_wire::{BlobKind, Dtype, KvLayout, WIRE_FULL, WIRE_TRIMMED};
+use rngd_kv_wire::{BlobKind, Crc32, Dtype, KvLayout, KvSink, WIRE_FULL, WIRE_TRIMMED};
 
 use crate::{EngineError, KvCache};
 
@@ -94,6 +94,17 @@ impl SeqCache {
         self.export_as(WIRE_TRIMMED)
     }
 
+    /// The cache's description without its blobs (what a prefill answers
+    /// once [`SeqCache::export_into`] wrote them elsewhere).
+    pub(crate) fn export_none(&self) -> KvCache {
+        KvCache {
+            layout: self.layout,
+            tokens: self.tokens,
+            wire: WIRE_TRIMMED,
+            blobs: Vec::new(),
+        }
+    }
+
     /// The cache as wire blobs in wire version `wire`: [`WIRE_TRIMMED`], or
     /// [`WIRE_FULL`] (S-wide, padded with zeros: a reused buffer may hold
     /// stale values of an earlier request there).
@@ -134,6 +145,60 @@ impl SeqCache {
             },
             blobs,
         }
+    }
+
+    /// Writes the cache straight into `sink` in the sink's wire version
+    /// (what [`SeqCache::export_as`] would give), each row checksummed right
+    /// after it is written, and seals every blob: the one copy between this
+    /// cache and a transport's room. The sink must be made for this cache's
+    /// layout and valid positions.
+    pub(crate) fn export_into(&self, sink: &mut dyn KvSink) -> Result<(), EngineError> {
+        let l = self.layout;
+        let shape = sink.shape();
+        if shape.layout != l || shape.tokens != self.tokens {
+            return Err(EngineError::InvalidRequest(format!(
+                "a KV sink for {} positions of {:?} cannot take this cache of {} positions of {:?}",
+                shape.tokens, shape.layout, self.tokens, l
+            )));
+        }
+        let want = shape
+            .blob_bytes()
+            .map_err(|e| EngineError::InvalidRequest(e.to_string()))?;
+        for i in 0..l.blob_count() {
+            let (layer, kind) = KvLayout::blob_of(i);
+            let src = match kind {
+                BlobKind::K => &self.k[layer],
+                BlobKind::V => &self.v[layer],
+            };
+            let out = sink.blob_mut(i);
+            if out.len() != want {
+                return Err(EngineError::InvalidRequest(format!(
+                    "KV sink blob {i} has {} bytes, the wire needs {want}",
+                    out.len()
+                )));
+            }
+            let mut crc = Crc32::new();
+            let mut at = 0;
+            for r in l.wire_rows(kind, self.tokens) {
+                let n = 2 * r.len();
+                let row = &mut out[at..at + n];
+                put(row, &src[r.clone()]);
+                crc.update(row);
+                at += n;
+                if shape.wire == WIRE_FULL {
+                    // The S-wide row's padding: zeros (stale values never travel).
+                    let pad = 2
+                        * (l.seq_len - self.tokens)
+                        * if kind == BlobKind::V { l.head_dim } else { 1 };
+                    let zeros = &mut out[at..at + pad];
+                    zeros.fill(0);
+                    crc.update(zeros);
+                    at += pad;
+                }
+            }
+            sink.seal(i, crc.finish());
+        }
+        Ok(())
     }
 
     /// Loads wire blobs into this cache (whose layout must match). Only the

@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 pub use rngd_api::pd::TokenLogprobs;
-pub use rngd_kv_wire::KvLayout;
+pub use rngd_kv_wire::{KvLayout, KvSink, SinkShape};
 use tokio::sync::mpsc;
 
 pub mod chat_template;
@@ -288,6 +288,29 @@ pub trait Engine: Send + Sync + 'static {
         prompt: &[u32],
         params: &SamplingParams,
     ) -> Result<Prefilled, EngineError>;
+    /// [`Engine::prefill`] with the cache written into `sink` (a
+    /// transport's room, in the sink's wire version) instead of the
+    /// answer's blobs, which stay empty. This default prefills and copies
+    /// the blobs in; a backend that can write its cache in place overrides it.
+    async fn prefill_into(
+        &self,
+        prompt: &[u32],
+        params: &SamplingParams,
+        mut sink: Box<dyn KvSink>,
+    ) -> Result<Prefilled, EngineError> {
+        let mut pre = self.prefill(prompt, params).await?;
+        if sink.shape().wire != pre.kv.wire {
+            return Err(EngineError::InvalidRequest(format!(
+                "this backend's cache is in wire {}, the sink takes wire {}",
+                pre.kv.wire,
+                sink.shape().wire
+            )));
+        }
+        rngd_kv_wire::sink::fill_from(sink.as_mut(), &pre.kv.blobs)
+            .map_err(|e| EngineError::InvalidRequest(format!("KV sink: {e}")))?;
+        pre.kv.blobs.clear();
+        Ok(pre)
+    }
     /// Continues from a prefilled cache. The stream starts with `first_token`.
     async fn decode(
         &self,

@@ -136,13 +136,25 @@ impl Scheduler {
             self.partial = Some(p);
             return rows;
         }
-        let job = p.job;
+        let mut job = p.job;
         let history = History::new(&job.prompt, &job.params, self.tokenizer.stop_ids());
         let first = sample(&logits, &job.params, 0, &history);
+        // With a sink the cache goes straight into it (the one copy) and
+        // the answer carries no blobs.
+        let kv = match job.sink.take() {
+            Some(mut sink) => match cache.export_into(sink.as_mut()) {
+                Ok(()) => cache.export_none(),
+                Err(e) => {
+                    let _ = job.reply.send(Err(e));
+                    return rows;
+                }
+            },
+            None => cache.export(),
+        };
         let done = Prefilled {
             first_token: first.id,
             first_logprobs: first.logprobs,
-            kv: cache.export(),
+            kv,
             elapsed: p.started.elapsed(),
             cached_tokens: p.cached,
         };
