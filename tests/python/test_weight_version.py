@@ -72,7 +72,11 @@ def weight_version(addr):
 
 
 def shm_entries(root):
-    return sorted(str(p.relative_to(root)) for p in pathlib.Path(root).rglob("*") if p.is_file())
+    # The prefill worker's slot arena (*.kva) stays with the worker; a
+    # request left in it keeps its pointer file (*.kv), which is listed.
+    return sorted(
+        str(p.relative_to(root)) for p in pathlib.Path(root).rglob("*") if p.is_file() and p.suffix != ".kva"
+    )
 
 
 class Pair:

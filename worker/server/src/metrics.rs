@@ -108,6 +108,8 @@ pub struct WorkerMetrics {
     /// Orchestrated requests prefilled here after the peer refused them for
     /// their length.
     pub prefill_context_fallbacks: IntCounter,
+    /// KV handoffs by `path` (`in_place`, `push`).
+    pub kv_handoffs: IntCounterVec,
     /// KV push time, seconds.
     pub kv_save_seconds: Histogram,
     /// KV pull time, seconds.
@@ -333,6 +335,12 @@ impl WorkerMetrics {
                 names::WORKER_PREFILL_CONTEXT_FALLBACKS_TOTAL,
                 "Orchestrated requests the prefill peer refused for their length, prefilled here",
             )?,
+            kv_handoffs: rngd_telemetry::counter_vec(
+                &r,
+                names::WORKER_KV_HANDOFFS_TOTAL,
+                "KV handoffs of prefills for a remote decode, by path: in_place (written into the transport's room) or push",
+                &["path"],
+            )?,
             kv_save_seconds: rngd_telemetry::histogram(
                 &r,
                 names::WORKER_KV_SAVE_SECONDS,
@@ -386,7 +394,16 @@ impl WorkerMetrics {
                 &["reason"],
             )?,
             registry: r,
-        })
+        }
+        .with_zeroes())
+    }
+
+    /// Shows the labelled families whose values are known up front at 0.
+    fn with_zeroes(self) -> Self {
+        for path in ["in_place", "push"] {
+            self.kv_handoffs.with_label_values(&[path]);
+        }
+        self
     }
 
     /// Records a finished (or aborted) request in the `vllm:*` request

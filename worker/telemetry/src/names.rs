@@ -245,6 +245,10 @@ pub const WORKER_WEIGHT_VERSION_REFUSALS_TOTAL: &str =
 /// itself.
 pub const WORKER_PREFILL_CONTEXT_FALLBACKS_TOTAL: &str =
     "rngd_pd_worker_prefill_context_fallbacks_total";
+/// Counter: KV handoffs a prefill made, by `path`: `in_place` (the engine
+/// wrote its cache straight into the transport's room: a `shm` slot) or
+/// `push` (blobs pushed: another transport, or every slot busy).
+pub const WORKER_KV_HANDOFFS_TOTAL: &str = "rngd_pd_worker_kv_handoffs_total";
 
 // KV relay pre-auth budget. The relay has no HTTP listener: its STATS reply
 // carries these (fields `handshake_failures`, `handshakes`), docs/kv-wire.md.

@@ -13,8 +13,8 @@ use rngd_api::openai::{CompletionChoice, CompletionRequest, CompletionResponse, 
 use rngd_api::pd::{self, KvReleaseAnswer, KvTransferParams};
 use rngd_api::rules::{ms, unix_now};
 use rngd_engine::{Engine, KvCache, Prefilled};
-use rngd_kv_transport::{KvPayload, KvTransport};
-use rngd_kv_wire::KvHandle;
+use rngd_kv_transport::{KvPayload, KvTransport, Reserved, SinkShape};
+use rngd_kv_wire::{KvHandle, WIRE_TRIMMED};
 
 use super::respond::{Api, Meta, Phases, respond};
 use super::{check_vocab, client_seed, prompt_ids, sampling, token_params};
@@ -56,8 +56,31 @@ pub(super) async fn prefill_for_remote(
                     .to_string(),
                 source: Box::new(source),
             })?;
+    // The cache's name: 128 random bits, never the client's request id (two
+    // requests with one id must not share, and nobody may guess it).
+    let key = new_kv_key();
+    tracing::debug!(kv_key = %key, "KV key");
+    let push_err = |source| ApiError::KvPush {
+        transport: transport.name().to_string(),
+        request_id: request_id.to_string(),
+        source: Box::new(source),
+    };
+    // Where the transport has room to write in place (shm's slot arena),
+    // the engine writes its cache straight into it: one copy, checksummed
+    // in the same pass. Otherwise it exports blobs, which are pushed.
+    let shape = SinkShape {
+        layout: engine.info().kv_layout,
+        tokens: prompt.len(),
+        wire: WIRE_TRIMMED,
+    };
+    let room = transport.reserve(&key, shape).await.map_err(push_err)?;
     let called = Instant::now();
-    let pre = engine.prefill(&prompt, &sp).await?;
+    let (pre, slot) = match room {
+        Some(Reserved { sink, slot }) => {
+            (engine.prefill_into(&prompt, &sp, sink).await?, Some(slot))
+        }
+        None => (engine.prefill(&prompt, &sp).await?, None),
+    };
     let phases = Phases::computed(called.elapsed(), pre.elapsed, Instant::now());
     let prefill_ms = ms(pre.elapsed);
     let m = state.metrics();
@@ -66,24 +89,23 @@ pub(super) async fn prefill_for_remote(
     let first = pre.first_token;
     let first_logprobs = pre.first_logprobs.clone();
     let t0 = Instant::now();
-    // The cache's name: 128 random bits, never the client's request id (two
-    // requests with one id must not share, and nobody may guess it).
-    let key = new_kv_key();
-    tracing::debug!(kv_key = %key, "KV key");
-    let handle = transport
-        .push(KvPayload {
-            request_id: key,
-            layout: pre.kv.layout,
-            tokens: pre.kv.tokens,
-            wire: pre.kv.wire,
-            blobs: pre.kv.blobs,
-        })
-        .await
-        .map_err(|source| ApiError::KvPush {
-            transport: transport.name().to_string(),
-            request_id: request_id.to_string(),
-            source: Box::new(source),
-        })?;
+    let path = if slot.is_some() { "in_place" } else { "push" };
+    let handle = match slot {
+        Some(slot) => slot.publish().await,
+        None => {
+            transport
+                .push(KvPayload {
+                    request_id: key,
+                    layout: pre.kv.layout,
+                    tokens: pre.kv.tokens,
+                    wire: pre.kv.wire,
+                    blobs: pre.kv.blobs,
+                })
+                .await
+        }
+    }
+    .map_err(push_err)?;
+    m.kv_handoffs.with_label_values(&[path]).inc();
     let kv_save_ms = ms(t0.elapsed());
     m.kv_save_seconds.observe(kv_save_ms / 1e3);
     tracing::info!(
