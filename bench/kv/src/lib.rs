@@ -1,9 +1,12 @@
 //! `rngd-pd-bench kv`: KV transport throughput against memcpy / raw TCP in the same run.
 //!
 //! Moves full Llama-3.1-8B S=512 requests (64 × 1 MiB = 67.1 MB) through a
-//! transport (push on one client, pull on another, release), `--in-flight`
-//! at a time, and in the same run measures the baseline on the same bytes:
-//! a plain memcpy into fresh memory for `shm`, a raw loopback TCP stream into
+//! transport (handed over on one client as a worker does — written in place
+//! into a reserved `shm` slot, pushed elsewhere — pulled on another,
+//! released), `--in-flight` at a time, and in the same run measures the
+//! baseline on the same bytes: a plain memcpy into fresh memory for `shm`
+//! (also a memcpy into reused memory, and the same requests pushed as
+//! blobs instead of written in place), a raw loopback TCP stream into
 //! fresh memory for `tcp` (with an in-process relay) and `nixl-ucx` (two
 //! agents in this process, UCX between them; its descriptors through the same
 //! in-process relay), which also measures the `tcp` transport in the same
@@ -25,8 +28,11 @@ use bytes::{Bytes, BytesMut};
 use rngd_kv_transport::nixl::NixlUcxTransport;
 use rngd_kv_transport::relay::{self, RelayConfig};
 use rngd_kv_transport::tcp::TcpTransport;
-use rngd_kv_transport::{KvError, KvPayload, KvTransport, TransportConfig, conformance, registry};
-use rngd_kv_wire::{KvLayout, WIRE_FULL, WIRE_TRIMMED};
+use rngd_kv_transport::{
+    KvError, KvPayload, KvTransport, Reserved, TransportConfig, conformance, registry,
+};
+use rngd_kv_wire::sink::fill_from;
+use rngd_kv_wire::{KvHandle, KvLayout, SinkShape, WIRE_FULL, WIRE_TRIMMED, WireError};
 use serde::Serialize;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
@@ -133,6 +139,23 @@ pub struct Report {
     /// `nixl-ucx` and `tcp --tls`: `gbps_median / tcp_gbps_median`.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub ratio_vs_tcp: Option<f64>,
+    /// `shm`: median throughput when the same requests are pushed as blobs
+    /// (checksummed, then written into the file: the path without a room
+    /// written in place), measured in the same rounds, Gb/s.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub push_gbps_median: Option<f64>,
+    /// `shm`: `push_gbps_median / baseline_gbps_median`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub push_ratio_vs_baseline: Option<f64>,
+    /// `shm`: median throughput of a memcpy into memory already faulted in
+    /// and reused (one buffer per request in flight), measured in the same
+    /// rounds: the copy alone, without the page faults and frees the
+    /// `memcpy` baseline pays, Gb/s.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub warm_memcpy_gbps_median: Option<f64>,
+    /// `shm`: `gbps_median / warm_memcpy_gbps_median`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ratio_vs_warm_memcpy: Option<f64>,
 }
 
 /// Errors of the benchmark.
@@ -156,6 +179,9 @@ pub enum Error {
     /// A benchmark task panicked or was cancelled.
     #[error("benchmark task failed: {0}")]
     Task(#[from] tokio::task::JoinError),
+    /// Blobs that do not fit the room reserved for them.
+    #[error("wire: {0}")]
+    Wire(#[from] WireError),
 }
 
 fn io(context: &str) -> impl FnOnce(std::io::Error) -> Error + '_ {
@@ -249,6 +275,41 @@ async fn memcpy_pass(
     .await
 }
 
+/// The second memcpy baseline: copy every blob into memory already
+/// faulted in and reused request after request (one buffer per request in
+/// flight), as the `shm` slots are: the cost of the copy alone.
+async fn warm_memcpy_pass(
+    blobs: Arc<Vec<Bytes>>,
+    buffers: Arc<Vec<std::sync::Mutex<Vec<u8>>>>,
+    requests: usize,
+    in_flight: usize,
+) -> Result<Pass, Error> {
+    drive(requests, in_flight, move |i| {
+        let (blobs, buffers) = (blobs.clone(), buffers.clone());
+        async move {
+            tokio::task::spawn_blocking(move || {
+                // At most `in_flight` jobs run: one of the buffers is free.
+                let mut k = i % buffers.len();
+                let mut dst = loop {
+                    if let Ok(b) = buffers[k].try_lock() {
+                        break b;
+                    }
+                    k = (k + 1) % buffers.len();
+                };
+                let mut at = 0;
+                for b in blobs.iter() {
+                    dst[at..at + b.len()].copy_from_slice(b);
+                    at += b.len();
+                }
+                std::hint::black_box(&*dst);
+            })
+            .await?;
+            Ok(())
+        }
+    })
+    .await
+}
+
 /// The raw TCP baseline: stream every blob over a loopback connection into
 /// fresh memory on the other side, which acknowledges with one byte.
 async fn raw_tcp_pass(
@@ -318,15 +379,49 @@ async fn raw_tcp_pass(
     pass
 }
 
-/// One transport pass: push on `a`, pull on `b`, release. The first request
-/// of each round is compared with the source after the pass.
+/// How a request is handed to the pushing transport.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Handover {
+    /// As the worker does: written in place into the room the transport
+    /// reserves (`shm`: one copy, checksummed in the same pass), pushed
+    /// where it reserves none.
+    InPlace,
+    /// Always pushed as blobs (`shm`: the blobs are checksummed, then
+    /// written into the file).
+    Push,
+}
+
+/// Hands `payload` to `a` the way `how` says; returns its handle.
+async fn hand_over(
+    a: &Arc<dyn KvTransport>,
+    payload: KvPayload,
+    how: Handover,
+) -> Result<KvHandle, Error> {
+    if how == Handover::InPlace {
+        let shape = SinkShape {
+            layout: payload.layout,
+            tokens: payload.tokens,
+            wire: payload.wire,
+        };
+        if let Some(Reserved { mut sink, slot }) = a.reserve(&payload.request_id, shape).await? {
+            let blobs = payload.blobs;
+            // The producer's copy; the sink goes (unmapped) with the task.
+            tokio::task::spawn_blocking(move || fill_from(sink.as_mut(), &blobs)).await??;
+            return Ok(slot.publish().await?);
+        }
+    }
+    Ok(a.push(payload).await?)
+}
+
+/// One transport pass: hand over on `a` (`how`), pull on `b`, release. The
+/// first request of each round is compared with the source after the pass.
 async fn transport_pass(
     a: Arc<dyn KvTransport>,
     b: Arc<dyn KvTransport>,
     blobs: Arc<Vec<Bytes>>,
     requests: usize,
     in_flight: usize,
-    round: usize,
+    round: (usize, Handover),
 ) -> Result<(Pass, bool), Error> {
     let layout = KvLayout::LLAMA31_8B_S512;
     wire_pass(
@@ -361,7 +456,7 @@ async fn wire_pass(
     (tokens, wire): (Arc<Vec<usize>>, u32),
     requests: usize,
     in_flight: usize,
-    round: usize,
+    (round, how): (usize, Handover),
 ) -> Result<(Pass, bool), Error> {
     let sample = Arc::new(std::sync::Mutex::new(None::<Vec<Bytes>>));
     let s2 = sample.clone();
@@ -378,7 +473,7 @@ async fn wire_pass(
                 wire,
                 blobs: request_blobs(&blobs, n, wire),
             };
-            let handle = a.push(payload).await?;
+            let handle = hand_over(&a, payload, how).await?;
             let got = b.pull(&handle, Duration::from_secs(60)).await?;
             b.release(&handle).await?;
             if i == 0 {
@@ -583,13 +678,38 @@ pub async fn run(args: Options) -> Result<Report, Error> {
     let (mut t_gbps, mut b_gbps, mut t_lat, mut b_lat) = (vec![], vec![], vec![], vec![]);
     let mut byte_exact = true;
     let mut tcp_gbps = vec![];
+    let mut push_gbps = vec![];
     let mut trimmed_lat = vec![];
     // Warm-up: one request each way (page cache, connections, allocator).
-    let _ = transport_pass(a.clone(), b.clone(), blobs.clone(), 1, 1, usize::MAX).await?;
+    let warm = (usize::MAX, Handover::InPlace);
+    let _ = transport_pass(a.clone(), b.clone(), blobs.clone(), 1, 1, warm).await?;
     if let Some((ta, tb)) = &tcp_too {
-        let _ = transport_pass(ta.clone(), tb.clone(), blobs.clone(), 1, 1, usize::MAX).await?;
+        let _ = transport_pass(ta.clone(), tb.clone(), blobs.clone(), 1, 1, warm).await?;
     }
+    // shm: the warm memcpy baseline's buffers, faulted in before timing.
+    let warm_buffers: Arc<Vec<std::sync::Mutex<Vec<u8>>>> = Arc::new(
+        (0..if args.transport == "shm" {
+            args.in_flight
+        } else {
+            0
+        })
+            .map(|_| std::sync::Mutex::new(vec![1u8; bytes_per_request as usize]))
+            .collect(),
+    );
+    let mut warm_gbps = vec![];
     for round in 0..args.rounds {
+        if args.transport == "shm" {
+            let w = warm_memcpy_pass(
+                blobs.clone(),
+                warm_buffers.clone(),
+                args.requests,
+                args.in_flight,
+            )
+            .await?;
+            let g = w.gbps(bytes_per_request, args.requests);
+            println!("round {round}: memcpy into reused memory {g:.2} Gb/s");
+            warm_gbps.push(g);
+        }
         let base = if args.transport == "shm" {
             memcpy_pass(blobs.clone(), args.requests, args.in_flight).await?
         } else {
@@ -601,10 +721,25 @@ pub async fn run(args: Options) -> Result<Report, Error> {
             blobs.clone(),
             args.requests,
             args.in_flight,
-            round,
+            (round, Handover::InPlace),
         )
         .await?;
         byte_exact &= exact;
+        if args.transport == "shm" {
+            let (pp, pexact) = transport_pass(
+                a.clone(),
+                b.clone(),
+                blobs.clone(),
+                args.requests,
+                args.in_flight,
+                (round, Handover::Push),
+            )
+            .await?;
+            byte_exact &= pexact;
+            let g = pp.gbps(bytes_per_request, args.requests);
+            println!("round {round}: shm pushed as blobs (same requests) {g:.2} Gb/s");
+            push_gbps.push(g);
+        }
         if let Some((ta, tb)) = &tcp_too {
             let (tp, texact) = transport_pass(
                 ta.clone(),
@@ -612,7 +747,7 @@ pub async fn run(args: Options) -> Result<Report, Error> {
                 blobs.clone(),
                 args.requests,
                 args.in_flight,
-                round,
+                (round, Handover::InPlace),
             )
             .await?;
             byte_exact &= texact;
@@ -639,7 +774,7 @@ pub async fn run(args: Options) -> Result<Report, Error> {
                 (lengths.clone(), WIRE_TRIMMED),
                 args.requests,
                 args.in_flight,
-                round,
+                (round, Handover::InPlace),
             )
             .await?;
             byte_exact &= texact;
@@ -662,6 +797,8 @@ pub async fn run(args: Options) -> Result<Report, Error> {
     let gbps_median = median(&mut t_gbps);
     let baseline_gbps_median = median(&mut b_gbps);
     let tcp_gbps_median = tcp_too.is_some().then(|| median(&mut tcp_gbps));
+    let push_gbps_median = (!push_gbps.is_empty()).then(|| median(&mut push_gbps));
+    let warm_memcpy_gbps_median = (!warm_gbps.is_empty()).then(|| median(&mut warm_gbps));
     let ms_per_request_median = median(&mut t_lat);
     let trimmed_ms = trimmed.as_ref().map(|_| median(&mut trimmed_lat));
     let report = Report {
@@ -698,6 +835,10 @@ pub async fn run(args: Options) -> Result<Report, Error> {
         trimmed_vs_full_time: trimmed_ms.map(|t| t / ms_per_request_median),
         tcp_gbps_median,
         ratio_vs_tcp: tcp_gbps_median.map(|t| gbps_median / t),
+        push_gbps_median,
+        push_ratio_vs_baseline: push_gbps_median.map(|p| p / baseline_gbps_median),
+        warm_memcpy_gbps_median,
+        ratio_vs_warm_memcpy: warm_memcpy_gbps_median.map(|w| gbps_median / w),
     };
     if let (Some(r), Some(bytes)) = (
         report.trimmed_vs_full_time,
@@ -712,6 +853,15 @@ pub async fn run(args: Options) -> Result<Report, Error> {
             "trimmed wire ({what}): {:.1} MB/request ({:.3}x the S-wide bytes), {r:.2}x the S-wide time in the same rounds",
             bytes as f64 / 1e6,
             bytes as f64 / report.bytes_per_request as f64
+        );
+    }
+    if let (Some(w), Some(r), Some(p)) = (
+        report.warm_memcpy_gbps_median,
+        report.ratio_vs_warm_memcpy,
+        report.push_ratio_vs_baseline,
+    ) {
+        println!(
+            "shm: {r:.2}x a memcpy into reused memory ({w:.2} Gb/s); pushed as blobs instead of written in place: {p:.2}x memcpy"
         );
     }
     if let Some(r) = report.ratio_vs_tcp {

@@ -26,6 +26,12 @@ async fn shm_run_reports_byte_exact_figures() {
     assert!(r.byte_exact);
     assert!(r.gbps_median > 0.0 && r.baseline_gbps_median > 0.0);
     assert!((r.ratio_vs_baseline - r.gbps_median / r.baseline_gbps_median).abs() < 1e-9);
+    // The push path and the warm memcpy, measured in the same rounds.
+    let push = r.push_gbps_median.expect("the push path measured");
+    assert!(push > 0.0);
+    let warm = r.warm_memcpy_gbps_median.expect("the warm memcpy measured");
+    let ratio = r.ratio_vs_warm_memcpy.expect("ratio_vs_warm_memcpy");
+    assert!((ratio - r.gbps_median / warm).abs() < 1e-9);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
