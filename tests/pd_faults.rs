@@ -52,10 +52,14 @@ impl Env {
         Env { dir, envs }
     }
 
+    /// Request files in the shm root (the prefill workers' arenas not counted).
     fn shm_files(&self) -> usize {
-        std::fs::read_dir(self.dir.path().join("shm"))
-            .map(|d| d.count())
-            .unwrap_or(0)
+        common::shm::request_files(&self.dir.path().join("shm"))
+    }
+
+    /// Arena slots not free in the shm root.
+    fn busy_slots(&self) -> usize {
+        common::shm::busy_slots(&self.dir.path().join("shm"))
     }
 
     fn worker(&self, name: &str, role: &str, extra: &[&str]) -> Proc {
@@ -110,13 +114,14 @@ async fn used_handles_are_refused_at_once_and_a_release_frees_shm_unpulled() {
     let params = prefill(&p).await;
     complete(&d, &decode_body(&params), &[]).await;
     assert_eq!(env.shm_files(), 0, "the decode released its cache");
+    assert_eq!(env.busy_slots(), 0, "and its arena slot");
     assert_refused_at_once(&d, &params, "consumed").await;
     assert_eq!(metric(&d, "rngd_pd_worker_kv_loads_total").await, 1.0);
     assert_eq!(metric(&d, "rngd_pd_worker_in_flight").await, 0.0);
 
     // Released without a decode: the shm file goes, nothing is loaded.
     let params = prefill(&p).await;
-    assert_eq!(env.shm_files(), 1);
+    assert_eq!((env.shm_files(), env.busy_slots()), (1, 1));
     let mut release = decode_body(&params);
     release["kv_transfer_params"]["release_only"] = json!(true);
     let (status, text) = post(&d.url("/v1/completions"), &release, &[]).await;
@@ -124,6 +129,7 @@ async fn used_handles_are_refused_at_once_and_a_release_frees_shm_unpulled() {
     let a: Value = serde_json::from_str(&text).unwrap();
     assert_eq!(a["previous_state"], "unused", "{a}");
     assert_eq!(env.shm_files(), 0, "released");
+    assert_eq!(env.busy_slots(), 0, "its slot freed");
     assert_refused_at_once(&d, &params, "released").await;
     assert_eq!(metric(&d, "rngd_pd_worker_kv_loads_total").await, 1.0);
 
@@ -221,13 +227,14 @@ async fn abandoned_pd_requests_through_the_gateway_leave_no_slot_taken() {
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
         let in_flight = metric(&d, "rngd_pd_worker_in_flight").await;
-        if in_flight == 0.0 && env.shm_files() == 0 {
+        if in_flight == 0.0 && env.shm_files() == 0 && env.busy_slots() == 0 {
             break;
         }
         assert!(
             Instant::now() < deadline,
-            "after the abandons: {in_flight} decode slots taken, {} caches in shm",
-            env.shm_files()
+            "after the abandons: {in_flight} decode slots taken, {} caches in shm, {} arena slots busy",
+            env.shm_files(),
+            env.busy_slots()
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }

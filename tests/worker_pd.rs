@@ -52,10 +52,14 @@ impl Env {
         Env { dir, envs }
     }
 
+    /// Request files in the shm root (the prefill workers' arenas not counted).
     fn shm_files(&self) -> usize {
-        std::fs::read_dir(self.dir.path().join("shm"))
-            .map(|d| d.count())
-            .unwrap_or(0)
+        common::shm::request_files(&self.dir.path().join("shm"))
+    }
+
+    /// Arena slots not free in the shm root.
+    fn busy_slots(&self) -> usize {
+        common::shm::busy_slots(&self.dir.path().join("shm"))
     }
 
     fn start_relay(&mut self) -> Proc {
@@ -197,6 +201,7 @@ async fn pd_matches_solo(transport: &str) {
     );
     if transport == "shm" {
         assert_eq!(env.shm_files(), 0, "decode released every cache");
+        assert_eq!(env.busy_slots(), 0, "and let go of every arena slot");
     }
 }
 
@@ -299,14 +304,17 @@ async fn killed_workers_leave_nothing_behind_in_shm_after_the_ttl() {
     let prefill = env.worker("prefill-1", "prefill");
     let decode = env.worker("decode", "decode");
 
-    // Prefill killed right after the push: the file is there, then the decode worker's sweeper removes it.
+    // Prefill killed right after the push: its pointer file and its slot
+    // arena are there, then the decode worker's sweeper removes both (the
+    // arena is no longer touched by its owner).
     let stale = push("killed-after-push", "shm", &prefill).await;
     prefill.kill();
     assert_eq!(env.shm_files(), 1, "the pushed cache is in shm");
+    assert_eq!(env.busy_slots(), 1, "in a slot of the prefill's arena");
     eventually(
         Duration::from_secs(20),
-        "the shm cache of a killed prefill is swept",
-        || env.shm_files() == 0,
+        "the shm cache of a killed prefill is swept, arena and all",
+        || env.shm_files() == 0 && common::shm::arenas(&env.dir.path().join("shm")) == 0,
     )
     .await;
     assert_expired(&decode, stale, "shm", "killed-after-push").await;
@@ -318,8 +326,8 @@ async fn killed_workers_leave_nothing_behind_in_shm_after_the_ttl() {
     assert_eq!(env.shm_files(), 1);
     eventually(
         Duration::from_secs(20),
-        "the shm cache nobody pulled is swept",
-        || env.shm_files() == 0,
+        "the shm cache nobody pulled is swept, its slot freed",
+        || env.shm_files() == 0 && env.busy_slots() == 0,
     )
     .await;
 }

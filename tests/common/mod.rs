@@ -1,10 +1,11 @@
 //! What the root tests that start real `rngd-pd` processes share: the model
 //! they need and [`Proc`], a child process started and awaited by its ready
 //! line, killed on drop (its log printed when the test failed); [`http`], the
-//! requests they send.
+//! requests they send; [`shm`], what a `shm` root holds.
 #![allow(dead_code)]
 
 pub mod http;
+pub mod shm;
 
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};

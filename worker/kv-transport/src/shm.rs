@@ -337,6 +337,15 @@ impl Inner {
             // Only this user's regular files: never a symlink (the entry's
             // metadata is an lstat), never another user's file.
             if meta.is_file() && meta.uid() == euid() && age >= self.ttl + MTIME_SLACK {
+                // An arena goes only once its owner is gone (or, if that
+                // cannot be told, once nobody touched it for a long while):
+                // a live owner touches it every few seconds, whatever its TTL.
+                let name = entry.file_name();
+                if name.to_string_lossy().ends_with(&format!(".{ARENA_EXT}"))
+                    && !arena::orphaned(&entry.path(), age)
+                {
+                    continue;
+                }
                 match std::fs::remove_file(entry.path()) {
                     Ok(()) => {
                         removed += 1;

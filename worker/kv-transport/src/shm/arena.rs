@@ -21,9 +21,10 @@
 //! A slot being read is never reused while its reader lives: the owner frees
 //! a `READING` slot only when the reader's process is gone (same PID
 //! namespace, checked with `kill(pid, 0)`); a reader elsewhere keeps it
-//! until it lets go or the arena goes. The arena file goes with its owner
-//! (or, if the owner is killed, with the sweeper once its TTL passes: the
-//! owner touches it on every sweep).
+//! until it lets go or the arena goes. The arena file goes with its owner;
+//! if the owner is killed, any sweeper removes it once its TTL has passed
+//! and the owner is gone (same PID namespace), or once nobody touched it
+//! for [`ARENA_IDLE`] (the owner touches it on every sweep).
 
 use std::fs::{File, OpenOptions};
 use std::io;
@@ -53,6 +54,44 @@ const E_PID: usize = 4;
 const E_GEN: usize = 8;
 const E_PUBLISHED_MS: usize = 16;
 const E_PIDNS: usize = 24;
+
+// Header fields past the sizes: the owner's PID and PID namespace.
+const H_OWNER_PID: usize = 32;
+const H_OWNER_PIDNS: usize = 40;
+
+/// How long an arena nobody touched stays when its owner's liveness cannot
+/// be told (another PID namespace): its owner touches it every few seconds.
+pub(super) const ARENA_IDLE: Duration = Duration::from_secs(600);
+
+/// Whether the arena file at `path`, last touched `age` ago, has lost its
+/// owner: the owner (in this PID namespace) is gone, or nobody touched it
+/// for [`ARENA_IDLE`]. A file that cannot be read is judged by age alone.
+pub(super) fn orphaned(path: &Path, age: Duration) -> bool {
+    if age >= ARENA_IDLE {
+        return true;
+    }
+    let mut head = [0u8; HEADER];
+    let read = OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
+        .open(path)
+        .and_then(|f| f.read_exact_at(&mut head, 0));
+    if read.is_err() || &head[..8] != ARENA_MAGIC {
+        return false;
+    }
+    let pid = u32::from_le_bytes(
+        head[H_OWNER_PID..H_OWNER_PID + 4]
+            .try_into()
+            .expect("4 bytes"),
+    );
+    let ns = u64::from_le_bytes(
+        head[H_OWNER_PIDNS..H_OWNER_PIDNS + 8]
+            .try_into()
+            .expect("8 bytes"),
+    );
+    let mine = pid_namespace();
+    mine != 0 && ns == mine && process_gone(pid)
+}
 
 /// Most arena files a reader keeps mapped.
 pub(super) const MAX_MAPPED: usize = 16;
@@ -156,6 +195,8 @@ impl Arena {
         header[8..12].copy_from_slice(&(slots as u32).to_le_bytes());
         header[16..24].copy_from_slice(&(slot_bytes as u64).to_le_bytes());
         header[24..32].copy_from_slice(&(data_offset as u64).to_le_bytes());
+        header[H_OWNER_PID..H_OWNER_PID + 4].copy_from_slice(&std::process::id().to_le_bytes());
+        header[H_OWNER_PIDNS..H_OWNER_PIDNS + 8].copy_from_slice(&pid_namespace().to_le_bytes());
         let sized = file
             .set_len(len as u64)
             .and_then(|()| file.write_all_at(&header, 0))
@@ -547,6 +588,29 @@ mod tests {
             .store(pid_namespace(), Ordering::Relaxed);
         assert_eq!(a.sweep(Duration::ZERO), 1, "its reader is gone");
         assert_eq!(a.busy(), 0);
+    }
+
+    #[test]
+    fn an_arena_is_orphaned_only_when_its_owner_is_gone_or_it_idled_long() {
+        let dir = tempfile::tempdir().unwrap();
+        let a = Arena::create(dir.path(), "arena.5.0.kva".into(), 1, PAGE).unwrap();
+        let path = dir.path().join("arena.5.0.kva");
+        assert!(!orphaned(&path, Duration::from_secs(61)), "its owner lives");
+        assert!(orphaned(&path, ARENA_IDLE), "idle too long");
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        let dead = child.id();
+        child.wait().unwrap();
+        a.file
+            .write_all_at(&dead.to_le_bytes(), H_OWNER_PID as u64)
+            .unwrap();
+        assert!(orphaned(&path, Duration::from_secs(1)), "its owner is gone");
+        a.file
+            .write_all_at(&1u64.to_le_bytes(), H_OWNER_PIDNS as u64)
+            .unwrap();
+        assert!(
+            !orphaned(&path, Duration::from_secs(1)),
+            "another namespace: judged by idleness alone"
+        );
     }
 
     #[test]
