@@ -531,6 +531,15 @@ async fn sweeper(inner: Weak<Inner>) {
     }
 }
 
+/// The error for a malformed file at `path`, given what is wrong.
+fn corrupt_at(path: &Path) -> impl Fn(String) -> KvError + '_ {
+    move |detail| KvError::Protocol {
+        transport: NAME,
+        peer: path.display().to_string(),
+        detail,
+    }
+}
+
 /// The header version of a request file (`None`: no header or not ours).
 fn version_of(file: &File) -> Option<u32> {
     let mut head = [0u8; 12];
@@ -540,11 +549,7 @@ fn version_of(file: &File) -> Option<u32> {
 
 /// Maps a published file and checks it against the handle.
 fn load(path: &Path, file: File, handle: &KvHandle) -> Result<Vec<Bytes>, KvError> {
-    let corrupt = |detail: String| KvError::Protocol {
-        transport: NAME,
-        peer: path.display().to_string(),
-        detail,
-    };
+    let corrupt = corrupt_at(path);
     let len = file
         .metadata()
         .map_err(io_err(format!("stat {}", path.display())))?

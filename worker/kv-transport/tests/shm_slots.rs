@@ -48,6 +48,14 @@ fn blobs_for(s: SinkShape, seed: u64) -> Vec<Bytes> {
         .collect()
 }
 
+/// A prefill's and a decode's transport on one root, with `slots` slots each.
+fn pair(root: &Path, slots: usize) -> (ShmTransport, ShmTransport) {
+    (
+        ShmTransport::new(&cfg(root, slots)).unwrap(),
+        ShmTransport::new(&cfg(root, slots)).unwrap(),
+    )
+}
+
 async fn room(t: &ShmTransport, id: &str, s: SinkShape) -> Reserved {
     t.reserve(id, s)
         .await
@@ -81,10 +89,7 @@ fn arena_of(root: &Path) -> (PathBuf, u64) {
 async fn requests_written_in_place_round_trip_and_free_their_slots() {
     let dir = tempfile::tempdir().unwrap();
     let root = dir.path().join("kv");
-    let (a, b) = (
-        ShmTransport::new(&cfg(&root, 2)).unwrap(),
-        ShmTransport::new(&cfg(&root, 2)).unwrap(),
-    );
+    let (a, b) = pair(&root, 2);
     for (n, (tokens, wire)) in [(512, WIRE_FULL), (100, WIRE_TRIMMED), (1, WIRE_TRIMMED)]
         .into_iter()
         .enumerate()
@@ -199,10 +204,7 @@ async fn unread_requests_are_swept_after_the_ttl() {
 async fn a_flipped_byte_in_a_slot_is_a_crc_error_and_frees_it() {
     let dir = tempfile::tempdir().unwrap();
     let root = dir.path().join("kv");
-    let (a, b) = (
-        ShmTransport::new(&cfg(&root, 1)).unwrap(),
-        ShmTransport::new(&cfg(&root, 1)).unwrap(),
-    );
+    let (a, b) = pair(&root, 1);
     let s = shape(100, WIRE_TRIMMED);
     let h = hand_over(&a, "flip", s, &blobs_for(s, 6)).await;
     let (arena, slots_at) = arena_of(&root);
@@ -227,10 +229,7 @@ async fn a_flipped_byte_in_a_slot_is_a_crc_error_and_frees_it() {
 async fn a_stale_pointer_never_reads_the_next_request() {
     let dir = tempfile::tempdir().unwrap();
     let root = dir.path().join("kv");
-    let (a, b) = (
-        ShmTransport::new(&cfg(&root, 1)).unwrap(),
-        ShmTransport::new(&cfg(&root, 1)).unwrap(),
-    );
+    let (a, b) = pair(&root, 1);
     let s = shape(10, WIRE_TRIMMED);
     let old = hand_over(&a, "old", s, &blobs_for(s, 7)).await;
     let pointer = std::fs::read(a.path_of("old").unwrap()).unwrap();
@@ -313,10 +312,7 @@ async fn a_full_tmpfs_is_found_when_a_slot_is_taken() {
 async fn a_pointer_naming_a_planted_arena_is_refused() {
     let dir = tempfile::tempdir().unwrap();
     let root = dir.path().join("kv");
-    let (a, b) = (
-        ShmTransport::new(&cfg(&root, 1)).unwrap(),
-        ShmTransport::new(&cfg(&root, 1)).unwrap(),
-    );
+    let (a, b) = pair(&root, 1);
     let s = shape(10, WIRE_TRIMMED);
     let h = hand_over(&a, "planted", s, &blobs_for(s, 11)).await;
     let (arena, _) = arena_of(&root);

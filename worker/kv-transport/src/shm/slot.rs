@@ -19,7 +19,7 @@ use bytes::Bytes;
 use rngd_kv_wire::{BlobMeta, KvHandle, KvSink, SinkShape};
 
 use super::arena::{Arena, Lease};
-use super::{Inner, MAGIC, NAME, io_err};
+use super::{Inner, MAGIC, NAME, corrupt_at, io_err};
 use crate::{KvError, KvSlot, Reserved};
 
 /// Header version of a pointer file (a request held in an arena slot).
@@ -244,11 +244,7 @@ impl Pointer {
 
     /// Reads a pointer file (whose first 12 bytes said version 2).
     fn read(path: &Path, file: &File) -> Result<Pointer, KvError> {
-        let corrupt = |detail: String| KvError::Protocol {
-            transport: NAME,
-            peer: path.display().to_string(),
-            detail,
-        };
+        let corrupt = corrupt_at(path);
         let len = file
             .metadata()
             .map_err(io_err(format!("stat {}", path.display())))?
@@ -395,11 +391,7 @@ pub(super) fn load_slot(
     file: &File,
     handle: &KvHandle,
 ) -> Result<Vec<Bytes>, KvError> {
-    let corrupt = |detail: String| KvError::Protocol {
-        transport: NAME,
-        peer: path.display().to_string(),
-        detail,
-    };
+    let corrupt = corrupt_at(path);
     let p = Pointer::read(path, file)?;
     if p.metas != handle.blobs {
         return Err(corrupt(format!(
