@@ -4,7 +4,8 @@
 //! admission control) `rngd_pd_worker_in_flight`, the admitted requests whose
 //! pulled KV is held; the gateway exports `rngd_pd_gateway_in_flight` and
 //! `rngd_pd_gateway_queued`. All must be 0 once the run is over. The `shm` transport's leftovers
-//! are files in its root (`<key>.kv`, `.tmp.*`), counted here. The relay's
+//! are files in its root (`<key>.kv`, `.tmp.*`) and busy slots in the prefill
+//! workers' arenas (`*.kva`, which live as long as their workers), counted here. The relay's
 //! STATS needs the stack's secret, which `rngd-pd up` never prints, so it is
 //! not read.
 
@@ -58,10 +59,15 @@ impl WorkerKv {
 pub struct LeakedKv {
     /// The shm root counted (`None` if none was given).
     pub shm_root: Option<PathBuf>,
-    /// Files under it (request files and temporary files).
+    /// Files under it (request files, pointer files and temporary files;
+    /// not the prefill workers' slot arenas, which live as long as they do).
     pub shm_files: Option<u64>,
     /// Their bytes.
     pub shm_bytes: Option<u64>,
+    /// Slot arenas under it (`*.kva`).
+    pub shm_arenas: Option<u64>,
+    /// Their slots not free (a request written, published or being read).
+    pub shm_busy_slots: Option<u64>,
     /// Each server's gauges, by label (`LABEL=URL`) or metrics URL (`null`: not reachable).
     pub workers: BTreeMap<String, Option<WorkerKv>>,
     /// Whether every reachable server was [`WorkerKv::idle`] before the
@@ -137,9 +143,23 @@ async fn scrape(client: &reqwest::Client, url: &str) -> Option<WorkerKv> {
     Some(parse_worker(&r.text().await.ok()?))
 }
 
-/// Files and bytes under `root` (recursively); `(0, 0)` if it does not exist.
-pub fn count_files(root: &Path) -> (u64, u64) {
-    let (mut n, mut bytes) = (0, 0);
+/// What a shm root holds: request files, their bytes, arenas and the
+/// arenas' busy slots.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct ShmCount {
+    /// Request, pointer and temporary files.
+    pub files: u64,
+    /// Their bytes.
+    pub bytes: u64,
+    /// Slot arenas (`*.kva`).
+    pub arenas: u64,
+    /// Their slots not free.
+    pub busy_slots: u64,
+}
+
+/// What is under `root` (recursively); all 0 if it does not exist.
+pub fn count_files(root: &Path) -> ShmCount {
+    let mut c = ShmCount::default();
     let mut dirs = vec![root.to_path_buf()];
     while let Some(d) = dirs.pop() {
         let Ok(rd) = std::fs::read_dir(&d) else {
@@ -149,13 +169,17 @@ pub fn count_files(root: &Path) -> (u64, u64) {
             let Ok(md) = e.metadata() else { continue };
             if md.is_dir() {
                 dirs.push(e.path());
+            } else if e.file_name().to_string_lossy().ends_with(".kva") {
+                c.arenas += 1;
+                c.busy_slots +=
+                    rngd_kv_transport::shm::busy_slots_in(&e.path()).unwrap_or(0) as u64;
             } else {
-                n += 1;
-                bytes += md.len();
+                c.files += 1;
+                c.bytes += md.len();
             }
         }
     }
-    (n, bytes)
+    c
 }
 
 /// A `--kv-metrics` entry: `LABEL=URL` or a bare URL (its own label).
@@ -197,9 +221,11 @@ pub async fn measure(
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
     if let Some(root) = shm_root {
-        let (n, b) = count_files(root);
-        out.shm_files = Some(n);
-        out.shm_bytes = Some(b);
+        let c = count_files(root);
+        out.shm_files = Some(c.files);
+        out.shm_bytes = Some(c.bytes);
+        out.shm_arenas = Some(c.arenas);
+        out.shm_busy_slots = Some(c.busy_slots);
     }
     out
 }

@@ -409,6 +409,8 @@ async fn a_run_against_a_fake_server_counts_exactly() {
     std::fs::create_dir_all(shm.join("sub")).expect("mkdir");
     std::fs::write(shm.join("k1.kv"), [0u8; 10]).expect("write");
     std::fs::write(shm.join("sub/.tmp.k2.1.0"), [0u8; 5]).expect("write");
+    // Not an arena's header: counted as an arena with no busy slot known.
+    std::fs::write(shm.join("arena.1.0.kva"), [0u8; 64]).expect("write");
     let trace = write_trace(12, "counts");
     let opts = Options {
         trace: trace.clone(),
@@ -458,6 +460,10 @@ async fn a_run_against_a_fake_server_counts_exactly() {
     assert!(r.rss_mb_start[&me].is_some() && r.rss_mb_end[&me].is_some());
     let leaked = r.leaked_kv.as_ref().expect("leaked_kv");
     assert_eq!((leaked.shm_files, leaked.shm_bytes), (Some(2), Some(15)));
+    assert_eq!(
+        (leaked.shm_arenas, leaked.shm_busy_slots),
+        (Some(1), Some(0))
+    );
     assert!(leaked.settled);
     assert_eq!(leaked.workers.len(), 2);
     assert_eq!(

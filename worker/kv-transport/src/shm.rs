@@ -42,7 +42,7 @@ use crate::{
 
 mod arena;
 mod slot;
-pub use arena::ARENA_EXT;
+pub use arena::{ARENA_EXT, busy_slots_in};
 pub use slot::{ShmSink, ShmSlot};
 
 /// Registry name.

@@ -93,6 +93,34 @@ pub(super) fn orphaned(path: &Path, age: Duration) -> bool {
     mine != 0 && ns == mine && process_gone(pid)
 }
 
+/// Slots not free in the arena file at `path`, read from its header (what
+/// any process of the user may read; a leak check from outside the
+/// workers). `None` if it is not an arena file or cannot be read.
+pub fn busy_slots_in(path: &Path) -> Option<usize> {
+    let f = OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
+        .open(path)
+        .ok()?;
+    let mut head = [0u8; 12];
+    f.read_exact_at(&mut head, 0).ok()?;
+    if &head[..8] != ARENA_MAGIC {
+        return None;
+    }
+    let slots = u32::from_le_bytes(head[8..12].try_into().expect("4 bytes")) as usize;
+    if slots > crate::config::MAX_SHM_SLOTS {
+        return None;
+    }
+    let mut entries = vec![0u8; ENTRY * slots];
+    f.read_exact_at(&mut entries, HEADER as u64).ok()?;
+    Some(
+        entries
+            .chunks_exact(ENTRY)
+            .filter(|e| e[E_STATE..E_STATE + 4] != [0; 4])
+            .count(),
+    )
+}
+
 /// Most arena files a reader keeps mapped.
 pub(super) const MAX_MAPPED: usize = 16;
 
@@ -558,10 +586,13 @@ mod tests {
         let (again, g1) = a.take(PAGE, &FileWriter).unwrap().unwrap();
         assert_eq!(again, s0);
         assert_ne!(g1, g0);
+        let path = dir.path().join("arena.1.0.kva");
+        assert_eq!(busy_slots_in(&path), Some(2), "read from outside");
+        assert_eq!(busy_slots_in(dir.path()), None, "not an arena");
         assert!(a.abandon(again, g1));
         assert!(a.abandon(s1, a.gen_of(s1).load(Ordering::Relaxed)));
         assert_eq!(a.busy(), 0);
-        let path = dir.path().join("arena.1.0.kva");
+        assert_eq!(busy_slots_in(&path), Some(0));
         drop(r);
         assert!(path.exists(), "a reader's map leaves the file");
         drop(a);

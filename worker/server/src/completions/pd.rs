@@ -110,10 +110,11 @@ pub(super) async fn prefill_for_remote(
     m.kv_save_seconds.observe(kv_save_ms / 1e3);
     tracing::info!(
         transport = transport.name(),
+        path,
         prompt_tokens = prompt.len(),
         prefill_ms,
         kv_save_ms,
-        "KV pushed"
+        "KV handed over"
     );
     let text = engine.detokenize(&[first])?;
     let expires_ms = unix_ms().saturating_add(state.config().handle_ttl.as_millis() as u64);
