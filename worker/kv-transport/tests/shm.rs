@@ -2,11 +2,13 @@
 //! plus a real ENOSPC on a tiny tmpfs mounted for the test (needs root, as in CI).
 
 use std::os::unix::fs::FileExt;
-use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
+mod common;
+
+use common::tmpfs::TinyTmpfs;
 use rngd_kv_transport::conformance::{self, Harness};
 use rngd_kv_transport::shm::{self, ShmTransport};
 use rngd_kv_transport::{KvError, KvHandle, KvTransport, TransportConfig};
@@ -100,44 +102,6 @@ async fn sweeper_leaves_fresh_files_alone() {
     assert_eq!(t.held_files().unwrap(), 1);
     t.release(&handle).await.unwrap();
     assert_eq!(t.held_files().unwrap(), 0);
-}
-
-/// A tmpfs of `size` mounted on a temporary directory, unmounted on drop.
-struct TinyTmpfs {
-    dir: tempfile::TempDir,
-}
-
-impl TinyTmpfs {
-    fn mount(size: &str) -> Self {
-        let dir = tempfile::tempdir().unwrap();
-        let out = Command::new("mount")
-            .args([
-                "-t",
-                "tmpfs",
-                "-o",
-                &format!("size={size},mode=0700"),
-                "tmpfs",
-            ])
-            .arg(dir.path())
-            .output()
-            .expect("running mount");
-        assert!(
-            out.status.success(),
-            "this test mounts a tiny tmpfs to provoke ENOSPC and needs root (CI runs as root): {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        TinyTmpfs { dir }
-    }
-
-    fn path(&self) -> &Path {
-        self.dir.path()
-    }
-}
-
-impl Drop for TinyTmpfs {
-    fn drop(&mut self) {
-        let _ = Command::new("umount").arg(self.dir.path()).status();
-    }
 }
 
 #[tokio::test]

@@ -11,14 +11,16 @@
 //! Mounting and `chown` need root (CI runs as root, as `tests/shm.rs` and
 //! `tests/netns.rs` do); without it these tests fail with a message saying so.
 
+mod common;
+
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 
 use bytes::Bytes;
+use common::tmpfs::TinyTmpfs;
 use rngd_kv_transport::conformance;
 use rngd_kv_transport::shm::{ShmTransport, ShmWriter};
 use rngd_kv_transport::{KvError, KvLayout, KvPayload, KvTransport, TransportConfig};
@@ -70,47 +72,6 @@ async fn still_serves(t: &ShmTransport, id: &str) {
         !t.path_of(id).unwrap().exists(),
         "the puller removed the file"
     );
-}
-
-/// A tmpfs of `size` mounted on a temporary directory, unmounted on drop
-/// (also when the test fails).
-struct TinyTmpfs {
-    dir: tempfile::TempDir,
-}
-
-impl TinyTmpfs {
-    fn mount(size: &str) -> Self {
-        let dir = tempfile::tempdir().unwrap();
-        let out = Command::new("mount")
-            .args(["-t", "tmpfs", "-o", &format!("size={size},mode=0700")])
-            .arg("tmpfs")
-            .arg(dir.path())
-            .output()
-            .expect("running mount");
-        assert!(
-            out.status.success(),
-            "this test mounts a 1 MiB tmpfs to provoke a real ENOSPC and needs root (CI runs as root): {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        TinyTmpfs { dir }
-    }
-
-    fn path(&self) -> &Path {
-        self.dir.path()
-    }
-}
-
-impl Drop for TinyTmpfs {
-    fn drop(&mut self) {
-        let ok = Command::new("umount")
-            .arg(self.dir.path())
-            .status()
-            .map(|s| s.success())
-            .unwrap_or(false);
-        if !ok {
-            eprintln!("umount {} failed", self.dir.path().display());
-        }
-    }
 }
 
 fn is_mounted(p: &Path) -> bool {

@@ -9,12 +9,14 @@
 //! fails clearly), never a fault while writing. The mount needs root (CI
 //! runs as root, as `shm_faults.rs`).
 
+mod common;
+
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::time::Duration;
 
 use bytes::Bytes;
+use common::tmpfs::TinyTmpfs;
 use rngd_kv_transport::shm::{ARENA_EXT, ShmTransport};
 use rngd_kv_transport::{
     KvError, KvHandle, KvLayout, KvTransport, Reserved, SinkShape, TransportConfig, conformance,
@@ -253,25 +255,8 @@ async fn a_stale_pointer_never_reads_the_next_request() {
 /// is left, and small requests still go through a slot.
 #[tokio::test]
 async fn a_full_tmpfs_is_found_when_a_slot_is_taken() {
-    let dir = tempfile::tempdir().unwrap();
-    let out = Command::new("mount")
-        .args(["-t", "tmpfs", "-o", "size=1m,mode=0700", "tmpfs"])
-        .arg(dir.path())
-        .output()
-        .expect("running mount");
-    assert!(
-        out.status.success(),
-        "this test mounts a 1 MiB tmpfs to provoke a real ENOSPC and needs root (CI runs as root): {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    struct Unmount<'a>(&'a Path);
-    impl Drop for Unmount<'_> {
-        fn drop(&mut self) {
-            let _ = Command::new("umount").arg(self.0).status();
-        }
-    }
-    let _unmount = Unmount(dir.path());
-    let t = ShmTransport::new(&cfg(&dir.path().join("kv"), 2)).unwrap();
+    let fs = TinyTmpfs::mount("1m");
+    let t = ShmTransport::new(&cfg(&fs.path().join("kv"), 2)).unwrap();
     let s = shape(100, WIRE_TRIMMED); // 6.6 MB
     assert!(
         t.reserve("big", s).await.unwrap().is_none(),

@@ -28,15 +28,9 @@ async fn start(role: Role, t: &ShmTransport) -> RunningWorker {
         .unwrap()
 }
 
+/// A completion that must succeed, as JSON.
 async fn post(w: &RunningWorker, body: &Value) -> Value {
-    let resp = reqwest::Client::new()
-        .post(format!("{}/v1/completions", w.url()))
-        .json(body)
-        .send()
-        .await
-        .unwrap();
-    let status = resp.status().as_u16();
-    let text = resp.text().await.unwrap();
+    let (status, _, text) = common::post(w, body, &[]).await;
     assert_eq!(status, 200, "{text}");
     serde_json::from_str(&text).unwrap()
 }

@@ -1,11 +1,13 @@
 //! Helpers the relay's integration tests share: an in-process relay with a
 //! shared secret (restartable on the same port), clients configured with
-//! that secret, and raw, authenticated connections that speak frames; and
-//! in `freezer`, a proxy that can be frozen (a black-holed relay).
+//! that secret, and raw, authenticated connections that speak frames; in
+//! `freezer`, a proxy that can be frozen (a black-holed relay); and in
+//! `tmpfs`, a tiny tmpfs mounted for a real ENOSPC.
 
 #![allow(dead_code)]
 
 pub mod freezer;
+pub mod tmpfs;
 
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
