@@ -46,6 +46,10 @@ pub struct Args {
     /// each request to its first chunk: the TTFT the path adds.
     #[arg(long)]
     pub stream: bool,
+    /// Serve the picker without TLS and render Envoy's plaintext variant, to
+    /// compare (default: TLS to the picker, as deployed).
+    #[arg(long)]
+    pub plaintext: bool,
     /// Print the JSON report as the last line (always done; accepted for
     /// symmetry with the other harnesses).
     #[arg(long)]
@@ -65,6 +69,7 @@ impl From<Args> for rngd_bench_epp::Options {
             profile: a.profile,
             skip_response_processing: a.skip_response_processing,
             stream: a.stream,
+            plaintext: a.plaintext,
             json: a.json,
         }
     }

@@ -78,13 +78,17 @@ pub fn render(template: &str, values: &[(&str, String)]) -> String {
     out
 }
 
-/// The bench config: the deploy config plus a direct listener and its static cluster.
+/// The bench config: the deploy config plus a direct listener and its static
+/// cluster. `epp_tls`: the deploy config's TLS to the picker (a picker served
+/// with a self-signed certificate, as `rngd-pd ext-proc` serves by default);
+/// `false` renders the plaintext variant (`EPP_TLS false`).
 pub fn bench_config(
     epp_listen: u16,
     direct_listen: u16,
     admin: u16,
     epp: SocketAddr,
     backend: SocketAddr,
+    epp_tls: bool,
 ) -> String {
     let base = render(
         ENVOY_TEMPLATE,
@@ -94,8 +98,7 @@ pub fn bench_config(
             ("ADMIN_PORT", admin.to_string()),
             ("EPP_HOST", epp.ip().to_string()),
             ("EPP_PORT", epp.port().to_string()),
-            // The bench serves the picker in-process without TLS.
-            ("EPP_TLS", "false".into()),
+            ("EPP_TLS", epp_tls.to_string()),
         ],
     );
     let listener = format!(
@@ -280,6 +283,17 @@ pub(crate) async fn envoy_counters(client: &reqwest::Client, admin: u16) -> BTre
         .collect()
 }
 
+/// Envoy's `cluster.epp.ssl.handshake`: TLS handshakes with the picker
+/// (`None` when the admin endpoint does not answer).
+pub(crate) async fn epp_tls_handshakes(client: &reqwest::Client, admin: u16) -> Option<u64> {
+    let url = format!("http://127.0.0.1:{admin}/stats?filter=^cluster%5C.epp%5C.ssl%5C.handshake$");
+    let text = client.get(&url).send().await.ok()?.text().await.ok()?;
+    text.lines()
+        .filter_map(|l| l.split_once(": "))
+        .find(|(k, _)| *k == "cluster.epp.ssl.handshake")
+        .and_then(|(_, v)| v.trim().parse().ok())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -292,6 +306,7 @@ mod tests {
             3333,
             "127.0.0.1:4444".parse().unwrap(),
             "127.0.0.1:5555".parse().unwrap(),
+            true,
         );
         assert!(cfg.contains("port_value: 1111 # @LISTEN_PORT"));
         assert!(cfg.contains("port_value: 3333 # @ADMIN_PORT"));
@@ -299,11 +314,23 @@ mod tests {
         assert!(cfg.contains("port_value: 2222\n"));
         assert!(cfg.contains("port_value: 5555\n"));
         assert!(cfg.contains("request_body_mode: FULL_DUPLEX_STREAMED"));
-        assert!(
-            !cfg.contains("transport_socket"),
-            "plaintext to the in-process picker"
+        assert_eq!(
+            cfg.matches("envoy.transport_sockets.tls").count(),
+            1,
+            "TLS to the picker, as deployed"
         );
-        assert!(ENVOY_TEMPLATE.contains("envoy.transport_sockets.tls"));
+        let plain = bench_config(
+            1111,
+            2222,
+            3333,
+            "127.0.0.1:4444".parse().unwrap(),
+            "127.0.0.1:5555".parse().unwrap(),
+            false,
+        );
+        assert!(
+            !plain.contains("transport_socket"),
+            "plaintext to a picker served without TLS"
+        );
         assert_eq!(cfg.matches("- name: direct_backend").count(), 1);
         let clusters = cfg.find("\n  clusters:\n").unwrap();
         assert!(
@@ -321,6 +348,7 @@ mod tests {
             3333,
             "127.0.0.1:4444".parse().unwrap(),
             "127.0.0.1:5555".parse().unwrap(),
+            true,
         );
         assert_eq!(apply_variant(&cfg, &Variant::default()), cfg);
         let skip = apply_variant(

@@ -132,6 +132,11 @@ pub struct Options {
     /// the figures are the time to the first chunk (the TTFT the path adds).
     /// Default off (one JSON body, timed to its end).
     pub stream: bool,
+    /// Serve the picker without TLS and render Envoy's plaintext variant
+    /// (`EPP_TLS false`), to compare. Default off: TLS to the picker as
+    /// deployed (a self-signed certificate, as `rngd-pd ext-proc` serves by
+    /// default, and the deploy config's `UpstreamTlsContext`).
+    pub plaintext: bool,
     /// Print the JSON report as the last line (always done; accepted for
     /// symmetry with the other harnesses). Default off.
     pub json: bool,
@@ -150,6 +155,7 @@ impl Default for Options {
             profile: false,
             skip_response_processing: false,
             stream: false,
+            plaintext: false,
             json: false,
         }
     }
@@ -178,6 +184,11 @@ pub struct Report {
     pub epp_serving: &'static str,
     /// `deploy` (the deploy config's response processing) or `skipped`.
     pub response_processing: &'static str,
+    /// Whether Envoy talks to the picker over TLS (`false`: `--plaintext`).
+    pub epp_tls: bool,
+    /// Envoy's `cluster.epp.ssl.handshake` after the run: TLS handshakes with
+    /// the picker (a TLS run with none is an error, not a figure).
+    pub epp_tls_handshakes: Option<u64>,
     /// What each sample times: `whole_response` (one JSON body, to its end)
     /// or `first_chunk` (`--stream`: to the first token's chunk).
     pub measured: &'static str,

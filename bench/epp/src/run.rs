@@ -13,11 +13,14 @@ use futures::StreamExt;
 use rngd_ext_proc::metrics::EppMetrics;
 use rngd_ext_proc::picker::Picker;
 use rngd_ext_proc::server::{self, GrpcServing, ServerConfig};
+use rngd_ext_proc::tls::TlsChoice;
 use rngd_policy_core::{Endpoint, Role, Vendor};
 use rngd_policy_host::{PolicyRuntime, PolicySource, SandboxLimits};
 use rngd_pool::{Policy, StaticEndpoints};
 
-use crate::envoy::{Child, Variant, apply_variant, bench_config, envoy_counters, find_envoy};
+use crate::envoy::{
+    Child, Variant, apply_variant, bench_config, envoy_counters, epp_tls_handshakes, find_envoy,
+};
 use crate::profile::{TimedPolicy, percentile, read_profile, round3, spread};
 use crate::{BenchError, Options, Report, io};
 
@@ -181,6 +184,11 @@ pub async fn run(args: Options) -> Result<Report, BenchError> {
         let decide_us = Arc::clone(&decide_us);
         let profile = args.profile;
         let backend = backend.to_string();
+        let tls_choice = if args.plaintext {
+            TlsChoice::Plaintext
+        } else {
+            TlsChoice::SelfSigned
+        };
         let serving = if args.epp_shared_runtime {
             GrpcServing::Shared
         } else {
@@ -220,7 +228,13 @@ pub async fn run(args: Options) -> Result<Report, BenchError> {
                     runtime
                 };
                 let picker = Picker::new(rngd_pool::Picker::new(policy, endpoints), None, metrics);
-                server::start_with(Arc::new(picker), ServerConfig::loopback(), serving)
+                let config = ServerConfig {
+                    tls: tls_choice
+                        .start()
+                        .map_err(|source| BenchError::Epp { source })?,
+                    ..ServerConfig::loopback()
+                };
+                server::start_with(Arc::new(picker), config, serving)
                     .await
                     .map_err(|source| BenchError::Epp { source })
             })
@@ -239,7 +253,14 @@ pub async fn run(args: Options) -> Result<Report, BenchError> {
     std::fs::write(
         &cfg_path,
         apply_variant(
-            &bench_config(epp_listen, direct_listen, admin, epp.grpc_addr, backend),
+            &bench_config(
+                epp_listen,
+                direct_listen,
+                admin,
+                epp.grpc_addr,
+                backend,
+                !args.plaintext,
+            ),
             &variant,
         ),
     )
@@ -378,6 +399,13 @@ pub async fn run(args: Options) -> Result<Report, BenchError> {
             }
         }
     }
+    let tls_handshakes = epp_tls_handshakes(&client, admin).await;
+    if !args.plaintext && tls_handshakes.unwrap_or(0) == 0 {
+        return Err(BenchError::Missing(format!(
+            "TLS to the picker was asked for, but Envoy counts {tls_handshakes:?} \
+             handshakes with it (cluster.epp.ssl.handshake)"
+        )));
+    }
     let envoy_stats = if args.profile {
         envoy_counters(&client, admin).await
     } else {
@@ -433,6 +461,8 @@ pub async fn run(args: Options) -> Result<Report, BenchError> {
         } else {
             "deploy"
         },
+        epp_tls: !args.plaintext,
+        epp_tls_handshakes: tls_handshakes,
         measured: if args.stream {
             "first_chunk"
         } else {
