@@ -564,6 +564,30 @@ def test_prefill_workers_take_prefill_only_requests_from_the_release_only():
         in pre["args"]
 
 
+def test_same_node_shm_passes_the_arena_slots_to_every_worker():
+    """`kvTransport.shmSlots` reaches the workers as AIRM_KV_SHM_SLOTS (the
+    slot arena of `docs/kv-wire.md`) only where the shm transport is on, and
+    the binary accepts the rendered value."""
+    def env_of(objs, name):
+        return {e["name"]: e.get("value") for e in container(objs, name)["env"]}
+
+    for role in ("prefill", "decode"):
+        assert "AIRM_KV_SHM_SLOTS" not in env_of(render(), f"demo-{role}")
+        on = env_of(render({"kvTransport": {"sameNodeShm": True}}), f"demo-{role}")
+        assert on["AIRM_KV_SHM_SLOTS"] == "8", on
+        more = env_of(render({"kvTransport": {"sameNodeShm": True, "shmSlots": 32}}), f"demo-{role}")
+        assert more["AIRM_KV_SHM_SLOTS"] == "32", more
+    # What the chart renders is what a worker's configuration check takes;
+    # a value past the transport's bound is refused by name.
+    for value, ok in (("32", True), ("0", True), ("257", False)):
+        r = subprocess.run([binary(), "worker", "--check", "--kv-transport", "shm"],
+                           capture_output=True, text=True,
+                           env={**os.environ, "AIRM_KV_SHM_SLOTS": value, "RUST_BACKTRACE": "0"})
+        assert (r.returncode == 0) == ok, (value, r.returncode, r.stdout, r.stderr)
+        if not ok:
+            assert "AIRM_KV_SHM_SLOTS" in r.stderr + r.stdout, r.stderr
+
+
 def test_cross_node_nixl_ucx_renders_the_transport_env_and_arena():
     def env_of(objs, name):
         return {e["name"]: e.get("value") for e in container(objs, name)["env"]}
@@ -657,6 +681,7 @@ def test_workers_chunk_prefills_under_the_budget_from_values():
 CONTEXT = [
     (("kvTransport", "nixl"), {"kvTransport": {"crossNode": "nixl-ucx"}}),
     (("kvTransport", "shmHostPath"), {"kvTransport": {"sameNodeShm": True}}),
+    (("kvTransport", "shmSlots"), {"kvTransport": {"sameNodeShm": True}}),
     (("httpRoute", "parentGateway"), {"httpRoute": {"enabled": True}}),
     (("httpRoute", "timeouts"), {"httpRoute": {"enabled": True}}),
     (("podMonitor", "interval"), {"podMonitor": {"enabled": True}}),
