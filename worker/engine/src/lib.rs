@@ -18,6 +18,7 @@ use tokio::sync::mpsc;
 
 pub mod chat_template;
 pub mod cpu;
+pub(crate) mod dense;
 #[cfg(feature = "test-util")]
 pub mod fake;
 pub mod identity;

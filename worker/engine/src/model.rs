@@ -21,13 +21,13 @@ use std::collections::HashMap;
 use std::path::Path;
 use std::sync::Arc;
 
-use candle_core::quantized::QMatMul;
-use candle_core::{Device, Module, Tensor};
+use candle_core::{Device, Tensor};
 
 mod config;
 mod rope;
 
 use crate::EngineError;
+use crate::dense::DenseWeights;
 use crate::kv::{SeqCache, from_bf16};
 use crate::qgemm::{Pool, QWeights};
 use crate::tokenizer::Meta;
@@ -40,7 +40,7 @@ pub(crate) struct Linear {
     /// 8-bit weights for our kernel.
     quant: QWeights,
     /// f32 weights for multi-row matmuls, when enabled.
-    dense: Option<QMatMul>,
+    dense: Option<DenseWeights>,
     inp: usize,
 }
 
@@ -50,7 +50,11 @@ impl Linear {
         let (out, inp) = w.dims2()?;
         let data = w.flatten_all()?.to_vec1::<f32>()?;
         let quant = QWeights::quantize(&data, out, inp)?;
-        let dense = keep_dense.then(|| QMatMul::Tensor(w.clone()));
+        let dense = if keep_dense {
+            Some(DenseWeights::new(w)?)
+        } else {
+            None
+        };
         Ok(Linear { quant, dense, inp })
     }
 
@@ -63,10 +67,7 @@ impl Linear {
         pool: &Pool,
     ) -> Result<Vec<f32>, EngineError> {
         match (&self.dense, dense) {
-            (Some(d), true) => {
-                let t = Tensor::from_vec(x, (rows, self.inp), &Device::Cpu)?;
-                Ok(d.forward(&t)?.flatten_all()?.to_vec1::<f32>()?)
-            }
+            (Some(d), true) => d.matmul(&x, rows),
             _ => Ok(self.quant.matmul(&x, rows, pool)),
         }
     }
@@ -89,17 +90,8 @@ impl Linear {
             let data = w.flatten_all()?.to_vec1::<f32>()?;
             let part = QWeights::quantize(&data, n, inp)?;
             quant = Some(quant.as_ref().unwrap_or(&self.quant).splice(*at, &part)?);
-            if let Some(QMatMul::Tensor(d)) = &dense {
-                let total = d.dims2()?.0;
-                let mut pieces = Vec::with_capacity(3);
-                if *at > 0 {
-                    pieces.push(d.narrow(0, 0, *at)?);
-                }
-                pieces.push((*w).clone());
-                if at + n < total {
-                    pieces.push(d.narrow(0, at + n, total - at - n)?);
-                }
-                dense = Some(QMatMul::Tensor(Tensor::cat(&pieces, 0)?));
+            if let Some(d) = &dense {
+                dense = Some(d.splice(*at, w)?);
             }
         }
         Ok(Linear {
