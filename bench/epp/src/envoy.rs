@@ -298,16 +298,21 @@ pub(crate) async fn epp_tls_handshakes(client: &reqwest::Client, admin: u16) -> 
 mod tests {
     use super::*;
 
-    #[test]
-    fn bench_config_keeps_the_deploy_listener_and_adds_the_direct_path() {
-        let cfg = bench_config(
+    /// The bench config for fixed ports, with or without TLS to the picker.
+    fn sample(epp_tls: bool) -> String {
+        bench_config(
             1111,
             2222,
             3333,
             "127.0.0.1:4444".parse().unwrap(),
             "127.0.0.1:5555".parse().unwrap(),
-            true,
-        );
+            epp_tls,
+        )
+    }
+
+    #[test]
+    fn bench_config_keeps_the_deploy_listener_and_adds_the_direct_path() {
+        let cfg = sample(true);
         assert!(cfg.contains("port_value: 1111 # @LISTEN_PORT"));
         assert!(cfg.contains("port_value: 3333 # @ADMIN_PORT"));
         assert!(cfg.contains("port_value: 4444 # @EPP_PORT"));
@@ -319,14 +324,7 @@ mod tests {
             1,
             "TLS to the picker, as deployed"
         );
-        let plain = bench_config(
-            1111,
-            2222,
-            3333,
-            "127.0.0.1:4444".parse().unwrap(),
-            "127.0.0.1:5555".parse().unwrap(),
-            false,
-        );
+        let plain = sample(false);
         assert!(
             !plain.contains("transport_socket"),
             "plaintext to a picker served without TLS"
@@ -342,14 +340,7 @@ mod tests {
 
     #[test]
     fn variants_only_touch_what_they_name() {
-        let cfg = bench_config(
-            1111,
-            2222,
-            3333,
-            "127.0.0.1:4444".parse().unwrap(),
-            "127.0.0.1:5555".parse().unwrap(),
-            true,
-        );
+        let cfg = sample(true);
         assert_eq!(apply_variant(&cfg, &Variant::default()), cfg);
         let skip = apply_variant(
             &cfg,
