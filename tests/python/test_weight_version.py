@@ -37,6 +37,7 @@ import shutil
 import signal
 import subprocess
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -158,6 +159,21 @@ def test_the_header_path_refuses_kv_from_other_weights_and_leaves_nothing(pair, 
     assert shm_entries(pair.shm) == []
 
 
+def wait_every_endpoint_scraped(url, within=60):
+    """Polls the gateway's `/ready` until every endpoint it was given is
+    healthy, i.e. scraped once (health, weight version and load come from
+    the same scrape). `/ready` itself turns 200 as soon as one endpoint can
+    decode, which can be before the prefill worker's first scrape."""
+    deadline = time.monotonic() + within
+    while True:
+        r = requests.get(url + "/ready", timeout=5)
+        roles = r.json().get("endpoints", {})
+        if roles and all(c["healthy"] == c["total"] for c in roles.values()):
+            return
+        assert time.monotonic() < deadline, f"endpoints not all scraped in {within} s: {r.text}"
+        time.sleep(0.05)
+
+
 def test_the_gateway_never_pairs_other_weights_and_serves_locally(pair, tmp_path):
     """The gateway scrapes each worker's `rngd_pd_worker_weight_info`: its
     policy does not send KV from the prefill worker to a decode worker of
@@ -177,6 +193,7 @@ def test_the_gateway_never_pairs_other_weights_and_serves_locally(pair, tmp_path
     gw = gateway(pair.same)
     try:
         url = gw.wait_line("rngd-pd gateway listening on", 120)
+        wait_every_endpoint_scraped(url)
         prefills = counter(pair.prefill, "rngd_pd_worker_prefills_total")
         r = requests.post(url + "/v1/completions", json=body, timeout=300)
         assert r.status_code == 200, r.text
@@ -188,6 +205,7 @@ def test_the_gateway_never_pairs_other_weights_and_serves_locally(pair, tmp_path
     gw = gateway(pair.other)
     try:
         url = gw.wait_line("rngd-pd gateway listening on", 120)
+        wait_every_endpoint_scraped(url)
         loads = counter(pair.other, "rngd_pd_worker_kv_loads_total")
         prefills = counter(pair.prefill, "rngd_pd_worker_prefills_total")
         r = requests.post(url + "/v1/completions", json=body, timeout=300)
