@@ -141,6 +141,21 @@ class Proc:
         return self.p.returncode
 
 
+def wait_every_endpoint_scraped(url, within=60):
+    """Polls the gateway's `/ready` until every endpoint it was given is
+    healthy, i.e. scraped once (health, weight version and load come from
+    the same scrape). `/ready` itself turns 200 as soon as one endpoint can
+    decode, which can be before the prefill worker's first scrape."""
+    deadline = time.monotonic() + within
+    while True:
+        r = requests.get(url + "/ready", timeout=5)
+        roles = r.json().get("endpoints", {})
+        if roles and all(c["healthy"] == c["total"] for c in roles.values()):
+            return
+        assert time.monotonic() < deadline, f"endpoints not all scraped in {within} s: {r.text}"
+        time.sleep(0.05)
+
+
 def poll_ok(url, timeout, proc=None):
     deadline = time.monotonic() + timeout
     while True:

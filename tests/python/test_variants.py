@@ -27,7 +27,8 @@ import time
 
 import requests
 
-from conftest import SERVED_MODEL, Proc, model_path, poll_ok, rngd_bin, start_worker, worker_env
+from conftest import (SERVED_MODEL, Proc, model_path, poll_ok, rngd_bin, start_worker, wait_every_endpoint_scraped,
+                      worker_env)
 
 TOKEN = "variants-admin-token-0123456789"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -130,6 +131,7 @@ def test_the_gateway_stops_sending_prompts_a_prefill_variant_cannot_hold(tmp_pat
                   env=dict(os.environ))
         procs.append(gw)
         gw_url = gw.wait_line("rngd-pd gateway listening on", 120)
+        wait_every_endpoint_scraped(gw_url)
         assert 256 < prompt_tokens(decode, MID) < 500
         body = {"model": SERVED_MODEL, "prompt": MID, "max_tokens": 6, "temperature": 0}
         r = requests.post(gw_url + "/v1/completions", json=body, timeout=300)

@@ -37,7 +37,6 @@ import shutil
 import signal
 import subprocess
 import threading
-import time
 
 import numpy as np
 import pytest
@@ -45,7 +44,7 @@ import requests
 
 import gguf
 from conftest import (SERVED_MODEL, Proc, counter, greedy_completion, model_path, poll_ok, rngd_bin, start_worker,
-                      worker_env)
+                      wait_every_endpoint_scraped, worker_env)
 
 # Long enough for the gateway's policy to disaggregate (threshold 16 below).
 PROMPT = ("The lighthouse keeper climbed the spiral stairs every evening at dusk, carrying oil for the lamp "
@@ -157,21 +156,6 @@ def test_the_header_path_refuses_kv_from_other_weights_and_leaves_nothing(pair, 
     want = greedy_completion(solo, PROMPT, 8)
     assert r.json()["choices"][0]["token_ids"] == want["choices"][0]["token_ids"]
     assert shm_entries(pair.shm) == []
-
-
-def wait_every_endpoint_scraped(url, within=60):
-    """Polls the gateway's `/ready` until every endpoint it was given is
-    healthy, i.e. scraped once (health, weight version and load come from
-    the same scrape). `/ready` itself turns 200 as soon as one endpoint can
-    decode, which can be before the prefill worker's first scrape."""
-    deadline = time.monotonic() + within
-    while True:
-        r = requests.get(url + "/ready", timeout=5)
-        roles = r.json().get("endpoints", {})
-        if roles and all(c["healthy"] == c["total"] for c in roles.values()):
-            return
-        assert time.monotonic() < deadline, f"endpoints not all scraped in {within} s: {r.text}"
-        time.sleep(0.05)
 
 
 def test_the_gateway_never_pairs_other_weights_and_serves_locally(pair, tmp_path):
