@@ -59,6 +59,11 @@ pub struct Args {
     /// At most this many requests.
     #[arg(long)]
     pub max_requests: Option<usize>,
+    /// Mooncake: first send the earlier turns of the window's
+    /// conversations (rows before --skip), untimed, so the caches hold what
+    /// a server running since the trace's start would.
+    #[arg(long)]
+    pub history: bool,
     /// Only requests scheduled within this many seconds of the start.
     #[arg(long)]
     pub duration_s: Option<f64>,
@@ -175,6 +180,7 @@ impl From<Args> for rngd_bench_replay::Options {
             speedup: a.speedup,
             skip: a.skip,
             max_requests: a.max_requests,
+            history: a.history,
             duration_s: a.duration_s,
             seq_len: a.seq_len,
             margin: a.margin,

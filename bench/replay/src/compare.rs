@@ -247,7 +247,7 @@ pub fn wanted(opts: &Options) -> bool {
 /// Runs every system on the same requests and returns the comparison.
 pub async fn launch(opts: Options) -> Result<CompareReport, Error> {
     let policies = parse_policies(&opts.policies)?;
-    let (format, planned) = crate::prepare(&opts)?;
+    let (format, planned, history) = crate::prepare(&opts)?;
     let bin = up::locate(opts.rngd_pd.as_deref())?;
     let timeout = Duration::from_secs_f64(opts.up_timeout_s);
     let transport = kv_transport(&opts.up_args);
@@ -277,7 +277,7 @@ pub async fn launch(opts: Options) -> Result<CompareReport, Error> {
             spawn_up: true,
             ..opts.clone()
         };
-        let result = crate::replay(&run, format, &planned, Some(&stack), None).await;
+        let result = crate::replay(&run, format, &planned, &history, Some(&stack), None).await;
         if let Err(e) = stack.stop(Duration::from_secs(30)).await {
             eprintln!("replay: {e}");
         }
@@ -313,7 +313,7 @@ pub async fn launch(opts: Options) -> Result<CompareReport, Error> {
             pids,
             ..opts.clone()
         };
-        let result = crate::replay(&run, format, &planned, None, None).await;
+        let result = crate::replay(&run, format, &planned, &history, None, None).await;
         if let Err(e) = peer.stop(Duration::from_secs(30)).await {
             eprintln!("replay: {e}");
         }
@@ -435,6 +435,7 @@ mod tests {
                 speedup: 1.0,
                 skip: 0,
                 max_requests: None,
+                history: false,
                 duration_s: None,
                 seq_len: 512,
                 margin: 16,

@@ -138,6 +138,12 @@ pub struct Options {
     pub skip: usize,
     /// At most this many requests scheduled. Default `None`: no bound.
     pub max_requests: Option<usize>,
+    /// Mooncake: before the timed requests, send the earlier turns of their
+    /// conversations ([`mooncake::history`]) in trace order, at most
+    /// [`HISTORY_IN_FLIGHT`] at a time, untimed and left out of every
+    /// figure, so a window from `skip` on meets the caches a server running
+    /// since the trace's start would have. Default off.
+    pub history: bool,
     /// Only requests scheduled within this many seconds. Default `None`: no bound.
     pub duration_s: Option<f64>,
     /// Compiled context length the lengths are scaled to. Default 512.
@@ -226,6 +232,7 @@ impl Default for Options {
             speedup: 1.0,
             skip: 0,
             max_requests: None,
+            history: false,
             duration_s: None,
             seq_len: 512,
             margin: 16,
@@ -276,6 +283,8 @@ pub struct Settings {
     pub skip: usize,
     /// Bound on requests scheduled.
     pub max_requests: Option<usize>,
+    /// Whether the window's history was sent first.
+    pub history: bool,
     /// Bound on the arrival window, seconds.
     pub duration_s: Option<f64>,
     /// Context scaled to.
@@ -302,6 +311,13 @@ pub struct Settings {
 pub struct PrefixReplay {
     /// Token ids per trace block.
     pub block_tokens: u32,
+    /// History requests sent before the timed ones (`history`; 0 without).
+    pub history_requests: u64,
+    /// Of those, the ones that did not complete.
+    pub history_errors: u64,
+    /// Their prompt tokens. The trace figures below count the timed
+    /// requests only, with the history's blocks already sent.
+    pub history_prompt_tokens: u64,
     /// Prompt tokens of the requests sent.
     pub trace_prompt_tokens: u64,
     /// Of those, tokens in leading full blocks whose chain an earlier
@@ -444,13 +460,22 @@ struct Planned {
     full_blocks: Vec<u64>,
 }
 
-/// The requests of the run from the trace file in `opts`.
-fn plan(opts: &Options, format: TraceFormat, budget: u32) -> Result<Vec<Planned>, Error> {
+/// Requests of the history open at once (`history` in [`Options`]).
+pub const HISTORY_IN_FLIGHT: usize = 4;
+
+/// The requests of the run from the trace file in `opts`, and the history
+/// sent before them (empty unless `opts.history`).
+fn plan(
+    opts: &Options,
+    format: TraceFormat,
+    budget: u32,
+) -> Result<(Vec<Planned>, Vec<Planned>), Error> {
     let text = std::fs::read_to_string(&opts.trace).map_err(|source| Error::ReadTrace {
         path: opts.trace.clone(),
         source,
     })?;
     let duration = opts.duration_s.map(Duration::from_secs_f64);
+    let mut history_planned = Vec::new();
     let (planned, rows) = if format == TraceFormat::Mooncake {
         if opts.block_tokens == 0 || opts.block_tokens > budget {
             return Err(Error::Options(format!(
@@ -458,7 +483,7 @@ fn plan(opts: &Options, format: TraceFormat, budget: u32) -> Result<Vec<Planned>
             )));
         }
         let rows = mooncake::parse(&text)?;
-        let planned = mooncake::schedule(
+        let window = mooncake::schedule(
             &rows,
             opts.skip,
             opts.max_requests,
@@ -466,18 +491,30 @@ fn plan(opts: &Options, format: TraceFormat, budget: u32) -> Result<Vec<Planned>
             opts.speedup,
             opts.block_tokens,
             budget,
-        )
-        .into_iter()
-        .map(|p| Planned {
+        );
+        let history = if opts.history {
+            mooncake::history(&rows, &window, opts.block_tokens, budget)
+        } else {
+            Vec::new()
+        };
+        let convert = |p: mooncake::Planned| Planned {
             offset: p.offset,
             prompt_tokens: p.cut.prompt_tokens,
             max_tokens: p.cut.max_tokens,
             prompt: client::Prompt::Tokens(p.prompt),
             full_blocks: p.full_blocks,
-        })
-        .collect::<Vec<_>>();
-        (planned, rows.len())
+        };
+        history_planned = history.into_iter().map(convert).collect();
+        (
+            window.into_iter().map(convert).collect::<Vec<_>>(),
+            rows.len(),
+        )
     } else {
+        if opts.history {
+            return Err(Error::Options(
+                "--history needs a Mooncake trace (its block ids name the conversations)".into(),
+            ));
+        }
         let rows = trace::parse(&text)?;
         let planned = trace::schedule(
             &rows,
@@ -504,12 +541,12 @@ fn plan(opts: &Options, format: TraceFormat, budget: u32) -> Result<Vec<Planned>
             opts.skip
         )));
     }
-    Ok(planned)
+    Ok((planned, history_planned))
 }
 
 /// The options checked and the run's requests planned (a single run or a
-/// comparison, [`compare`]).
-fn prepare(opts: &Options) -> Result<(TraceFormat, Vec<Planned>), Error> {
+/// comparison, [`compare`]): the format, the timed requests, the history.
+fn prepare(opts: &Options) -> Result<(TraceFormat, Vec<Planned>, Vec<Planned>), Error> {
     if !opts.speedup.is_finite() || opts.speedup <= 0.0 {
         return Err(Error::Options("--speedup must be > 0".into()));
     }
@@ -538,8 +575,8 @@ fn prepare(opts: &Options) -> Result<(TraceFormat, Vec<Planned>), Error> {
         ));
     }
     let format = opts.trace_format.of(&opts.trace);
-    let planned = plan(opts, format, budget)?;
-    Ok((format, planned))
+    let (planned, history) = plan(opts, format, budget)?;
+    Ok((format, planned, history))
 }
 
 /// Runs the replay and returns its report without printing it.
@@ -549,7 +586,7 @@ pub async fn launch(opts: Options) -> Result<Report, Error> {
             "--policies/--llama-server make a comparison run (compare::launch)".into(),
         ));
     }
-    let (format, planned) = prepare(&opts)?;
+    let (format, planned, history) = prepare(&opts)?;
     let mut stack = None;
     let mut solo = None;
     if opts.spawn_up || opts.spawn_worker {
@@ -565,7 +602,15 @@ pub async fn launch(opts: Options) -> Result<Report, Error> {
             solo = Some(worker::start(&bin, opts.seq_len, &opts.worker_args, timeout).await?);
         }
     }
-    let result = replay(&opts, format, &planned, stack.as_ref(), solo.as_ref()).await;
+    let result = replay(
+        &opts,
+        format,
+        &planned,
+        &history,
+        stack.as_ref(),
+        solo.as_ref(),
+    )
+    .await;
     if let Some(s) = stack
         && let Err(e) = s.stop(Duration::from_secs(30)).await
     {
@@ -579,11 +624,13 @@ pub async fn launch(opts: Options) -> Result<Report, Error> {
     result
 }
 
-/// One replay of `planned` against the stack, the worker or `opts.url`.
+/// One replay of `planned` against the stack, the worker or `opts.url`,
+/// after `history` (untimed).
 async fn replay(
     opts: &Options,
     format: TraceFormat,
     planned: &[Planned],
+    history: &[Planned],
     stack: Option<&up::Up>,
     solo: Option<&worker::Worker>,
 ) -> Result<Report, Error> {
@@ -650,6 +697,10 @@ async fn replay(
     }
     let rss_mb_start = procs::sample(&watched);
     let mooncake = format == TraceFormat::Mooncake;
+    let endpoint = format!("{base}/v1/completions");
+    let timeout = Duration::from_secs_f64(opts.request_timeout_s);
+    let history_errors =
+        send_history(&client, &endpoint, &model, history, timeout, opts.json).await;
     let worker_start = if mooncake {
         metrics::scrape(&client, &base).await
     } else {
@@ -664,8 +715,6 @@ async fn replay(
             opts.speedup
         );
     }
-    let endpoint = format!("{base}/v1/completions");
-    let timeout = Duration::from_secs_f64(opts.request_timeout_s);
     let slots = Arc::new(Semaphore::new(opts.max_in_flight));
     let mut tasks = tokio::task::JoinSet::new();
     let (mut dropped, mut prompt_sent, mut max_sent) = (0u64, 0u64, 0u64);
@@ -732,13 +781,23 @@ async fn replay(
     );
     let prefix = if mooncake {
         let worker_end = metrics::scrape(&client, &base).await;
-        let r = mooncake::reuse(
-            sent.iter()
-                .map(|p| (p.full_blocks.as_slice(), p.prompt_tokens)),
-            opts.block_tokens,
-        );
+        // The timed requests' reuse with the history's blocks sent first:
+        // the whole sequence's counts less the history's own.
+        let before: Vec<&Planned> = history.iter().collect();
+        let all: Vec<&Planned> = before.iter().chain(sent.iter()).copied().collect();
+        let h = mooncake::reuse(pairs(&before), opts.block_tokens);
+        let w = mooncake::reuse(pairs(&all), opts.block_tokens);
+        let r = mooncake::Reuse {
+            prompt_tokens: w.prompt_tokens - h.prompt_tokens,
+            reused_tokens: w.reused_tokens - h.reused_tokens,
+            reused_tokens_capped: w.reused_tokens_capped - h.reused_tokens_capped,
+            unique_blocks: w.unique_blocks,
+        };
         Some(PrefixReplay {
             block_tokens: opts.block_tokens,
+            history_requests: history.len() as u64,
+            history_errors,
+            history_prompt_tokens: history.iter().map(|p| u64::from(p.prompt_tokens)).sum(),
             trace_prompt_tokens: r.prompt_tokens,
             trace_reused_tokens: r.reused_tokens,
             trace_reuse_share: r.share(),
@@ -748,12 +807,9 @@ async fn replay(
                 .and_then(|m| m.num_gpu_blocks)
                 .filter(|_| r.prompt_tokens > 0)
                 .map(|cap| {
-                    let reused = mooncake::reused_with_lru(
-                        sent.iter()
-                            .map(|p| (p.full_blocks.as_slice(), p.prompt_tokens)),
-                        opts.block_tokens,
-                        usize::try_from(cap).unwrap_or(usize::MAX),
-                    );
+                    let cap = usize::try_from(cap).unwrap_or(usize::MAX);
+                    let reused = mooncake::reused_with_lru(pairs(&all), opts.block_tokens, cap)
+                        - mooncake::reused_with_lru(pairs(&before), opts.block_tokens, cap);
                     reused as f64 / r.prompt_tokens as f64
                 }),
             served_prompt_tokens: s.prompt_tokens_usage,
@@ -816,6 +872,7 @@ async fn replay(
             speedup: opts.speedup,
             skip: opts.skip,
             max_requests: opts.max_requests,
+            history: opts.history,
             duration_s: opts.duration_s,
             seq_len: opts.seq_len,
             margin: opts.margin,
@@ -827,6 +884,60 @@ async fn replay(
             spawn_worker: opts.spawn_worker,
         },
     })
+}
+
+/// `(full blocks, prompt tokens)` of each request, as [`mooncake::reuse`]
+/// takes them.
+fn pairs<'a>(ps: &'a [&'a Planned]) -> impl Iterator<Item = (&'a [u64], u32)> + 'a {
+    ps.iter()
+        .map(|p| (p.full_blocks.as_slice(), p.prompt_tokens))
+}
+
+/// Sends `history` in order, at most [`HISTORY_IN_FLIGHT`] open at once,
+/// and waits for all of it; returns how many did not complete.
+async fn send_history(
+    client: &reqwest::Client,
+    endpoint: &str,
+    model: &str,
+    history: &[Planned],
+    timeout: Duration,
+    quiet: bool,
+) -> u64 {
+    if history.is_empty() {
+        return 0;
+    }
+    if !quiet {
+        eprintln!(
+            "replay: sending {} earlier turns first (untimed)",
+            history.len()
+        );
+    }
+    let slots = Arc::new(Semaphore::new(HISTORY_IN_FLIGHT));
+    let mut tasks = tokio::task::JoinSet::new();
+    for p in history {
+        let Ok(permit) = slots.clone().acquire_owned().await else {
+            break;
+        };
+        let req = client::Request {
+            url: endpoint.to_string(),
+            model: model.to_string(),
+            prompt: p.prompt.clone(),
+            max_tokens: p.max_tokens,
+        };
+        let client = client.clone();
+        tasks.spawn(async move {
+            let (o, _) = client::send(&client, &req, timeout).await;
+            drop(permit);
+            o.status == stats::Status::Ok
+        });
+    }
+    let mut errors = 0;
+    while let Some(r) = tasks.join_next().await {
+        if !r.unwrap_or(false) {
+            errors += 1;
+        }
+    }
+    errors
 }
 
 /// The key of an error kind in [`Report::error_bodies`].

@@ -14,6 +14,10 @@
 //! - **Reuse** ([`reuse`]): for each request in order, the longest run of its
 //!   leading full blocks whose chain from block 0 was sent before, over its
 //!   prompt tokens.
+//! - **History** ([`history`]): for a window that starts later in the
+//!   trace, the earlier turns of its conversations (rows before the window),
+//!   so the caches can hold what a server running since the trace's start
+//!   would hold when the window begins.
 
 use std::collections::HashMap;
 use std::time::Duration;
@@ -37,6 +41,17 @@ pub const TOKEN_HI: u32 = 40_000;
 /// token and at least this many rows, so a fully cached prompt reuses one
 /// block less. Used by [`reuse`] for the `capped` figure only.
 pub const ENGINE_MIN_ROWS: u32 = 8;
+
+/// Shared leading full blocks that make an earlier row the same
+/// conversation as a later one ([`history`]): every request of the trace
+/// starts with block id 0 (one shared system prompt), so one block in
+/// common says nothing about the conversation.
+pub const HISTORY_MIN_BLOCKS: usize = 2;
+
+/// `max_tokens` of a history request at most ([`history`]): only its
+/// prompt's blocks are reused later (the trace names the next turn's blocks
+/// itself), so its answer is kept short.
+pub const HISTORY_MAX_TOKENS: u32 = 16;
 
 /// One request of the trace.
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
@@ -207,6 +222,61 @@ pub fn schedule(
         });
     }
     out
+}
+
+/// The earlier turns of `window`'s conversations: for each request of the
+/// window, the latest row before `window`'s first row whose full-block
+/// chain shares the longest run of leading blocks with it, at least
+/// [`HISTORY_MIN_BLOCKS`]; each such row once, in trace order, with offset
+/// 0, its lengths by [`cut`] and `max_tokens` at most
+/// [`HISTORY_MAX_TOKENS`]. Empty when the window starts at row 0.
+pub fn history(rows: &[Row], window: &[Planned], block_tokens: u32, budget: u32) -> Vec<Planned> {
+    let Some(start) = window.first().map(|p| p.row) else {
+        return Vec::new();
+    };
+    // The chains of the rows before the window, as a trie: (parent, block id)
+    // -> node; `latest[node]` is the last row whose chain passes through it.
+    let mut trie: HashMap<(u32, u64), u32> = HashMap::new();
+    let mut latest: HashMap<u32, usize> = HashMap::new();
+    for (i, r) in rows.iter().enumerate().take(start) {
+        let c = cut(r, block_tokens, budget);
+        let mut node = 0u32;
+        for (depth, &id) in r.hash_ids[..c.full_blocks].iter().enumerate() {
+            let next = u32::try_from(trie.len() + 1).unwrap_or(u32::MAX);
+            node = *trie.entry((node, id)).or_insert(next);
+            if depth + 1 >= HISTORY_MIN_BLOCKS {
+                latest.insert(node, i);
+            }
+        }
+    }
+    let mut wanted = std::collections::BTreeSet::new();
+    for p in window {
+        let mut node = 0u32;
+        let mut found = None;
+        for &id in &p.full_blocks {
+            let Some(&n) = trie.get(&(node, id)) else {
+                break;
+            };
+            node = n;
+            found = latest.get(&n).copied().or(found);
+        }
+        wanted.extend(found);
+    }
+    wanted
+        .into_iter()
+        .map(|i| {
+            let r = &rows[i];
+            let mut c = cut(r, block_tokens, budget);
+            c.max_tokens = c.max_tokens.min(HISTORY_MAX_TOKENS);
+            Planned {
+                row: i,
+                offset: Duration::ZERO,
+                cut: c,
+                full_blocks: r.hash_ids[..c.full_blocks].to_vec(),
+                prompt: prompt_ids(&r.hash_ids, c.prompt_tokens, block_tokens),
+            }
+        })
+        .collect()
 }
 
 /// The trace's own prefix reuse over some requests, in order.

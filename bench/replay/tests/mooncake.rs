@@ -150,6 +150,39 @@ fn the_schedule_divides_time_and_honours_its_bounds() {
 }
 
 #[test]
+fn the_history_is_the_latest_earlier_turn_of_each_conversation_in_the_window() {
+    // 16-token blocks; 512 trace tokens a block, so `input_length` n × 512
+    // is n full blocks. Block 0 is shared by every row, as in the trace.
+    let rows = vec![
+        row(0, 3 * 512, 32, &[0, 1, 2]),          // A, turn 1
+        row(1, 2 * 512, 1024, &[0, 3]),           // B, turn 1 (long answer)
+        row(2, 4 * 512, 32, &[0, 1, 2, 4]),       // A, turn 2
+        row(3, 2 * 512, 32, &[0, 5]),             // a stranger
+        row(4, 5 * 512, 32, &[0, 1, 2, 4, 6]),    // window: A, turn 3
+        row(5, 3 * 512, 32, &[0, 3, 7]),          // window: B, turn 2
+        row(6, 2 * 512, 32, &[0, 8]),             // window: only block 0 shared
+        row(7, 6 * 512, 32, &[0, 1, 2, 4, 6, 9]), // window: A, turn 4
+    ];
+    let window = mooncake::schedule(&rows, 4, None, None, 1.0, 16, 496);
+    assert_eq!(window.len(), 4);
+    let h = mooncake::history(&rows, &window, 16, 496);
+    // A's turns 3 and 4 both continue row 2 (the deepest shared chain before
+    // the window; row 4 is in the window itself); B's turn 2 continues row
+    // 1; row 6 shares only block 0 and brings none; each row once, in order.
+    assert_eq!(h.iter().map(|p| p.row).collect::<Vec<_>>(), [1, 2]);
+    assert!(h.iter().all(|p| p.offset.is_zero()));
+    assert_eq!(h[1].full_blocks, [0, 1, 2, 4]);
+    assert_eq!(h[1].prompt, mooncake::prompt_ids(&[0, 1, 2, 4], 64, 16));
+    // B's turn 1 asked for 32 tokens (1024 × 16 / 512): a history answer
+    // is kept to HISTORY_MAX_TOKENS.
+    assert_eq!(h[0].cut.max_tokens, mooncake::HISTORY_MAX_TOKENS);
+    assert_eq!(h[1].cut.max_tokens, 1);
+    // A window from row 0 has no history.
+    let from0 = mooncake::schedule(&rows, 0, Some(3), None, 1.0, 16, 496);
+    assert!(mooncake::history(&rows, &from0, 16, 496).is_empty());
+}
+
+#[test]
 fn the_reuse_share_of_a_hand_made_trace() {
     // Blocks of 4 tokens. Prompts (full blocks, prompt tokens):
     //   1: [a b c]   12 tokens, nothing seen             -> 0
@@ -333,4 +366,84 @@ async fn a_mooncake_run_sends_token_ids_and_reports_both_shares() {
     let v: Value = serde_json::from_str(&r.json_line()).expect("json");
     assert!(v["prefix"]["trace_reuse_share"].is_number());
     assert_eq!(v["settings"]["block_tokens"], 16);
+    assert_eq!(p.history_requests, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_window_with_history_sends_the_earlier_turn_first_and_counts_only_the_window() {
+    let fake = Arc::new(Fake::default());
+    let app = Router::new()
+        .route("/v1/completions", post(completions))
+        .with_state(fake.clone());
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let url = format!("http://{}", l.local_addr().expect("addr"));
+    tokio::spawn(async move { axum::serve(l, app).await.expect("serve") });
+
+    // Rows 0 and 1 come before the window (--skip 2); row 2 continues row
+    // 0's conversation, row 1 is another one.
+    let trace = "{\"timestamp\": 0, \"input_length\": 1024, \"output_length\": 32, \"hash_ids\": [7, 8]}\n\
+        {\"timestamp\": 10, \"input_length\": 1024, \"output_length\": 32, \"hash_ids\": [5, 8]}\n\
+        {\"timestamp\": 20, \"input_length\": 1536, \"output_length\": 32, \"hash_ids\": [7, 8, 9]}\n";
+    let path = std::env::temp_dir().join(format!(
+        "rngd_mooncake_history_test_{}.jsonl",
+        std::process::id()
+    ));
+    std::fs::write(&path, trace).expect("write trace");
+    let opts = Options {
+        trace: path.clone(),
+        url: Some(url),
+        model: Some("m".into()),
+        skip: 2,
+        history: true,
+        json: true,
+        ..Options::default()
+    };
+    let r = rngd_bench_replay::launch(opts.clone()).await.expect("runs");
+
+    let prompts = fake.prompts.lock().expect("lock").clone();
+    assert_eq!(
+        prompts,
+        [
+            mooncake::prompt_ids(&[7, 8], 32, 16),
+            mooncake::prompt_ids(&[7, 8, 9], 48, 16)
+        ],
+        "the earlier turn first, then the window; the other conversation never"
+    );
+    // Only the window is timed and counted.
+    assert_eq!((r.requests, r.ok), (1, 1));
+    let p = r.prefix.clone().expect("prefix section");
+    assert_eq!(
+        (
+            p.history_requests,
+            p.history_errors,
+            p.history_prompt_tokens
+        ),
+        (1, 0, 32)
+    );
+    assert_eq!(p.trace_prompt_tokens, 48);
+    assert_eq!(
+        p.trace_reused_tokens, 32,
+        "the history's blocks count as sent"
+    );
+    assert_eq!((p.served_prompt_tokens, p.served_cached_tokens), (48, 32));
+    assert!(r.settings.history);
+
+    // The Azure trace names no conversation: --history is refused.
+    let csv = path.with_extension("csv");
+    std::fs::write(
+        &csv,
+        "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.6805900,374,44\n",
+    )
+    .expect("write csv");
+    let e = rngd_bench_replay::launch(Options {
+        trace: csv.clone(),
+        ..opts
+    })
+    .await
+    .expect_err("refused");
+    let _ = std::fs::remove_file(&path);
+    let _ = std::fs::remove_file(&csv);
+    assert!(e.to_string().contains("--history"), "{e}");
 }
