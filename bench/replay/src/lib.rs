@@ -463,6 +463,18 @@ struct Planned {
 /// Requests of the history open at once (`history` in [`Options`]).
 pub const HISTORY_IN_FLIGHT: usize = 4;
 
+impl Planned {
+    /// The request that sends it to `endpoint` (`…/v1/completions`).
+    fn request(&self, endpoint: &str, model: &str) -> client::Request {
+        client::Request {
+            url: endpoint.to_string(),
+            model: model.to_string(),
+            prompt: self.prompt.clone(),
+            max_tokens: self.max_tokens,
+        }
+    }
+}
+
 /// The requests of the run from the trace file in `opts`, and the history
 /// sent before them (empty unless `opts.history`).
 fn plan(
@@ -730,12 +742,7 @@ async fn replay(
         sent.push(a);
         prompt_sent += u64::from(a.prompt_tokens);
         max_sent += u64::from(a.max_tokens);
-        let req = client::Request {
-            url: endpoint.clone(),
-            model: model.clone(),
-            prompt: a.prompt.clone(),
-            max_tokens: a.max_tokens,
-        };
+        let req = a.request(&endpoint, &model);
         let client = client.clone();
         tasks.spawn(async move {
             let o = client::send(&client, &req, timeout).await;
@@ -918,12 +925,7 @@ async fn send_history(
         let Ok(permit) = slots.clone().acquire_owned().await else {
             break;
         };
-        let req = client::Request {
-            url: endpoint.to_string(),
-            model: model.to_string(),
-            prompt: p.prompt.clone(),
-            max_tokens: p.max_tokens,
-        };
+        let req = p.request(endpoint, model);
         let client = client.clone();
         tasks.spawn(async move {
             let (o, _) = client::send(&client, &req, timeout).await;

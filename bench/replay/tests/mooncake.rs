@@ -307,6 +307,16 @@ async fn completions(State(f): State<Arc<Fake>>, body: axum::body::Bytes) -> Res
     ([("content-type", "text/event-stream")], sse).into_response()
 }
 
+/// Serves `app` on 127.0.0.1:0 and returns its base URL.
+async fn serve(app: Router) -> String {
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let url = format!("http://{}", l.local_addr().expect("addr"));
+    tokio::spawn(async move { axum::serve(l, app).await.expect("serve") });
+    url
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_mooncake_run_sends_token_ids_and_reports_both_shares() {
     let fake = Arc::new(Fake::default());
@@ -321,11 +331,7 @@ async fn a_mooncake_run_sends_token_ids_and_reports_both_shares() {
             }),
         )
         .with_state(fake.clone());
-    let l = tokio::net::TcpListener::bind("127.0.0.1:0")
-        .await
-        .expect("bind");
-    let url = format!("http://{}", l.local_addr().expect("addr"));
-    tokio::spawn(async move { axum::serve(l, app).await.expect("serve") });
+    let url = serve(app).await;
 
     // Three requests 10 ms apart: two turns of one conversation, then a
     // stranger. 1024 tokens = 2 blocks = 32 ids; 1536 = 3 blocks = 48.
@@ -375,11 +381,7 @@ async fn a_window_with_history_sends_the_earlier_turn_first_and_counts_only_the_
     let app = Router::new()
         .route("/v1/completions", post(completions))
         .with_state(fake.clone());
-    let l = tokio::net::TcpListener::bind("127.0.0.1:0")
-        .await
-        .expect("bind");
-    let url = format!("http://{}", l.local_addr().expect("addr"));
-    tokio::spawn(async move { axum::serve(l, app).await.expect("serve") });
+    let url = serve(app).await;
 
     // Rows 0 and 1 come before the window (--skip 2); row 2 continues row
     // 0's conversation, row 1 is another one.
