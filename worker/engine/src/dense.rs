@@ -18,8 +18,6 @@
 
 use std::sync::Arc;
 
-use candle_core::Tensor;
-
 use crate::EngineError;
 
 /// f32 weights `[out, inp]`, row-major, shared between a model and the
@@ -32,29 +30,35 @@ pub(crate) struct DenseWeights {
 }
 
 impl DenseWeights {
-    /// From a `[out, inp]` f32 tensor.
-    pub(crate) fn new(w: &Tensor) -> Result<DenseWeights, EngineError> {
-        let (out, inp) = w.dims2()?;
-        let data = w.flatten_all()?.to_vec1::<f32>()?;
+    /// From `[out, inp]` f32 weights, row-major in `w` (taken, not copied).
+    pub(crate) fn new(w: Vec<f32>, out: usize, inp: usize) -> Result<DenseWeights, EngineError> {
+        if w.len() != out * inp {
+            return Err(EngineError::Other(format!(
+                "{} dense weights for {out}×{inp}",
+                w.len()
+            )));
+        }
         Ok(DenseWeights {
-            w: data.into(),
+            w: w.into(),
             out,
             inp,
         })
     }
 
-    /// These weights with rows `at..at + n` replaced by `rows` (`[n, inp]`).
-    pub(crate) fn splice(&self, at: usize, rows: &Tensor) -> Result<DenseWeights, EngineError> {
-        let (n, inp) = rows.dims2()?;
-        if inp != self.inp || at + n > self.out {
+    /// These weights with rows `at..` replaced by `rows` (`[n, inp]`,
+    /// row-major).
+    pub(crate) fn splice(&self, at: usize, rows: &[f32]) -> Result<DenseWeights, EngineError> {
+        let inp = self.inp;
+        let n = rows.len().checked_div(inp).unwrap_or(0);
+        if !rows.len().is_multiple_of(inp) || at + n > self.out {
             return Err(EngineError::Other(format!(
-                "a patch of {n}×{inp} at row {at} for dense weights of {}×{}",
-                self.out, self.inp
+                "a patch of {} values at row {at} for dense weights of {}×{inp}",
+                rows.len(),
+                self.out
             )));
         }
         let mut w = self.w.to_vec();
-        let new = rows.flatten_all()?.to_vec1::<f32>()?;
-        w[at * inp..(at + n) * inp].copy_from_slice(&new);
+        w[at * inp..(at + n) * inp].copy_from_slice(rows);
         Ok(DenseWeights {
             w: w.into(),
             out: self.out,
@@ -151,8 +155,8 @@ pub(crate) const IN_PLACE_MAX_ROWS: usize = 16;
 #[cfg(test)]
 mod tests {
     use super::*;
-    use candle_core::Device;
     use candle_core::quantized::QMatMul;
+    use candle_core::{Device, Tensor};
 
     /// A deterministic pseudo-random matrix of values of mixed magnitudes.
     fn matrix(rows: usize, cols: usize, seed: u64) -> Vec<f32> {
@@ -174,8 +178,8 @@ mod tests {
         // fused, down) and row counts around the GEMM's block sizes.
         for (out, inp) in [(960, 576), (576, 576), (3072, 576), (576, 1536), (40, 70)] {
             let w = matrix(out, inp, (out * 31 + inp) as u64);
-            let t = Tensor::from_vec(w.clone(), (out, inp), &Device::Cpu).unwrap();
-            let dense = DenseWeights::new(&t).unwrap();
+            let dense = DenseWeights::new(w.clone(), out, inp).unwrap();
+            let t = Tensor::from_vec(w, (out, inp), &Device::Cpu).unwrap();
             let candle = QMatMul::Tensor(t);
             for rows in [1, 2, 5, 7, 8, 9, 16, 17, 33, 64, 65, 130] {
                 let x = matrix(rows, inp, rows as u64 + 7);
@@ -210,8 +214,7 @@ mod tests {
     #[ignore = "a timing table, not a check"]
     fn orientations() {
         let (out, inp) = (3072, 576);
-        let t = Tensor::from_vec(matrix(out, inp, 3), (out, inp), &Device::Cpu).unwrap();
-        let dense = DenseWeights::new(&t).unwrap();
+        let dense = DenseWeights::new(matrix(out, inp, 3), out, inp).unwrap();
         for rows in [4, 8, 16, 24, 32, 48, 64, 128] {
             let x = matrix(rows, inp, 5);
             let mut best = [f64::MAX; 2];
@@ -235,9 +238,8 @@ mod tests {
     fn a_splice_replaces_exactly_its_rows() {
         let (out, inp) = (6, 4);
         let w = matrix(out, inp, 1);
-        let t = Tensor::from_vec(w.clone(), (out, inp), &Device::Cpu).unwrap();
-        let d = DenseWeights::new(&t).unwrap();
-        let patch = Tensor::from_vec(vec![9f32; 2 * inp], (2, inp), &Device::Cpu).unwrap();
+        let d = DenseWeights::new(w.clone(), out, inp).unwrap();
+        let patch = vec![9f32; 2 * inp];
         let s = d.splice(3, &patch).unwrap();
         for r in 0..out {
             let row = &s.w[r * inp..(r + 1) * inp];
@@ -248,6 +250,11 @@ mod tests {
             }
         }
         assert!(d.splice(5, &patch).is_err(), "past the last row");
+        assert!(d.splice(0, &[1.0; 3]).is_err(), "not whole rows");
+        assert!(
+            DenseWeights::new(vec![0.0; 5], 2, 2).is_err(),
+            "wrong length"
+        );
         assert!(d.matmul(&[0.0; 3], 1).is_err(), "wrong input length");
     }
 }

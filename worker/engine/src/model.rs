@@ -51,7 +51,7 @@ impl Linear {
         let data = w.flatten_all()?.to_vec1::<f32>()?;
         let quant = QWeights::quantize(&data, out, inp)?;
         let dense = if keep_dense {
-            Some(DenseWeights::new(w)?)
+            Some(DenseWeights::new(data, out, inp)?)
         } else {
             None
         };
@@ -91,7 +91,7 @@ impl Linear {
             let part = QWeights::quantize(&data, n, inp)?;
             quant = Some(quant.as_ref().unwrap_or(&self.quant).splice(*at, &part)?);
             if let Some(d) = &dense {
-                dense = Some(d.splice(*at, w)?);
+                dense = Some(d.splice(*at, &data)?);
             }
         }
         Ok(Linear {
