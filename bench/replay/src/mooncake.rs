@@ -194,6 +194,20 @@ pub struct Planned {
     pub prompt: Vec<u32>,
 }
 
+impl Planned {
+    /// Row `row` (`r`) sent at `offset` with the lengths `cut`: its full
+    /// blocks' ids and its prompt's token ids.
+    fn new(row: usize, r: &Row, offset: Duration, cut: Cut, block_tokens: u32) -> Planned {
+        Planned {
+            row,
+            offset,
+            cut,
+            full_blocks: r.hash_ids[..cut.full_blocks].to_vec(),
+            prompt: prompt_ids(&r.hash_ids, cut.prompt_tokens, block_tokens),
+        }
+    }
+}
+
 /// The requests of a run: rows from `skip` on, at most `max_requests`, with
 /// offsets from row `skip`'s timestamp divided by `speedup`, and only those
 /// within `duration` (when given); lengths by [`cut`].
@@ -212,14 +226,13 @@ pub fn schedule(
         |r: &Row, first: &Row| r.timestamp_ms.saturating_sub(first.timestamp_ms) as f64 / 1e3;
     for (i, r, offset) in crate::trace::window(rows, skip, max_requests, duration, speedup, elapsed)
     {
-        let c = cut(r, block_tokens, budget);
-        out.push(Planned {
-            row: i,
+        out.push(Planned::new(
+            i,
+            r,
             offset,
-            cut: c,
-            full_blocks: r.hash_ids[..c.full_blocks].to_vec(),
-            prompt: prompt_ids(&r.hash_ids, c.prompt_tokens, block_tokens),
-        });
+            cut(r, block_tokens, budget),
+            block_tokens,
+        ));
     }
     out
 }
@@ -265,16 +278,9 @@ pub fn history(rows: &[Row], window: &[Planned], block_tokens: u32, budget: u32)
     wanted
         .into_iter()
         .map(|i| {
-            let r = &rows[i];
-            let mut c = cut(r, block_tokens, budget);
+            let mut c = cut(&rows[i], block_tokens, budget);
             c.max_tokens = c.max_tokens.min(HISTORY_MAX_TOKENS);
-            Planned {
-                row: i,
-                offset: Duration::ZERO,
-                cut: c,
-                full_blocks: r.hash_ids[..c.full_blocks].to_vec(),
-                prompt: prompt_ids(&r.hash_ids, c.prompt_tokens, block_tokens),
-            }
+            Planned::new(i, &rows[i], Duration::ZERO, c, block_tokens)
         })
         .collect()
 }
