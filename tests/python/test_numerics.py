@@ -7,6 +7,8 @@ here: ``ref_forward`` is a float64 numpy forward over the GGUF's weights as
 for every position of several prompts we compare
 
 - ours, prefill path: ``rngd-pd-bench logits`` (row i = a prefill of ids[..=i]),
+  on the default kernels (``--prefill-projections auto``: the int8 kernel on
+  these Q4_1 / Q8_0 files) and on the f32 GEMM (``--prefill-projections f32``),
 - ours, decode path: a one-token prefill, then one decode step per id
   (teacher-forced), the cache crossing as a PD split carries it,
 - llama.cpp, prefill: one batch eval of all ids (``logits_all``),
@@ -17,8 +19,9 @@ printed as a table (``pytest -s``) and written to ``numerics.json`` under the
 test's tmp dir.
 
 Targets (issue 18): ours no worse than llama.cpp in mean KL and in max KL over
-all positions, on the prefill path and on the decode path (met on prefill; on
-decode the engines are at parity and the test allows 10 %, see ``KL_SLACK``);
+all positions, on the prefill path and on the decode path (met on the f32
+prefill path; on the int8 kernels, the decode path's and the default prefill
+path's, the engines are at parity and the test allows 10 %, see ``KL_SLACK``);
 our greedy token equals the reference's wherever the reference's top-2 margin
 exceeds our measured max |logit error|. The same on a Llama 3 file
 (``test_llama3_numerics_against_float64_reference``).
@@ -76,9 +79,12 @@ def the_model():
     return m
 
 
-def ours(model, seqs, out, prefill_len=None):
-    """Our logits for every sequence (list of [rows, vocab] float32 arrays)."""
+def ours(model, seqs, out, prefill_len=None, kernels=None):
+    """Our logits for every sequence (list of [rows, vocab] float32 arrays);
+    `kernels`: the prefills' projections (``--prefill-projections``)."""
     args = [bench_bin(), "logits", "--model", model, "--out", str(out)]
+    if kernels is not None:
+        args += ["--prefill-projections", kernels]
     for ids in seqs:
         args += ["--ids", ",".join(map(str, ids))]
     if prefill_len is not None:
@@ -158,6 +164,7 @@ def compare(model, llm, seqs, tmp_path):
     lists = [seqs[n] for n in names]
     engines = {
         ("ours", "prefill"): ours(model, lists, tmp_path / "prefill.npy"),
+        ("ours", "prefill f32"): ours(model, lists, tmp_path / "prefill_f32.npy", kernels="f32"),
         ("ours", "decode"): ours(model, lists, tmp_path / "decode.npy", prefill_len=1),
         ("llama.cpp", "prefill"): [llama_cpp_logits(llm, ids, False) for ids in lists],
         ("llama.cpp", "decode"): [llama_cpp_logits(llm, ids, True) for ids in lists],
@@ -198,22 +205,26 @@ def print_table(report, out):
 
 
 # How much larger than llama.cpp's our KL may be, per path. Issue 18's target
-# is 1.0 (no worse) on both paths. The prefill path meets it by far (f32
-# projections: ~5x below llama.cpp's mean KL). The decode path does not meet
-# it strictly: both engines quantize every projection's activations to 8 bits
-# in 32-value blocks and both now use the file's Q4_1 weights exactly, so the
-# figures are at parity (measured, SmolLM2: mean KL 3.76e-3 vs 3.83e-3, max
-# 3.60e-2 vs 3.43e-2; the Llama 3 Q8_0 file: 2.92e-3 vs 2.84e-3, max 1.51e-2
-# vs 1.69e-2). The slack below is that parity, stated, not the target met.
-KL_SLACK = {"prefill": 1.0, "decode": 1.1}
+# is 1.0 (no worse) on both paths. The f32 prefill path meets it by far (f32
+# projections: ~5x below llama.cpp's mean KL). The int8 kernel, which the
+# decode path and, on these files, the default prefill path take, does not
+# meet it strictly: both engines quantize every projection's activations to
+# 8 bits in 32-value blocks and both use the file's Q4_1 / Q8_0 weights
+# exactly, so the figures are at parity (measured, SmolLM2: mean KL 3.76e-3
+# vs 3.83e-3 decode and 3.76e-3 vs 3.66e-3 prefill, max 3.60e-2 vs 3.43e-2;
+# the Llama 3 Q8_0 file: 2.92e-3 vs 2.84e-3, max 1.51e-2 vs 1.69e-2). The
+# slack below is that parity, stated, not the target met.
+KL_SLACK = {"prefill": 1.1, "prefill f32": 1.0, "decode": 1.1}
+# The llama.cpp run each of ours is held against.
+LLAMA_PATH = {"prefill": "prefill", "prefill f32": "prefill", "decode": "decode"}
 
 
 def check_targets(report, refs, engines, seqs):
     """The issue's targets, on the prefill path and on the decode path."""
     assert report["ref_f32_vs_f64_max_abs"] < 2e-3, "the reference in float32 is far from float64"
     runs = report["runs"]
-    for path in ("prefill", "decode"):
-        o, l = runs[f"ours {path}"]["total"], runs[f"llama.cpp {path}"]["total"]
+    for path in ("prefill", "prefill f32", "decode"):
+        o, l = runs[f"ours {path}"]["total"], runs[f"llama.cpp {LLAMA_PATH[path]}"]["total"]
         slack = KL_SLACK[path]
         assert o["mean_kl"] <= slack * l["mean_kl"], \
             f"{path}: our mean KL {o['mean_kl']} > {slack} x llama.cpp's {l['mean_kl']}"

@@ -164,6 +164,10 @@ pub struct Args {
     /// (`rngd-pd worker --max-num-batched-tokens`); default the worker's.
     #[arg(long)]
     pub max_num_batched_tokens: Option<usize>,
+    /// Kernel of every worker's prefill projections (`rngd-pd worker
+    /// --prefill-projections`); default the worker's (`auto`).
+    #[arg(long)]
+    pub prefill_projections: Option<rngd_engine::cpu::PrefillProjections>,
 }
 
 fn ensure_model(model: Option<&Path>) -> anyhow::Result<PathBuf> {

@@ -8,6 +8,7 @@ use std::io::Write;
 use std::path::PathBuf;
 
 use anyhow::Context;
+use rngd_engine::cpu::PrefillProjections;
 use rngd_engine::logits::LogitsProbe;
 
 /// Flags of `rngd-pd-bench logits`.
@@ -31,6 +32,10 @@ pub struct Args {
     /// Threads of the decode matmuls (default: candle's count).
     #[arg(long)]
     pub threads: Option<usize>,
+    /// Kernel of the prefills' projections: auto, f32 or int8 (as the
+    /// worker's flag of the same name).
+    #[arg(long = "prefill-projections", default_value_t)]
+    pub prefill_projections: PrefillProjections,
     /// Output: a `.npy` file, little-endian f32, shape `[rows, vocab]`.
     #[arg(long)]
     pub out: PathBuf,
@@ -69,7 +74,7 @@ fn npy_header(rows: usize, cols: usize) -> Vec<u8> {
 pub fn run(a: Args) -> anyhow::Result<()> {
     let seqs = sequences(&a.ids)?;
     let path = rngd_engine::model_fetch::resolve(a.model.as_deref())?;
-    let probe = LogitsProbe::load(&path, a.seq_len, a.threads)?;
+    let probe = LogitsProbe::load(&path, a.seq_len, a.threads, a.prefill_projections)?;
     let mut data = Vec::new();
     for ids in &seqs {
         data.extend(match a.prefill_len {

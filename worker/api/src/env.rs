@@ -72,6 +72,9 @@ pub const RNGD_PD_BLOCK_SIZE: &str = "RNGD_PD_BLOCK_SIZE";
 /// and the decode step together (`--max-num-batched-tokens`, vLLM's name);
 /// default 128.
 pub const RNGD_PD_MAX_NUM_BATCHED_TOKENS: &str = "RNGD_PD_MAX_NUM_BATCHED_TOKENS";
+/// Worker: the kernel of prefills' projections (`--prefill-projections`:
+/// `auto`, `f32` or `int8`); default `auto`.
+pub const RNGD_PD_PREFILL_PROJECTIONS: &str = "RNGD_PD_PREFILL_PROJECTIONS";
 /// Worker: bytes the prefix cache may hold (`--prefix-cache-bytes`); default 256 MiB.
 pub const RNGD_PD_PREFIX_CACHE_BYTES: &str = "RNGD_PD_PREFIX_CACHE_BYTES";
 /// Worker: vLLM's `--kv-events-config` JSON (KV-cache events over ZMQ); unset = no events.

@@ -242,6 +242,9 @@ pub(super) fn worker_args(
     if let Some(b) = args.max_num_batched_tokens {
         a.extend(["--max-num-batched-tokens".into(), b.to_string()]);
     }
+    if let Some(p) = args.prefill_projections {
+        a.extend(["--prefill-projections".into(), p.to_string()]);
+    }
     if !args.no_kv_events {
         // Loopback, free ports (the worker prints the bound ones).
         let cfg = serde_json::json!({

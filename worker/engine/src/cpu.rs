@@ -41,6 +41,7 @@ use stream::Stream;
 mod prefill;
 mod reload;
 mod stream;
+pub use crate::dense::PrefillProjections;
 use crate::model::{Model, SeqStep};
 use crate::sampling::sample;
 use crate::tokenizer::Tokenizer;
@@ -63,9 +64,11 @@ pub struct CpuEngineOptions {
     /// process from `CANDLE_NUM_THREADS` / `RAYON_NUM_THREADS` (default: all
     /// cores); a value here that differs is reported in the log.
     pub threads: Option<usize>,
-    /// Keep f32 copies of the weights and use them for prefill matmuls
-    /// (faster prefill, ~4 bytes per parameter more memory); default true.
-    pub dense_prefill: bool,
+    /// The kernel of prefills' projections (`--prefill-projections`):
+    /// default [`PrefillProjections::Auto`], the int8 kernel where its
+    /// blocks hold the file's weights exactly, f32 copies elsewhere
+    /// (measured: `docs/engine.md`, "Kernels").
+    pub prefill_projections: PrefillProjections,
     /// `--chat-template` / `--served-model-name`; default: the file's own.
     pub tokenizer: crate::tokenizer::TokenizerOverrides,
     /// The prefix cache (default: on, blocks of 16, 256 MiB).
@@ -83,7 +86,8 @@ pub struct CpuEngineOptions {
 pub const DEFAULT_MAX_NUM_BATCHED_TOKENS: usize = 128;
 
 impl CpuEngineOptions {
-    /// Defaults for a model file: S = 512, batch 8, dense prefill, the
+    /// Defaults for a model file: S = 512, batch 8, prefill projections
+    /// chosen per tensor, the
     /// prefix cache's defaults, prefills unchunked.
     pub fn new(model_path: impl Into<PathBuf>) -> Self {
         CpuEngineOptions {
@@ -91,7 +95,7 @@ impl CpuEngineOptions {
             seq_len: 512,
             batch: 8,
             threads: None,
-            dense_prefill: true,
+            prefill_projections: PrefillProjections::Auto,
             tokenizer: Default::default(),
             prefix_cache: PrefixCacheOptions::default(),
             max_num_batched_tokens: None,
@@ -186,7 +190,14 @@ impl CpuEngine {
         }
         check_budget(opts.max_num_batched_tokens)?;
         let (mut model, tokenizer) =
-            Model::load_gguf(&opts.model_path, opts.seq_len, opts.dense_prefill)?;
+            Model::load_gguf(&opts.model_path, opts.seq_len, opts.prefill_projections)?;
+        let (f32_projections, projections) = model.f32_prefill_projections();
+        tracing::info!(
+            choice = ?opts.prefill_projections,
+            f32_projections,
+            int8_projections = projections - f32_projections,
+            "prefill projections"
+        );
         let tokenizer = tokenizer.with_overrides(&opts.tokenizer)?;
         let candle_threads = candle_core::utils::get_num_threads();
         if let Some(t) = opts.threads {
@@ -307,6 +318,13 @@ impl CpuEngine {
     /// Decode slots (the `batch` option).
     pub fn batch(&self) -> usize {
         self.batch
+    }
+
+    /// How many of the loaded model's layer projections prefill on the f32
+    /// GEMM, of how many ([`CpuEngineOptions::prefill_projections`] as
+    /// resolved at load; the others take the int8 kernel).
+    pub fn f32_prefill_projections(&self) -> (usize, usize) {
+        self.model.f32_prefill_projections()
     }
 
     /// Queues a prefill (its cache into `sink` when given) and waits for it.

@@ -1,4 +1,4 @@
-//! The f32 projection path of prefills (`dense_prefill`): `y = x · Wᵀ` with
+//! The f32 projection path of prefills ([`PrefillProjections`]): `y = x · Wᵀ` with
 //! the dequantized weights `W` (`[out, inp]`, row-major) read in place by
 //! the `gemm` crate's f32 GEMM, the one candle's `matmul` calls.
 //!
@@ -19,6 +19,75 @@
 use std::sync::Arc;
 
 use crate::EngineError;
+
+/// Which kernel computes a prefill's projections (`--prefill-projections`).
+/// Either way a prompt row's result does not depend on the other rows of
+/// its forward (from 8 rows on for the f32 GEMM), which warm == cold
+/// prefills, chunked == whole prefills and PD == solo rest on; every worker
+/// of a PD pair must take the same choice.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum PrefillProjections {
+    /// Per projection: the int8 kernel where its int8 blocks hold the
+    /// file's weights exactly (Q4_1, Q8_0: activations rounded as llama.cpp
+    /// rounds them, weights untouched), the f32 GEMM where they would round
+    /// the weights too (F16, BF16, F32, K-quants). Decided at load.
+    #[default]
+    Auto,
+    /// The f32 GEMM on dequantized weights (~4 bytes per parameter more
+    /// memory; the lowest error against the model, the slowest prefill).
+    F32,
+    /// The int8 kernel of the decode path for every projection.
+    Int8,
+}
+
+impl PrefillProjections {
+    /// The flag's spellings, as listed in errors.
+    pub const NAMES: &'static str = "auto, f32, int8";
+
+    /// The choice named `name`.
+    pub fn from_name(name: &str) -> Option<PrefillProjections> {
+        match name {
+            "auto" => Some(PrefillProjections::Auto),
+            "f32" => Some(PrefillProjections::F32),
+            "int8" => Some(PrefillProjections::Int8),
+            _ => None,
+        }
+    }
+
+    /// The flag's spelling of this choice.
+    pub fn name(self) -> &'static str {
+        match self {
+            PrefillProjections::Auto => "auto",
+            PrefillProjections::F32 => "f32",
+            PrefillProjections::Int8 => "int8",
+        }
+    }
+
+    /// Whether a projection whose int8 blocks are (or are not) exact keeps
+    /// f32 weights for prefills.
+    pub(crate) fn keeps_f32(self, exact: bool) -> bool {
+        match self {
+            PrefillProjections::Auto => !exact,
+            PrefillProjections::F32 => true,
+            PrefillProjections::Int8 => false,
+        }
+    }
+}
+
+impl std::fmt::Display for PrefillProjections {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl std::str::FromStr for PrefillProjections {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        PrefillProjections::from_name(s)
+            .ok_or_else(|| format!("`{s}` is not one of {}", PrefillProjections::NAMES))
+    }
+}
 
 /// f32 weights `[out, inp]`, row-major, shared between a model and the
 /// models derived from it.

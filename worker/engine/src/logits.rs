@@ -7,9 +7,10 @@
 //! the same [`Model`] code the scheduler runs, with the same choice of kernels:
 //!
 //! - [`LogitsProbe::prefill_logits`]: row `i` is the logits a prefill of the
-//!   prefix `ids[..=i]` samples its first token from (dense f32 projections
-//!   when the prefix is longer than one token, as the scheduler does; the
-//!   output head always through the int8 kernel).
+//!   prefix `ids[..=i]` samples its first token from (the projections on
+//!   the kernels [`PrefillProjections`] chose when the prefix is longer
+//!   than one token, as the scheduler does; the output head always through
+//!   the int8 kernel).
 //! - [`LogitsProbe::decode_logits`]: a prefill of `ids[..k]`, its cache
 //!   exported and imported as a PD split carries it, then `ids[k..]` fed
 //!   one token per decode step (teacher-forced); row `j` is the logits at
@@ -20,6 +21,7 @@ use std::path::Path;
 use rngd_kv_wire::{Dtype, KvLayout};
 
 use crate::EngineError;
+use crate::dense::PrefillProjections;
 use crate::kv::SeqCache;
 use crate::model::{Model, SeqStep};
 
@@ -38,20 +40,21 @@ impl std::fmt::Debug for LogitsProbe {
 }
 
 impl LogitsProbe {
-    /// Loads a GGUF model as [`crate::cpu::CpuEngine::load`] does (dense
-    /// prefill weights kept), with context length `seq_len` and `threads`
-    /// decode-matmul threads (`None` = candle's count).
+    /// Loads a GGUF model as [`crate::cpu::CpuEngine::load`] does, its
+    /// prefills' projections as `prefill` chooses, with context length
+    /// `seq_len` and `threads` decode-matmul threads (`None` = candle's count).
     pub fn load(
         path: &Path,
         seq_len: usize,
         threads: Option<usize>,
+        prefill: PrefillProjections,
     ) -> Result<LogitsProbe, EngineError> {
         if seq_len == 0 {
             return Err(EngineError::InvalidRequest(
                 "seq_len must be at least 1".into(),
             ));
         }
-        let (mut model, _tokenizer) = Model::load_gguf(path, seq_len, true)?;
+        let (mut model, _tokenizer) = Model::load_gguf(path, seq_len, prefill)?;
         if let Some(t) = threads {
             model.set_threads(t)?;
         }

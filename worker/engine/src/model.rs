@@ -27,7 +27,7 @@ mod config;
 mod rope;
 
 use crate::EngineError;
-use crate::dense::DenseWeights;
+use crate::dense::{DenseWeights, PrefillProjections};
 use crate::kv::{SeqCache, from_bf16};
 use crate::qgemm::{Pool, QWeights};
 use crate::tokenizer::Meta;
@@ -39,23 +39,36 @@ use rope::Rope;
 pub(crate) struct Linear {
     /// 8-bit weights for our kernel.
     quant: QWeights,
-    /// f32 weights for multi-row matmuls, when enabled.
+    /// f32 weights for multi-row matmuls, when `prefill` keeps them.
     dense: Option<DenseWeights>,
     inp: usize,
+    /// The choice this projection was built (and is patched) under.
+    prefill: PrefillProjections,
 }
 
 impl Linear {
-    /// Builds from f32 weights `[out, inp]`.
-    fn new(w: &Tensor, keep_dense: bool) -> Result<Linear, EngineError> {
+    /// Builds from f32 weights `[out, inp]`; f32 copies for prefills as
+    /// `prefill` decides from the int8 blocks' exactness.
+    fn new(w: &Tensor, prefill: PrefillProjections) -> Result<Linear, EngineError> {
         let (out, inp) = w.dims2()?;
         let data = w.flatten_all()?.to_vec1::<f32>()?;
         let quant = QWeights::quantize(&data, out, inp)?;
-        let dense = if keep_dense {
+        let dense = if prefill.keeps_f32(quant.is_exact()) {
             Some(DenseWeights::new(data, out, inp)?)
         } else {
             None
         };
-        Ok(Linear { quant, dense, inp })
+        Ok(Linear {
+            quant,
+            dense,
+            inp,
+            prefill,
+        })
+    }
+
+    /// Whether prefills of more than one row take the f32 GEMM here.
+    fn prefills_f32(&self) -> bool {
+        self.dense.is_some()
     }
 
     /// `rows` input rows (row-major in `x`) → output rows `[rows, out]`.
@@ -94,10 +107,29 @@ impl Linear {
                 dense = Some(d.splice(*at, &data)?);
             }
         }
+        let quant = quant.unwrap_or_else(|| self.quant.clone());
+        // What a fresh build from the patched weights keeps: the f32 copy
+        // follows the patched blocks' exactness. A projection without one
+        // was exact, so its int8 blocks give its f32 weights back.
+        let dense = match (self.prefill.keeps_f32(quant.is_exact()), dense) {
+            (false, _) => None,
+            (true, Some(d)) => Some(d),
+            (true, None) => {
+                let mut d = DenseWeights::new(self.quant.dequantize(), self.quant.out(), self.inp)?;
+                for (at, w) in parts {
+                    let (n, inp) = w.dims2()?;
+                    let data = w.flatten_all()?.to_vec1::<f32>()?;
+                    debug_assert_eq!(data.len(), n * inp);
+                    d = d.splice(*at, &data)?;
+                }
+                Some(d)
+            }
+        };
         Ok(Linear {
-            quant: quant.unwrap_or_else(|| self.quant.clone()),
+            quant,
             dense,
             inp: self.inp,
+            prefill: self.prefill,
         })
     }
 }
@@ -185,7 +217,7 @@ impl Model {
         mut cfg: Config,
         mut get: impl FnMut(&str) -> Result<Option<Tensor>, EngineError>,
         max_pos: usize,
-        keep_dense: bool,
+        prefill: PrefillProjections,
     ) -> Result<Model, EngineError> {
         let mut need = |name: &str| -> Result<Tensor, EngineError> {
             get(name)?.ok_or_else(|| EngineError::Other(format!("tensor `{name}` is missing")))
@@ -222,17 +254,17 @@ impl Model {
             let gate_up = Tensor::cat(&[&gate, &up], 0)?;
             layers.push(Layer {
                 attn_norm: vec1(need(&p("attn_norm"))?)?,
-                qkv: Arc::new(Linear::new(&qkv, keep_dense)?),
-                wo: Arc::new(Linear::new(&need(&p("attn_output"))?, keep_dense)?),
+                qkv: Arc::new(Linear::new(&qkv, prefill)?),
+                wo: Arc::new(Linear::new(&need(&p("attn_output"))?, prefill)?),
                 ffn_norm: vec1(need(&p("ffn_norm"))?)?,
-                gate_up: Arc::new(Linear::new(&gate_up, keep_dense)?),
-                down: Arc::new(Linear::new(&need(&p("ffn_down"))?, keep_dense)?),
+                gate_up: Arc::new(Linear::new(&gate_up, prefill)?),
+                down: Arc::new(Linear::new(&need(&p("ffn_down"))?, prefill)?),
             });
         }
         let out_norm = vec1(need("output_norm.weight")?)?;
         let (lm_head, tied_head) = match get("output.weight")? {
-            Some(w) => (Linear::new(&w, false)?, false),
-            None => (Linear::new(&embed_t, false)?, true),
+            Some(w) => (Linear::new(&w, PrefillProjections::Int8)?, false),
+            None => (Linear::new(&embed_t, PrefillProjections::Int8)?, true),
         };
         let embed: Arc<[f32]> = vec1(embed_t)?.into();
         let freq_factors = get("rope_freqs.weight")?.map(vec1).transpose()?;
@@ -407,7 +439,7 @@ impl Model {
     pub(crate) fn load_gguf(
         path: &Path,
         max_pos: usize,
-        keep_dense: bool,
+        prefill: PrefillProjections,
     ) -> Result<(Model, crate::tokenizer::Tokenizer), EngineError> {
         let (content, mut file) = crate::tokenizer::read_gguf_header(path)?;
         let meta = Meta {
@@ -459,7 +491,7 @@ impl Model {
                 Ok(Some(t))
             },
             max_pos,
-            keep_dense,
+            prefill,
         )
         .map_err(|e| match e {
             EngineError::Other(reason) => invalid(reason, None),
@@ -577,6 +609,18 @@ impl Model {
                 .zip(attn.par_chunks_mut(q_width))
                 .for_each_init(AttnBuf::default, task)
         });
+    }
+
+    /// How many of the layers' projections prefill on the f32 GEMM, of how
+    /// many (the rest take the int8 kernel): [`PrefillProjections`] as
+    /// resolved at load.
+    pub(crate) fn f32_prefill_projections(&self) -> (usize, usize) {
+        let all = self
+            .layers
+            .iter()
+            .flat_map(|l| [&l.qkv, &l.wo, &l.gate_up, &l.down]);
+        let total = self.layers.len() * 4;
+        (all.filter(|p| p.prefills_f32()).count(), total)
     }
 
     /// Runs new tokens of each sequence through the model, appending their K/V to the
@@ -1019,6 +1063,55 @@ fn value_block<const H: usize>(
 mod tests {
     use super::*;
     use rngd_kv_wire::{Dtype, KvLayout};
+
+    /// `[out, inp]` weights made of Q4_1 blocks (`q · d + m`): exact int8 blocks.
+    fn q4_1_weights(out: usize, inp: usize) -> Vec<f32> {
+        (0..out * inp)
+            .map(|i| ((i * 7 + i / inp) % 16) as f32 * 0.03125 - 0.25)
+            .collect()
+    }
+
+    /// Auto keeps f32 weights only for inexact blocks; a patch that makes
+    /// an exact projection inexact gets what a fresh build of the patched
+    /// weights has (the f32 copy rebuilt from the int8 blocks), bit for bit,
+    /// and one that makes it exact again drops the copy.
+    #[test]
+    fn prefill_kernels_follow_the_weights_exactness_through_a_patch() {
+        let (out, inp, rows) = (48, 64, 9);
+        let exact = q4_1_weights(out, inp);
+        let t = |w: &[f32], n: usize| Tensor::from_slice(w, (n, inp), &Device::Cpu).unwrap();
+        let auto = PrefillProjections::Auto;
+        let lin = Linear::new(&t(&exact, out), auto).unwrap();
+        assert!(!lin.prefills_f32());
+        assert!(
+            Linear::new(&t(&exact, out), PrefillProjections::F32)
+                .unwrap()
+                .prefills_f32()
+        );
+        let noisy: Vec<f32> = (0..8 * inp)
+            .map(|i| ((i * 37) % 101) as f32 / 97.0 - 0.5)
+            .collect();
+        let patched = lin.patched(&[(16, &t(&noisy, 8))]).unwrap();
+        let mut spliced = exact.clone();
+        spliced[16 * inp..24 * inp].copy_from_slice(&noisy);
+        let fresh = Linear::new(&t(&spliced, out), auto).unwrap();
+        assert!(patched.prefills_f32() && fresh.prefills_f32());
+        let pool = Pool::new(1).unwrap();
+        let x: Vec<f32> = (0..rows * inp)
+            .map(|i| ((i * 13) % 29) as f32 / 29.0 - 0.5)
+            .collect();
+        let a = patched.forward(x.clone(), rows, true, &pool).unwrap();
+        let b = fresh.forward(x.clone(), rows, true, &pool).unwrap();
+        assert!(a.iter().zip(&b).all(|(a, b)| a.to_bits() == b.to_bits()));
+        // Patched back to exact weights: the int8 kernel again, as fresh.
+        let back = patched
+            .patched(&[(16, &t(&exact[16 * inp..24 * inp], 8))])
+            .unwrap();
+        assert!(!back.prefills_f32());
+        let c = back.forward(x.clone(), rows, true, &pool).unwrap();
+        let d = lin.forward(x, rows, true, &pool).unwrap();
+        assert!(c.iter().zip(&d).all(|(a, b)| a.to_bits() == b.to_bits()));
+    }
 
     /// Attention written the plain way: one head at a time, one position or
     /// dimension at a time, the same operation order the blocked kernel

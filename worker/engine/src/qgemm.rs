@@ -154,6 +154,11 @@ pub(crate) struct QWeights {
     panels: Vec<PanelBlock>,
     /// `[panel][block]` offsets; empty when every block has `m = 0`.
     mins: Vec<MinBlock>,
+    /// Per weight row (output column): every block of it gives the f32
+    /// weights it was made from back, bit for bit (the file's Q4_1 or Q8_0
+    /// values). Where all are, the kernel computes with the weights
+    /// themselves and only the activations are rounded.
+    exact: Vec<bool>,
 }
 
 impl std::fmt::Debug for QWeights {
@@ -181,6 +186,7 @@ impl QWeights {
         let mut mins = vec![MinBlock([0.0; PANEL]); panels.len()];
         let mut buf = [0f32; BLOCK];
         let mut q = [0i8; BLOCK];
+        let mut exact = vec![true; n];
         for (col, row) in w.chunks_exact(k).enumerate() {
             let (p, c) = (col / PANEL, col % PANEL);
             for b in 0..blocks {
@@ -188,7 +194,11 @@ impl QWeights {
                 let x = block_of(row, b, &mut buf);
                 (pb.d[c], mins[p * blocks + b].0[c]) = match offset_block(x, &mut q) {
                     Some(dm) => dm,
-                    None => (quantize_block(x, &mut q), 0.0),
+                    None => {
+                        let d = quantize_block(x, &mut q);
+                        exact[col] &= x.iter().zip(&q).all(|(v, q)| f32::from(*q) * d == *v);
+                        (d, 0.0)
+                    }
                 };
                 for (j, four) in q.chunks_exact(4).enumerate() {
                     for (t, v) in four.iter().enumerate() {
@@ -206,7 +216,42 @@ impl QWeights {
             blocks,
             panels,
             mins,
+            exact,
         })
+    }
+
+    /// Output columns (rows of the weights).
+    pub(crate) fn out(&self) -> usize {
+        self.n
+    }
+
+    /// Whether every block holds its f32 weights exactly ([`QWeights::exact`]
+    /// field: Q4_1 and Q8_0 files' values are; F16 or F32 ones mostly not).
+    pub(crate) fn is_exact(&self) -> bool {
+        self.exact.iter().all(|e| *e)
+    }
+
+    /// The f32 weights `[n, k]` these blocks stand for (`q · d + m`, the
+    /// product and sum [`offset_block`] checks): for exact weights, the
+    /// weights they were quantized from, bit for bit.
+    pub(crate) fn dequantize(&self) -> Vec<f32> {
+        let mut w = vec![0f32; self.n * self.k];
+        for (col, row) in w.chunks_exact_mut(self.k).enumerate() {
+            let (p, c) = (col / PANEL, col % PANEL);
+            for (b, part) in row.chunks_mut(BLOCK).enumerate() {
+                let pb = &self.panels[p * self.blocks + b];
+                let m = self.mins.get(p * self.blocks + b).map_or(0.0, |m| m.0[c]);
+                for (i, v) in part.iter_mut().enumerate() {
+                    let q = f32::from(pb.q[i / 4][4 * c + i % 4].wrapping_sub(128) as i8);
+                    *v = if self.mins.is_empty() {
+                        q * pb.d[c]
+                    } else {
+                        q * pb.d[c] + m
+                    };
+                }
+            }
+        }
+        w
     }
 
     /// These weights with rows `at..at + part.n` replaced by `part`'s (same
@@ -220,6 +265,7 @@ impl QWeights {
             )));
         }
         let mut out = self.clone();
+        out.exact[at..at + part.n].copy_from_slice(&part.exact);
         let with_mins = !self.mins.is_empty() || !part.mins.is_empty();
         if with_mins && out.mins.is_empty() {
             out.mins = vec![MinBlock([0.0; PANEL]); out.panels.len()];

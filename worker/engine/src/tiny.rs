@@ -12,7 +12,7 @@ use std::sync::Arc;
 use candle_core::{Device, Tensor};
 
 use crate::EngineError;
-use crate::cpu::CpuEngine;
+use crate::cpu::{CpuEngine, PrefillProjections};
 use crate::model::{Config, Model};
 use crate::prefix::PrefixCacheOptions;
 use crate::sampling::uniform;
@@ -33,6 +33,9 @@ pub struct TinyConfig {
     pub kv_heads: usize,
     /// Seed of the weights.
     pub seed: u64,
+    /// Kernel of the prefills' projections; the default (`Auto`) takes the
+    /// f32 GEMM, the random f32 weights having no exact int8 blocks.
+    pub prefill_projections: PrefillProjections,
 }
 
 impl Default for TinyConfig {
@@ -45,6 +48,7 @@ impl Default for TinyConfig {
             heads: 4,
             kv_heads: 2,
             seed: 7,
+            prefill_projections: PrefillProjections::Auto,
         }
     }
 }
@@ -161,7 +165,7 @@ pub(crate) fn model(cfg: &TinyConfig, seq_len: usize) -> Result<Model, EngineErr
             Ok(Some(t))
         },
         seq_len,
-        true,
+        cfg.prefill_projections,
     )?;
     model.weight_version = digest.finish();
     Ok(model)

@@ -10,7 +10,7 @@ mod common;
 use std::sync::{Arc, Mutex};
 
 use common::{byte_prompt, logprob_params, no_prefix_cache, same_prefill};
-use rngd_engine::cpu::{CpuEngine, CpuEngineOptions, MIN_ROWS};
+use rngd_engine::cpu::{CpuEngine, CpuEngineOptions, MIN_ROWS, PrefillProjections};
 use rngd_engine::prefix::PrefixCacheOptions;
 use rngd_engine::tiny::{self, TinyConfig};
 use rngd_engine::{Engine, GenEvent, IterationObserver, SamplingParams};
@@ -18,15 +18,37 @@ use rngd_engine::{Engine, GenEvent, IterationObserver, SamplingParams};
 const S: usize = 512;
 
 fn tiny(budget: Option<usize>, prefix: PrefixCacheOptions) -> Arc<CpuEngine> {
-    tiny::engine_with_budget(&TinyConfig::default(), S, 4, &prefix, budget).unwrap()
+    tiny_on(budget, prefix, PrefillProjections::Auto)
 }
+
+/// The tiny model with its prefills' projections on `kernels` (`Auto`: the
+/// f32 GEMM, its random weights having no exact int8 blocks).
+fn tiny_on(
+    budget: Option<usize>,
+    prefix: PrefixCacheOptions,
+    kernels: PrefillProjections,
+) -> Arc<CpuEngine> {
+    let cfg = TinyConfig {
+        prefill_projections: kernels,
+        ..TinyConfig::default()
+    };
+    tiny::engine_with_budget(&cfg, S, 4, &prefix, budget).unwrap()
+}
+
+const KERNELS: [PrefillProjections; 2] = [PrefillProjections::Auto, PrefillProjections::Int8];
 
 #[tokio::test]
 async fn a_chunked_prefill_equals_an_unchunked_one_bit_for_bit() {
-    let whole = tiny(None, no_prefix_cache());
+    for kernels in KERNELS {
+        chunked_equals_unchunked(kernels).await;
+    }
+}
+
+async fn chunked_equals_unchunked(kernels: PrefillProjections) {
+    let whole = tiny_on(None, no_prefix_cache(), kernels);
     let p = logprob_params(1);
     for budget in [MIN_ROWS, 16, 37, 128] {
-        let chunked = tiny(Some(budget), no_prefix_cache());
+        let chunked = tiny_on(Some(budget), no_prefix_cache(), kernels);
         for n in [
             1,
             MIN_ROWS - 1,
@@ -40,15 +62,21 @@ async fn a_chunked_prefill_equals_an_unchunked_one_bit_for_bit() {
             let ids = byte_prompt(n, n as u32);
             let a = chunked.prefill(&ids, &p).await.unwrap();
             let b = whole.prefill(&ids, &p).await.unwrap();
-            same_prefill(&a, &b, &format!("budget {budget}, {n} tokens"));
+            same_prefill(&a, &b, &format!("{kernels}, budget {budget}, {n} tokens"));
         }
     }
 }
 
 #[tokio::test]
 async fn whole_generations_match_and_a_prefix_hit_is_chunked_alike() {
-    let whole = tiny(None, no_prefix_cache());
-    let chunked = tiny(Some(24), PrefixCacheOptions::default());
+    for kernels in KERNELS {
+        generations_match(kernels).await;
+    }
+}
+
+async fn generations_match(kernels: PrefillProjections) {
+    let whole = tiny_on(None, no_prefix_cache(), kernels);
+    let chunked = tiny_on(Some(24), PrefixCacheOptions::default(), kernels);
     let p = logprob_params(24);
     let base = byte_prompt(200, 3);
     let want = common::solo(&*whole, &base, &p).await.unwrap();

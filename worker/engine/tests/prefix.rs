@@ -10,6 +10,7 @@ use std::sync::{Arc, Mutex};
 use common::{
     byte_prompt, collect, logprob_params, no_prefix_cache, same_prefill, solo, through_the_wire,
 };
+use rngd_engine::cpu::PrefillProjections;
 use rngd_engine::prefix::{PrefixCacheOptions, PrefixEvent, PrefixEventSink, block_bytes};
 use rngd_engine::tiny::{self, TinyConfig};
 use rngd_engine::{Engine, Prefilled, SamplingParams};
@@ -18,13 +19,41 @@ const S: usize = 256;
 const B: usize = 16;
 
 fn engine(prefix: PrefixCacheOptions) -> Arc<rngd_engine::cpu::CpuEngine> {
-    tiny::engine_with_prefix(&TinyConfig::default(), S, 4, &prefix).unwrap()
+    engine_on(prefix, PrefillProjections::Auto)
+}
+
+/// The tiny model with its prefills' projections on `kernels` (`Auto` is
+/// the f32 GEMM there: its random f32 weights have no exact int8 blocks).
+fn engine_on(
+    prefix: PrefixCacheOptions,
+    kernels: PrefillProjections,
+) -> Arc<rngd_engine::cpu::CpuEngine> {
+    let cfg = TinyConfig {
+        prefill_projections: kernels,
+        ..TinyConfig::default()
+    };
+    tiny::engine_with_prefix(&cfg, S, 4, &prefix).unwrap()
 }
 
 #[tokio::test]
 async fn a_warm_prefill_equals_a_cold_one_bit_for_bit() {
-    let cold = engine(no_prefix_cache());
-    let warm = engine(PrefixCacheOptions::default());
+    for kernels in [PrefillProjections::Auto, PrefillProjections::Int8] {
+        let cold = engine_on(no_prefix_cache(), kernels);
+        let warm = engine_on(PrefixCacheOptions::default(), kernels);
+        let want = match kernels {
+            PrefillProjections::Int8 => 0,
+            _ => 8,
+        };
+        assert_eq!(warm.f32_prefill_projections(), (want, 8), "{kernels}");
+        warm_equals_cold(&cold, &warm, &format!("{kernels}")).await;
+    }
+}
+
+async fn warm_equals_cold(
+    cold: &rngd_engine::cpu::CpuEngine,
+    warm: &rngd_engine::cpu::CpuEngine,
+    kernels: &str,
+) {
     let p = logprob_params(1);
     let base = byte_prompt(150, 1);
     let first = warm.prefill(&base, &p).await.unwrap();
@@ -61,16 +90,17 @@ async fn a_warm_prefill_equals_a_cold_one_bit_for_bit() {
     // One token: nothing to reuse.
     cases.push(("one token", base[..1].to_vec(), 0));
     for (what, ids, expect) in cases {
+        let what = format!("{kernels}: {what}");
         let c = cold.prefill(&ids, &p).await.unwrap();
         let w = warm.prefill(&ids, &p).await.unwrap();
         assert_eq!(c.cached_tokens, 0, "{what}");
         assert_eq!(w.cached_tokens, expect, "{what}");
-        same_prefill(&w, &c, what);
+        same_prefill(&w, &c, &what);
         // And the generation from it.
         let g = logprob_params(24);
         let (cs, ws) = (
-            solo(&*cold, &ids, &g).await.unwrap(),
-            solo(&*warm, &ids, &g).await.unwrap(),
+            solo(cold, &ids, &g).await.unwrap(),
+            solo(warm, &ids, &g).await.unwrap(),
         );
         assert_eq!(ws.ids, cs.ids, "{what}: tokens");
     }
@@ -239,17 +269,33 @@ async fn a_pd_split_from_a_warm_prefill_gives_the_solo_tokens() {
 }
 
 /// The real model (SmolLM2-135M): a warm prefill equals a cold one bit for
-/// bit for a shared prefix of several lengths.
+/// bit for a shared prefix of several lengths, on either prefill kernel
+/// (`Auto` takes the int8 one there: every projection is Q4_1).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn real_model_warm_equals_cold() {
+    for (kernels, f32_projections) in [
+        (PrefillProjections::Auto, 0),
+        (PrefillProjections::F32, 120),
+    ] {
+        real_model_warm_equals_cold_on(kernels, f32_projections).await;
+    }
+}
+
+async fn real_model_warm_equals_cold_on(kernels: PrefillProjections, f32_projections: usize) {
     use rngd_engine::cpu::{CpuEngine, CpuEngineOptions};
     let load = |prefix: PrefixCacheOptions| {
         let mut o = CpuEngineOptions::new(common::real_model());
         o.batch = 1;
         o.prefix_cache = prefix;
+        o.prefill_projections = kernels;
         CpuEngine::load(o).expect("loading the real model")
     };
     let (cold, warm) = (load(no_prefix_cache()), load(PrefixCacheOptions::default()));
+    assert_eq!(
+        warm.f32_prefill_projections(),
+        (f32_projections, 120),
+        "{kernels}"
+    );
     let para = "Rust is a systems programming language focused on safety, speed and concurrency. \
         It achieves memory safety without a garbage collector. ";
     let base = warm.tokenize(&para.repeat(6)).unwrap();
@@ -262,7 +308,7 @@ async fn real_model_warm_equals_cold() {
         let c = cold.prefill(&ids, &p).await.unwrap();
         let w = warm.prefill(&ids, &p).await.unwrap();
         assert!(w.cached_tokens >= B, "cut {cut}: {}", w.cached_tokens);
-        same_prefill(&w, &c, &format!("real model, cut {cut}"));
+        same_prefill(&w, &c, &format!("real model, {kernels}, cut {cut}"));
     }
 }
 

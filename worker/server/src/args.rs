@@ -111,6 +111,9 @@ pub struct WorkerOptions {
     /// `None`: each prefill runs whole. See `docs/engine.md`, "Chunked
     /// prefill".
     pub max_num_batched_tokens: Option<usize>,
+    /// The kernel of prefills' projections (`--prefill-projections`;
+    /// default `auto`). See `docs/engine.md`, "Kernels".
+    pub prefill_projections: rngd_engine::cpu::PrefillProjections,
     /// KV-cache events as vLLM publishes them (`--kv-events-config`, vLLM's
     /// JSON); none: no publisher. See `docs/engine.md`, "KV events".
     pub kv_events: Option<rngd_kv_events::KvEventsConfig>,
@@ -149,6 +152,7 @@ impl Default for WorkerOptions {
             edge: rngd_http_edge::Options::default(),
             prefix_cache: rngd_engine::prefix::PrefixCacheOptions::default(),
             max_num_batched_tokens: None,
+            prefill_projections: rngd_engine::cpu::PrefillProjections::Auto,
             kv_events: None,
             admin: crate::admin::AdminListen::default(),
             api_key: None,

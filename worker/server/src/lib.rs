@@ -467,6 +467,7 @@ fn engine_options(args: &WorkerOptions, path: PathBuf) -> rngd_engine::cpu::CpuE
     };
     opts.prefix_cache = args.prefix_cache.clone();
     opts.max_num_batched_tokens = args.max_num_batched_tokens;
+    opts.prefill_projections = args.prefill_projections;
     opts
 }
 

@@ -366,6 +366,16 @@ fn splicing_quantized_rows_equals_quantizing_the_spliced_rows() {
         assert!(patched == fresh, "n {n} at {at} m {m}");
         assert_eq!(patched.mins.is_empty(), fresh.mins.is_empty());
     }
+    // (`patched == fresh` compares the rows' exactness too.) Inexact rows
+    // replaced by exact ones: the whole is exact again.
+    let k = 96;
+    let mut old = q4_1_values(48 * k, 5);
+    old[20 * k + 3] += 1e-4;
+    let old = QWeights::quantize(&old, 48, k).unwrap();
+    assert!(!old.is_exact());
+    let part = QWeights::quantize(&q4_1_values(16 * k, 6), 16, k).unwrap();
+    assert!(old.splice(16, &part).unwrap().is_exact());
+    assert!(!old.splice(24, &part).unwrap().is_exact());
     let w = QWeights::quantize(&random(4 * k, 1), 4, k).unwrap();
     assert!(
         w.splice(3, &QWeights::quantize(&random(2 * k, 1), 2, k).unwrap())
@@ -375,6 +385,47 @@ fn splicing_quantized_rows_equals_quantizing_the_spliced_rows() {
         w.splice(0, &QWeights::quantize(&random(32, 1), 1, 32).unwrap())
             .is_err()
     );
+}
+
+/// Exactness: Q4_1 blocks and Q8_0 blocks (`q · d`, `d` f16-like, as a
+/// GGUF Q8_0 file dequantizes) are exact and dequantize to the very f32
+/// weights; one value off their grid, or random f32 weights, are not.
+#[test]
+fn exact_weights_dequantize_to_themselves() {
+    let (n, k) = (19, 96);
+    let q4 = q4_1_values(n * k, 21);
+    let w = QWeights::quantize(&q4, n, k).unwrap();
+    assert!(w.is_exact());
+    assert_eq!(w.dequantize(), q4);
+    let f16ish = |v: f32| f32::from_bits(v.to_bits() & !0x1FFF);
+    let r = random(n * k + n * k / BLOCK, 22);
+    let q8: Vec<f32> = (0..n * k)
+        .map(|i| {
+            let d = f16ish(0.001 + 0.002 * r[n * k + i / BLOCK].abs());
+            // Each block reaches ±127 somewhere, as the Q8_0 rule makes it.
+            let q = if i % BLOCK == 5 {
+                127.0
+            } else {
+                (r[i] * 127.0).round()
+            };
+            q * d
+        })
+        .collect();
+    let w = QWeights::quantize(&q8, n, k).unwrap();
+    assert!(w.is_exact());
+    assert_eq!(w.dequantize(), q8);
+    let mut off = q4.clone();
+    off[7 * k + 50] += 1e-4;
+    assert!(!QWeights::quantize(&off, n, k).unwrap().is_exact());
+    assert!(
+        !QWeights::quantize(&random(n * k, 23), n, k)
+            .unwrap()
+            .is_exact()
+    );
+    // A width that is not a multiple of the block: the padding is exact.
+    let q4 = q4_1_values(5 * 40, 24);
+    let w = QWeights::quantize(&q4, 5, 40).unwrap();
+    assert_eq!(w.is_exact(), w.dequantize() == q4);
 }
 
 #[test]
