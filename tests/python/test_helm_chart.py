@@ -674,6 +674,17 @@ def test_workers_chunk_prefills_under_the_budget_from_values():
         assert "--max-num-batched-tokens=256" in args, args
 
 
+def test_every_worker_prefills_on_the_kernel_from_values():
+    """One `--prefill-projections` for every worker (a PD pair must prefill
+    alike), `auto` by default; the binary accepts the rendered args
+    (`test_container_flags_exist_in_the_binary`)."""
+    default = render()
+    f32 = render({"prefillProjections": "f32"})
+    for role in ("prefill", "decode"):
+        assert "--prefill-projections=auto" in container(default, f"demo-{role}")["args"]
+        assert "--prefill-projections=f32" in container(f32, f"demo-{role}")["args"]
+
+
 # === every value is read ===
 
 # Values that only matter once another value turns their part on: the test

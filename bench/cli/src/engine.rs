@@ -29,6 +29,10 @@ pub struct Args {
     /// Compiled context length S.
     #[arg(long = "seq-len", default_value_t = 512)]
     pub seq_len: usize,
+    /// Kernel of the prefills' projections: auto, f32 or int8 (as the
+    /// worker's flag of the same name).
+    #[arg(long = "prefill-projections", default_value_t)]
+    pub prefill_projections: rngd_engine::cpu::PrefillProjections,
     /// Print a last line with the report as one JSON object.
     #[arg(long)]
     pub json: bool,
@@ -45,6 +49,7 @@ impl From<Args> for rngd_bench_engine::Options {
             batch: a.batch,
             threads: a.threads,
             seq_len: a.seq_len,
+            prefill_projections: a.prefill_projections,
             json: a.json,
         }
     }

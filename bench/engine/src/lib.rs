@@ -5,7 +5,10 @@
 //! decode of `--decode-tokens` tokens from that cache (time per token after
 //! the first). Then the aggregate decode throughput of `--batch` streams
 //! stepped together against one stream alone, on the same engine and cache.
-//! Figures are medians over runs. Prompts are token ids: `--prompt-ids FILE`
+//! Figures are medians over runs; the prefix cache is off, so every run's
+//! prefill is cold (a run after the first would otherwise reuse the
+//! prompt's blocks). The prefills' projections take `--prefill-projections`
+//! (default the worker's, `auto`). Prompts are token ids: `--prompt-ids FILE`
 //! (a JSON array of arrays, as `bench/engine_vs_llamacpp` writes it so that
 //! llama.cpp gets exactly the same tokens), or built from a fixed English
 //! text cut to `--prompt-tokens` lengths.
@@ -19,7 +22,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
 
-use rngd_engine::cpu::{CpuEngine, CpuEngineOptions};
+use rngd_engine::cpu::{CpuEngine, CpuEngineOptions, PrefillProjections};
 use rngd_engine::{Engine, EngineError, GenEvent, Prefilled, SamplingParams};
 use serde::Serialize;
 
@@ -43,6 +46,8 @@ pub struct Options {
     pub threads: Option<usize>,
     /// Compiled context length S. Default 512.
     pub seq_len: usize,
+    /// Kernel of the prefills' projections. Default `Auto` (the worker's).
+    pub prefill_projections: PrefillProjections,
     /// Print a last line with the report as one JSON object. Default off.
     pub json: bool,
 }
@@ -58,6 +63,7 @@ impl Default for Options {
             batch: 8,
             threads: None,
             seq_len: 512,
+            prefill_projections: PrefillProjections::Auto,
             json: false,
         }
     }
@@ -208,6 +214,8 @@ pub async fn run(args: Options) -> Result<Report, Error> {
     opts.batch = args.batch;
     opts.seq_len = args.seq_len;
     opts.threads = args.threads;
+    opts.prefill_projections = args.prefill_projections;
+    opts.prefix_cache.enabled = false;
     let engine: Arc<CpuEngine> = tokio::task::spawn_blocking(move || CpuEngine::load(opts))
         .await
         .map_err(|e| Error::Stream(e.to_string()))??;
