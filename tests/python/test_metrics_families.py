@@ -7,7 +7,12 @@ workers:
   too), each with vLLM's `model_name` label;
 - after requests, the request families hold what happened: one sample per
   request in the phase histograms, a gap per token pair, the token counts,
-  and `finished_reason="abort"` for a stream its client dropped.
+  and `finished_reason="abort"` for a stream its client dropped;
+- the KPI inputs (issue 27): `rngd_pd_worker_device_info` names the worker's
+  role, backend and the host CPU's vendor as `/proc/cpuinfo` gives it, and
+  `rngd_pd_worker_model_flops_per_token` is 2 × the weights of the model's
+  projections and output head, counted here from the GGUF with the `gguf`
+  package.
 """
 
 import subprocess
@@ -16,7 +21,7 @@ import time
 import openai
 import requests
 
-from conftest import SERVED_MODEL, start_worker
+from conftest import SERVED_MODEL, model_path, start_worker
 
 # The families and their Prometheus types, as vLLM exports them.
 VLLM = {
@@ -93,12 +98,36 @@ def assert_every_family(text):
     assert value(text, "process_resident_memory_bytes") > 10e6
 
 
+def cpu_vendor():
+    """The host CPU's vendor, read from /proc/cpuinfo here."""
+    with open("/proc/cpuinfo") as f:
+        ids = [l.split(":", 1)[1].strip() for l in f if l.split(":", 1)[0].strip() == "vendor_id"]
+    return {"GenuineIntel": "intel", "AuthenticAMD": "amd"}.get(ids[0], ids[0].lower()) if ids else "unknown"
+
+
+def matmul_weights(path):
+    """Weights a token is multiplied by: every layer's projections and the
+    output head (the token embedding when the file ties it), from the GGUF."""
+    from gguf import GGUFReader
+
+    sizes = {t.name: int(t.n_elements) for t in GGUFReader(path).tensors}
+    kinds = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+    layers = sum(n for name, n in sizes.items() if name.startswith("blk.") and name.split(".")[2] in kinds)
+    return layers + sizes.get("output.weight", sizes["token_embd.weight"])
+
+
 def test_every_role_exports_every_family_from_the_start():
+    flops = 2 * matmul_weights(model_path())
+    # SmolLM2-135M: ~134.5 M such weights (tied head included).
+    assert 2.5e8 < flops < 2.8e8, flops
     for role in ("prefill", "decode", "solo"):
         p, addr = start_worker(role)
         try:
             text = page(addr)
             assert_every_family(text)
+            device = f'backend="cpu",device="cpu",role="{role}",vendor="{cpu_vendor()}"'
+            assert value(text, f"rngd_pd_worker_device_info{{{device}}}") == 1, role
+            assert value(text, f"rngd_pd_worker_model_flops_per_token{{{MODEL}}}") == flops, role
             # Nothing served yet: every request family is at zero.
             assert value(text, f"vllm:request_prompt_tokens_count{{{MODEL}}}") == 0, role
             assert value(text, f'vllm:request_success_total{{finished_reason="length",{MODEL}}}') == 0

@@ -143,6 +143,11 @@ pub struct CompareArgs {
     /// JSON line gets a `systems` array.
     #[arg(long, value_delimiter = ',')]
     pub policies: Vec<String>,
+    /// Settings of the default policy (a JSON object, e.g.
+    /// '{"queue_ms_per_request":0}') added to each --policies run's
+    /// configuration, the same for every routing strategy.
+    #[arg(long, value_name = "JSON")]
+    pub policy_settings: Option<String>,
     /// Decode workers of each `rngd-pd up` of --policies.
     #[arg(long, default_value_t = 2)]
     pub decode_workers: u32,
@@ -200,6 +205,7 @@ impl From<Args> for rngd_bench_replay::Options {
             worker_args: a.worker_args,
             up_timeout_s: a.up_timeout_s,
             policies: c.policies,
+            policy_settings: c.policy_settings,
             decode_workers: c.decode_workers,
             prefill_workers: c.prefill_workers,
             llama_server: c.llama_server,

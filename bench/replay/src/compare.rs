@@ -61,14 +61,24 @@ pub fn kv_transport(up_args: &[String]) -> String {
 }
 
 /// The policy configuration of the run with routing `p`: what `rngd-pd up`
-/// writes when given none (its transport for both node cases), plus `routing`.
-pub fn policy_config(p: &str, transport: &str) -> String {
-    serde_json::json!({
-        "same_node_transport": transport,
-        "cross_node_transport": transport,
-        "routing": p,
-    })
-    .to_string()
+/// writes when given none (its transport for both node cases), the
+/// `settings` (a JSON object, `--policy-settings`; they may set the
+/// transports), plus `routing`.
+pub fn policy_config(p: &str, transport: &str, settings: Option<&str>) -> Result<String, Error> {
+    let mut cfg = serde_json::Map::new();
+    cfg.insert("same_node_transport".into(), transport.into());
+    cfg.insert("cross_node_transport".into(), transport.into());
+    if let Some(raw) = settings {
+        let bad = |why: String| Error::Options(format!("--policy-settings: {why}"));
+        let extra: serde_json::Map<String, serde_json::Value> =
+            serde_json::from_str(raw).map_err(|e| bad(format!("not a JSON object: {e}")))?;
+        if extra.contains_key("routing") {
+            return Err(bad("`routing` is set by --policies".into()));
+        }
+        cfg.extend(extra);
+    }
+    cfg.insert("routing".into(), p.into());
+    Ok(serde_json::Value::Object(cfg).to_string())
 }
 
 /// One system's figures (the issue's columns) and its full report.
@@ -258,8 +268,11 @@ pub async fn launch(opts: Options) -> Result<CompareReport, Error> {
     let mut systems = Vec::new();
     for p in &policies {
         let cfg = scratch.join(format!("policy-{p}.json"));
-        std::fs::write(&cfg, policy_config(p, &transport))
-            .map_err(|e| Error::Options(format!("writing {}: {e}", cfg.display())))?;
+        std::fs::write(
+            &cfg,
+            policy_config(p, &transport, opts.policy_settings.as_deref())?,
+        )
+        .map_err(|e| Error::Options(format!("writing {}: {e}", cfg.display())))?;
         let mut args = opts.up_args.clone();
         args.extend([
             "--decode-workers".into(),
@@ -375,11 +388,33 @@ mod tests {
             kv_transport(&strings(&["--kv-transport=nixl-ucx"])),
             "nixl-ucx"
         );
-        let c: serde_json::Value = serde_json::from_str(&policy_config("load", "tcp")).unwrap();
+        let c: serde_json::Value =
+            serde_json::from_str(&policy_config("load", "tcp", None).unwrap()).unwrap();
         assert_eq!(
             c,
             serde_json::json!({"same_node_transport":"tcp","cross_node_transport":"tcp","routing":"load"})
         );
+    }
+
+    #[test]
+    fn policy_settings_join_every_routing_s_configuration() {
+        let c: serde_json::Value = serde_json::from_str(
+            &policy_config("cache", "shm", Some(r#"{"queue_ms_per_request":0}"#)).unwrap(),
+        )
+        .unwrap();
+        assert_eq!(
+            c,
+            serde_json::json!({"same_node_transport":"shm","cross_node_transport":"shm",
+                "queue_ms_per_request":0,"routing":"cache"})
+        );
+        let err = policy_config("load", "shm", Some(r#"{"routing":"cache"}"#))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("`routing` is set by --policies"), "{err}");
+        let err = policy_config("load", "shm", Some("[1]"))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("not a JSON object"), "{err}");
     }
 
     fn system(name: &str, share: Option<f64>, ttft: f64, tpot90: f64, goodput: f64) -> System {
@@ -425,6 +460,17 @@ mod tests {
             rss_mb_end: Default::default(),
             leaked_kv: None,
             prefix: None,
+            kpis: crate::kpi::Kpis::compute(
+                crate::kpi::Counts {
+                    prompt_tokens: 0,
+                    cached_tokens: 0,
+                    output_tokens: 0,
+                    wall_s: 0.0,
+                },
+                &[],
+                crate::kpi::Peak::from_cpuinfo("", 1),
+                (Err(String::new()), Err(String::new())),
+            ),
             wall_s: 0.0,
             settings: crate::Settings {
                 trace: String::new(),

@@ -131,16 +131,19 @@ pub fn metrics_url(url: &str) -> String {
 }
 
 async fn scrape(client: &reqwest::Client, url: &str) -> Option<WorkerKv> {
-    let r = client
-        .get(url)
-        .timeout(Duration::from_secs(5))
-        .send()
-        .await
-        .ok()?;
+    Some(parse_worker(
+        &fetch_text(client, url, Duration::from_secs(5)).await?,
+    ))
+}
+
+/// The body of a successful GET of `url` within `timeout` (`None` on any
+/// failure: a scrape that fails is a figure left out, not an error).
+pub async fn fetch_text(client: &reqwest::Client, url: &str, timeout: Duration) -> Option<String> {
+    let r = client.get(url).timeout(timeout).send().await.ok()?;
     if !r.status().is_success() {
         return None;
     }
-    Some(parse_worker(&r.text().await.ok()?))
+    r.text().await.ok()
 }
 
 /// What a shm root holds: request files, their bytes, arenas and the

@@ -36,6 +36,7 @@
 
 pub mod client;
 pub mod compare;
+pub mod kpi;
 pub mod kv;
 pub mod llama;
 pub mod metrics;
@@ -194,6 +195,11 @@ pub struct Options {
     /// ([`compare::POLICIES`]): `rngd-pd up` is started once for each and
     /// replayed against ([`compare`]). Default none: a single run.
     pub policies: Vec<String>,
+    /// Settings of the default policy (a JSON object, e.g.
+    /// `{"queue_ms_per_request":0}`) added to the configuration of every
+    /// routing strategy of `policies`; `routing` is refused (`policies`
+    /// sets it). Default none.
+    pub policy_settings: Option<String>,
     /// `rngd-pd up --decode-workers` of a comparison run. Default 2.
     pub decode_workers: u32,
     /// `rngd-pd up --prefill-workers` of a comparison run. Default 1.
@@ -252,6 +258,7 @@ impl Default for Options {
             worker_args: Vec::new(),
             up_timeout_s: 900.0,
             policies: Vec::new(),
+            policy_settings: None,
             decode_workers: 2,
             prefill_workers: 1,
             llama_server: None,
@@ -424,6 +431,9 @@ pub struct Report {
     /// Mooncake traces only: prefix reuse (left out for the Azure trace).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub prefix: Option<PrefixReplay>,
+    /// The original system's KPIs: MFU with its peak's derivation, tokens
+    /// per joule (or why not), devices by role and vendor ([`kpi`]).
+    pub kpis: kpi::Kpis,
     /// First arrival to the last request's end, seconds.
     pub wall_s: f64,
     /// The settings used.
@@ -731,6 +741,7 @@ async fn replay(
     let mut tasks = tokio::task::JoinSet::new();
     let (mut dropped, mut prompt_sent, mut max_sent) = (0u64, 0u64, 0u64);
     let mut sent: Vec<&Planned> = Vec::with_capacity(planned.len());
+    let energy_start = kpi::Energy::read(Path::new(kpi::POWERCAP));
     let start = tokio::time::Instant::now();
     let wall_start = Instant::now();
     for a in planned {
@@ -764,6 +775,7 @@ async fn replay(
         outcomes.push(o);
     }
     let wall = wall_start.elapsed();
+    let energy_end = kpi::Energy::read(Path::new(kpi::POWERCAP));
 
     let leaked_kv = if kv_metrics.is_empty() && shm_root.is_none() {
         None
@@ -833,6 +845,17 @@ async fn replay(
     } else {
         None
     };
+    let kpis = kpi::Kpis::compute(
+        kpi::Counts {
+            prompt_tokens: s.prompt_tokens_usage,
+            cached_tokens: s.cached_tokens_usage,
+            output_tokens: s.output_tokens,
+            wall_s: wall.as_secs_f64(),
+        },
+        &kpi::scrape_texts(&client, &kv_metrics).await,
+        kpi::Peak::detect(),
+        (energy_start, energy_end),
+    );
     Ok(Report {
         requests: s.requests,
         scheduled: s.requests + dropped,
@@ -866,6 +889,7 @@ async fn replay(
         rss_mb_end,
         leaked_kv,
         prefix,
+        kpis,
         wall_s: wall.as_secs_f64(),
         settings: Settings {
             trace: std::fs::canonicalize(&opts.trace)

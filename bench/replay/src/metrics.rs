@@ -83,14 +83,6 @@ pub fn label(text: &str, metric: &str, key: &str) -> Option<String> {
 
 /// The worker's figures from `{url}/metrics` (`None` if it cannot be read).
 pub async fn scrape(client: &reqwest::Client, url: &str) -> Option<PrefixMetrics> {
-    let r = client
-        .get(metrics_url(url))
-        .timeout(Duration::from_secs(10))
-        .send()
-        .await
-        .ok()?;
-    if !r.status().is_success() {
-        return None;
-    }
-    Some(PrefixMetrics::parse(&r.text().await.ok()?))
+    let text = crate::kv::fetch_text(client, &metrics_url(url), Duration::from_secs(10)).await?;
+    Some(PrefixMetrics::parse(&text))
 }

@@ -361,7 +361,9 @@ async fn completions(State(f): State<Arc<Fake>>, body: axum::body::Bytes) -> Res
 const METRICS: &str = "vllm:kv_cache_usage_perc{model_name=\"m\"} 0\n\
     vllm:num_requests_running{model_name=\"m\"} 0\n\
     vllm:num_requests_waiting{model_name=\"m\"} 0\n\
-    rngd_pd_worker_in_flight 0\n";
+    rngd_pd_worker_in_flight 0\n\
+    rngd_pd_worker_device_info{backend=\"cpu\",device=\"cpu\",role=\"decode\",vendor=\"amd\"} 1\n\
+    rngd_pd_worker_model_flops_per_token{model_name=\"m\"} 1000\n";
 
 async fn serve(fake: Arc<Fake>) -> String {
     let app = Router::new()
@@ -550,6 +552,31 @@ async fn a_run_against_a_fake_server_counts_exactly() {
     }
     assert_eq!(v["http_429"], 2);
     assert_eq!(v["leaked_kv"]["shm_files"], 2);
+
+    // The KPIs: both metrics targets are this fake, so it counts twice as a
+    // decode device; 35 prompt tokens (none cached) and 21 output tokens.
+    let k = &r.kpis;
+    assert_eq!(k.tokens_computed, 56);
+    assert_eq!(k.model_flops_per_token, Some(1000.0));
+    assert_eq!(k.devices["decode"]["amd"], 2);
+    assert!(k.peak.cores >= 1);
+    match (k.peak.flops, k.mfu) {
+        (Some(p), Some(m)) => assert!((m - 1000.0 * k.tokens_computed_per_s / p).abs() < 1e-12),
+        (None, m) => assert_eq!(m, None, "no peak, no MFU"),
+        (Some(_), None) => panic!("a peak and FLOPs per token but no MFU"),
+    }
+    // Energy: a figure, or the reason there is none (this VM has no RAPL).
+    assert!(k.energy_j.is_some() != k.energy_absent.is_some(), "{k:?}");
+    for key in [
+        "mfu",
+        "peak",
+        "tokens_per_joule",
+        "devices",
+        "model_flops_per_token",
+    ] {
+        assert!(v["kpis"].get(key).is_some(), "missing kpis.{key} in {v}");
+    }
+    assert!(v["kpis"]["peak"].get("clock_source").is_some());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -588,6 +615,14 @@ async fn arrivals_beyond_the_in_flight_bound_are_dropped_and_deadlines_count() {
     );
     assert!(r.leaked_kv.is_none(), "no metrics URL and no shm root");
     assert_eq!(r.slo_share, None);
+    // No worker metrics: the device count says why it is empty.
+    assert!(r.kpis.devices.is_empty());
+    assert!(
+        r.kpis
+            .devices_absent
+            .as_deref()
+            .is_some_and(|w| w.contains("no worker metrics"))
+    );
 }
 
 #[tokio::test]

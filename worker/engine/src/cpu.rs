@@ -388,6 +388,10 @@ impl Engine for CpuEngine {
         Some(self.batch)
     }
 
+    fn model_flops_per_token(&self) -> Option<u64> {
+        Some(2 * self.model.matmul_weights())
+    }
+
     fn variant(&self, seq_len: usize, max_batch: usize) -> Result<Arc<dyn Engine>, EngineError> {
         let engine: Arc<dyn Engine> = self.variant_of(seq_len, max_batch)?;
         Ok(engine)

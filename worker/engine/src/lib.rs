@@ -375,6 +375,13 @@ pub trait Engine: Send + Sync + 'static {
     fn max_batch(&self) -> Option<usize> {
         None
     }
+    /// Model FLOPs per token: 2 × the weights each token is multiplied by
+    /// (every layer's projections and the output head; attention, which
+    /// grows with the context, left out, as MFU figures usually count), when
+    /// the backend knows them.
+    fn model_flops_per_token(&self) -> Option<u64> {
+        None
+    }
     /// A new engine on the same weights (none re-read, shared in memory)
     /// compiled for another variant: context length `seq_len` and
     /// `max_batch` decode streams. Its tokens are those of an engine started

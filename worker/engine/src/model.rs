@@ -611,6 +611,18 @@ impl Model {
         });
     }
 
+    /// Weights each token is multiplied by: every layer's projections and
+    /// the output head.
+    pub(crate) fn matmul_weights(&self) -> u64 {
+        let size = |l: &Linear| (l.quant.out() * l.inp) as u64;
+        let layers: u64 = self
+            .layers
+            .iter()
+            .map(|l| size(&l.qkv) + size(&l.wo) + size(&l.gate_up) + size(&l.down))
+            .sum();
+        layers + size(&self.lm_head)
+    }
+
     /// How many of the layers' projections prefill on the f32 GEMM, of how
     /// many (the rest take the int8 kernel): [`PrefillProjections`] as
     /// resolved at load.

@@ -225,8 +225,8 @@ impl QWeights {
         self.n
     }
 
-    /// Whether every block holds its f32 weights exactly ([`QWeights::exact`]
-    /// field: Q4_1 and Q8_0 files' values are; F16 or F32 ones mostly not).
+    /// Whether every block holds its f32 weights exactly (Q4_1 and Q8_0
+    /// files' values do; F16 or F32 ones mostly not).
     pub(crate) fn is_exact(&self) -> bool {
         self.exact.iter().all(|e| *e)
     }

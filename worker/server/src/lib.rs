@@ -236,6 +236,42 @@ pub fn serve_state(
     })
 }
 
+/// The vendor and device name `rngd_pd_worker_device_info` reports for
+/// `backend` (card `chip` for the NPUs, its name alone for -1, the card
+/// the device plugin allocated; the host CPU's vendor for `cpu`).
+pub fn device_identity(backend: Backend, chip: i64) -> (String, String) {
+    let card = |name: &str| {
+        if chip < 0 {
+            name.to_string()
+        } else {
+            format!("{name}{chip}")
+        }
+    };
+    match backend {
+        Backend::Cpu => {
+            let info = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+            (cpu_vendor(&info), "cpu".into())
+        }
+        Backend::Rngd => ("furiosaai".into(), card("rngd")),
+        Backend::Atom => ("rebellions".into(), card("atom")),
+    }
+}
+
+/// The CPU vendor a `/proc/cpuinfo` text names (`vendor_id`): `intel`,
+/// `amd`, the id itself in lower case for another, `unknown` without one.
+pub fn cpu_vendor(cpuinfo: &str) -> String {
+    let id = cpuinfo.lines().find_map(|l| {
+        let (k, v) = l.split_once(':')?;
+        (k.trim() == "vendor_id").then(|| v.trim().to_string())
+    });
+    match id.as_deref() {
+        Some("GenuineIntel") => "intel".into(),
+        Some("AuthenticAMD") => "amd".into(),
+        Some(other) if !other.is_empty() => other.to_ascii_lowercase(),
+        _ => "unknown".into(),
+    }
+}
+
 /// Checks that this build can run `backend`.
 pub fn check_backend(backend: Backend) -> Result<(), WorkerError> {
     match backend {
@@ -407,6 +443,10 @@ pub async fn launch(
         ..WorkerConfig::from_args(&args)
     };
     let state = WorkerState::new(config, transports)?;
+    let (vendor, device) = device_identity(args.backend, args.chip);
+    state
+        .metrics()
+        .set_device(args.role.as_str(), args.backend.as_str(), &vendor, &device);
     // The allowlists' `dns:` names, looked up now and every few seconds.
     let mut names = args.prefill_allow.dns_names();
     names.extend(args.front_door_allow.dns_names());
@@ -496,4 +536,32 @@ async fn load_engine(
             source,
         })?;
     Ok((engine, updater))
+}
+
+#[cfg(test)]
+mod device_tests {
+    use super::*;
+
+    #[test]
+    fn the_device_names_its_vendor() {
+        assert_eq!(
+            cpu_vendor("vendor_id\t: GenuineIntel\nflags\t: avx2\n"),
+            "intel"
+        );
+        assert_eq!(
+            cpu_vendor("processor\t: 0\nvendor_id\t: AuthenticAMD\n"),
+            "amd"
+        );
+        assert_eq!(cpu_vendor("vendor_id\t: HygonGenuine\n"), "hygongenuine");
+        assert_eq!(cpu_vendor("processor\t: 0\n"), "unknown");
+        assert_eq!(
+            device_identity(Backend::Rngd, 3),
+            ("furiosaai".to_string(), "rngd3".to_string())
+        );
+        assert_eq!(
+            device_identity(Backend::Atom, -1),
+            ("rebellions".to_string(), "atom".to_string())
+        );
+        assert_eq!(device_identity(Backend::Cpu, 0).1, "cpu");
+    }
 }

@@ -103,6 +103,8 @@ pub struct WorkerMetrics {
     cache_config: GaugeVec,
     weight_info: GaugeVec,
     variant_info: GaugeVec,
+    device_info: GaugeVec,
+    flops_per_token: GaugeVec,
     /// PD decodes refused because other weights made the KV.
     pub weight_version_refusals: IntCounter,
     /// Orchestrated requests prefilled here after the peer refused them for
@@ -325,6 +327,18 @@ impl WorkerMetrics {
                 "The compiled variant served: model_name, seq_len and max_batch",
                 &["model_name", "seq_len", "max_batch"],
             )?,
+            device_info: rngd_telemetry::gauge_vec(
+                &r,
+                names::WORKER_DEVICE_INFO,
+                "The device served on: role, backend, vendor and device",
+                &["role", "backend", "vendor", "device"],
+            )?,
+            flops_per_token: rngd_telemetry::gauge_vec(
+                &r,
+                names::WORKER_MODEL_FLOPS_PER_TOKEN,
+                "Model FLOPs per token: 2 x the weights each token is multiplied by (attention left out)",
+                MODEL,
+            )?,
             weight_version_refusals: rngd_telemetry::counter(
                 &r,
                 names::WORKER_WEIGHT_VERSION_REFUSALS_TOTAL,
@@ -520,6 +534,15 @@ impl WorkerMetrics {
         }
     }
 
+    /// Records the device this worker serves on
+    /// ([`names::WORKER_DEVICE_INFO`]): one series, set once at launch.
+    pub fn set_device(&self, role: &str, backend: &str, vendor: &str, device: &str) {
+        self.device_info.reset();
+        self.device_info
+            .with_label_values(&[role, backend, vendor, device])
+            .set(1.0);
+    }
+
     /// Refreshes the engine gauges (if an engine is loaded; before that the
     /// `vllm:*` families have no sample, so a scraper does not take the
     /// worker for a model server yet; after, every one has its series) and
@@ -555,6 +578,10 @@ impl WorkerMetrics {
             {
                 self.variant_info.reset();
                 self.variant_info.with_label_values(&variant).set(1.0);
+            }
+            if let Some(f) = e.model_flops_per_token() {
+                self.flops_per_token.reset();
+                self.flops_per_token.with_label_values(&m).set(f as f64);
             }
             if let Some(p) = e.prefix_cache_stats() {
                 // The engine counts; the counters follow its totals.

@@ -235,6 +235,14 @@ pub const WORKER_WEIGHT_INFO: &str = "rngd_pd_worker_weight_info";
 /// `model_name`, `seq_len`, `max_batch` (`/switch_variant` changes it; the
 /// routers read `seq_len` for admission): one series, the current one.
 pub const WORKER_VARIANT_INFO: &str = "rngd_pd_worker_variant_info";
+/// Gauge 1 for the device a worker serves on, labels `role` (`prefill`,
+/// `decode`, `solo`), `backend` (`cpu`, `rngd`, `atom`), `vendor` (the
+/// host CPU's for `cpu`: `amd`, `intel`, …; `furiosaai`, `rebellions`) and
+/// `device` (`cpu`, `rngd0`, …): the heterogeneous resource count reads it.
+pub const WORKER_DEVICE_INFO: &str = "rngd_pd_worker_device_info";
+/// Gauge: model FLOPs per token, label `model_name` (2 × the weights each
+/// token is multiplied by; attention left out): the MFU figure reads it.
+pub const WORKER_MODEL_FLOPS_PER_TOKEN: &str = "rngd_pd_worker_model_flops_per_token";
 /// Counter: PD decodes refused with 409 because the KV was computed by
 /// another `weight_version` (the KV released unpulled).
 pub const WORKER_WEIGHT_VERSION_REFUSALS_TOTAL: &str =
