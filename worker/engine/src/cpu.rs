@@ -10,6 +10,11 @@
 //! the running streams instead of stalling them for its whole length; without
 //! a budget (the default) the chunk is the whole prompt.
 //! Prefill chunks and decode steps alternate, so neither starves the other.
+//! When every projection takes the int8 kernel for prefill rows too (the
+//! default on a model whose int8 blocks hold its weights exactly), the chunk
+//! and the decode step are one forward (a mixed batch, as vLLM schedules
+//! them): the streams wait for one pass over the weights, not two, and each
+//! row computes exactly as it would alone.
 //! A stream whose receiver was dropped is cancelled before the next step and
 //! its slot freed; a prefill whose requester is gone, before its next chunk.
 //!
@@ -289,6 +294,7 @@ impl CpuEngine {
             max_num_batched_tokens,
             prefix: prefix.clone(),
             block_size,
+            mixed: model.f32_prefill_projections().0 == 0,
         };
         let thread = std::thread::Builder::new()
             .name("rngd-engine".into())
@@ -313,6 +319,14 @@ impl CpuEngine {
     /// The tokenizer.
     pub fn tokenizer(&self) -> &Tokenizer {
         &self.tokenizer
+    }
+
+    /// Whether a prefill chunk and the running streams' decode step share
+    /// one forward (a mixed batch): when every projection takes the int8
+    /// kernel for prefill rows too (`--prefill-projections auto` on a model
+    /// whose int8 blocks hold its weights exactly, or `int8`).
+    pub fn mixed_batches(&self) -> bool {
+        self.model.f32_prefill_projections().0 == 0
     }
 
     /// Decode slots (the `batch` option).
@@ -567,6 +581,11 @@ struct Scheduler {
     prefix: Arc<Mutex<PrefixCache>>,
     /// Positions per block, for the block count of [`Shared::used_blocks`].
     block_size: usize,
+    /// Whether a prefill chunk and the decode step share a forward: every
+    /// projection of the model takes the int8 kernel, prefill rows too
+    /// (`--prefill-projections`), so the rows of one never change the
+    /// other's.
+    mixed: bool,
 }
 
 impl Scheduler {
@@ -604,8 +623,11 @@ impl Scheduler {
             }
             self.publish_running();
             let decoding = self.slots.iter().filter(|s| s.is_some()).count();
-            let prefilled = self.prefill_chunk(decoding);
-            let decoded = self.step();
+            let (prefilled, decoded) = if self.mixed {
+                self.mixed_iteration(decoding)
+            } else {
+                (self.prefill_chunk(decoding), self.step())
+            };
             self.publish_running();
             self.observe_iteration(prefilled + decoded);
         }
@@ -704,9 +726,17 @@ impl Scheduler {
         prefix.store(ids, &hashes, cache);
     }
 
-    /// One decode step for every running stream; the streams it stepped.
+    /// One decode step for every running stream, in a forward of its own;
+    /// the streams it stepped.
     fn step(&mut self) -> usize {
-        // Cancel streams whose client is gone.
+        let inputs = self.begin_step();
+        self.run_step(inputs)
+    }
+
+    /// The running streams' next step: cancels the streams whose client is
+    /// gone, appends each running stream's last token to its sequence and
+    /// returns the slots to step with their input token (empty: none runs).
+    fn begin_step(&mut self) -> Vec<(usize, [u32; 1])> {
         for i in 0..self.slots.len() {
             if self.slots[i].as_ref().is_some_and(Stream::is_closed) {
                 tracing::debug!("decode stream cancelled: receiver dropped");
@@ -715,62 +745,130 @@ impl Scheduler {
                 }
             }
         }
-        let active: Vec<usize> = (0..self.slots.len())
-            .filter(|i| self.slots[*i].is_some())
-            .collect();
-        if active.is_empty() {
+        let mut inputs = Vec::new();
+        for (i, slot) in self.slots.iter_mut().enumerate() {
+            if let Some(s) = slot {
+                s.seq.push(s.last);
+                inputs.push((i, [s.last]));
+            }
+        }
+        inputs
+    }
+
+    /// Steps `inputs` (from [`Self::begin_step`]) in a forward of their own.
+    fn run_step(&mut self, inputs: Vec<(usize, [u32; 1])>) -> usize {
+        if inputs.is_empty() {
             return 0;
         }
-        let stepped = active.len();
-        let tokens: Vec<[u32; 1]> = active
-            .iter()
-            .map(|i| [self.slots[*i].as_ref().map(|s| s.last).unwrap_or(0)])
-            .collect();
-        for (i, t) in active.iter().zip(&tokens) {
-            if let Some(s) = self.slots[*i].as_mut() {
-                s.seq.push(t[0]);
-            }
-        }
-        let mut caches: Vec<Option<&mut SeqCache>> = self.caches.iter_mut().map(Some).collect();
-        let mut steps: Vec<SeqStep<'_>> = Vec::with_capacity(active.len());
-        for (i, t) in active.iter().zip(&tokens) {
-            if let Some(cache) = caches[*i].take() {
-                steps.push(SeqStep { tokens: t, cache });
-            }
-        }
         let started = Instant::now();
-        let result = self.model.forward(&mut steps, false);
-        drop(steps);
+        let result = {
+            let mut steps = decode_steps(&mut self.caches, &inputs);
+            self.model.forward(&mut steps, false)
+        };
         tracing::trace!(
-            streams = active.len(),
+            streams = inputs.len(),
             ms = started.elapsed().as_secs_f64() * 1e3,
             "decode step"
         );
         match result {
-            Ok(logits) => {
-                let vocab = self.model.cfg.vocab;
-                for (i, logits) in active.iter().zip(logits.chunks_exact(vocab)) {
-                    let Some(stream) = self.slots[*i].as_mut() else {
-                        continue;
-                    };
-                    let s = sample(logits, &stream.params, stream.sampled, &stream.history);
-                    if !stream.on_token(&self.tokenizer, s)
-                        && let Some(done) = self.slots[*i].take()
-                    {
-                        self.keep(*i, &done);
-                    }
-                }
-            }
+            Ok(logits) => self.finish_step(&inputs, Ok(&logits)),
+            Err(e) => self.finish_step(&inputs, Err(e)),
+        }
+    }
+
+    /// After the step of `inputs` (`logits`: `[streams, vocab]`, or the
+    /// error): samples each stream's next token and ends the streams that
+    /// are done (every stream, with the error, when the step failed).
+    fn finish_step(
+        &mut self,
+        inputs: &[(usize, [u32; 1])],
+        logits: Result<&[f32], EngineError>,
+    ) -> usize {
+        let logits = match logits {
+            Ok(l) => l,
             Err(e) => {
                 tracing::error!(error = %e, "decode step failed");
-                for i in active {
-                    if let Some(s) = self.slots[i].take() {
+                for (i, _) in inputs {
+                    if let Some(s) = self.slots[*i].take() {
                         s.send(GenEvent::Error(e.to_string()));
                     }
                 }
                 return 0;
             }
+        };
+        let vocab = self.model.cfg.vocab;
+        for ((i, _), logits) in inputs.iter().zip(logits.chunks_exact(vocab)) {
+            let Some(stream) = self.slots[*i].as_mut() else {
+                continue;
+            };
+            let s = sample(logits, &stream.params, stream.sampled, &stream.history);
+            if !stream.on_token(&self.tokenizer, s)
+                && let Some(done) = self.slots[*i].take()
+            {
+                self.keep(*i, &done);
+            }
         }
-        stepped
+        inputs.len()
     }
+
+    /// One iteration whose prefill chunk and decode step share one forward
+    /// (vLLM's mixed batch): the streams wait for one pass over the
+    /// weights instead of two. Only when every projection takes the int8
+    /// kernel whatever the rows (`mixed`), so each row computes as it
+    /// would alone, bit for bit. When the shared forward fails, each part
+    /// runs alone, so one's error is never the other's. Returns the
+    /// prompt tokens and the streams it computed.
+    fn mixed_iteration(&mut self, decoding: usize) -> (usize, usize) {
+        let chunk = self.next_chunk(decoding);
+        let inputs = self.begin_step();
+        let Some(chunk) = chunk else {
+            return (0, self.run_step(inputs));
+        };
+        if inputs.is_empty() {
+            return (self.run_chunk(chunk), 0);
+        }
+        let Some(cache) = self.prefill_cache.as_mut() else {
+            return (self.run_chunk(chunk), self.run_step(inputs));
+        };
+        let started = Instant::now();
+        let result = {
+            let mut steps = Vec::with_capacity(1 + inputs.len());
+            steps.push(chunk.step(cache));
+            steps.extend(decode_steps(&mut self.caches, &inputs));
+            self.model.forward(&mut steps, false)
+        };
+        tracing::trace!(
+            streams = inputs.len(),
+            ms = started.elapsed().as_secs_f64() * 1e3,
+            "mixed step"
+        );
+        match result {
+            Ok(logits) => {
+                let (first, rest) = logits.split_at(self.model.cfg.vocab);
+                let prefilled = self.finish_chunk(chunk, Ok(first));
+                (prefilled, self.finish_step(&inputs, Ok(rest)))
+            }
+            Err(e) => {
+                tracing::debug!(error = %e, "mixed step failed: prefill and decode apart");
+                (self.run_chunk(chunk), self.run_step(inputs))
+            }
+        }
+    }
+}
+
+/// The decode rows of a forward: each input's token into its slot's cache.
+fn decode_steps<'a>(
+    caches: &'a mut [SeqCache],
+    inputs: &'a [(usize, [u32; 1])],
+) -> Vec<SeqStep<'a>> {
+    let mut caches: Vec<Option<&mut SeqCache>> = caches.iter_mut().map(Some).collect();
+    inputs
+        .iter()
+        .filter_map(|(i, t)| {
+            caches
+                .get_mut(*i)
+                .and_then(Option::take)
+                .map(|cache| SeqStep { tokens: t, cache })
+        })
+        .collect()
 }

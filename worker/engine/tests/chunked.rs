@@ -3,7 +3,9 @@
 //! log-probabilities, every KV value) on the tiny and on the real model, with
 //! and without a prefix-cache hit; a decode stream running alongside a long
 //! prefill gets tokens between its chunks (checked by the order of events,
-//! not by time); a budget below the smallest step is refused.
+//! not by time); a budget below the smallest step is refused. On the int8
+//! kernel a prefill chunk and the decode step share one forward (a mixed
+//! batch), and neither the streams nor the prefill see a different bit.
 
 mod common;
 
@@ -13,7 +15,7 @@ use common::{byte_prompt, logprob_params, no_prefix_cache, same_prefill};
 use rngd_engine::cpu::{CpuEngine, CpuEngineOptions, MIN_ROWS, PrefillProjections};
 use rngd_engine::prefix::PrefixCacheOptions;
 use rngd_engine::tiny::{self, TinyConfig};
-use rngd_engine::{Engine, GenEvent, IterationObserver, SamplingParams};
+use rngd_engine::{Engine, GenEvent, IterationObserver, SamplingParams, TokenLogprobs};
 
 const S: usize = 512;
 
@@ -167,6 +169,83 @@ async fn a_running_decode_gets_tokens_between_the_chunks() {
     let whole = tiny(None, no_prefix_cache());
     let (_, sizes) = during_a_long_prefill(&whole).await;
     assert!(sizes.iter().any(|&n| n >= 400), "{sizes:?}");
+}
+
+/// A stream's next token with its log-probabilities.
+async fn next_token(
+    rx: &mut tokio::sync::mpsc::Receiver<GenEvent>,
+) -> Option<(u32, Option<TokenLogprobs>)> {
+    loop {
+        match rx.recv().await? {
+            GenEvent::Token { id, logprobs, .. } => return Some((id, logprobs)),
+            GenEvent::Error(e) => panic!("stream failed: {e}"),
+            GenEvent::Done { .. } => {}
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prefill_mixed_into_the_decode_steps_changes_no_bit() {
+    // The int8 kernel computes each row alone: chunk and decode step share
+    // a forward. The f32 GEMM does not: they keep a forward each.
+    let int8 = |budget| tiny_on(budget, no_prefix_cache(), PrefillProjections::Int8);
+    assert!(int8(None).mixed_batches());
+    assert!(!tiny_on(None, no_prefix_cache(), PrefillProjections::F32).mixed_batches());
+    const STREAMS: u32 = 3;
+    const TOKENS: usize = 300;
+    let params = logprob_params(TOKENS);
+    let long = byte_prompt(400, 2);
+    // Each stream alone and the long prompt alone: the references.
+    let alone = int8(None);
+    let mut want = Vec::new();
+    for s in 0..STREAMS {
+        let mut rx = alone
+            .generate(&byte_prompt(20, 10 + s), &params)
+            .await
+            .unwrap();
+        let mut got = Vec::new();
+        while let Some(t) = next_token(&mut rx).await {
+            got.push(t);
+        }
+        assert_eq!(got.len(), TOKENS);
+        want.push(got);
+    }
+    let want_prefill = alone.prefill(&long, &logprob_params(1)).await.unwrap();
+    // Unchunked (the whole prompt in one mixed forward), and in chunks.
+    for budget in [None, Some(16), Some(64)] {
+        let engine = int8(budget);
+        let mut streams = Vec::new();
+        for s in 0..STREAMS {
+            let rx = engine
+                .generate(&byte_prompt(20, 10 + s), &params)
+                .await
+                .unwrap();
+            streams.push((rx, Vec::new()));
+        }
+        for (rx, got) in &mut streams {
+            got.push(next_token(rx).await.unwrap());
+        }
+        let prefilled = engine.prefill(&long, &logprob_params(1)).await.unwrap();
+        same_prefill(&prefilled, &want_prefill, &format!("budget {budget:?}"));
+        for ((rx, got), want) in streams.iter_mut().zip(&want) {
+            // Every stream ran from before the first chunk to after the
+            // answer: each of its iterations held the prefill's rows too.
+            got.extend(std::iter::from_fn(|| {
+                rx.try_recv().ok().and_then(|ev| match ev {
+                    GenEvent::Token { id, logprobs, .. } => Some((id, logprobs)),
+                    _ => None,
+                })
+            }));
+            assert!(
+                got.len() < TOKENS,
+                "budget {budget:?}: the stream ended first"
+            );
+            while let Some(t) = next_token(rx).await {
+                got.push(t);
+            }
+            assert_eq!(got, want, "budget {budget:?}: a stream's tokens");
+        }
+    }
 }
 
 #[test]

@@ -3,9 +3,9 @@
 //! `max_num_batched_tokens`).
 //!
 //! One prefill is in progress at a time, in arrival order. Each scheduler
-//! iteration computes one chunk of it, then steps the running decode
-//! streams, so a long prompt no longer holds every running stream for its
-//! whole length. A chunk is the budget less the tokens of this iteration's
+//! iteration computes one chunk of it and steps the running decode streams
+//! (in the same forward when the scheduler mixes them, `cpu.rs`), so a long
+//! prompt no longer holds every running stream for its whole length. A chunk is the budget less the tokens of this iteration's
 //! decode step, never fewer than [`MIN_ROWS`] rows, and the rest of the
 //! prompt whenever fewer than [`MIN_ROWS`] would be left for the next one.
 //!
@@ -99,37 +99,75 @@ impl Scheduler {
         });
     }
 
-    /// Computes the next chunk of the prefill in progress, if any; answers
-    /// its requester after the last one. Returns the prompt tokens computed
-    /// (0 when there is none, its requester is gone or it failed).
+    /// Computes the next chunk of the prefill in progress, if any, in a
+    /// forward of its own; answers its requester after the last one.
+    /// Returns the prompt tokens computed (0 when there is none, its
+    /// requester is gone or it failed).
     pub(super) fn prefill_chunk(&mut self, decoding: usize) -> usize {
-        let Some(mut p) = self.partial.take() else {
-            return 0;
+        match self.next_chunk(decoding) {
+            Some(chunk) => self.run_chunk(chunk),
+            None => 0,
+        }
+    }
+
+    /// Computes `chunk` in a forward of its own; see [`Self::finish_chunk`].
+    pub(super) fn run_chunk(&mut self, chunk: Chunk) -> usize {
+        let logits = match self.prefill_cache.as_mut() {
+            Some(cache) => {
+                let step = chunk.step(cache);
+                // The projections' path is the whole prompt's, so every
+                // chunk (and a warm prefill) computes its rows as a cold
+                // one does.
+                let dense = chunk.p.job.prompt.len() > 1;
+                self.model.forward(&mut [step], dense)
+            }
+            None => Err(gone()),
         };
+        match logits {
+            Ok(l) => self.finish_chunk(chunk, Ok(&l)),
+            Err(e) => self.finish_chunk(chunk, Err(e)),
+        }
+    }
+
+    /// The next chunk of the prefill in progress, taken out of `partial`:
+    /// `None` when there is none or its requester is gone (then dropped).
+    pub(super) fn next_chunk(&mut self, decoding: usize) -> Option<Chunk> {
+        let p = self.partial.take()?;
         if p.job.reply.is_closed() {
             tracing::debug!(parent: &p.span, done = p.done, "prefill cancelled: requester gone");
-            return 0;
+            return None;
         }
+        let rows = chunk_rows(
+            p.job.prompt.len() - p.done,
+            self.max_num_batched_tokens,
+            decoding,
+        );
+        Some(Chunk { p, rows })
+    }
+
+    /// After `chunk`'s forward (`logits`: its last row's, or the error):
+    /// puts the prefill back when rows are left, otherwise samples the
+    /// first token, exports the cache and answers the requester. Returns
+    /// the prompt tokens computed.
+    pub(super) fn finish_chunk(
+        &mut self,
+        chunk: Chunk,
+        logits: Result<&[f32], EngineError>,
+    ) -> usize {
+        let Chunk { mut p, rows } = chunk;
         let _g = p.span.clone().entered();
-        let n = p.job.prompt.len();
-        let rows = chunk_rows(n - p.done, self.max_num_batched_tokens, decoding);
-        let Some(cache) = self.prefill_cache.as_mut() else {
-            let _ = p.job.reply.send(Err(EngineError::InvalidRequest(
-                "the prefill cache is gone".into(),
-            )));
-            return 0;
-        };
-        // The projections' path is the whole prompt's, so every chunk (and
-        // a warm prefill) computes its rows as a cold one does.
-        let dense = n > 1;
-        let tokens = &p.job.prompt[p.done..p.done + rows];
-        let logits = match self.model.forward(&mut [SeqStep { tokens, cache }], dense) {
+        let logits = match logits {
             Ok(l) => l,
             Err(e) => {
                 let _ = p.job.reply.send(Err(e));
                 return 0;
             }
         };
+        let Some(cache) = self.prefill_cache.as_mut() else {
+            let _ = p.job.reply.send(Err(gone()));
+            return 0;
+        };
+        let n = p.job.prompt.len();
         p.done += rows;
         if p.done < n {
             tracing::trace!(rows, done = p.done, "prefill chunk");
@@ -138,7 +176,7 @@ impl Scheduler {
         }
         let mut job = p.job;
         let history = History::new(&job.prompt, &job.params, self.tokenizer.stop_ids());
-        let first = sample(&logits, &job.params, 0, &history);
+        let first = sample(logits, &job.params, 0, &history);
         // With a sink the cache goes straight into it (the one copy) and
         // the answer carries no blobs.
         let kv = match job.sink.take() {
@@ -170,6 +208,26 @@ impl Scheduler {
         let _ = job.reply.send(Ok(done));
         rows
     }
+}
+
+/// A prefill's next chunk: its rows are `p.job.prompt[p.done..p.done + rows]`.
+pub(super) struct Chunk {
+    p: Partial,
+    rows: usize,
+}
+
+impl Chunk {
+    /// The chunk's part of a forward, appending to the prefill cache.
+    pub(super) fn step<'a>(&'a self, cache: &'a mut SeqCache) -> SeqStep<'a> {
+        let tokens = &self.p.job.prompt[self.p.done..self.p.done + self.rows];
+        SeqStep { tokens, cache }
+    }
+}
+
+/// The error of a chunk whose prefill cache is missing (cannot happen: a
+/// prefill begins by making it).
+fn gone() -> EngineError {
+    EngineError::InvalidRequest("the prefill cache is gone".into())
 }
 
 #[cfg(test)]
