@@ -1,7 +1,9 @@
 //! One streaming `/v1/completions` request and what it measured: the SSE
 //! stream read chunk by chunk (first content chunk, last content chunk,
 //! `usage` with `prompt_tokens_details.cached_tokens`, an in-band error,
-//! `[DONE]`), the status classified. The prompt is text or token ids.
+//! `[DONE]`), the status classified, and the router's decision reason from
+//! the response header (`x-rngd-pd-route-reason`, where a router of ours
+//! answered). The prompt is text or token ids.
 
 use std::time::{Duration, Instant};
 
@@ -56,22 +58,35 @@ impl Request {
     }
 }
 
+/// What one request measured and said.
+#[derive(Debug)]
+pub struct Answer {
+    /// What it measured.
+    pub outcome: Outcome,
+    /// The body of a non-2xx answer or the in-band error object (the first
+    /// [`ERROR_BODY_MAX`] bytes), which says which component refused.
+    pub error: Option<String>,
+    /// The router's reason for its route (`cached`, `disaggregated`, …),
+    /// when the answer carried one.
+    pub route: Option<String>,
+}
+
 /// Longest error body kept, bytes.
 const ERROR_BODY_MAX: usize = 300;
 
-/// Sends `req` and reads its stream, all within `timeout`. With the outcome:
-/// the body of a non-2xx answer or the in-band error object (the first
-/// [`ERROR_BODY_MAX`] bytes), which says which component refused.
-pub async fn send(
-    client: &reqwest::Client,
-    req: &Request,
-    timeout: Duration,
-) -> (Outcome, Option<String>) {
+/// Sends `req` and reads its stream, all within `timeout`.
+pub async fn send(client: &reqwest::Client, req: &Request, timeout: Duration) -> Answer {
     let start = Instant::now();
     let mut seen = Seen::default();
-    match tokio::time::timeout(timeout, exchange(client, req, start, &mut seen)).await {
-        Ok(status) => (seen.outcome(status), seen.error.take()),
-        Err(_) => (seen.outcome(Status::Timeout), None),
+    let outcome = match tokio::time::timeout(timeout, exchange(client, req, start, &mut seen)).await
+    {
+        Ok(status) => seen.outcome(status),
+        Err(_) => seen.outcome(Status::Timeout),
+    };
+    Answer {
+        outcome,
+        error: seen.error.take(),
+        route: seen.route.take(),
     }
 }
 
@@ -94,6 +109,7 @@ struct Seen {
     usage_prompt: Option<u64>,
     usage_cached: Option<u64>,
     error: Option<String>,
+    route: Option<String>,
 }
 
 impl Seen {
@@ -169,6 +185,11 @@ async fn exchange(
         Err(_) => return Status::Transport,
     };
     let code = resp.status().as_u16();
+    seen.route = resp
+        .headers()
+        .get(rngd_api::headers::ROUTE_REASON)
+        .and_then(|v| v.to_str().ok())
+        .map(truncated);
     if !resp.status().is_success() {
         seen.error = resp.text().await.ok().map(|b| truncated(&b));
         return match code {

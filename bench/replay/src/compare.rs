@@ -460,6 +460,7 @@ mod tests {
             rss_mb_end: Default::default(),
             leaked_kv: None,
             prefix: None,
+            by_route: Default::default(),
             kpis: crate::kpi::Kpis::compute(
                 crate::kpi::Counts {
                     prompt_tokens: 0,

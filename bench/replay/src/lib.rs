@@ -434,6 +434,11 @@ pub struct Report {
     /// The original system's KPIs: MFU with its peak's derivation, tokens
     /// per joule (or why not), devices by role and vendor ([`kpi`]).
     pub kpis: kpi::Kpis,
+    /// The requests by the router's reason for their route (the
+    /// `x-rngd-pd-route-reason` header): how each kind of route fared.
+    /// Empty when no router of ours answered (llama-server, one worker).
+    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+    pub by_route: BTreeMap<String, stats::RouteStats>,
     /// First arrival to the last request's end, seconds.
     pub wall_s: f64,
     /// The settings used.
@@ -756,21 +761,30 @@ async fn replay(
         let req = a.request(&endpoint, &model);
         let client = client.clone();
         tasks.spawn(async move {
-            let o = client::send(&client, &req, timeout).await;
+            let a = client::send(&client, &req, timeout).await;
             drop(permit);
-            o
+            a
         });
     }
     let mut outcomes = Vec::with_capacity(planned.len());
+    let mut routes: BTreeMap<String, Vec<stats::Outcome>> = BTreeMap::new();
     let mut error_bodies = BTreeMap::new();
     while let Some(r) = tasks.join_next().await {
         // A panicking request task is a bug here, not a server outcome.
-        let (o, body) = r.unwrap_or_else(|e| {
+        let a = r.unwrap_or_else(|e| {
             eprintln!("replay: request task failed: {e}");
-            (stats::Outcome::failed(stats::Status::Transport), None)
+            client::Answer {
+                outcome: stats::Outcome::failed(stats::Status::Transport),
+                error: None,
+                route: None,
+            }
         });
-        if let Some(b) = body {
+        let o = a.outcome;
+        if let Some(b) = a.error {
             error_bodies.entry(error_key(o.status)).or_insert(b);
+        }
+        if let Some(route) = a.route {
+            routes.entry(route).or_default().push(o);
         }
         outcomes.push(o);
     }
@@ -792,12 +806,19 @@ async fn replay(
     };
     let rss_mb_end = procs::sample(&watched);
 
-    let s = stats::summarize_with(
-        &outcomes,
-        wall,
-        Duration::from_secs_f64(opts.slo_tpot_ms / 1e3),
-        opts.slo_ttft_ms.map(|t| Duration::from_secs_f64(t / 1e3)),
-    );
+    let summary = |outcomes: &[stats::Outcome]| {
+        stats::summarize_with(
+            outcomes,
+            wall,
+            Duration::from_secs_f64(opts.slo_tpot_ms / 1e3),
+            opts.slo_ttft_ms.map(|t| Duration::from_secs_f64(t / 1e3)),
+        )
+    };
+    let s = summary(&outcomes);
+    let by_route = routes
+        .iter()
+        .map(|(route, o)| (route.clone(), stats::RouteStats::of(&summary(o))))
+        .collect();
     let prefix = if mooncake {
         let worker_end = metrics::scrape(&client, &base).await;
         // The timed requests' reuse with the history's blocks sent first:
@@ -890,6 +911,7 @@ async fn replay(
         leaked_kv,
         prefix,
         kpis,
+        by_route,
         wall_s: wall.as_secs_f64(),
         settings: Settings {
             trace: std::fs::canonicalize(&opts.trace)
@@ -952,9 +974,9 @@ async fn send_history(
         let req = p.request(endpoint, model);
         let client = client.clone();
         tasks.spawn(async move {
-            let (o, _) = client::send(&client, &req, timeout).await;
+            let a = client::send(&client, &req, timeout).await;
             drop(permit);
-            o.status == stats::Status::Ok
+            a.outcome.status == stats::Status::Ok
         });
     }
     let mut errors = 0;

@@ -3,6 +3,8 @@
 
 use std::time::Duration;
 
+use serde::Serialize;
+
 /// How one request ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Status {
@@ -224,6 +226,41 @@ pub fn summarize_with(
         s.tok_s = s.output_tokens as f64 / secs;
     }
     s
+}
+
+/// The requests of one kind of route (the router's reason): how many, and
+/// their latencies.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct RouteStats {
+    /// Requests sent that the router routed so.
+    pub requests: u64,
+    /// Of those, the ones that completed.
+    pub ok: u64,
+    /// TTFT p50 of those, ms.
+    pub ttft_p50_ms: Option<f64>,
+    /// TTFT p90, ms.
+    pub ttft_p90_ms: Option<f64>,
+    /// TPOT p50 (requests of two tokens or more), ms.
+    pub tpot_p50_ms: Option<f64>,
+    /// TPOT p90, ms.
+    pub tpot_p90_ms: Option<f64>,
+    /// p99 of each request's longest gap between two content chunks, ms.
+    pub max_gap_p99_ms: Option<f64>,
+}
+
+impl RouteStats {
+    /// The figures of `s`, the summary of one route's requests.
+    pub fn of(s: &Summary) -> RouteStats {
+        RouteStats {
+            requests: s.requests,
+            ok: s.ok,
+            ttft_p50_ms: s.ttft_ms.p50,
+            ttft_p90_ms: s.ttft_ms.p90,
+            tpot_p50_ms: s.tpot_ms.p50,
+            tpot_p90_ms: s.tpot_ms.p90,
+            max_gap_p99_ms: s.max_gap_ms.p99,
+        }
+    }
 }
 
 /// A duration in milliseconds.

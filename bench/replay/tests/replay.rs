@@ -355,7 +355,21 @@ async fn completions(State(f): State<Arc<Fake>>, body: axum::body::Bytes) -> Res
         sse.push_str(&format!("data: {ev}\n\n"));
     }
     sse.push_str("data: [DONE]\n\n");
-    ([("content-type", "text/event-stream")], sse).into_response()
+    // A router's reason for the route: odd requests `cached`, even ones
+    // `disaggregated`.
+    let route = if n % 2 == 1 {
+        "cached"
+    } else {
+        "disaggregated"
+    };
+    (
+        [
+            ("content-type", "text/event-stream"),
+            (rngd_api::headers::ROUTE_REASON, route),
+        ],
+        sse,
+    )
+        .into_response()
 }
 
 const METRICS: &str = "vllm:kv_cache_usage_perc{model_name=\"m\"} 0\n\
@@ -457,6 +471,14 @@ async fn a_run_against_a_fake_server_counts_exactly() {
     );
     assert!(r.ttft_p50_ms.is_some() && r.tpot_p50_ms.is_some());
     assert!(r.slo_share.is_some());
+    // The successes by their route header (4, 6 and 8 failed, unrouted).
+    let routes: Vec<(&str, u64, u64)> = r
+        .by_route
+        .iter()
+        .map(|(k, v)| (k.as_str(), v.requests, v.ok))
+        .collect();
+    assert_eq!(routes, [("cached", 5, 5), ("disaggregated", 2, 2)]);
+    assert!(r.by_route["cached"].tpot_p90_ms.is_some());
     assert_eq!(r.settings.model, "fake-model");
     let me = std::process::id().to_string();
     assert!(r.rss_mb_start[&me].is_some() && r.rss_mb_end[&me].is_some());
