@@ -317,7 +317,11 @@ async fn timed(
         prompt: Prompt::Tokens(prompt),
         max_tokens: 1,
     };
-    let (o, body) = client::send(client, &req, timeout).await;
+    let client::Answer {
+        outcome: o,
+        error: body,
+        ..
+    } = client::send(client, &req, timeout).await;
     match (o.status, o.ttft) {
         (Status::Ok, Some(t)) => Ok((t, o.cached_tokens)),
         (status, _) => Err(Error::Request {
