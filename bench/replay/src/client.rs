@@ -71,6 +71,9 @@ pub struct Answer {
     pub route: Option<String>,
 }
 
+/// Longest route reason kept, characters.
+const ROUTE_MAX_CHARS: usize = 64;
+
 /// Longest error body kept, bytes.
 const ERROR_BODY_MAX: usize = 300;
 
@@ -189,7 +192,7 @@ async fn exchange(
         .headers()
         .get(rngd_api::headers::ROUTE_REASON)
         .and_then(|v| v.to_str().ok())
-        .map(truncated);
+        .map(|v| v.chars().take(ROUTE_MAX_CHARS).collect());
     if !resp.status().is_success() {
         seen.error = resp.text().await.ok().map(|b| truncated(&b));
         return match code {

@@ -436,7 +436,8 @@ pub struct Report {
     pub kpis: kpi::Kpis,
     /// The requests by the router's reason for their route (the
     /// `x-rngd-pd-route-reason` header): how each kind of route fared.
-    /// Empty when no router of ours answered (llama-server, one worker).
+    /// Empty when no router of ours answered (llama-server, one worker). At
+    /// most [`MAX_ROUTES`] reasons, then [`OTHER_ROUTES`].
     #[serde(skip_serializing_if = "BTreeMap::is_empty")]
     pub by_route: BTreeMap<String, stats::RouteStats>,
     /// First arrival to the last request's end, seconds.
@@ -462,6 +463,28 @@ pub async fn run(opts: Options) -> Result<(), Error> {
     };
     println!("{line}");
     Ok(())
+}
+
+/// Most route reasons [`Report::by_route`] keeps apart; the requests of
+/// any further reason are grouped under [`OTHER_ROUTES`].
+pub const MAX_ROUTES: usize = 32;
+
+/// The group of the reasons past [`MAX_ROUTES`].
+pub const OTHER_ROUTES: &str = "(other)";
+
+/// Adds `o` to its route's group: the server chose the reasons, so past
+/// [`MAX_ROUTES`] of them a new one joins [`OTHER_ROUTES`].
+pub fn group_by_route(
+    routes: &mut BTreeMap<String, Vec<stats::Outcome>>,
+    route: String,
+    o: stats::Outcome,
+) {
+    let key = if routes.len() < MAX_ROUTES || routes.contains_key(&route) {
+        route
+    } else {
+        OTHER_ROUTES.to_string()
+    };
+    routes.entry(key).or_default().push(o);
 }
 
 /// One request of the run, whichever trace it came from.
@@ -784,7 +807,7 @@ async fn replay(
             error_bodies.entry(error_key(o.status)).or_insert(b);
         }
         if let Some(route) = a.route {
-            routes.entry(route).or_default().push(o);
+            group_by_route(&mut routes, route, o);
         }
         outcomes.push(o);
     }

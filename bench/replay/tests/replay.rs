@@ -108,6 +108,20 @@ fn prompts_have_the_asked_number_of_words() {
 }
 
 #[test]
+fn route_groups_are_bounded() {
+    use rngd_bench_replay::{MAX_ROUTES, OTHER_ROUTES, group_by_route};
+    let mut routes = std::collections::BTreeMap::new();
+    for i in 0..MAX_ROUTES + 5 {
+        group_by_route(&mut routes, format!("r{i}"), ok(10, 10, 2));
+    }
+    // A known reason keeps its own group after the cap.
+    group_by_route(&mut routes, "r0".into(), ok(10, 10, 2));
+    assert_eq!(routes.len(), MAX_ROUTES + 1);
+    assert_eq!(routes[OTHER_ROUTES].len(), 5);
+    assert_eq!(routes["r0"].len(), 2);
+}
+
+#[test]
 fn percentiles_by_nearest_rank() {
     let v: Vec<f64> = (1..=100).map(f64::from).collect();
     assert_eq!(stats::percentile(&v, 50.0), Some(50.0));
