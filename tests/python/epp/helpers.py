@@ -93,8 +93,9 @@ class ModelServerFake(http.server.ThreadingHTTPServer):
     completion stream instead: `max_tokens` SSE chunks (token `i` is the text
     `t<i>`), then `[DONE]`. The first chunk is written at once; each later one
     waits for a release of `gate` (a test's `gate.release()`), and `sent`
-    counts the token chunks written so far, so a test can check what a client
-    received before the next token existed."""
+    counts the token chunks written so far (each counted just before its
+    write), so a test can check what a client received before the next token
+    existed."""
 
     daemon_threads = True
 
@@ -186,8 +187,10 @@ class _FakeHandler(http.server.BaseHTTPRequestHandler):
                 return  # never released: end without the terminating chunk
             event = {"id": "cmpl-fake", "object": "text_completion", "model": "fake",
                      "choices": [{"index": 0, "text": f"t{i}", "finish_reason": None if i + 1 < n else "length"}]}
-            chunk(b"data: " + json.dumps(event).encode() + b"\n\n")
+            # Counted before the write: a client that has read token i must
+            # see `sent` past it (counting after raced the client's check).
             self.server.sent += 1
+            chunk(b"data: " + json.dumps(event).encode() + b"\n\n")
         chunk(b"data: [DONE]\n\n")
         chunk(b"")
 
