@@ -294,7 +294,7 @@ impl CpuEngine {
             max_num_batched_tokens,
             prefix: prefix.clone(),
             block_size,
-            mixed: model.f32_prefill_projections().0 == 0,
+            mixed: model.mixes_prefill_and_decode(),
         };
         let thread = std::thread::Builder::new()
             .name("rngd-engine".into())
@@ -326,7 +326,7 @@ impl CpuEngine {
     /// kernel for prefill rows too (`--prefill-projections auto` on a model
     /// whose int8 blocks hold its weights exactly, or `int8`).
     pub fn mixed_batches(&self) -> bool {
-        self.model.f32_prefill_projections().0 == 0
+        self.model.mixes_prefill_and_decode()
     }
 
     /// Decode slots (the `batch` option).

@@ -623,6 +623,13 @@ impl Model {
         layers + size(&self.lm_head)
     }
 
+    /// Whether prefill rows and decode rows may share a forward: no
+    /// projection prefills on the f32 GEMM, so every row takes the int8
+    /// kernel and computes as it would alone.
+    pub(crate) fn mixes_prefill_and_decode(&self) -> bool {
+        self.f32_prefill_projections().0 == 0
+    }
+
     /// How many of the layers' projections prefill on the f32 GEMM, of how
     /// many (the rest take the int8 kernel): [`PrefillProjections`] as
     /// resolved at load.

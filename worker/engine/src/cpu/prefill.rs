@@ -5,9 +5,10 @@
 //! One prefill is in progress at a time, in arrival order. Each scheduler
 //! iteration computes one chunk of it and steps the running decode streams
 //! (in the same forward when the scheduler mixes them, `cpu.rs`), so a long
-//! prompt no longer holds every running stream for its whole length. A chunk is the budget less the tokens of this iteration's
-//! decode step, never fewer than [`MIN_ROWS`] rows, and the rest of the
-//! prompt whenever fewer than [`MIN_ROWS`] would be left for the next one.
+//! prompt no longer holds every running stream for its whole length. A
+//! chunk is the budget less the tokens of this iteration's decode step,
+//! never fewer than [`MIN_ROWS`] rows, and the rest of the prompt whenever
+//! fewer than [`MIN_ROWS`] would be left for the next one.
 //!
 //! Chunked equals unchunked bit for bit (first token, log-probabilities,
 //! every KV value): each row's projections and attention do not depend on
