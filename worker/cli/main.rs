@@ -124,6 +124,31 @@ fn follow_parent() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Takes scheduling niceness `nice` (`rngd-pd worker --nice`) for the whole
+/// process: called while the main thread is the only one, so every thread
+/// started later inherits it. Never raises the priority: a process already
+/// nicer than `nice` keeps its own.
+#[cfg(target_os = "linux")]
+fn lower_priority(nice: i32) -> anyhow::Result<()> {
+    use anyhow::Context as _;
+    let now =
+        rustix::process::getpriority_process(None).context("reading this process's niceness")?;
+    if nice > now {
+        rustix::process::setpriority_process(None, nice)
+            .with_context(|| format!("--nice {nice}: setting this process's niceness"))?;
+        tracing::info!(nice, was = now, "CPU priority lowered");
+    }
+    Ok(())
+}
+
+#[cfg(not(target_os = "linux"))]
+fn lower_priority(nice: i32) -> anyhow::Result<()> {
+    if nice > 0 {
+        anyhow::bail!("--nice is supported on Linux only");
+    }
+    Ok(())
+}
+
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     init_tracing(cli.log_format);
@@ -133,6 +158,10 @@ fn main() -> anyhow::Result<()> {
         Command::Workload(c) => return workload::run(c),
         c => c,
     };
+    // Before the runtime starts its threads, so they all inherit it.
+    if let Command::Worker(a) = &command {
+        lower_priority(a.nice)?;
+    }
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?;

@@ -131,6 +131,13 @@ pub struct Args {
     /// CPU threads per worker (default: the worker's own default).
     #[arg(long)]
     pub threads: Option<usize>,
+    /// Niceness of the prefill workers (`rngd-pd worker --nice`, 0 to 19):
+    /// on the cores they share with the decode workers here, a prefill
+    /// yields the CPU to the decode steps, whose token cadence (TPOT) it
+    /// would otherwise stretch (`docs/benchmarks-prefix.md` measures it).
+    /// 0 = the same priority as the decode workers.
+    #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(i32).range(0..=19))]
+    pub prefill_nice: i32,
     /// Do not start the Envoy ext-proc endpoint picker.
     #[arg(long)]
     pub no_ext_proc: bool,

@@ -75,6 +75,13 @@ pub struct Args {
     /// CPU threads of the `cpu` backend (default: all cores).
     #[arg(long, env = env::RNGD_PD_THREADS)]
     pub threads: Option<usize>,
+    /// Scheduling niceness (0 to 19) this process takes before it starts any
+    /// thread, so every thread runs at it. For workers that share cores:
+    /// `rngd-pd up` starts its prefill workers at `--prefill-nice`, so a long
+    /// prefill yields the CPU to the decode steps (Linux; only ever lowers
+    /// the priority). Default 0: unchanged.
+    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(i32).range(0..=19))]
+    pub nice: i32,
     /// Node this worker runs on (informational; reported in PD responses).
     #[arg(long, env = env::RNGD_PD_NODE)]
     pub node: Option<String>,

@@ -230,6 +230,9 @@ pub(super) fn worker_args(
     if let Some(t) = args.threads {
         a.extend(["--threads".into(), t.to_string()]);
     }
+    if w.role == WorkerRole::Prefill && args.prefill_nice > 0 {
+        a.extend(["--nice".into(), args.prefill_nice.to_string()]);
+    }
     if let Some(b) = args.prefix_cache_bytes {
         a.extend(["--prefix-cache-bytes".into(), b.to_string()]);
     }
@@ -470,6 +473,46 @@ mod tests {
         let a = args(&[]);
         let w = worker_args(&a, &shared, &plan_workers(&a).unwrap()[1], &[]);
         assert!(!w.iter().any(|x| x == "--batch"), "{w:?}");
+    }
+
+    #[test]
+    fn prefill_workers_yield_the_cpu_to_decode_workers() {
+        let nice = |flags: &[&str]| {
+            let a = args(flags);
+            let shared = SharedFlags::new(&a, std::path::Path::new("/m.gguf"));
+            plan_workers(&a)
+                .unwrap()
+                .iter()
+                .map(|w| {
+                    let v = worker_args(&a, &shared, w, &[]);
+                    let at = v.iter().position(|x| x == "--nice");
+                    (w.role, at.map(|i| v[i + 1].clone()))
+                })
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(
+            nice(&["--decode-workers", "2"]),
+            [
+                (WorkerRole::Prefill, Some("10".to_string())),
+                (WorkerRole::Decode, None),
+                (WorkerRole::Decode, None)
+            ]
+        );
+        assert_eq!(
+            nice(&["--prefill-nice", "3"])[0],
+            (WorkerRole::Prefill, Some("3".to_string()))
+        );
+        assert!(
+            nice(&["--prefill-nice", "0"])
+                .iter()
+                .all(|(_, n)| n.is_none())
+        );
+        for bad in ["20", "-1"] {
+            assert!(
+                Cli::try_parse_from(["up", &format!("--prefill-nice={bad}")]).is_err(),
+                "{bad}"
+            );
+        }
     }
 
     #[test]
