@@ -3,13 +3,16 @@
 //! log-probabilities, every KV value) on the tiny and on the real model, with
 //! and without a prefix-cache hit; a decode stream running alongside a long
 //! prefill gets tokens between its chunks (checked by the order of events,
-//! not by time); a budget below the smallest step is refused. On the int8
+//! not by time: the engine runs one iteration per step the test lets it
+//! take, so a starved test never finds a stream finished); a budget below
+//! the smallest step is refused. On the int8
 //! kernel a prefill chunk and the decode step share one forward (a mixed
 //! batch), and neither the streams nor the prefill see a different bit.
 
 mod common;
 
-use std::sync::{Arc, Mutex};
+use std::future::Future;
+use std::sync::{Arc, Condvar, Mutex};
 
 use common::{byte_prompt, logprob_params, no_prefix_cache, same_prefill};
 use rngd_engine::cpu::{CpuEngine, CpuEngineOptions, MIN_ROWS, PrefillProjections};
@@ -106,36 +109,106 @@ fn drain(rx: &mut tokio::sync::mpsc::Receiver<GenEvent>) -> usize {
     n
 }
 
-/// Each iteration's computed tokens, in order.
+/// An iteration observer that holds the engine thread after each iteration
+/// until the test lets it take one more ([`Lockstep::pump`]), and records
+/// each iteration's computed tokens. The engine can then run ahead of the
+/// test by one iteration at most, however the test is scheduled: a stream
+/// of 300 tokens cannot end while the test waits for the CPU.
 #[derive(Default)]
-struct Iterations(Mutex<Vec<usize>>);
+struct Lockstep {
+    state: Mutex<Steps>,
+    turn: Condvar,
+}
 
-impl IterationObserver for Iterations {
+#[derive(Default)]
+struct Steps {
+    /// The engine thread waits in [`IterationObserver::iteration`].
+    parked: bool,
+    /// Iterations it may still take.
+    permits: u32,
+    /// Released: it runs freely.
+    free: bool,
+    /// Each observed iteration's tokens, in order.
+    sizes: Vec<usize>,
+}
+
+impl IterationObserver for Lockstep {
     fn iteration(&self, tokens: usize) {
-        self.0.lock().unwrap().push(tokens);
+        let mut st = self.state.lock().unwrap();
+        st.sizes.push(tokens);
+        st.parked = true;
+        while st.permits == 0 && !st.free {
+            st = self.turn.wait(st).unwrap();
+        }
+        st.permits = st.permits.saturating_sub(1);
+        st.parked = false;
+    }
+}
+
+impl Lockstep {
+    /// Awaits `fut`, letting the engine take one iteration whenever it is
+    /// parked and the test runs.
+    async fn pump<F: Future>(&self, fut: F) -> F::Output {
+        let mut fut = std::pin::pin!(fut);
+        loop {
+            tokio::select! {
+                biased;
+                out = &mut fut => return out,
+                () = tokio::task::yield_now() => {
+                    let mut st = self.state.lock().unwrap();
+                    if st.parked && st.permits == 0 {
+                        st.permits = 1;
+                        self.turn.notify_all();
+                    }
+                }
+            }
+        }
+    }
+
+    /// Lets the engine run freely from now on.
+    fn release(&self) {
+        self.state.lock().unwrap().free = true;
+        self.turn.notify_all();
+    }
+
+    fn sizes(&self) -> Vec<usize> {
+        self.state.lock().unwrap().sizes.clone()
+    }
+}
+
+/// Releases the engine when dropped: declared after the engine, it drops
+/// first, so a failed assertion never leaves the engine's thread parked
+/// for the engine's `Drop` to join.
+struct Release(Arc<Lockstep>);
+
+impl Drop for Release {
+    fn drop(&mut self) {
+        self.0.release();
     }
 }
 
 /// Tokens a running stream got while a 400-token prompt was prefilled, and
-/// the tokens of each engine iteration meanwhile.
+/// the tokens of each engine iteration from the prefill's submission to two
+/// iterations after its answer.
 async fn during_a_long_prefill(engine: &CpuEngine) -> (usize, Vec<usize>) {
-    let mut running = engine
-        .generate(&byte_prompt(20, 1), &logprob_params(300))
+    let gate = Arc::new(Lockstep::default());
+    let _release = Release(gate.clone());
+    assert!(engine.set_iteration_observer(Some(gate.clone())));
+    let mut running = gate
+        .pump(engine.generate(&byte_prompt(20, 1), &logprob_params(300)))
         .await
         .unwrap();
     // It runs: its first tokens arrived.
     let mut seen = 0;
     while seen < 2 {
-        match running.recv().await {
+        match gate.pump(running.recv()).await {
             Some(GenEvent::Token { .. }) => seen += 1,
             other => panic!("{other:?}"),
         }
     }
     drain(&mut running);
-    let iterations = Arc::new(Iterations::default());
-    assert!(engine.set_iteration_observer(Some(iterations.clone())));
-    engine
-        .prefill(&byte_prompt(400, 2), &logprob_params(1))
+    let from = gate.sizes().len();
+    gate.pump(engine.prefill(&byte_prompt(400, 2), &logprob_params(1)))
         .await
         .unwrap();
     // Each token sent before the prefill's answer is in the channel now.
@@ -143,10 +216,14 @@ async fn during_a_long_prefill(engine: &CpuEngine) -> (usize, Vec<usize>) {
     // The iteration that answered is observed after its decode step: a token
     // of the next iteration's step means it was.
     for _ in 0..2 {
-        assert!(matches!(running.recv().await, Some(GenEvent::Token { .. })));
+        assert!(matches!(
+            gate.pump(running.recv()).await,
+            Some(GenEvent::Token { .. })
+        ));
     }
+    let sizes = gate.sizes()[from..].to_vec();
+    gate.release();
     engine.set_iteration_observer(None);
-    let sizes = iterations.0.lock().unwrap().clone();
     (tokens, sizes)
 }
 
@@ -214,22 +291,30 @@ async fn a_prefill_mixed_into_the_decode_steps_changes_no_bit() {
     // Unchunked (the whole prompt in one mixed forward), and in chunks.
     for budget in [None, Some(16), Some(64)] {
         let engine = int8(budget);
+        let gate = Arc::new(Lockstep::default());
+        let _release = Release(gate.clone());
+        assert!(engine.set_iteration_observer(Some(gate.clone())));
         let mut streams = Vec::new();
         for s in 0..STREAMS {
-            let rx = engine
-                .generate(&byte_prompt(20, 10 + s), &params)
+            let rx = gate
+                .pump(engine.generate(&byte_prompt(20, 10 + s), &params))
                 .await
                 .unwrap();
             streams.push((rx, Vec::new()));
         }
         for (rx, got) in &mut streams {
-            got.push(next_token(rx).await.unwrap());
+            got.push(gate.pump(next_token(rx)).await.unwrap());
         }
-        let prefilled = engine.prefill(&long, &logprob_params(1)).await.unwrap();
+        let prefilled = gate
+            .pump(engine.prefill(&long, &logprob_params(1)))
+            .await
+            .unwrap();
         same_prefill(&prefilled, &want_prefill, &format!("budget {budget:?}"));
-        for ((rx, got), want) in streams.iter_mut().zip(&want) {
+        for (rx, got) in &mut streams {
             // Every stream ran from before the first chunk to after the
-            // answer: each of its iterations held the prefill's rows too.
+            // answer (the engine, held after that iteration, has sent all
+            // it will until released): each of its iterations held the
+            // prefill's rows too.
             got.extend(std::iter::from_fn(|| {
                 rx.try_recv().ok().and_then(|ev| match ev {
                     GenEvent::Token { id, logprobs, .. } => Some((id, logprobs)),
@@ -240,6 +325,9 @@ async fn a_prefill_mixed_into_the_decode_steps_changes_no_bit() {
                 got.len() < TOKENS,
                 "budget {budget:?}: the stream ended first"
             );
+        }
+        gate.release();
+        for ((rx, got), want) in streams.iter_mut().zip(&want) {
             while let Some(t) = next_token(rx).await {
                 got.push(t);
             }
