@@ -418,21 +418,19 @@ fn encode_within_is_exact_when_it_fits_and_a_true_lower_bound_when_not() {
     );
 }
 
-/// A 1 MB prompt is refused from its length alone (nothing tokenized) in
-/// well under a millisecond per KB; a long prompt just past the byte bound
-/// has only a bounded prefix tokenized.
+/// A 1 MB prompt is refused from its length alone (nothing tokenized:
+/// `tokenized_bytes` is 0, whatever the machine's speed); a long prompt
+/// just past the byte bound has only a bounded prefix tokenized.
 #[test]
 fn a_huge_text_is_refused_without_tokenizing_it() {
     let t = real();
     let longest = t.max_token_bytes();
     let mb = "word ".repeat(200_000);
-    let started = std::time::Instant::now();
     let got = t.encode_within(&mb, 8192).unwrap();
     assert!(
         matches!(got, Within::TooLong { tokenized_bytes: 0, at_least } if at_least == mb.len().div_ceil(longest)),
         "{got:?} (longest token {longest} bytes)"
     );
-    assert!(started.elapsed() < std::time::Duration::from_millis(50));
     // Within the byte bound but over the limit: tokenized (at most
     // 512 × the longest token's bytes) and refused.
     let text = "word ".repeat(512 * longest / 5);
