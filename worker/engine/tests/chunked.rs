@@ -124,8 +124,8 @@ struct Lockstep {
 struct Steps {
     /// The engine thread waits in [`IterationObserver::iteration`].
     parked: bool,
-    /// Iterations it may still take.
-    permits: u32,
+    /// It may take one more iteration.
+    go: bool,
     /// Released: it runs freely.
     free: bool,
     /// Each observed iteration's tokens, in order.
@@ -137,15 +137,23 @@ impl IterationObserver for Lockstep {
         let mut st = self.state.lock().unwrap();
         st.sizes.push(tokens);
         st.parked = true;
-        while st.permits == 0 && !st.free {
+        while !st.go && !st.free {
             st = self.turn.wait(st).unwrap();
         }
-        st.permits = st.permits.saturating_sub(1);
+        st.go = false;
         st.parked = false;
     }
 }
 
 impl Lockstep {
+    /// A lockstep observer attached to `engine`, and the guard that releases
+    /// it (keep the guard after the engine, so it drops first).
+    fn attach(engine: &CpuEngine) -> (Arc<Lockstep>, Release) {
+        let gate = Arc::new(Lockstep::default());
+        assert!(engine.set_iteration_observer(Some(gate.clone())));
+        (gate.clone(), Release(gate))
+    }
+
     /// Awaits `fut`, letting the engine take one iteration whenever it is
     /// parked and the test runs.
     async fn pump<F: Future>(&self, fut: F) -> F::Output {
@@ -156,8 +164,8 @@ impl Lockstep {
                 out = &mut fut => return out,
                 () = tokio::task::yield_now() => {
                     let mut st = self.state.lock().unwrap();
-                    if st.parked && st.permits == 0 {
-                        st.permits = 1;
+                    if st.parked && !st.go {
+                        st.go = true;
                         self.turn.notify_all();
                     }
                 }
@@ -191,9 +199,7 @@ impl Drop for Release {
 /// the tokens of each engine iteration from the prefill's submission to two
 /// iterations after its answer.
 async fn during_a_long_prefill(engine: &CpuEngine) -> (usize, Vec<usize>) {
-    let gate = Arc::new(Lockstep::default());
-    let _release = Release(gate.clone());
-    assert!(engine.set_iteration_observer(Some(gate.clone())));
+    let (gate, _release) = Lockstep::attach(engine);
     let mut running = gate
         .pump(engine.generate(&byte_prompt(20, 1), &logprob_params(300)))
         .await
@@ -291,9 +297,7 @@ async fn a_prefill_mixed_into_the_decode_steps_changes_no_bit() {
     // Unchunked (the whole prompt in one mixed forward), and in chunks.
     for budget in [None, Some(16), Some(64)] {
         let engine = int8(budget);
-        let gate = Arc::new(Lockstep::default());
-        let _release = Release(gate.clone());
-        assert!(engine.set_iteration_observer(Some(gate.clone())));
+        let (gate, _release) = Lockstep::attach(&engine);
         let mut streams = Vec::new();
         for s in 0..STREAMS {
             let rx = gate
