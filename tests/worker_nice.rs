@@ -1,6 +1,6 @@
 //! `rngd-pd worker --nice N` runs every thread of the worker at niceness N
 //! (what `rngd-pd up` gives its prefill workers), and without it the
-//! worker keeps its parent's. Linux only (read from `/proc`).
+//! worker keeps its parent's. Linux only (the threads listed in `/proc`).
 
 #![cfg(target_os = "linux")]
 
@@ -8,21 +8,19 @@ mod common;
 
 use common::Proc;
 
-/// The niceness of every thread of `pid` (field 19 of each task's `stat`).
-fn thread_niceness(pid: u32) -> Vec<i64> {
+/// The niceness of every thread of `pid`: `getpriority` with a thread id
+/// reads that thread's own (Linux keeps niceness per thread).
+fn thread_niceness(pid: u32) -> Vec<i32> {
     let mut out = Vec::new();
     for task in std::fs::read_dir(format!("/proc/{pid}/task")).expect("the worker's tasks") {
-        let stat = std::fs::read_to_string(task.expect("a task").path().join("stat"))
-            .expect("a task's stat");
-        // Fields after the parenthesised name start with the state (field 3).
-        let (_, rest) = stat.rsplit_once(") ").expect("stat has a name");
-        let nice = rest
-            .split(' ')
-            .nth(16)
-            .expect("field 19")
-            .parse()
-            .expect("a number");
-        out.push(nice);
+        let tid = task
+            .expect("a task")
+            .file_name()
+            .to_str()
+            .and_then(|t| t.parse().ok())
+            .and_then(rustix::process::Pid::from_raw)
+            .expect("a thread id");
+        out.push(rustix::process::getpriority_process(Some(tid)).expect("a thread's niceness"));
     }
     out
 }
@@ -31,7 +29,7 @@ fn thread_niceness(pid: u32) -> Vec<i64> {
 fn every_thread_of_a_worker_runs_at_its_nice() {
     let dir = tempfile::tempdir().unwrap();
     let envs = [("RNGD_PD_MODEL", common::model().display().to_string())];
-    let base = i64::from(rustix::process::getpriority_process(None).expect("this test's niceness"));
+    let base = rustix::process::getpriority_process(None).expect("this test's niceness");
     let want = (base + 7).min(19);
     let nice = want.to_string();
     let w = Proc::start(
