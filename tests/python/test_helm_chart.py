@@ -662,7 +662,7 @@ def test_workers_chunk_prefills_under_the_budget_from_values():
     """Every worker gets the chunked-prefill budget and, when turned on,
     `--enable-chunked-prefill` (vLLM's flag names, which
     `test_container_flags_exist_in_the_binary` checks against the binary);
-    off by default."""
+    off by default, and `roles` narrows it to the decode workers."""
     default = render()
     on = render({"chunkedPrefill": {"enabled": True, "maxNumBatchedTokens": 256}})
     for role in ("prefill", "decode"):
@@ -672,6 +672,12 @@ def test_workers_chunk_prefills_under_the_budget_from_values():
         args = container(on, f"demo-{role}")["args"]
         assert "--enable-chunked-prefill" in args, args
         assert "--max-num-batched-tokens=256" in args, args
+    # Only the decode workers' local prefills chunked.
+    decode_only = render({"chunkedPrefill": {"enabled": True, "roles": ["decode"]}})
+    assert "--enable-chunked-prefill" in container(decode_only, "demo-decode")["args"]
+    assert "--enable-chunked-prefill" not in container(decode_only, "demo-prefill")["args"]
+    msg = render_error({"chunkedPrefill": {"enabled": True, "roles": ["decoder"]}})
+    assert "chunkedPrefill.roles may hold prefill and decode only (got decoder)" in msg, msg
 
 
 def test_every_worker_prefills_on_the_kernel_from_values():
@@ -701,6 +707,7 @@ CONTEXT = [
     (("decode", "deviceResource"), {"decode": {"backend": "atom"}}),
     (("prefill", "deviceResource"), {"prefill": {"backend": "rngd"}}),
     (("model", "fetchResources"), {"model": {"fetch": True}}),
+    (("chunkedPrefill", "roles"), {"chunkedPrefill": {"enabled": True}}),
 ]
 
 # What a value becomes when changing it needs a value of its own kind.
@@ -719,6 +726,7 @@ CHANGED = {
     ("networkPolicy", "gatewayPeers"): [{"namespaceSelector": {"matchLabels": {"probe": "x"}}}],
     ("networkPolicy", "metricsPeers"): [{"namespaceSelector": {"matchLabels": {"probe": "x"}}}],
     ("model", "volume"): {"emptyDir": None, "persistentVolumeClaim": {"claimName": "probe"}},
+    ("chunkedPrefill", "roles"): ["decode"],
 }
 
 

@@ -167,6 +167,12 @@ pub struct Args {
     /// --enable-chunked-prefill`; off by default, as the worker's).
     #[arg(long)]
     pub enable_chunked_prefill: bool,
+    /// Which workers the two chunked-prefill flags reach: `all`, or
+    /// `decode` (the decode workers' local prefills chunk, so the decodes
+    /// batched beside them keep stepping; the prefill workers, whom no
+    /// decode waits on, prefill whole).
+    #[arg(long, value_enum, default_value_t = ChunkedPrefillRoles::All)]
+    pub chunked_prefill_roles: ChunkedPrefillRoles,
     /// Each worker's per-iteration token budget of chunked prefill
     /// (`rngd-pd worker --max-num-batched-tokens`); default the worker's.
     #[arg(long)]
@@ -175,6 +181,15 @@ pub struct Args {
     /// --prefill-projections`); default the worker's (`auto`).
     #[arg(long)]
     pub prefill_projections: Option<rngd_engine::cpu::PrefillProjections>,
+}
+
+/// The workers `up`'s chunked-prefill flags reach.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum ChunkedPrefillRoles {
+    /// Every worker.
+    All,
+    /// The decode workers only.
+    Decode,
 }
 
 fn ensure_model(model: Option<&Path>) -> anyhow::Result<PathBuf> {

@@ -6,7 +6,7 @@
 
 use anyhow::bail;
 
-use super::Args;
+use super::{Args, ChunkedPrefillRoles};
 
 /// Most workers of one role `up` starts.
 pub(super) const MAX_WORKERS: usize = 16;
@@ -239,10 +239,14 @@ pub(super) fn worker_args(
     if args.no_enable_prefix_caching {
         a.push("--no-enable-prefix-caching".into());
     }
-    if args.enable_chunked_prefill {
+    let chunks = match args.chunked_prefill_roles {
+        ChunkedPrefillRoles::All => true,
+        ChunkedPrefillRoles::Decode => w.role == WorkerRole::Decode,
+    };
+    if chunks && args.enable_chunked_prefill {
         a.push("--enable-chunked-prefill".into());
     }
-    if let Some(b) = args.max_num_batched_tokens {
+    if let Some(b) = args.max_num_batched_tokens.filter(|_| chunks) {
         a.extend(["--max-num-batched-tokens".into(), b.to_string()]);
     }
     if let Some(p) = args.prefill_projections {
@@ -513,6 +517,49 @@ mod tests {
                 "{bad}"
             );
         }
+    }
+
+    #[test]
+    fn chunked_prefill_reaches_the_roles_asked_for() {
+        let chunking = |flags: &[&str]| {
+            let a = args(flags);
+            let shared = SharedFlags::new(&a, std::path::Path::new("/m.gguf"));
+            plan_workers(&a)
+                .unwrap()
+                .iter()
+                .map(|w| {
+                    let v = worker_args(&a, &shared, w, &[]);
+                    let on = v.iter().any(|x| x == "--enable-chunked-prefill");
+                    let at = v.iter().position(|x| x == "--max-num-batched-tokens");
+                    (w.role, on, at.map(|i| v[i + 1].clone()))
+                })
+                .collect::<Vec<_>>()
+        };
+        let on = ["--enable-chunked-prefill", "--max-num-batched-tokens", "64"];
+        let b = Some("64".to_string());
+        assert_eq!(
+            chunking(&on),
+            [
+                (WorkerRole::Prefill, true, b.clone()),
+                (WorkerRole::Decode, true, b.clone())
+            ]
+        );
+        let decode_only = [&on[..], &["--chunked-prefill-roles", "decode"]].concat();
+        assert_eq!(
+            chunking(&decode_only),
+            [
+                (WorkerRole::Prefill, false, None),
+                (WorkerRole::Decode, true, b)
+            ]
+        );
+        assert_eq!(
+            chunking(&[]),
+            [
+                (WorkerRole::Prefill, false, None),
+                (WorkerRole::Decode, false, None)
+            ]
+        );
+        assert!(Cli::try_parse_from(["up", "--chunked-prefill-roles", "prefill"]).is_err());
     }
 
     #[test]

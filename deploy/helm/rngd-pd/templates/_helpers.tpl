@@ -179,6 +179,11 @@ gateway, picker): they serve model.name, and refuse any other with 404. */}}
 {{- if and .Values.inferencePool.enabled (ne (int .Values.prefill.port) (int .Values.decode.port)) }}
 {{- fail (printf "prefill.port (%d) and decode.port (%d) differ: discovery addresses every pod of the InferencePool at its one target port; use the same port" (int .Values.prefill.port) (int .Values.decode.port)) }}
 {{- end }}
+{{- range $r := .Values.chunkedPrefill.roles }}
+{{- if not (has (toString $r) (list "prefill" "decode")) }}
+{{- fail (printf "chunkedPrefill.roles may hold prefill and decode only (got %v)" $r) }}
+{{- end }}
+{{- end }}
 {{- range $role := list "prefill" "decode" }}
 {{- $b := (index $.Values $role).backend }}
 {{- if not (hasKey (include "rngd-pd.accelerators" $ | fromYaml) (toString $b)) }}
