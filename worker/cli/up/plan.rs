@@ -420,6 +420,24 @@ mod tests {
         plan(flags).unwrap_err().to_string()
     }
 
+    /// `read` of each planned worker's command line under `flags`, with its
+    /// role.
+    fn per_worker<T>(flags: &[&str], read: impl Fn(&[String]) -> T) -> Vec<(WorkerRole, T)> {
+        let a = args(flags);
+        let shared = SharedFlags::new(&a, std::path::Path::new("/m.gguf"));
+        plan_workers(&a)
+            .unwrap()
+            .iter()
+            .map(|w| (w.role, read(&worker_args(&a, &shared, w, &[]))))
+            .collect()
+    }
+
+    /// The value after `flag` on a command line, if the flag is there.
+    fn value_of(v: &[String], flag: &str) -> Option<String> {
+        let at = v.iter().position(|x| x == flag)?;
+        v.get(at + 1).cloned()
+    }
+
     fn started(plans: &[WorkerPlan]) -> Vec<StartedWorker> {
         plans
             .iter()
@@ -481,19 +499,7 @@ mod tests {
 
     #[test]
     fn prefill_workers_yield_the_cpu_to_decode_workers() {
-        let nice = |flags: &[&str]| {
-            let a = args(flags);
-            let shared = SharedFlags::new(&a, std::path::Path::new("/m.gguf"));
-            plan_workers(&a)
-                .unwrap()
-                .iter()
-                .map(|w| {
-                    let v = worker_args(&a, &shared, w, &[]);
-                    let at = v.iter().position(|x| x == "--nice");
-                    (w.role, at.map(|i| v[i + 1].clone()))
-                })
-                .collect::<Vec<_>>()
-        };
+        let nice = |flags: &[&str]| per_worker(flags, |v| value_of(v, "--nice"));
         assert_eq!(
             nice(&["--decode-workers", "2"]),
             [
@@ -522,18 +528,13 @@ mod tests {
     #[test]
     fn chunked_prefill_reaches_the_roles_asked_for() {
         let chunking = |flags: &[&str]| {
-            let a = args(flags);
-            let shared = SharedFlags::new(&a, std::path::Path::new("/m.gguf"));
-            plan_workers(&a)
-                .unwrap()
-                .iter()
-                .map(|w| {
-                    let v = worker_args(&a, &shared, w, &[]);
-                    let on = v.iter().any(|x| x == "--enable-chunked-prefill");
-                    let at = v.iter().position(|x| x == "--max-num-batched-tokens");
-                    (w.role, on, at.map(|i| v[i + 1].clone()))
-                })
-                .collect::<Vec<_>>()
+            per_worker(flags, |v| {
+                let on = v.iter().any(|x| x == "--enable-chunked-prefill");
+                (on, value_of(v, "--max-num-batched-tokens"))
+            })
+            .into_iter()
+            .map(|(role, (on, budget))| (role, on, budget))
+            .collect::<Vec<_>>()
         };
         let on = ["--enable-chunked-prefill", "--max-num-batched-tokens", "64"];
         let b = Some("64".to_string());
