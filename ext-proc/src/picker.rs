@@ -261,6 +261,12 @@ impl Picker {
             .watch_pool(name, Arc::clone(self.pool.endpoints()));
     }
 
+    /// The pool's pick (its endpoints, policy and the requests it holds
+    /// in flight).
+    pub fn pool(&self) -> &rngd_pool::Picker {
+        &self.pool
+    }
+
     /// The metrics this picker records into.
     pub fn metrics(&self) -> &EppMetrics {
         &self.metrics
@@ -274,12 +280,23 @@ impl Picker {
     /// [`Picker::pick`], also returning the request's model name (`None`
     /// when the body names none) for the per-model metrics of the answer.
     pub async fn pick_for(&self, input: PickInput) -> (Decision, Option<String>) {
+        let (decision, model, _) = self.pick_held_for(input).await;
+        (decision, model)
+    }
+
+    /// [`Picker::pick_for`], also returning the route's count on its decode
+    /// endpoint (`rngd_pool::inflight`): the caller keeps it until the
+    /// response has passed, so the picks after this one see the request.
+    pub async fn pick_held_for(
+        &self,
+        input: PickInput,
+    ) -> (Decision, Option<String>, Option<rngd_pool::Held>) {
         let start = Instant::now();
         let request_bytes = input.body.as_ref().map_or(0, Vec::len);
         let mut seen = Seen::default();
-        let decision = match self.pick_inner(input, &mut seen).await {
-            Ok(route) => Decision::Route(route),
-            Err(e) => Decision::Reject(reject(e)),
+        let (decision, held) = match self.pick_inner(input, &mut seen).await {
+            Ok((route, held)) => (Decision::Route(route), Some(held)),
+            Err(e) => (Decision::Reject(reject(e)), None),
         };
         let model = seen.model.clone().unwrap_or_default();
         match &decision {
@@ -296,10 +313,14 @@ impl Picker {
             Decision::Reject(r) => format!("reject_{}", r.status),
         };
         self.metrics.picks.with_label_values(&[&result]).inc();
-        (decision, seen.model)
+        (decision, seen.model, held)
     }
 
-    async fn pick_inner(&self, input: PickInput, seen: &mut Seen) -> Result<Route, PrepareOrPick> {
+    async fn pick_inner(
+        &self,
+        input: PickInput,
+        seen: &mut Seen,
+    ) -> Result<(Route, rngd_pool::Held), PrepareOrPick> {
         let mut prompt_tokens = None;
         let mut prompt_ids = Vec::new();
         if let Some(body) = &input.body {
@@ -345,7 +366,7 @@ impl Picker {
         let policy = Instant::now();
         let picked = self
             .pool
-            .pick(PickRequest {
+            .pick_held(PickRequest {
                 headers: input.headers,
                 body: input.body.unwrap_or_default(),
                 prompt_tokens,

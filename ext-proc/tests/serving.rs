@@ -176,6 +176,54 @@ async fn health_and_metrics_listeners_answer() {
     assert!(text.contains("rngd_pd_epp_pick_seconds_count 1"));
 }
 
+/// A routed request counts on its decode endpoint (`rngd_pool::inflight`)
+/// while Envoy's stream for it is open, so the next pick sees it before any
+/// scrape; the count goes when the stream ends.
+#[tokio::test]
+async fn a_routed_request_counts_on_its_decode_endpoint_until_its_stream_ends() {
+    let h = harness(default_endpoints(), false).await;
+    let in_flight = || h.picker.pool().in_flight().count("10.0.0.2:8000");
+    let mut client = ExternalProcessorClient::connect(format!("http://{}", h.server.grpc_addr))
+        .await
+        .expect("connect");
+    let (tx, rx) = mpsc::channel(4);
+    let mut stream = client
+        .process(ReceiverStream::new(rx))
+        .await
+        .expect("process")
+        .into_inner();
+    assert_eq!(in_flight(), 0);
+    tx.send(post_headers(BodySendMode::FullDuplexStreamed))
+        .await
+        .unwrap();
+    tx.send(body_msg(br#"{"model":"m","prompt":"hi"}"#, true))
+        .await
+        .unwrap();
+    let within = std::time::Duration::from_secs(10);
+    let headers = tokio::time::timeout(within, stream.next())
+        .await
+        .expect("routed")
+        .expect("stream open")
+        .expect("response");
+    assert_eq!(
+        header_value(&headers, "x-gateway-destination-endpoint").as_deref(),
+        Some("10.0.0.2:8000")
+    );
+    assert_eq!(in_flight(), 1, "the open request counts");
+    drop(tx);
+    while tokio::time::timeout(within, stream.next())
+        .await
+        .expect("the stream ends")
+        .is_some()
+    {}
+    let deadline = tokio::time::Instant::now() + within;
+    while in_flight() > 0 {
+        assert!(tokio::time::Instant::now() < deadline, "still counted");
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    }
+    assert_eq!(h.picker.pool().in_flight().tracked(), 0);
+}
+
 /// Full duplex: every message that can be answered is answered while the
 /// stream stays open (Envoy never half-closes before the response is done).
 #[tokio::test]

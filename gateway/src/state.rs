@@ -145,6 +145,11 @@ impl Gateway {
         }))
     }
 
+    /// The pick (its endpoints, policy and the requests it holds in flight).
+    pub fn picker(&self) -> &Picker {
+        &self.picker
+    }
+
     /// The metrics (for the KPI listener and extra registrations).
     pub fn metrics(&self) -> &Arc<GatewayMetrics> {
         &self.metrics

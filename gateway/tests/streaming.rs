@@ -183,3 +183,96 @@ async fn each_token_chunk_leaves_before_the_next_token_exists() {
     )
     .await;
 }
+
+/// Two streams opened before any new scrape go to the two idle decode
+/// workers: the first one's open answer counts on its worker
+/// (`rngd_pool::inflight`) and the second pick sees it; once both answers
+/// ended nothing is counted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_open_stream_counts_on_its_decode_worker_until_it_ends() {
+    let gate = Arc::new(Semaphore::new(0));
+    let kv = Arc::new(MemoryTransport::new());
+    let mut workers = Vec::new();
+    for _ in 0..2 {
+        let engine = Arc::new(EchoEngine::new(512).with_gate(gate.clone()));
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let w = rngd_worker::serve(
+            l,
+            engine,
+            Transports::new("memory", common::Shared(kv.clone())),
+            common::worker_config(Role::Decode),
+        )
+        .await
+        .unwrap();
+        workers.push(w);
+    }
+    let addrs: Vec<String> = workers.iter().map(|w| w.addr.to_string()).collect();
+    // Scraped once: the load every pick below reads is that idle scrape.
+    let table = common::scraped_servable(
+        addrs
+            .iter()
+            .map(|a| endpoints::local_endpoint(a.clone(), Role::Decode, 512, &["memory".into()]))
+            .collect(),
+    )
+    .await;
+    let config = GatewayConfig::default();
+    let edge = config.edge.clone();
+    let gw = Gateway::new(
+        config,
+        rngd_pool::Picker::new(TestPolicy::new(10_000), table),
+        Arc::new(FAKE_TOKENIZER),
+    )
+    .unwrap();
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}/v1/completions", l.local_addr().unwrap());
+    tokio::spawn(rngd_gateway::serve(
+        l,
+        rngd_gateway::router(gw.clone()),
+        edge,
+        std::future::pending(),
+    ));
+    let counts = || -> Vec<u32> {
+        addrs
+            .iter()
+            .map(|a| gw.picker().in_flight().count(a))
+            .collect()
+    };
+    let body = json!({"model": "fake-model", "prompt": "abc", "max_tokens": 2, "stream": true});
+    let mut open = Vec::new();
+    for want in [1, 2] {
+        let resp = client().post(&url).json(&body).send().await.unwrap();
+        assert_eq!(resp.status(), 200);
+        let mut chunks = resp.bytes_stream();
+        // The first token: the answer is open, its second token gated.
+        let mut text = String::new();
+        while tokens(&text).is_empty() {
+            let chunk = tokio::time::timeout(CHUNK_WAIT, chunks.next())
+                .await
+                .expect("first token")
+                .expect("stream ended early")
+                .unwrap();
+            text.push_str(std::str::from_utf8(&chunk).unwrap());
+        }
+        open.push(chunks);
+        let c = counts();
+        assert_eq!(c.iter().sum::<u32>(), want, "{c:?}");
+        assert!(c.iter().all(|&n| n <= 1), "both on one worker: {c:?}");
+    }
+    gate.add_permits(2);
+    for mut chunks in open {
+        let mut text = String::new();
+        while let Some(chunk) = tokio::time::timeout(CHUNK_WAIT, chunks.next())
+            .await
+            .expect("the stream's end held back")
+        {
+            text.push_str(std::str::from_utf8(&chunk.unwrap()).unwrap());
+        }
+        assert!(text.trim_end().ends_with("data: [DONE]"), "{text}");
+    }
+    // The gateway drops each answer's state once its last chunk is out.
+    let deadline = tokio::time::Instant::now() + CHUNK_WAIT;
+    while gw.picker().in_flight().tracked() > 0 {
+        assert!(tokio::time::Instant::now() < deadline, "{:?}", counts());
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}

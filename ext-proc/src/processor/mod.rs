@@ -148,6 +148,9 @@ struct OpenRequest {
     since: Instant,
     answered: Answered,
     tail: Vec<u8>,
+    /// The request's count on its decode endpoint (`rngd_pool::inflight`),
+    /// given back with this.
+    _held: Option<rngd_pool::Held>,
 }
 
 impl OpenRequest {
@@ -513,7 +516,7 @@ impl StreamState {
             body,
             subset: self.subset.clone(),
         };
-        let (pick, model) = picker.pick_for(input).await;
+        let (pick, model, held) = picker.pick_held_for(input).await;
         // The request phase is over: its slot and body bytes go back.
         self.slot = None;
         self.reserved = None;
@@ -527,6 +530,7 @@ impl StreamState {
                     since: Instant::now(),
                     answered: Answered::default(),
                     tail: Vec::new(),
+                    _held: held,
                 });
                 tracing::info!(decode = %r.decode, prefill = ?r.prefill, kv_transport = ?r.kv_transport, "picked");
             }

@@ -127,9 +127,11 @@ async fn run_inner(
         prompt_ids: p.request.prompt_ids.clone(),
     };
     let t = Instant::now();
-    let picked = gw.picker.pick(pick).await;
+    let picked = gw.picker.pick_held(pick).await;
     gw.metrics.observe_policy(t.elapsed());
-    let route = match picked {
+    // `held` counts this request against its decode worker until the
+    // answer ends (it moves into the answer's `Ctx`).
+    let (route, held) = match picked {
         Ok(r) => r,
         Err(PickError::Rejected(local)) => {
             tracing::info!(status = local.status, "policy rejected the request");
@@ -233,6 +235,7 @@ async fn run_inner(
         prefill: prefill_info,
         kv_transport,
         address: route.decode.clone(),
+        _held: held,
     };
     let mut resp = if p.request.upstream.sampling.stream {
         stream_response(ctx, resp, p.request.include_usage)

@@ -26,6 +26,9 @@ pub(super) struct Ctx {
     pub(super) prefill: Option<(KvTransferParams, Instant)>,
     pub(super) kv_transport: Option<String>,
     pub(super) address: String,
+    /// This request's count on its decode worker (`rngd_pool::inflight`),
+    /// given back when the answer (its stream or body) is done with.
+    pub(super) _held: rngd_pool::Held,
 }
 
 impl Ctx {

@@ -151,7 +151,15 @@ impl StreamState {
             .and_then(|t| self.ctx.kv_transfer_ms(t))
             .or_else(|| self.ctx.prefill.as_ref().and_then(|(p, _)| p.kv_save_ms));
         self.ctx.record(ttft, tokens, kv);
-        tracing::info!(tokens, ttft_ms = ?ttft.map(ms), "stream done");
+        tracing::info!(
+            id = %self.ctx.id,
+            worker = %self.ctx.address,
+            disaggregated = self.ctx.prefill.is_some(),
+            tokens,
+            ttft_ms = ?ttft.map(ms),
+            total_ms = ms(self.ctx.started.elapsed()),
+            "stream done"
+        );
     }
 
     fn on_event(&mut self, data: &str) {

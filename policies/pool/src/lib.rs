@@ -13,6 +13,9 @@
 //!   holds a prompt's prefix) and the `rngd_pd.prefix_cache` text;
 //!   [`cache`]: its implementation, the KV-event index following the
 //!   endpoints' streams, with the router's own estimates and metrics.
+//! - [`inflight`]: the requests each door routed to a decode endpoint and
+//!   has not finished, which every pick counts as that endpoint's running
+//!   load until the next scrape shows more.
 //! - [`admission`]: the concurrency limit, bounded waiting room and body-byte
 //!   budget both doors apply (429s).
 //! - [`wiring`]: the policy, tokenizer and source choices both doors start from.
@@ -26,6 +29,7 @@ pub mod admission;
 pub mod cache;
 #[cfg(feature = "kube")]
 pub mod discovery;
+pub mod inflight;
 pub mod load;
 pub mod pick;
 pub mod prefix;
@@ -38,6 +42,7 @@ use std::path::PathBuf;
 
 pub use admission::{Admission, AdmissionOptions, Overloaded};
 pub use cache::{CacheOptions, EstimateOptions, PrefixCache, RunningCache};
+pub use inflight::{Held, InFlight};
 pub use load::{LoadNames, LoadSample, parse_load, parse_load_named};
 pub use pick::{PickError, PickRequest, Picker, Policy, PolicyFailure};
 pub use prompt::{

@@ -208,6 +208,7 @@ pub struct Picker {
     policy: Arc<dyn Policy>,
     endpoints: Arc<dyn EndpointSource>,
     prefix: Option<Arc<dyn crate::prefix::PrefixSource>>,
+    in_flight: Arc<crate::InFlight>,
     decisions: prometheus::IntCounterVec,
 }
 
@@ -228,6 +229,7 @@ impl Picker {
             policy,
             endpoints,
             prefix: None,
+            in_flight: Arc::default(),
             decisions: prometheus::IntCounterVec::new(
                 prometheus::Opts::new(
                     rngd_telemetry::names::ROUTE_DECISIONS_TOTAL,
@@ -262,10 +264,26 @@ impl Picker {
         &self.endpoints
     }
 
-    /// Routes one request. The snapshot `Arc` is passed on unchanged when no
-    /// subset hint narrows it, so the policy host's same-snapshot shortcut hits.
+    /// The requests routed through this picker and not finished, per decode
+    /// endpoint (`crate::inflight`).
+    pub fn in_flight(&self) -> &Arc<crate::InFlight> {
+        &self.in_flight
+    }
+
+    /// Routes one request whose answer nobody waits for (tests, probes):
+    /// [`Picker::pick_held`] with the hold given back at once.
     pub async fn pick(&self, req: PickRequest) -> Result<Route, PickError> {
-        let mut snapshot = self.endpoints.snapshot();
+        self.pick_held(req).await.map(|(route, _)| route)
+    }
+
+    /// Routes one request and counts it against its decode endpoint until
+    /// the returned [`crate::Held`] is dropped: a door keeps it until the
+    /// answer ends, so the picks after this one see it as running there
+    /// before any scrape does (`crate::inflight`). The snapshot `Arc` is
+    /// passed on unchanged when neither a subset hint nor a count changes
+    /// it, so the policy host's same-snapshot shortcut hits.
+    pub async fn pick_held(&self, req: PickRequest) -> Result<(Route, crate::Held), PickError> {
+        let mut snapshot = self.in_flight.apply(self.endpoints.snapshot());
         if let Some(subset) = &req.subset {
             snapshot = snapshot
                 .iter()
@@ -310,10 +328,11 @@ impl Picker {
         {
             src.routed(&route, &req.prompt_ids);
         }
+        let held = self.in_flight.hold(&route.decode);
         self.decisions
             .with_label_values(&[reason_label(&route)])
             .inc();
-        Ok(route)
+        Ok((route, held))
     }
 }
 
@@ -567,6 +586,40 @@ mod tests {
             .await
             .expect("route");
         assert_eq!(r.decode, "10.0.0.1:1");
+    }
+
+    /// A burst routed within one scrape period spreads over idle decode
+    /// endpoints: each pick sees the requests held by the picks before it
+    /// as running; a hold given back stops counting.
+    #[tokio::test]
+    async fn held_picks_spread_a_burst_before_any_scrape() {
+        let p = Picker::new(
+            Arc::new(NativePolicy::default()),
+            StaticEndpoints::new(vec![
+                local_endpoint("10.0.0.1:1".into(), Role::Decode, 512, &[]),
+                local_endpoint("10.0.0.3:3".into(), Role::Decode, 512, &[]),
+            ]),
+        );
+        let req = || PickRequest {
+            body: br#"{"model":"m","prompt":"hi","max_tokens":4}"#.to_vec(),
+            prompt_tokens: Some(2),
+            ..Default::default()
+        };
+        let mut held = Vec::new();
+        for _ in 0..4 {
+            held.push(p.pick_held(req()).await.expect("route"));
+        }
+        let on = |a: &str| held.iter().filter(|(r, _)| r.decode == a).count();
+        assert_eq!((on("10.0.0.1:1"), on("10.0.0.3:3")), (2, 2), "{held:?}");
+        assert_eq!(p.in_flight().count("10.0.0.1:1"), 2);
+        // Unheld picks (nobody waits for their answer) leave no count.
+        let first = p.pick(req()).await.expect("route");
+        assert_eq!(p.in_flight().count(&first.decode), 2);
+        // The holds on one endpoint given back: the next pick goes there.
+        held.retain(|(r, _)| r.decode != "10.0.0.3:3");
+        assert_eq!(p.pick(req()).await.expect("route").decode, "10.0.0.3:3");
+        drop(held);
+        assert_eq!(p.in_flight().tracked(), 0);
     }
 
     /// Where a prefix source says a prompt is cached, the default policy
