@@ -183,44 +183,30 @@ async fn health_and_metrics_listeners_answer() {
 async fn a_routed_request_counts_on_its_decode_endpoint_until_its_stream_ends() {
     let h = harness(default_endpoints(), false).await;
     let in_flight = || h.picker.pool().in_flight().count("10.0.0.2:8000");
-    let mut client = ExternalProcessorClient::connect(format!("http://{}", h.server.grpc_addr))
-        .await
-        .expect("connect");
-    let (tx, rx) = mpsc::channel(4);
-    let mut stream = client
-        .process(ReceiverStream::new(rx))
-        .await
-        .expect("process")
-        .into_inner();
+    let mut s = OpenStream::open(h.server.grpc_addr).await;
     assert_eq!(in_flight(), 0);
-    tx.send(post_headers(BodySendMode::FullDuplexStreamed))
-        .await
-        .unwrap();
-    tx.send(body_msg(br#"{"model":"m","prompt":"hi"}"#, true))
-        .await
-        .unwrap();
+    s.send(post_headers(BodySendMode::FullDuplexStreamed)).await;
+    s.send(body_msg(br#"{"model":"m","prompt":"hi"}"#, true))
+        .await;
     let within = std::time::Duration::from_secs(10);
-    let headers = tokio::time::timeout(within, stream.next())
+    let routed = tokio::time::timeout(within, s.next())
         .await
         .expect("routed")
-        .expect("stream open")
-        .expect("response");
+        .expect("stream open");
     assert_eq!(
-        header_value(&headers, "x-gateway-destination-endpoint").as_deref(),
+        header_value(&routed, "x-gateway-destination-endpoint").as_deref(),
         Some("10.0.0.2:8000")
     );
     assert_eq!(in_flight(), 1, "the open request counts");
+    // Envoy ends the stream: the request is over.
+    let OpenStream { tx, mut rx } = s;
     drop(tx);
-    while tokio::time::timeout(within, stream.next())
+    while tokio::time::timeout(within, rx.next())
         .await
         .expect("the stream ends")
         .is_some()
     {}
-    let deadline = tokio::time::Instant::now() + within;
-    while in_flight() > 0 {
-        assert!(tokio::time::Instant::now() < deadline, "still counted");
-        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
-    }
+    until("the count to go", || in_flight() == 0).await;
     assert_eq!(h.picker.pool().in_flight().tracked(), 0);
 }
 

@@ -28,31 +28,51 @@ use tokio::sync::Semaphore;
 const CHUNK_WAIT: Duration = Duration::from_secs(20);
 
 struct Stack {
+    /// The first decode worker's URL.
     worker_url: String,
     gateway_url: String,
     gate: Arc<Semaphore>,
-    _worker: rngd_worker::RunningWorker,
+    gw: Arc<Gateway>,
+    workers: Vec<rngd_worker::RunningWorker>,
 }
 
 async fn stack() -> Stack {
+    stack_of(1).await
+}
+
+/// `n` decode workers running the echo engine behind one gate, and a
+/// gateway over them whose table was scraped once: every pick reads that
+/// idle scrape.
+async fn stack_of(n: usize) -> Stack {
     let gate = Arc::new(Semaphore::new(0));
-    let engine = Arc::new(EchoEngine::new(512).with_gate(gate.clone()));
-    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let kv = Arc::new(MemoryTransport::new());
-    let worker = rngd_worker::serve(
-        l,
-        engine,
-        Transports::new("memory", common::Shared(kv)),
-        common::worker_config(Role::Decode),
+    let mut workers = Vec::new();
+    for _ in 0..n {
+        let engine = Arc::new(EchoEngine::new(512).with_gate(gate.clone()));
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let worker = rngd_worker::serve(
+            l,
+            engine,
+            Transports::new("memory", common::Shared(kv.clone())),
+            common::worker_config(Role::Decode),
+        )
+        .await
+        .unwrap();
+        workers.push(worker);
+    }
+    let table = common::scraped_servable(
+        workers
+            .iter()
+            .map(|w| {
+                endpoints::local_endpoint(
+                    w.addr.to_string(),
+                    Role::Decode,
+                    512,
+                    &["memory".to_string()],
+                )
+            })
+            .collect(),
     )
-    .await
-    .unwrap();
-    let table = common::scraped_servable(vec![endpoints::local_endpoint(
-        worker.addr.to_string(),
-        Role::Decode,
-        512,
-        &["memory".to_string()],
-    )])
     .await;
     let config = GatewayConfig::default();
     let edge = config.edge.clone();
@@ -69,15 +89,16 @@ async fn stack() -> Stack {
     // Served as `rngd-pd gateway` serves it (the listener of `rngd-http-edge`).
     tokio::spawn(rngd_gateway::serve(
         l,
-        rngd_gateway::router(gw),
+        rngd_gateway::router(gw.clone()),
         edge,
         std::future::pending(),
     ));
     Stack {
-        worker_url: worker.url(),
+        worker_url: workers[0].url(),
         gateway_url,
         gate,
-        _worker: worker,
+        gw,
+        workers,
     }
 }
 
@@ -190,47 +211,10 @@ async fn each_token_chunk_leaves_before_the_next_token_exists() {
 /// ended nothing is counted.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_open_stream_counts_on_its_decode_worker_until_it_ends() {
-    let gate = Arc::new(Semaphore::new(0));
-    let kv = Arc::new(MemoryTransport::new());
-    let mut workers = Vec::new();
-    for _ in 0..2 {
-        let engine = Arc::new(EchoEngine::new(512).with_gate(gate.clone()));
-        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let w = rngd_worker::serve(
-            l,
-            engine,
-            Transports::new("memory", common::Shared(kv.clone())),
-            common::worker_config(Role::Decode),
-        )
-        .await
-        .unwrap();
-        workers.push(w);
-    }
-    let addrs: Vec<String> = workers.iter().map(|w| w.addr.to_string()).collect();
-    // Scraped once: the load every pick below reads is that idle scrape.
-    let table = common::scraped_servable(
-        addrs
-            .iter()
-            .map(|a| endpoints::local_endpoint(a.clone(), Role::Decode, 512, &["memory".into()]))
-            .collect(),
-    )
-    .await;
-    let config = GatewayConfig::default();
-    let edge = config.edge.clone();
-    let gw = Gateway::new(
-        config,
-        rngd_pool::Picker::new(TestPolicy::new(10_000), table),
-        Arc::new(FAKE_TOKENIZER),
-    )
-    .unwrap();
-    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let url = format!("http://{}/v1/completions", l.local_addr().unwrap());
-    tokio::spawn(rngd_gateway::serve(
-        l,
-        rngd_gateway::router(gw.clone()),
-        edge,
-        std::future::pending(),
-    ));
+    let s = stack_of(2).await;
+    let (gw, gate) = (&s.gw, &s.gate);
+    let addrs: Vec<String> = s.workers.iter().map(|w| w.addr.to_string()).collect();
+    let url = format!("{}/v1/completions", s.gateway_url);
     let counts = || -> Vec<u32> {
         addrs
             .iter()
