@@ -14,7 +14,9 @@
 //! default on a model whose int8 blocks hold its weights exactly), the chunk
 //! and the decode step are one forward (a mixed batch, as vLLM schedules
 //! them): the streams wait for one pass over the weights, not two, and each
-//! row computes exactly as it would alone.
+//! row computes exactly as it would alone. Under a budget, the prefills
+//! waiting behind the one in progress then join that forward whole while
+//! their rows fit it (packed prefills, `cpu/prefill.rs`).
 //! A stream whose receiver was dropped is cancelled before the next step and
 //! its slot freed; a prefill whose requester is gone, before its next chunk.
 //!
@@ -44,6 +46,7 @@ use crate::prefix::{PrefixCache, PrefixCacheOptions, PrefixCacheStats, PrefixEve
 use stream::Stream;
 
 mod prefill;
+pub use prefill::MAX_PACKED_PREFILLS;
 mod reload;
 mod stream;
 pub use crate::dense::PrefillProjections;
@@ -157,6 +160,12 @@ impl Shared {
         // A panic on the scheduler thread poisons nothing we cannot read.
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
+
+    /// [`Engine::waiting`] from the queues in `st` (held locked).
+    fn publish_waiting(&self, st: &State) {
+        self.waiting
+            .store(st.prefills.len() + st.decodes.len(), Ordering::Relaxed);
+    }
 }
 
 /// A Llama on the CPU with continuous batching. See the module docs.
@@ -172,6 +181,9 @@ pub struct CpuEngine {
     batch: usize,
     /// Blocks the decode slots can hold: `batch × ⌈seq_len / block_size⌉`.
     total_blocks: usize,
+    /// Whether its prefills pack into one forward (mixed batches under a
+    /// budget; `cpu/prefill.rs`).
+    packs: bool,
     prefix: Arc<Mutex<PrefixCache>>,
     thread: Mutex<Option<JoinHandle<()>>>,
 }
@@ -282,6 +294,7 @@ impl CpuEngine {
             used_blocks: AtomicUsize::new(0),
         });
         let block_size = prefix_options.block_size.max(1);
+        let packs = model.mixes_prefill_and_decode() && max_num_batched_tokens.is_some();
         let scheduler = Scheduler {
             model: model.clone(),
             tokenizer: tokenizer.clone(),
@@ -289,12 +302,13 @@ impl CpuEngine {
             layout,
             slots: (0..batch).map(|_| None).collect(),
             caches: Vec::new(),
-            prefill_cache: None,
+            spare: Vec::new(),
             partial: None,
             max_num_batched_tokens,
             prefix: prefix.clone(),
             block_size,
             mixed: model.mixes_prefill_and_decode(),
+            packs,
         };
         let thread = std::thread::Builder::new()
             .name("rngd-engine".into())
@@ -311,6 +325,7 @@ impl CpuEngine {
             shared,
             batch,
             total_blocks: batch * seq_len.div_ceil(block_size),
+            packs,
             prefix,
             thread: Mutex::new(Some(thread)),
         }))
@@ -369,9 +384,7 @@ impl CpuEngine {
             return Err(EngineError::Stopped);
         }
         f(&mut st);
-        self.shared
-            .waiting
-            .store(st.prefills.len() + st.decodes.len(), Ordering::Relaxed);
+        self.shared.publish_waiting(&st);
         drop(st);
         self.shared.wake.notify_one();
         Ok(())
@@ -400,6 +413,10 @@ impl Engine for CpuEngine {
 
     fn max_batch(&self) -> Option<usize> {
         Some(self.batch)
+    }
+
+    fn max_prefills(&self) -> usize {
+        if self.packs { MAX_PACKED_PREFILLS } else { 1 }
     }
 
     fn model_flops_per_token(&self) -> Option<u64> {
@@ -573,8 +590,10 @@ struct Scheduler {
     slots: Vec<Option<Stream>>,
     /// One cache per slot, allocated on first use and reused.
     caches: Vec<SeqCache>,
-    prefill_cache: Option<SeqCache>,
-    /// The prefill in progress (its K/V in `prefill_cache`).
+    /// Sequence caches of prefills that ended, reused by the next ones (at
+    /// most [`prefill::MAX_PACKED_PREFILLS`]).
+    spare: Vec<SeqCache>,
+    /// The prefill in progress.
     partial: Option<prefill::Partial>,
     /// See [`CpuEngineOptions::max_num_batched_tokens`].
     max_num_batched_tokens: Option<usize>,
@@ -586,12 +605,15 @@ struct Scheduler {
     /// (`--prefill-projections`), so the rows of one never change the
     /// other's.
     mixed: bool,
+    /// Whether waiting prefills pack beside the one in progress: `mixed`
+    /// under a budget (`cpu/prefill.rs`).
+    packs: bool,
 }
 
 impl Scheduler {
     fn run(mut self) {
         loop {
-            let (admitted, prefill) = {
+            let (admitted, prefill, packable) = {
                 let mut st = self.shared.lock();
                 loop {
                     if st.shutdown {
@@ -605,12 +627,18 @@ impl Scheduler {
                     } else {
                         None
                     };
+                    // The prefills that may pack beside it (`cpu/prefill.rs`);
+                    // those that do not fit go back to the front.
+                    let packable = if self.packs && (prefill.is_some() || self.partial.is_some()) {
+                        let n = st.prefills.len().min(prefill::MAX_PACKED_PREFILLS - 1);
+                        st.prefills.drain(..n).collect()
+                    } else {
+                        Vec::new()
+                    };
                     let active = self.slots.iter().any(Option::is_some) || self.partial.is_some();
-                    self.shared
-                        .waiting
-                        .store(st.prefills.len() + st.decodes.len(), Ordering::Relaxed);
+                    self.shared.publish_waiting(&st);
                     if !admitted.is_empty() || prefill.is_some() || active {
-                        break (admitted, prefill);
+                        break (admitted, prefill, packable);
                     }
                     st = self.shared.wake.wait(st).unwrap_or_else(|p| p.into_inner());
                 }
@@ -624,7 +652,7 @@ impl Scheduler {
             self.publish_running();
             let decoding = self.slots.iter().filter(|s| s.is_some()).count();
             let (prefilled, decoded) = if self.mixed {
-                self.mixed_iteration(decoding)
+                self.mixed_iteration(decoding, packable)
             } else {
                 (self.prefill_chunk(decoding), self.step())
             };
@@ -813,44 +841,58 @@ impl Scheduler {
 
     /// One iteration whose prefill chunk and decode step share one forward
     /// (vLLM's mixed batch): the streams wait for one pass over the
-    /// weights instead of two. Only when every projection takes the int8
-    /// kernel whatever the rows (`mixed`), so each row computes as it
-    /// would alone, bit for bit. When the shared forward fails, each part
-    /// runs alone, so one's error is never the other's. Returns the
-    /// prompt tokens and the streams it computed.
-    fn mixed_iteration(&mut self, decoding: usize) -> (usize, usize) {
+    /// weights instead of two. The `packable` prefills that fit what the
+    /// budget leaves join it whole (`cpu/prefill.rs`). Only when every
+    /// projection takes the int8 kernel whatever the rows (`mixed`), so
+    /// each row computes as it would alone, bit for bit. When the shared
+    /// forward fails, each part runs alone, so one's error is never
+    /// another's. Returns the prompt tokens and the streams it computed.
+    fn mixed_iteration(&mut self, decoding: usize, packable: Vec<PrefillJob>) -> (usize, usize) {
         let chunk = self.next_chunk(decoding);
         let inputs = self.begin_step();
         let Some(chunk) = chunk else {
+            self.requeue(packable);
             return (0, self.run_step(inputs));
         };
-        if inputs.is_empty() {
+        let room = prefill::pack_room(self.max_num_batched_tokens, inputs.len() + chunk.rows);
+        let mut chunks = vec![chunk];
+        chunks.extend(self.pack(packable, room));
+        if inputs.is_empty() && chunks.len() == 1 {
+            let chunk = chunks.pop().expect("one chunk");
             return (self.run_chunk(chunk), 0);
         }
-        let Some(cache) = self.prefill_cache.as_mut() else {
-            return (self.run_chunk(chunk), self.run_step(inputs));
-        };
         let started = Instant::now();
         let result = {
-            let mut steps = Vec::with_capacity(1 + inputs.len());
-            steps.push(chunk.step(cache));
+            let mut steps = Vec::with_capacity(chunks.len() + inputs.len());
+            steps.extend(chunks.iter_mut().map(prefill::Chunk::step));
             steps.extend(decode_steps(&mut self.caches, &inputs));
             self.model.forward(&mut steps, false)
         };
         tracing::trace!(
+            prefills = chunks.len(),
             streams = inputs.len(),
             ms = started.elapsed().as_secs_f64() * 1e3,
             "mixed step"
         );
         match result {
             Ok(logits) => {
-                let (first, rest) = logits.split_at(self.model.cfg.vocab);
-                let prefilled = self.finish_chunk(chunk, Ok(first));
+                let (firsts, rest) = logits.split_at(chunks.len() * self.model.cfg.vocab);
+                let mut prefilled = 0;
+                for (chunk, first) in chunks
+                    .into_iter()
+                    .zip(firsts.chunks_exact(self.model.cfg.vocab))
+                {
+                    prefilled += self.finish_chunk(chunk, Ok(first));
+                }
                 (prefilled, self.finish_step(&inputs, Ok(rest)))
             }
             Err(e) => {
-                tracing::debug!(error = %e, "mixed step failed: prefill and decode apart");
-                (self.run_chunk(chunk), self.run_step(inputs))
+                tracing::debug!(error = %e, "mixed step failed: each prefill and the decode apart");
+                let mut prefilled = 0;
+                for chunk in chunks {
+                    prefilled += self.run_chunk(chunk);
+                }
+                (prefilled, self.run_step(inputs))
             }
         }
     }

@@ -375,6 +375,11 @@ pub trait Engine: Send + Sync + 'static {
     fn max_batch(&self) -> Option<usize> {
         None
     }
+    /// Prefills it holds a sequence cache for at once (packed into one
+    /// forward, or one at a time): 1 unless it says more.
+    fn max_prefills(&self) -> usize {
+        1
+    }
     /// Model FLOPs per token: 2 × the weights each token is multiplied by
     /// (every layer's projections and the output head; attention, which
     /// grows with the context, left out, as MFU figures usually count), when

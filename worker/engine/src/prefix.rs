@@ -230,6 +230,21 @@ impl PrefixCache {
     ) -> usize {
         self.queries += tokens.len() as u64;
         let b = self.block_size;
+        let n = self.matched(tokens, hashes, max_blocks);
+        for (i, h) in hashes[..n].iter().enumerate() {
+            copy_in(&self.blocks[h].data, self.layout, b, i * b, cache);
+        }
+        cache.tokens = n * b;
+        self.touch_chain(&hashes[..n]);
+        self.hits += (n * b) as u64;
+        n * b
+    }
+
+    /// How many full blocks of `tokens` (with their block `hashes`), from
+    /// token 0 and at most `max_blocks`, [`Self::load`] would copy now; reads
+    /// only (no statistic, no recency).
+    pub(crate) fn matched(&self, tokens: &[u32], hashes: &[BlockHash], max_blocks: usize) -> usize {
+        let b = self.block_size;
         let mut n = 0;
         let mut parent = None;
         for (i, h) in hashes.iter().take(max_blocks).enumerate() {
@@ -241,13 +256,7 @@ impl PrefixCache {
                 _ => break,
             }
         }
-        for (i, h) in hashes[..n].iter().enumerate() {
-            copy_in(&self.blocks[h].data, self.layout, b, i * b, cache);
-        }
-        cache.tokens = n * b;
-        self.touch_chain(&hashes[..n]);
-        self.hits += (n * b) as u64;
-        n * b
+        n
     }
 
     /// Keeps the full blocks of `cache`'s positions (`tokens` are their

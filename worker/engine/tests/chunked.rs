@@ -11,14 +11,14 @@
 
 mod common;
 
-use std::future::Future;
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::Arc;
 
-use common::{byte_prompt, logprob_params, no_prefix_cache, same_prefill};
+use common::lockstep::Lockstep;
+use common::{byte_prompt, logprob_params, next_token, no_prefix_cache, same_prefill};
 use rngd_engine::cpu::{CpuEngine, CpuEngineOptions, MIN_ROWS, PrefillProjections};
 use rngd_engine::prefix::PrefixCacheOptions;
 use rngd_engine::tiny::{self, TinyConfig};
-use rngd_engine::{Engine, GenEvent, IterationObserver, SamplingParams, TokenLogprobs};
+use rngd_engine::{Engine, GenEvent, SamplingParams};
 
 const S: usize = 512;
 
@@ -109,92 +109,6 @@ fn drain(rx: &mut tokio::sync::mpsc::Receiver<GenEvent>) -> usize {
     n
 }
 
-/// An iteration observer that holds the engine thread after each iteration
-/// until the test lets it take one more ([`Lockstep::pump`]), and records
-/// each iteration's computed tokens. The engine can then run ahead of the
-/// test by one iteration at most, however the test is scheduled: a stream
-/// of 300 tokens cannot end while the test waits for the CPU.
-#[derive(Default)]
-struct Lockstep {
-    state: Mutex<Steps>,
-    turn: Condvar,
-}
-
-#[derive(Default)]
-struct Steps {
-    /// The engine thread waits in [`IterationObserver::iteration`].
-    parked: bool,
-    /// It may take one more iteration.
-    go: bool,
-    /// Released: it runs freely.
-    free: bool,
-    /// Each observed iteration's tokens, in order.
-    sizes: Vec<usize>,
-}
-
-impl IterationObserver for Lockstep {
-    fn iteration(&self, tokens: usize) {
-        let mut st = self.state.lock().unwrap();
-        st.sizes.push(tokens);
-        st.parked = true;
-        while !st.go && !st.free {
-            st = self.turn.wait(st).unwrap();
-        }
-        st.go = false;
-        st.parked = false;
-    }
-}
-
-impl Lockstep {
-    /// A lockstep observer attached to `engine`, and the guard that releases
-    /// it (keep the guard after the engine, so it drops first).
-    fn attach(engine: &CpuEngine) -> (Arc<Lockstep>, Release) {
-        let gate = Arc::new(Lockstep::default());
-        assert!(engine.set_iteration_observer(Some(gate.clone())));
-        (gate.clone(), Release(gate))
-    }
-
-    /// Awaits `fut`, letting the engine take one iteration whenever it is
-    /// parked and the test runs.
-    async fn pump<F: Future>(&self, fut: F) -> F::Output {
-        let mut fut = std::pin::pin!(fut);
-        loop {
-            tokio::select! {
-                biased;
-                out = &mut fut => return out,
-                () = tokio::task::yield_now() => {
-                    let mut st = self.state.lock().unwrap();
-                    if st.parked && !st.go {
-                        st.go = true;
-                        self.turn.notify_all();
-                    }
-                }
-            }
-        }
-    }
-
-    /// Lets the engine run freely from now on.
-    fn release(&self) {
-        self.state.lock().unwrap().free = true;
-        self.turn.notify_all();
-    }
-
-    fn sizes(&self) -> Vec<usize> {
-        self.state.lock().unwrap().sizes.clone()
-    }
-}
-
-/// Releases the engine when dropped: declared after the engine, it drops
-/// first, so a failed assertion never leaves the engine's thread parked
-/// for the engine's `Drop` to join.
-struct Release(Arc<Lockstep>);
-
-impl Drop for Release {
-    fn drop(&mut self) {
-        self.0.release();
-    }
-}
-
 /// Tokens a running stream got while a 400-token prompt was prefilled, and
 /// the tokens of each engine iteration from the prefill's submission to two
 /// iterations after its answer.
@@ -252,19 +166,6 @@ async fn a_running_decode_gets_tokens_between_the_chunks() {
     let whole = tiny(None, no_prefix_cache());
     let (_, sizes) = during_a_long_prefill(&whole).await;
     assert!(sizes.iter().any(|&n| n >= 400), "{sizes:?}");
-}
-
-/// A stream's next token with its log-probabilities.
-async fn next_token(
-    rx: &mut tokio::sync::mpsc::Receiver<GenEvent>,
-) -> Option<(u32, Option<TokenLogprobs>)> {
-    loop {
-        match rx.recv().await? {
-            GenEvent::Token { id, logprobs, .. } => return Some((id, logprobs)),
-            GenEvent::Error(e) => panic!("stream failed: {e}"),
-            GenEvent::Done { .. } => {}
-        }
-    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -37,8 +37,8 @@ pub struct Variant {
     pub seq_len: usize,
     /// Decode streams stepped together (`None`: the engine does not say).
     pub max_batch: Option<usize>,
-    /// KV memory of its decode slots and its prefill cache at most (bf16 K
-    /// and V; a slot's cache is allocated when first used).
+    /// KV memory of its decode slots and its prefills' caches at most (bf16
+    /// K and V; a cache is allocated when first used).
     pub kv_cache_bytes: u64,
     /// Whether it serves now.
     pub active: bool,
@@ -71,7 +71,7 @@ fn describe(e: &dyn Engine, active: bool) -> Variant {
     Variant {
         seq_len: info.seq_len,
         max_batch,
-        kv_cache_bytes: per_slot * (max_batch.unwrap_or(1) as u64 + 1),
+        kv_cache_bytes: per_slot * (max_batch.unwrap_or(1) + e.max_prefills()) as u64,
         active,
     }
 }

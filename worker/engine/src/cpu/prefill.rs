@@ -1,22 +1,38 @@
-//! The prefill in progress on the CPU engine's scheduler thread, computed in
-//! chunks under a per-iteration token budget (vLLM's chunked prefill and
-//! `max_num_batched_tokens`).
+//! Prefills on the CPU engine's scheduler thread: the one in progress,
+//! computed in chunks under a per-iteration token budget (vLLM's chunked
+//! prefill and `max_num_batched_tokens`), and the short ones packed beside
+//! it in the same forward.
 //!
-//! One prefill is in progress at a time, in arrival order. Each scheduler
-//! iteration computes one chunk of it and steps the running decode streams
+//! Prefills begin in arrival order. Each scheduler iteration computes one
+//! chunk of the prefill in progress and steps the running decode streams
 //! (in the same forward when the scheduler mixes them, `cpu.rs`), so a long
 //! prompt no longer holds every running stream for its whole length. A
 //! chunk is the budget less the tokens of this iteration's decode step,
 //! never fewer than [`MIN_ROWS`] rows, and the rest of the prompt whenever
 //! fewer than [`MIN_ROWS`] would be left for the next one.
 //!
-//! Chunked equals unchunked bit for bit (first token, log-probabilities,
-//! every KV value): each row's projections and attention do not depend on
-//! the other rows of its step as long as a step has at least [`MIN_ROWS`]
-//! rows (candle's f32 GEMM sums very few rows in another order), the K/V a
-//! row attends to is the same stored bf16 whichever step wrote it, and the
-//! whole prompt keeps one projection path (dense for a prompt of more than
-//! one token). The prefix cache's warm == cold rests on the same facts.
+//! Under a budget, when the scheduler mixes (every projection on the int8
+//! kernel), the prefills waiting behind it join that forward whole, in
+//! arrival order, while their rows (the prompt less what the prefix cache
+//! holds) fit what the budget leaves, at most [`MAX_PACKED_PREFILLS`] in
+//! all, as vLLM fills its token budget: a burst of short prefills (the new
+//! turns of cached conversations) is one pass over the weights and one
+//! stall of the running streams instead of one each, and its requests'
+//! second tokens are not held behind each other's prefills (measured:
+//! `docs/engine.md`, "Packed prefills"). The first that does not fit waits
+//! at the queue's front. Unchunked, a prefill has its forward to itself.
+//! Prefills packed together do not see each other's blocks in the prefix
+//! cache (each reads it when it begins).
+//!
+//! Chunked equals unchunked, and packed equals alone, bit for bit (first
+//! token, log-probabilities, every KV value): each row's projections and
+//! attention do not depend on the other rows of its step as long as a step
+//! has at least [`MIN_ROWS`] rows (candle's f32 GEMM sums very few rows in
+//! another order; the int8 kernel of a packed forward never does), the K/V
+//! a row attends to is the same stored bf16 whichever step wrote it, and
+//! the whole prompt keeps one projection path (dense for a prompt of more
+//! than one token). The prefix cache's warm == cold rests on the same
+//! facts.
 
 use std::time::Instant;
 
@@ -28,17 +44,35 @@ use crate::{EngineError, Prefilled};
 
 use super::{MIN_ROWS, PrefillJob, Scheduler, lock};
 
-/// A prefill whose prompt is partly in the prefill cache.
+/// Most prefills one forward computes (each holds a sequence cache of
+/// its own while it runs): the one in progress and up to this many less one
+/// packed beside it.
+pub const MAX_PACKED_PREFILLS: usize = 8;
+
+/// A prefill begun: its prompt partly in its own sequence cache.
 pub(super) struct Partial {
     job: PrefillJob,
     /// The prompt's full-block hashes (empty with the prefix cache off).
     hashes: Vec<BlockHash>,
     /// Prompt tokens read from the prefix cache.
     cached: usize,
-    /// Prompt tokens whose K/V is in the prefill cache.
+    /// Prompt tokens whose K/V is in `cache`.
     pub(super) done: usize,
+    /// Its K/V so far (taken from the scheduler's spares, given back when
+    /// the prefill ends).
+    cache: SeqCache,
     started: Instant,
     span: tracing::Span,
+}
+
+/// What [`Scheduler::begin`] made of a prefill job.
+pub(super) enum Begun {
+    /// Started: the prefix cache's run is in its cache.
+    Started(Partial),
+    /// Its requester is gone; nothing started.
+    Gone,
+    /// More rows to compute than the room it was offered; nothing started.
+    TooLong(PrefillJob),
 }
 
 /// Rows of the next chunk: `rest` tokens are left, `budget` is the
@@ -56,20 +90,25 @@ pub(super) fn chunk_rows(rest: usize, budget: Option<usize>, decoding: usize) ->
     }
 }
 
+/// Rows a forward of `used` rows (the decode step's and the first
+/// prefill chunk's) leaves for whole prefills packed beside them: the
+/// budget less `used`; none unchunked (`budget` `None`), where a prefill
+/// has its forward to itself.
+pub(super) fn pack_room(budget: Option<usize>, used: usize) -> usize {
+    budget.map_or(0, |b| b.saturating_sub(used))
+}
+
 // === impl Scheduler (prefill) ===
 
 impl Scheduler {
-    /// Starts a prefill: the prefix cache's longest usable run into the
-    /// prefill cache. Nothing starts when its requester is gone.
-    pub(super) fn begin_prefill(&mut self, job: PrefillJob) {
+    /// Starts a prefill: the prefix cache's longest usable run into a
+    /// sequence cache of its own. Nothing starts when its requester is gone,
+    /// or when `room` is given and the rows left to compute exceed it (the
+    /// job is handed back, the prefix cache untouched).
+    pub(super) fn begin(&mut self, job: PrefillJob, room: Option<usize>) -> Begun {
         if job.reply.is_closed() {
-            return;
+            return Begun::Gone;
         }
-        let span = tracing::debug_span!("prefill", tokens = job.prompt.len());
-        let cache = self
-            .prefill_cache
-            .get_or_insert_with(|| SeqCache::new(self.layout));
-        cache.reset();
         let mut prefix = lock(&self.prefix);
         let hashes = if prefix.enabled() {
             prefix.hashes(&job.prompt, job.params.cache_salt.as_deref())
@@ -84,20 +123,82 @@ impl Scheduler {
         while most > 0 && n - most * b < MIN_ROWS {
             most -= 1;
         }
+        if let Some(room) = room {
+            let hit = if prefix.enabled() {
+                prefix.matched(&job.prompt, &hashes, most) * b
+            } else {
+                0
+            };
+            if n - hit > room {
+                return Begun::TooLong(job);
+            }
+        }
+        let mut cache = self
+            .spare
+            .pop()
+            .unwrap_or_else(|| SeqCache::new(self.layout));
+        cache.reset();
         let cached = if prefix.enabled() {
-            prefix.load(&job.prompt, &hashes, most, cache)
+            prefix.load(&job.prompt, &hashes, most, &mut cache)
         } else {
             0
         };
         drop(prefix);
-        self.partial = Some(Partial {
+        let span = tracing::debug_span!("prefill", tokens = job.prompt.len(), cached);
+        Begun::Started(Partial {
             job,
             hashes,
             cached,
             done: cached,
+            cache,
             started: Instant::now(),
             span,
-        });
+        })
+    }
+
+    /// Starts `job` as the prefill in progress (nothing when its requester
+    /// is gone).
+    pub(super) fn begin_prefill(&mut self, job: PrefillJob) {
+        if let Begun::Started(p) = self.begin(job, None) {
+            self.partial = Some(p);
+        }
+    }
+
+    /// Begins, in arrival order, the `waiting` prefills whose whole rest
+    /// fits in `room` rows together, and returns them as chunks to compute
+    /// beside the prefill in progress. The first that does not fit goes
+    /// back to the front of the queue with every one after it (order kept,
+    /// none passed over).
+    pub(super) fn pack(&mut self, waiting: Vec<PrefillJob>, mut room: usize) -> Vec<Chunk> {
+        let mut chunks = Vec::new();
+        let mut jobs = waiting.into_iter();
+        while let Some(job) = jobs.next() {
+            match self.begin(job, Some(room)) {
+                Begun::Started(p) => {
+                    let rows = p.job.prompt.len() - p.done;
+                    room -= rows;
+                    chunks.push(Chunk { p, rows });
+                }
+                Begun::Gone => {}
+                Begun::TooLong(job) => {
+                    self.requeue(std::iter::once(job).chain(jobs).collect());
+                    break;
+                }
+            }
+        }
+        chunks
+    }
+
+    /// Puts `jobs` (taken from the queue's front, in order) back there.
+    pub(super) fn requeue(&self, jobs: Vec<PrefillJob>) {
+        if jobs.is_empty() {
+            return;
+        }
+        let mut st = self.shared.lock();
+        for job in jobs.into_iter().rev() {
+            st.prefills.push_front(job);
+        }
+        self.shared.publish_waiting(&st);
     }
 
     /// Computes the next chunk of the prefill in progress, if any, in a
@@ -112,18 +213,11 @@ impl Scheduler {
     }
 
     /// Computes `chunk` in a forward of its own; see [`Self::finish_chunk`].
-    pub(super) fn run_chunk(&mut self, chunk: Chunk) -> usize {
-        let logits = match self.prefill_cache.as_mut() {
-            Some(cache) => {
-                let step = chunk.step(cache);
-                // The projections' path is the whole prompt's, so every
-                // chunk (and a warm prefill) computes its rows as a cold
-                // one does.
-                let dense = chunk.p.job.prompt.len() > 1;
-                self.model.forward(&mut [step], dense)
-            }
-            None => Err(gone()),
-        };
+    pub(super) fn run_chunk(&mut self, mut chunk: Chunk) -> usize {
+        // The projections' path is the whole prompt's, so every chunk (and
+        // a warm prefill) computes its rows as a cold one does.
+        let dense = chunk.p.job.prompt.len() > 1;
+        let logits = self.model.forward(&mut [chunk.step()], dense);
         match logits {
             Ok(l) => self.finish_chunk(chunk, Ok(&l)),
             Err(e) => self.finish_chunk(chunk, Err(e)),
@@ -136,6 +230,7 @@ impl Scheduler {
         let p = self.partial.take()?;
         if p.job.reply.is_closed() {
             tracing::debug!(parent: &p.span, done = p.done, "prefill cancelled: requester gone");
+            self.spare.push(p.cache);
             return None;
         }
         let rows = chunk_rows(
@@ -161,12 +256,9 @@ impl Scheduler {
             Ok(l) => l,
             Err(e) => {
                 let _ = p.job.reply.send(Err(e));
+                self.spare.push(p.cache);
                 return 0;
             }
-        };
-        let Some(cache) = self.prefill_cache.as_mut() else {
-            let _ = p.job.reply.send(Err(gone()));
-            return 0;
         };
         let n = p.job.prompt.len();
         p.done += rows;
@@ -175,7 +267,14 @@ impl Scheduler {
             self.partial = Some(p);
             return rows;
         }
-        let mut job = p.job;
+        let Partial {
+            mut job,
+            hashes,
+            cached,
+            cache,
+            started,
+            ..
+        } = p;
         let history = History::new(&job.prompt, &job.params, self.tokenizer.stop_ids());
         let first = sample(logits, &job.params, 0, &history);
         // With a sink the cache goes straight into it (the one copy) and
@@ -185,6 +284,7 @@ impl Scheduler {
                 Ok(()) => cache.export_none(),
                 Err(e) => {
                     let _ = job.reply.send(Err(e));
+                    self.spare.push(cache);
                     return rows;
                 }
             },
@@ -194,12 +294,13 @@ impl Scheduler {
             first_token: first.id,
             first_logprobs: first.logprobs,
             kv,
-            elapsed: p.started.elapsed(),
-            cached_tokens: p.cached,
+            elapsed: started.elapsed(),
+            cached_tokens: cached,
         };
-        if !p.hashes.is_empty() {
-            lock(&self.prefix).store(&job.prompt, &p.hashes, cache);
+        if !hashes.is_empty() {
+            lock(&self.prefix).store(&job.prompt, &hashes, &cache);
         }
+        self.spare.push(cache);
         tracing::debug!(
             ms = done.elapsed.as_secs_f64() * 1e3,
             first_token = done.first_token,
@@ -214,21 +315,19 @@ impl Scheduler {
 /// A prefill's next chunk: its rows are `p.job.prompt[p.done..p.done + rows]`.
 pub(super) struct Chunk {
     p: Partial,
-    rows: usize,
+    pub(super) rows: usize,
 }
 
 impl Chunk {
-    /// The chunk's part of a forward, appending to the prefill cache.
-    pub(super) fn step<'a>(&'a self, cache: &'a mut SeqCache) -> SeqStep<'a> {
-        let tokens = &self.p.job.prompt[self.p.done..self.p.done + self.rows];
-        SeqStep { tokens, cache }
+    /// The chunk's part of a forward, appending to its prefill's cache.
+    pub(super) fn step(&mut self) -> SeqStep<'_> {
+        let p = &mut self.p;
+        let tokens = &p.job.prompt[p.done..p.done + self.rows];
+        SeqStep {
+            tokens,
+            cache: &mut p.cache,
+        }
     }
-}
-
-/// The error of a chunk whose prefill cache is missing (cannot happen: a
-/// prefill begins by making it).
-fn gone() -> EngineError {
-    EngineError::InvalidRequest("the prefill cache is gone".into())
 }
 
 #[cfg(test)]
@@ -249,5 +348,12 @@ mod tests {
         assert_eq!(chunk_rows(128 + MIN_ROWS, Some(128), 0), 128);
         // A short rest is taken whole.
         assert_eq!(chunk_rows(5, Some(128), 0), 5);
+    }
+
+    #[test]
+    fn packed_prefills_fill_what_the_budget_leaves_and_only_under_one() {
+        assert_eq!(pack_room(Some(64), 31), 33);
+        assert_eq!(pack_room(Some(64), 70), 0);
+        assert_eq!(pack_room(None, 1), 0);
     }
 }

@@ -1,6 +1,8 @@
 //! Helpers shared by the engine's integration tests.
 #![allow(dead_code)]
 
+pub mod lockstep;
+
 use std::path::PathBuf;
 
 use rngd_engine::{Engine, EngineError, FinishReason, GenEvent, SamplingParams};
@@ -111,4 +113,17 @@ pub fn same_prefill(a: &rngd_engine::Prefilled, b: &rngd_engine::Prefilled, what
         "{what}: log-probabilities"
     );
     assert_eq!(a.kv, b.kv, "{what}: KV");
+}
+
+/// A stream's next token with its log-probabilities.
+pub async fn next_token(
+    rx: &mut tokio::sync::mpsc::Receiver<GenEvent>,
+) -> Option<(u32, Option<rngd_engine::TokenLogprobs>)> {
+    loop {
+        match rx.recv().await? {
+            GenEvent::Token { id, logprobs, .. } => return Some((id, logprobs)),
+            GenEvent::Error(e) => panic!("stream failed: {e}"),
+            GenEvent::Done { .. } => {}
+        }
+    }
 }
