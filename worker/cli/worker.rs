@@ -140,7 +140,8 @@ pub struct Args {
     /// With chunked prefill, the tokens one engine iteration computes at
     /// most: a prefill is computed in chunks of this budget less the running
     /// decode streams (one token each), so a long prompt does not stall them
-    /// for its whole length (vLLM's flag; at least 8).
+    /// for its whole length, and what a chunk leaves takes the waiting
+    /// prefills that fit whole (vLLM's flag; at least 8).
     #[arg(long, env = env::RNGD_PD_MAX_NUM_BATCHED_TOKENS, default_value_t = rngd_engine::cpu::DEFAULT_MAX_NUM_BATCHED_TOKENS, value_parser = parse_budget)]
     pub max_num_batched_tokens: usize,
     /// Chunk prefills under `--max-num-batched-tokens` (vLLM's flag; off by

@@ -82,7 +82,8 @@ pub struct CpuEngineOptions {
     /// The prefix cache (default: on, blocks of 16, 256 MiB).
     pub prefix_cache: PrefixCacheOptions,
     /// Chunked prefill: the tokens one scheduler iteration computes at
-    /// most, the decode step's and a prefill chunk's together (vLLM's
+    /// most, the decode step's and the prefills' together (a chunk of the
+    /// one in progress, and the waiting ones packed beside it whole; vLLM's
     /// `max_num_batched_tokens`; at least [`MIN_ROWS`]). Default `None`: a
     /// prefill runs whole in one iteration (measured: `docs/engine.md`,
     /// "Chunked prefill").
