@@ -14,7 +14,7 @@ mod common;
 use std::sync::Arc;
 
 use common::lockstep::Lockstep;
-use common::{byte_prompt, logprob_params, next_token, no_prefix_cache, same_prefill};
+use common::{byte_prompt, logprob_params, next_token, no_prefix_cache, same_prefill, tiny_on};
 use rngd_engine::cpu::{CpuEngine, CpuEngineOptions, MIN_ROWS, PrefillProjections};
 use rngd_engine::prefix::PrefixCacheOptions;
 use rngd_engine::tiny::{self, TinyConfig};
@@ -24,20 +24,6 @@ const S: usize = 512;
 
 fn tiny(budget: Option<usize>, prefix: PrefixCacheOptions) -> Arc<CpuEngine> {
     tiny_on(budget, prefix, PrefillProjections::Auto)
-}
-
-/// The tiny model with its prefills' projections on `kernels` (`Auto`: the
-/// f32 GEMM, its random weights having no exact int8 blocks).
-fn tiny_on(
-    budget: Option<usize>,
-    prefix: PrefixCacheOptions,
-    kernels: PrefillProjections,
-) -> Arc<CpuEngine> {
-    let cfg = TinyConfig {
-        prefill_projections: kernels,
-        ..TinyConfig::default()
-    };
-    tiny::engine_with_budget(&cfg, S, 4, &prefix, budget).unwrap()
 }
 
 const KERNELS: [PrefillProjections; 2] = [PrefillProjections::Auto, PrefillProjections::Int8];

@@ -12,28 +12,11 @@
 
 mod common;
 
-use std::sync::Arc;
-
 use common::lockstep::Lockstep;
-use common::{byte_prompt, logprob_params, next_token, no_prefix_cache, same_prefill};
+use common::{byte_prompt, logprob_params, next_token, no_prefix_cache, same_prefill, tiny_on};
 use rngd_engine::cpu::{CpuEngine, CpuEngineOptions, MAX_PACKED_PREFILLS, PrefillProjections};
 use rngd_engine::prefix::PrefixCacheOptions;
-use rngd_engine::tiny::{self, TinyConfig};
 use rngd_engine::{Engine, Prefilled, SamplingParams, TokenLogprobs};
-
-const S: usize = 512;
-
-fn tiny_on(
-    budget: Option<usize>,
-    prefix: PrefixCacheOptions,
-    kernels: PrefillProjections,
-) -> Arc<CpuEngine> {
-    let cfg = TinyConfig {
-        prefill_projections: kernels,
-        ..TinyConfig::default()
-    };
-    tiny::engine_with_budget(&cfg, S, 4, &prefix, budget).unwrap()
-}
 
 type Tokens = Vec<(u32, Option<TokenLogprobs>)>;
 

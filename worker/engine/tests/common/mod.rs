@@ -127,3 +127,18 @@ pub async fn next_token(
         }
     }
 }
+
+/// The tiny model (S = 512, 4 decode slots) with its prefills' projections
+/// on `kernels` (`Auto`: the f32 GEMM, its random weights having no exact
+/// int8 blocks), chunking under `budget`.
+pub fn tiny_on(
+    budget: Option<usize>,
+    prefix: rngd_engine::prefix::PrefixCacheOptions,
+    kernels: rngd_engine::cpu::PrefillProjections,
+) -> std::sync::Arc<rngd_engine::cpu::CpuEngine> {
+    let cfg = rngd_engine::tiny::TinyConfig {
+        prefill_projections: kernels,
+        ..Default::default()
+    };
+    rngd_engine::tiny::engine_with_budget(&cfg, 512, 4, &prefix, budget).unwrap()
+}
