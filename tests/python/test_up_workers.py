@@ -1,16 +1,22 @@
 """`rngd-pd up --prefill-workers N --decode-workers M`: one prefill and two
 decode workers behind the gateway, driven with the real `openai` client.
 Concurrent distinct prompts reach both decode workers (their own `/metrics`
-count them), and once `up` stops on SIGINT none of its children is left.
-Wrong counts are refused before anything starts.
+count them). A SIGKILLed decode worker, then the SIGKILLed relay, are
+started again by `up` on the addresses they had, while the gateway keeps
+answering; once `up` stops on SIGINT none of its children (the restarted
+ones included) is left. Wrong counts are refused before anything starts.
 """
 
 import os
+import signal
+import socket
 import subprocess
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
+import requests
 
 from conftest import counter, rngd_bin, start_stack
 
@@ -50,10 +56,47 @@ def stack():
     s.decode1 = s.proc.wait_line("rngd-pd up: decode-1 ", 5)
     s.children = children(s.proc.p.pid)
     yield s
+    # Read again now: a test may have had children restarted since.
+    kids = children(s.proc.p.pid)
     assert s.proc.stop() == 0
     assert not os.path.exists(s.shm_root)
-    left = {pid: c for pid, c in s.children.items() if alive(pid, c)}
+    left = {pid: c for pid, c in {**s.children, **kids}.items() if alive(pid, c)}
     assert not left, f"children of rngd-pd up still running: {left}"
+
+
+def wait_for(what, check, within):
+    """Polls `check()` every 0.1 s until it returns something true (returned)."""
+    deadline = time.monotonic() + within
+    while True:
+        got = check()
+        if got:
+            return got
+        assert time.monotonic() < deadline, f"{what}: not within {within} s"
+        time.sleep(0.1)
+
+
+def the_child(stack, *needles, but=None):
+    """(pid, cmdline) of the one running child of `up` whose command line
+    holds every needle (other than pid `but`), or None."""
+    found = [(pid, c) for pid, c in children(stack.proc.p.pid).items()
+             if pid != but and c and all(n in c for n in needles)]
+    assert len(found) <= 1, found
+    return found[0] if found else None
+
+
+def client(stack):
+    return openai.OpenAI(base_url=stack.gateway + "/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+def ask(c, stack, prompt):
+    r = c.completions.create(model=stack.model, prompt=prompt, max_tokens=4, temperature=0)
+    assert r.choices[0].text, r
+    return r
+
+
+def healthy_decoders(stack):
+    roles = requests.get(stack.gateway + "/ready", timeout=5).json().get("endpoints", {})
+    return roles.get("decode", {}).get("healthy", 0)
 
 
 def test_every_worker_is_a_child_and_is_printed(stack):
@@ -113,6 +156,84 @@ def test_concurrent_prompts_reach_both_decode_workers(stack):
             break
     assert all(n > 0 for n in served), f"requests per decode worker after {sent}: {served}"
     assert sum(served) >= sent
+
+
+def test_a_killed_decode_worker_comes_back_on_its_addresses(stack):
+    """SIGKILL decode-1: `up` keeps running, the gateway answers on the
+    other decode worker meanwhile, and decode-1 comes back (a new process)
+    on the same URL and the same KV-event endpoints the gateway and the
+    picker were given, and serves requests again."""
+    worker = (" worker --role decode ", '"topic":"kv@decode-1"')
+    old, _ = the_child(stack, *worker)
+    port = stack.decode1.rsplit(":", 1)[1]
+    publ, replay = stack.proc.wait_line("rngd-pd up: kv events decode-1 ", 5).split(" replay ")
+    os.kill(old, signal.SIGKILL)
+    c = client(stack)
+    # Once the gateway has seen it go, the other decode worker serves.
+    wait_for("the gateway seeing decode-1 gone", lambda: healthy_decoders(stack) == 1, 30)
+    for i in range(3):
+        ask(c, stack, f"While one worker restarts, request {i} asks about")
+    assert stack.proc.p.poll() is None, "rngd-pd up stopped when a worker died"
+
+    def back():
+        try:
+            if requests.get(stack.decode1 + "/ready", timeout=2).status_code != 200:
+                return None
+        except requests.RequestException:
+            return None
+        return the_child(stack, *worker, but=old)
+
+    # Bounded by the model load (seconds) and the first backoff (0.5 s).
+    new, cmd = wait_for("decode-1 ready again on " + stack.decode1, back, 120)
+    assert new != old
+    assert f" --port {port} " in cmd, cmd
+    assert f'"endpoint":"{publ}"' in cmd and f'"replay_endpoint":"{replay}"' in cmd, cmd
+    assert stack.proc.p.poll() is None
+    # The gateway routes to it again: bursts of distinct prompts until the
+    # new process has served some (its counters start from zero).
+    wait_for("the gateway seeing decode-1 back", lambda: healthy_decoders(stack) == 2, 30)
+    d1 = stack.decode1.removeprefix("http://")
+    metric = "rngd_pd_worker_requests_total"
+    sent = 0
+    with ThreadPoolExecutor(8) as pool:
+        for burst in range(4):
+            list(pool.map(lambda i: ask(c, stack, f"After the restart, boat {i * 13} sails to"),
+                          range(sent, sent + 8)))
+            sent += 8
+            if counter(d1, metric) > 0:
+                break
+    assert counter(d1, metric) > 0, f"decode-1 served none of {sent} requests after its restart"
+
+
+def test_a_killed_relay_comes_back_on_its_addresses(stack):
+    """SIGKILL the relay: it comes back on the same listen and metrics
+    addresses (the workers were given the first), and requests still work."""
+    addr = stack.proc.wait_line("rngd-pd up: relay     tcp://", 5)
+    metrics = stack.proc.wait_line("rngd-pd up: relay     metrics ", 5)
+    old, _ = the_child(stack, " relay --listen ")
+    os.kill(old, signal.SIGKILL)
+    c = client(stack)
+    ask(c, stack, "While the relay restarts, the sky is")
+
+    def back():
+        new = the_child(stack, " relay --listen ", but=old)
+        if new is None:
+            return None
+        try:
+            host, port = addr.rsplit(":", 1)
+            with socket.create_connection((host, int(port)), timeout=2):
+                pass
+            if requests.get(metrics, timeout=2).status_code != 200:
+                return None
+        except OSError:
+            return None
+        return new
+
+    new, cmd = wait_for("the relay back on " + addr, back, 60)
+    assert f" --listen {addr} " in cmd, cmd
+    assert f" --metrics-listen {metrics.removeprefix('http://').removesuffix('/metrics')}" in cmd, cmd
+    assert stack.proc.p.poll() is None, "rngd-pd up stopped when the relay died"
+    ask(c, stack, "After the relay restarted, the sea is")
 
 
 def test_counts_are_refused_before_anything_starts():

@@ -6,10 +6,13 @@
 //! with no prefill worker the decode workers prefill locally), the gateway in
 //! front of all of them and the Envoy ext-proc endpoint picker, reading each
 //! one's printed address. Prints the URLs and a ready-to-paste curl, then
-//! waits; Ctrl-C / SIGTERM (or any child exiting) stops every child and
-//! removes the stack's shm directory and its private scratch directory
-//! ([`scratch`]). This file owns the flags and the order of the start-up;
-//! [`plan`] what each child is given, [`stack`] the children themselves.
+//! keeps the stack serving: a child that exits (any of them) is started
+//! again with exponential backoff, on the addresses it had, while the others
+//! keep serving ([`stack::Stack::supervise`]). Only Ctrl-C / SIGTERM stops
+//! it: every child, in order, then the stack's shm directory and its
+//! private scratch directory ([`scratch`]) are removed. This file owns the
+//! flags and the order of the start-up; [`plan`] what each child is given
+//! (and given again on a restart), [`stack`] the children themselves.
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -17,8 +20,8 @@ use std::time::Duration;
 use anyhow::{Context, bail};
 use rngd_api::env;
 
-use plan::{SharedFlags, StartedWorker, WorkerPlan};
-use stack::{Stack, Tier, http_url};
+use plan::{ChildKind, SharedFlags, StartedWorker, WorkerPlan};
+use stack::{Stack, http_url};
 
 /// (Defined before the `mod`s below: visible in them by textual scope.)
 /// A line on stdout that never panics: `up 2>&1 | tee log` and a Ctrl-C
@@ -149,7 +152,10 @@ pub struct Args {
     /// ext-proc gRPC port (0 = pick).
     #[arg(long, default_value_t = 0)]
     pub ext_proc_port: u16,
-    /// How long to wait for the workers to load the model, seconds.
+    /// How long to wait for the workers to load the model, seconds; also
+    /// how long each restart of a child that exited has to serve again
+    /// (print its address and, for a worker, answer `/ready`) before it is
+    /// killed and retried.
     #[arg(long, default_value_t = 600)]
     pub ready_timeout_s: u64,
     /// Do not publish the workers' KV-cache events (by default each worker
@@ -292,15 +298,16 @@ pub async fn run(args: Args, log_format: crate::LogFormat) -> anyhow::Result<()>
         r = bring_up(&args, &model, &policy, &plans, &mut stack) => r,
         _ = &mut shutdown => Err(anyhow::anyhow!("interrupted while starting")),
     };
+    // Serving: a child that exits is restarted (the others keep serving)
+    // until Ctrl-C / SIGTERM, which also cuts a backoff wait or a restart
+    // under way short (the process being restarted is in the stack).
     let outcome = match started {
         Ok(()) => tokio::select! {
             _ = &mut shutdown => {
                 note!("rngd-pd up: stopping");
                 Ok(())
             }
-            exited = stack.watch_children() => {
-                Err(anyhow::anyhow!("{exited}; stopping the stack"))
-            }
+            never = stack.supervise(Duration::from_secs(args.ready_timeout_s)) => match never {},
         },
         Err(e) => Err(e),
     };
@@ -378,21 +385,14 @@ async fn start_relay(args: &Args, secret: &str, stack: &mut Stack) -> anyhow::Re
     let (relay, before) = stack
         .start(
             "relay",
-            Tier::Relay,
-            &[
-                "relay".into(),
-                "--listen".into(),
-                format!("{}:{}", args.host, args.relay_port),
-                "--metrics-listen".into(),
-                "127.0.0.1:0".into(),
-            ],
+            ChildKind::Relay,
+            &plan::relay_args(args),
             &[(env::AIRM_KV_TCP_SECRET, secret.to_string())],
-            "relay listening on ",
         )
         .await?;
     let metrics = before
         .iter()
-        .find_map(|l| l.strip_prefix("relay metrics listening on "))
+        .find_map(|l| l.strip_prefix(plan::RELAY_METRICS_PREFIX))
         .map(|a| format!("http://{}/metrics", a.trim()));
     Ok(StartedRelay {
         addr: relay
@@ -439,15 +439,7 @@ async fn spawn_worker(
     envs: &[(&str, String)],
     stack: &mut Stack,
 ) -> anyhow::Result<StartedWorker> {
-    let (addr, before) = stack
-        .start(
-            &w.name,
-            Tier::Worker,
-            args,
-            envs,
-            rngd_worker::LISTENING_PREFIX,
-        )
-        .await?;
+    let (addr, before) = stack.start(&w.name, ChildKind::Worker, args, envs).await?;
     let kv_events = before
         .iter()
         .find_map(|l| l.strip_prefix(rngd_worker::KV_EVENTS_PREFIX))
@@ -512,13 +504,7 @@ async fn start_gateway(
         .map(|k| (env::VLLM_API_KEY, k.clone()))
         .collect();
     let (gw, before) = stack
-        .start(
-            "gateway",
-            Tier::Front,
-            &g,
-            &envs,
-            "rngd-pd gateway listening on ",
-        )
+        .start("gateway", ChildKind::Gateway, &g, &envs)
         .await?;
     let kpis = before
         .iter()
@@ -544,55 +530,25 @@ async fn start_ext_proc(f: &Front<'_>, stack: &mut Stack) -> anyhow::Result<Opti
     let eps = plan::picker_endpoints(args, f.workers)?;
     std::fs::write(&eps_file, serde_json::to_vec_pretty(&eps)?)
         .context("writing the endpoints file")?;
-    let mut e: Vec<String> = [
-        "ext-proc",
-        "--host",
-        &args.host,
-        "--grpc-port",
-        &args.ext_proc_port.to_string(),
-        "--grpc-health-port",
-        "0",
-        // TLS with a self-signed certificate, as the reference picker and
-        // deploy/envoy/envoy.yaml (whose epp cluster accepts it).
-        "--secure-serving=true",
-        "--metrics-port",
-        "0",
-        "--endpoints",
+    let e = plan::ext_proc_args(
+        args,
+        shared,
         &eps_file.display().to_string(),
-        "--policy",
         &f.policy.display().to_string(),
-        "--policy-config",
         &f.policy_config.display().to_string(),
-        "--model",
-        &shared.model,
-    ]
-    .map(String::from)
-    .to_vec();
-    e.extend(shared.template.iter().cloned());
-    // The picker serves the workers' names (it refuses any other with 404).
-    e.extend(shared.names.iter().cloned());
-    let (metrics, before) = stack
-        .start(
-            "ext-proc",
-            Tier::Front,
-            &e,
-            &[],
-            "rngd-pd ext-proc metrics listening on ",
-        )
-        .await?;
+    );
+    let (metrics, before) = stack.start("ext-proc", ChildKind::ExtProc, &e, &[]).await?;
     let line = |prefix: &str| {
         before
             .iter()
             .find_map(|l| l.strip_prefix(prefix))
             .map(|a| a.trim().to_string())
     };
-    Ok(
-        line("rngd-pd ext-proc grpc listening on ").map(|grpc| Picker {
-            grpc,
-            health: line("rngd-pd ext-proc health listening on ").unwrap_or_default(),
-            metrics,
-        }),
-    )
+    Ok(line(plan::EXT_PROC_GRPC_PREFIX).map(|grpc| Picker {
+        grpc,
+        health: line(plan::EXT_PROC_HEALTH_PREFIX).unwrap_or_default(),
+        metrics,
+    }))
 }
 
 /// The picker's listeners, as it printed them.

@@ -1,8 +1,13 @@
 //! `rngd-pd up`'s plan, as pure functions of the flags and of what the
 //! children printed: the worker counts checked, one [`WorkerPlan`] per worker
 //! (name, role, port), each worker's command line, the gateway's command line,
-//! the picker's endpoints and the lines `up` prints about its workers. Nothing
-//! here starts a process or touches a file.
+//! the picker's endpoints and the lines `up` prints about its workers; and
+//! the restart of a child that exits: the command line it is started again
+//! with (the ports it bound in place of 0, [`restart_args`]) and the delay
+//! before each attempt ([`Backoff`]). Nothing here starts a process or
+//! touches a file.
+
+use std::time::Duration;
 
 use anyhow::bail;
 
@@ -277,6 +282,58 @@ pub(super) fn worker_args(
     a
 }
 
+/// `rngd-pd relay ...`: on `--host` and `--relay-port`, its metrics on a
+/// free loopback port.
+pub(super) fn relay_args(args: &Args) -> Vec<String> {
+    vec![
+        "relay".into(),
+        "--listen".into(),
+        format!("{}:{}", args.host, args.relay_port),
+        "--metrics-listen".into(),
+        "127.0.0.1:0".into(),
+    ]
+}
+
+/// `rngd-pd ext-proc ...` on the workers in `endpoints_file`, with the
+/// policy and its configuration: TLS with a self-signed certificate, its
+/// health and metrics listeners on ports it picks.
+pub(super) fn ext_proc_args(
+    args: &Args,
+    shared: &SharedFlags,
+    endpoints_file: &str,
+    policy: &str,
+    policy_config: &str,
+) -> Vec<String> {
+    let mut e: Vec<String> = [
+        "ext-proc",
+        "--host",
+        &args.host,
+        "--grpc-port",
+        &args.ext_proc_port.to_string(),
+        "--grpc-health-port",
+        "0",
+        // TLS with a self-signed certificate, as the reference picker and
+        // deploy/envoy/envoy.yaml (whose epp cluster accepts it).
+        "--secure-serving=true",
+        "--metrics-port",
+        "0",
+        "--endpoints",
+        endpoints_file,
+        "--policy",
+        policy,
+        "--policy-config",
+        policy_config,
+        "--model",
+        &shared.model,
+    ]
+    .map(String::from)
+    .to_vec();
+    e.extend(shared.template.iter().cloned());
+    // The picker serves the workers' names (it refuses any other with 404).
+    e.extend(shared.names.iter().cloned());
+    e
+}
+
 /// The gateway's `--kv-events` value for a worker at `url` that printed
 /// `printed` (`PUB` or `PUB replay REPLAY`): `HOST:PORT=PUB[,REPLAY]`.
 pub(super) fn kv_events_spec(url: &str, printed: &str) -> String {
@@ -392,6 +449,202 @@ pub(super) fn kv_event_lines(workers: &[StartedWorker]) -> Vec<String> {
             Some(format!("rngd-pd up: kv events {key:<8}{ev}"))
         })
         .collect()
+}
+
+// === restarts ===
+
+/// Delay before a child's first restart.
+pub(super) const BACKOFF_START: Duration = Duration::from_millis(500);
+
+/// Longest delay between two restarts of one child.
+pub(super) const BACKOFF_MAX: Duration = Duration::from_secs(30);
+
+/// A child that has served this long since its last (re)start is back to
+/// [`BACKOFF_START`] when it exits.
+pub(super) const STABLE_AFTER: Duration = Duration::from_secs(60);
+
+/// The delays between a child's restarts, as a kubelet's: [`BACKOFF_START`],
+/// doubled after each attempt up to [`BACKOFF_MAX`], back to the start once
+/// the child has served [`STABLE_AFTER`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct Backoff {
+    /// The delay the next attempt waits.
+    next: Duration,
+}
+
+// === impl Backoff ===
+
+impl Default for Backoff {
+    fn default() -> Self {
+        Backoff {
+            next: BACKOFF_START,
+        }
+    }
+}
+
+impl Backoff {
+    /// The delay before the next attempt of a child that exited (or failed
+    /// to start) after serving `served` (zero for a failed start); the one
+    /// after it doubles.
+    pub(super) fn next(&mut self, served: Duration) -> Duration {
+        if served >= STABLE_AFTER {
+            *self = Backoff::default();
+        }
+        let d = self.next;
+        self.next = (d * 2).min(BACKOFF_MAX);
+        d
+    }
+}
+
+/// Which of `up`'s children a process is: the line it prints once it
+/// serves, what `up` polls before it counts as up, and which of its flags
+/// name the ports it binds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum ChildKind {
+    /// The KV relay.
+    Relay,
+    /// A prefill or decode worker.
+    Worker,
+    /// The gateway.
+    Gateway,
+    /// The Envoy ext-proc endpoint picker.
+    ExtProc,
+}
+
+/// `rngd-pd relay`'s line for its metrics listener.
+pub(super) const RELAY_METRICS_PREFIX: &str = "relay metrics listening on ";
+/// `rngd-pd ext-proc`'s line for its gRPC listener.
+pub(super) const EXT_PROC_GRPC_PREFIX: &str = "rngd-pd ext-proc grpc listening on ";
+/// `rngd-pd ext-proc`'s line for its gRPC health listener.
+pub(super) const EXT_PROC_HEALTH_PREFIX: &str = "rngd-pd ext-proc health listening on ";
+
+// === impl ChildKind ===
+
+impl ChildKind {
+    /// The start of the stdout line the child prints once it serves; its
+    /// address follows (the lines before it name its other listeners).
+    pub(super) fn ready_prefix(self) -> &'static str {
+        match self {
+            ChildKind::Relay => "relay listening on ",
+            ChildKind::Worker => rngd_worker::LISTENING_PREFIX,
+            ChildKind::Gateway => "rngd-pd gateway listening on ",
+            // Printed last, after the gRPC and health lines.
+            ChildKind::ExtProc => "rngd-pd ext-proc metrics listening on ",
+        }
+    }
+
+    /// The path `up` polls on the printed address until it answers 200
+    /// before the child counts as serving; `None`: the printed line is enough.
+    pub(super) fn ready_path(self) -> Option<&'static str> {
+        match self {
+            ChildKind::Worker => Some("/ready"),
+            ChildKind::Gateway => Some("/health"),
+            ChildKind::Relay | ChildKind::ExtProc => None,
+        }
+    }
+
+    /// The printed address (the rest of the [`Self::ready_prefix`] line) as
+    /// `up` logs it: a URL for the HTTP servers.
+    pub(super) fn address(self, printed: &str) -> String {
+        match self {
+            ChildKind::Worker | ChildKind::Gateway => super::stack::http_url(printed.to_string()),
+            ChildKind::Relay | ChildKind::ExtProc => printed.to_string(),
+        }
+    }
+}
+
+/// The port of a printed address: `HOST:PORT`, `[V6]:PORT`, or a URL
+/// (`SCHEME://HOST:PORT[/PATH]`).
+pub(super) fn port_of(printed: &str) -> Option<u16> {
+    let rest = printed.trim();
+    let rest = rest.split_once("://").map_or(rest, |(_, r)| r);
+    let authority = rest.split('/').next()?;
+    authority.rsplit_once(':')?.1.parse().ok()
+}
+
+/// `HOST:PORT` with its port replaced by `port`.
+fn with_port(host_port: &str, port: u16) -> Option<String> {
+    let (host, _) = host_port.rsplit_once(':')?;
+    Some(format!("{host}:{port}"))
+}
+
+/// The rest of the first of `lines` that starts with `prefix`, trimmed.
+fn printed_after<'a>(lines: &'a [String], prefix: &str) -> Option<&'a str> {
+    lines
+        .iter()
+        .find_map(|l| l.strip_prefix(prefix))
+        .map(str::trim)
+}
+
+/// Replaces the value after `flag` (given as its own argument, as `up`
+/// builds every command line) by `make(old)`, when that is `Some`.
+fn replace_value(args: &mut [String], flag: &str, make: impl FnOnce(&str) -> Option<String>) {
+    if let Some(at) = args.iter().position(|a| a == flag)
+        && let Some(v) = args.get_mut(at + 1)
+        && let Some(new) = make(v)
+    {
+        *v = new;
+    }
+}
+
+/// The `--kv-events-config` JSON `config` with its publisher's and replay
+/// endpoints (`tcp://127.0.0.1:*`) replaced by the ones the worker printed
+/// (`PUB[ replay REPLAY]`, after [`rngd_worker::KV_EVENTS_PREFIX`]).
+fn kv_events_bound(config: &str, printed: &str) -> Option<String> {
+    let mut cfg: serde_json::Value = serde_json::from_str(config).ok()?;
+    let (publ, replay) = printed_streams(printed);
+    cfg["endpoint"] = publ.into();
+    if let Some(r) = replay {
+        cfg["replay_endpoint"] = r.into();
+    }
+    Some(cfg.to_string())
+}
+
+/// The command line a child of `kind` that was started with `args` is
+/// started again with, so that it comes back on the addresses it had (the
+/// other children, and the user, were given those): every listener it was
+/// told to bind on port 0 (or `*`) gets the port it bound, read from
+/// `found` (the rest of its [`ChildKind::ready_prefix`] line) and `before`
+/// (the lines it printed before it). A listener it printed nothing about
+/// keeps its flag.
+pub(super) fn restart_args(
+    kind: ChildKind,
+    args: &[String],
+    found: &str,
+    before: &[String],
+) -> Vec<String> {
+    let mut a = args.to_vec();
+    let bound = port_of(found);
+    let line_port = |prefix: &str| printed_after(before, prefix).and_then(port_of);
+    match kind {
+        ChildKind::Relay => {
+            replace_value(&mut a, "--listen", |v| with_port(v, bound?));
+            let metrics = line_port(RELAY_METRICS_PREFIX);
+            replace_value(&mut a, "--metrics-listen", |v| with_port(v, metrics?));
+        }
+        ChildKind::Worker => {
+            replace_value(&mut a, "--port", |_| Some(bound?.to_string()));
+            let events = printed_after(before, rngd_worker::KV_EVENTS_PREFIX);
+            replace_value(&mut a, "--kv-events-config", |v| {
+                kv_events_bound(v, events?)
+            });
+            let admin = line_port(rngd_worker::ADMIN_PREFIX);
+            replace_value(&mut a, "--admin-listen", |v| with_port(v, admin?));
+        }
+        ChildKind::Gateway => {
+            replace_value(&mut a, "--listen", |v| with_port(v, bound?));
+            let kpis = line_port(crate::gateway::KPI_PREFIX);
+            replace_value(&mut a, "--metrics-port", |_| Some(kpis?.to_string()));
+        }
+        ChildKind::ExtProc => {
+            let grpc = line_port(EXT_PROC_GRPC_PREFIX);
+            replace_value(&mut a, "--grpc-port", |_| Some(grpc?.to_string()));
+            let health = line_port(EXT_PROC_HEALTH_PREFIX);
+            replace_value(&mut a, "--grpc-health-port", |_| Some(health?.to_string()));
+            replace_value(&mut a, "--metrics-port", |_| Some(bound?.to_string()));
+        }
+    }
+    a
 }
 
 #[cfg(test)]
@@ -688,6 +941,144 @@ mod tests {
         let streams = rngd_pool::source::parse_streams(std::path::Path::new("e"), &text).unwrap();
         assert_eq!(streams.len(), 4);
         assert_eq!(streams[3].endpoint, format!("tcp://127.0.0.1:{}", 8000 + 3));
+    }
+
+    /// The flags whose values differ between two command lines of the
+    /// same shape.
+    fn changed_flags(before: &[String], after: &[String]) -> Vec<String> {
+        assert_eq!(before.len(), after.len(), "{before:?} → {after:?}");
+        (1..before.len())
+            .filter(|&i| before[i] != after[i])
+            .map(|i| before[i - 1].clone())
+            .collect()
+    }
+
+    #[test]
+    fn printed_ports_are_read_from_addresses_and_urls() {
+        assert_eq!(port_of("127.0.0.1:8000"), Some(8000));
+        assert_eq!(port_of(" http://127.0.0.1:8001/metrics "), Some(8001));
+        assert_eq!(port_of("https://[::1]:8002"), Some(8002));
+        assert_eq!(port_of("[::1]:8003"), Some(8003));
+        assert_eq!(port_of("tcp://127.0.0.1:8004"), Some(8004));
+        assert_eq!(port_of("no port here"), None);
+        assert_eq!(port_of("http://host:99999"), None);
+    }
+
+    #[test]
+    fn a_restarted_worker_binds_its_port_kv_event_streams_and_admin_again() {
+        let a = args(&["--decode-workers", "2"]);
+        let shared = SharedFlags::new(&a, std::path::Path::new("/m.gguf"));
+        let p = plan_workers(&a).unwrap();
+        let w = worker_args(&a, &shared, &p[2], &["127.0.0.1:7000".into()]);
+        let before = [
+            format!(
+                "{}tcp://127.0.0.1:41001 replay tcp://127.0.0.1:41002",
+                rngd_worker::KV_EVENTS_PREFIX
+            ),
+            format!("{}127.0.0.1:41003", rngd_worker::ADMIN_PREFIX),
+        ];
+        let r = restart_args(ChildKind::Worker, &w, "127.0.0.1:41000", &before);
+        assert_eq!(
+            changed_flags(&w, &r),
+            ["--port", "--kv-events-config", "--admin-listen"]
+        );
+        assert_eq!(value_of(&r, "--port").unwrap(), "41000");
+        assert_eq!(value_of(&r, "--admin-listen").unwrap(), "127.0.0.1:41003");
+        let cfg: serde_json::Value =
+            serde_json::from_str(&value_of(&r, "--kv-events-config").unwrap()).unwrap();
+        assert_eq!(cfg["endpoint"], "tcp://127.0.0.1:41001");
+        assert_eq!(cfg["replay_endpoint"], "tcp://127.0.0.1:41002");
+        // The rest of the configuration is kept.
+        assert_eq!(cfg["topic"], "kv@decode-1");
+        assert_eq!(cfg["enable_kv_cache_events"], true);
+        assert_eq!(cfg["publisher"], "zmq");
+        // A second restart gives the same line; what it did not print keeps
+        // its flag (only the port it printed changes).
+        assert_eq!(
+            restart_args(ChildKind::Worker, &r, "127.0.0.1:41000", &before),
+            r
+        );
+        let bare = restart_args(ChildKind::Worker, &w, "127.0.0.1:41000", &[]);
+        assert_eq!(changed_flags(&w, &bare), ["--port"]);
+        // An explicit port stays what it was.
+        let a = args(&["--decode-port", "9200"]);
+        let w = worker_args(&a, &shared, &plan_workers(&a).unwrap()[1], &[]);
+        let r = restart_args(ChildKind::Worker, &w, "127.0.0.1:9200", &before[..1]);
+        assert_eq!(value_of(&r, "--port").unwrap(), "9200");
+        assert_eq!(changed_flags(&w, &r), ["--kv-events-config"]);
+    }
+
+    #[test]
+    fn the_relay_gateway_and_picker_come_back_on_their_ports() {
+        let a = args(&["--gateway-port", "0", "--metrics-port", "0"]);
+        let shared = SharedFlags::new(&a, std::path::Path::new("/m.gguf"));
+
+        let relay = relay_args(&a);
+        let r = restart_args(
+            ChildKind::Relay,
+            &relay,
+            "127.0.0.1:5001",
+            &[format!("{RELAY_METRICS_PREFIX}127.0.0.1:5002")],
+        );
+        assert_eq!(
+            r.join(" "),
+            "relay --listen 127.0.0.1:5001 --metrics-listen 127.0.0.1:5002"
+        );
+
+        let w = started(&plan_workers(&a).unwrap());
+        let g = gateway_args(&a, &shared, "/p.wasm", "/c.json", &w);
+        let kpis = format!("{}127.0.0.1:6002/metrics", crate::gateway::KPI_PREFIX);
+        let r = restart_args(
+            ChildKind::Gateway,
+            &g,
+            "http://127.0.0.1:6001",
+            std::slice::from_ref(&kpis),
+        );
+        assert_eq!(changed_flags(&g, &r), ["--listen", "--metrics-port"]);
+        assert_eq!(value_of(&r, "--listen").unwrap(), "127.0.0.1:6001");
+        assert_eq!(value_of(&r, "--metrics-port").unwrap(), "6002");
+
+        let e = ext_proc_args(&a, &shared, "/e.json", "/p.wasm", "/c.json");
+        let before = [
+            format!("{EXT_PROC_GRPC_PREFIX}127.0.0.1:7001"),
+            "rngd-pd ext-proc grpc security tls self-signed".to_string(),
+            format!("{EXT_PROC_HEALTH_PREFIX}127.0.0.1:7002"),
+        ];
+        let r = restart_args(ChildKind::ExtProc, &e, "127.0.0.1:7003", &before);
+        assert_eq!(
+            changed_flags(&e, &r),
+            ["--grpc-port", "--grpc-health-port", "--metrics-port"]
+        );
+        assert_eq!(
+            ["--grpc-port", "--grpc-health-port", "--metrics-port"]
+                .map(|f| value_of(&r, f).unwrap()),
+            ["7001", "7002", "7003"]
+        );
+        // The lines `up` reads them from are the ones the children print.
+        assert!(
+            ChildKind::ExtProc
+                .ready_prefix()
+                .starts_with("rngd-pd ext-proc ")
+        );
+        assert_eq!(
+            ChildKind::Worker.address("127.0.0.1:1"),
+            "http://127.0.0.1:1"
+        );
+        assert_eq!(ChildKind::Relay.address("127.0.0.1:1"), "127.0.0.1:1");
+    }
+
+    #[test]
+    fn restarts_back_off_doubling_to_the_cap_and_reset_once_stable() {
+        let mut b = Backoff::default();
+        let secs: Vec<f64> = (0..9)
+            .map(|_| b.next(Duration::ZERO).as_secs_f64())
+            .collect();
+        assert_eq!(secs, [0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 30.0, 30.0, 30.0]);
+        // Served a while, but not long enough: the delay keeps its course.
+        assert_eq!(b.next(STABLE_AFTER - Duration::from_millis(1)), BACKOFF_MAX);
+        // Served long enough: back to the start.
+        assert_eq!(b.next(STABLE_AFTER), BACKOFF_START);
+        assert_eq!(b.next(Duration::ZERO), BACKOFF_START * 2);
     }
 
     #[test]
