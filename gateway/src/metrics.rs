@@ -46,6 +46,7 @@ pub struct GatewayMetrics {
     policy_decision: Histogram,
     requests: IntCounterVec,
     prefill_context_fallbacks: IntCounter,
+    upstream_retries: IntCounterVec,
     window: Mutex<VecDeque<RequestSample>>,
 }
 
@@ -97,9 +98,16 @@ impl GatewayMetrics {
             names::GATEWAY_PREFILL_CONTEXT_FALLBACKS_TOTAL,
             "PD routes whose prefill worker refused the prompt as too long; the decode worker prefilled it.",
         )?;
+        let upstream_retries = rngd_telemetry::counter_vec(
+            &registry,
+            names::GATEWAY_UPSTREAM_RETRIES_TOTAL,
+            "Worker calls that failed before any response byte and were sent again once on a fresh connection, by stage.",
+            &["stage"],
+        )?;
         Ok(GatewayMetrics {
             registry,
             prefill_context_fallbacks,
+            upstream_retries,
             ttft,
             tpot,
             kv_transfer,
@@ -122,6 +130,11 @@ impl GatewayMetrics {
     /// Counts a prefill refused for its length and served by the decode worker.
     pub fn count_prefill_context_fallback(&self) {
         self.prefill_context_fallbacks.inc();
+    }
+
+    /// Counts a worker call sent again on a fresh connection.
+    pub fn count_upstream_retry(&self, stage: &str) {
+        self.upstream_retries.with_label_values(&[stage]).inc();
     }
 
     /// Records one policy decision.

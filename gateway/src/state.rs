@@ -83,6 +83,10 @@ pub struct Gateway {
     pub(crate) tokenizer: Arc<dyn PromptCounter>,
     pub(crate) served: Arc<ServedModels>,
     pub(crate) client: reqwest::Client,
+    /// A client that keeps no idle connection: every call on it opens a
+    /// fresh one (the one retry of a call whose pooled connection broke
+    /// before any response byte).
+    pub(crate) fresh_client: reqwest::Client,
     pub(crate) metrics: Arc<GatewayMetrics>,
     pub(crate) admission: crate::admission::Admission,
     next_id: AtomicU64,
@@ -98,6 +102,12 @@ impl std::fmt::Debug for Gateway {
     }
 }
 
+/// How long an idle pooled connection to a worker is kept: 1 s less than
+/// the workers' idle keep-alive timeout
+/// ([`rngd_http_edge::DEFAULT_IDLE_TIMEOUT`], 5 s).
+pub const UPSTREAM_POOL_IDLE: Duration =
+    rngd_http_edge::DEFAULT_IDLE_TIMEOUT.saturating_sub(Duration::from_secs(1));
+
 impl Gateway {
     /// Builds the gateway state over a picker (the pool's endpoint source and
     /// policy) and the prompt counter.
@@ -110,11 +120,21 @@ impl Gateway {
         if let Some(k) = &config.api_key {
             upstream_headers.insert(reqwest::header::AUTHORIZATION, k.authorization());
         }
-        let client = reqwest::Client::builder()
-            .default_headers(upstream_headers)
-            .connect_timeout(config.connect_timeout)
-            .tcp_nodelay(true)
-            .pool_idle_timeout(Duration::from_secs(60))
+        let builder = || {
+            reqwest::Client::builder()
+                .default_headers(upstream_headers.clone())
+                .connect_timeout(config.connect_timeout)
+                .tcp_nodelay(true)
+        };
+        let client = builder()
+            // A pooled connection is dropped before the worker's own idle
+            // timer closes it: a request is never written into a connection
+            // the worker is closing.
+            .pool_idle_timeout(UPSTREAM_POOL_IDLE)
+            .build()
+            .map_err(GatewayError::Client)?;
+        let fresh_client = builder()
+            .pool_max_idle_per_host(0)
             .build()
             .map_err(GatewayError::Client)?;
         let nanos = SystemTime::now()
@@ -138,6 +158,7 @@ impl Gateway {
             tokenizer,
             served,
             client,
+            fresh_client,
             metrics,
             admission,
             next_id: AtomicU64::new(0),

@@ -15,6 +15,14 @@ use crate::error::{ApiError, Stage};
 use crate::state::Gateway;
 
 /// POSTs `req` to a worker; returns the response once its status is a success.
+///
+/// A call whose connection closes or resets before any response byte (not
+/// a refused connection, not a timeout) is sent once more, on a fresh
+/// connection, within what is left of `timeout`: a pooled connection the
+/// worker was closing (its idle timer; a stalled worker that resumed) took
+/// the request unread. Counted in `rngd_pd_gateway_upstream_retries_total`.
+/// A worker that did read it and died answers nothing on the retry either
+/// (a refused connection: 502); one that spent a KV handle answers 410.
 pub(super) async fn send(
     gw: &Gateway,
     stage: Stage,
@@ -24,18 +32,30 @@ pub(super) async fn send(
     timeout: Duration,
 ) -> Result<reqwest::Response, ApiError> {
     let url = format!("http://{address}/v1/completions");
-    let fut = gw
-        .client
-        .post(url)
-        .header(rngd_api::headers::REQUEST_ID, rid)
-        .json(req)
-        .send();
+    let started = Instant::now();
+    let post = |client: &reqwest::Client| {
+        client
+            .post(url.as_str())
+            .header(rngd_api::headers::REQUEST_ID, rid)
+            .json(req)
+            .send()
+    };
     let timeout_err = || ApiError::Timeout {
         stage,
         address: address.to_string(),
         after_ms: timeout.as_millis() as u64,
     };
-    let resp = match tokio::time::timeout(timeout, fut).await {
+    let mut sent = tokio::time::timeout(timeout, post(&gw.client)).await;
+    if let Ok(Err(e)) = &sent
+        && !e.is_timeout()
+        && !e.is_connect()
+    {
+        tracing::info!(%address, %stage, error = %e, "the worker's connection broke before any response byte; sending again on a fresh connection");
+        gw.metrics.count_upstream_retry(stage.as_str());
+        let left = timeout.saturating_sub(started.elapsed());
+        sent = tokio::time::timeout(left, post(&gw.fresh_client)).await;
+    }
+    let resp = match sent {
         Err(_) => return Err(timeout_err()),
         Ok(Err(e)) if e.is_timeout() => return Err(timeout_err()),
         Ok(Err(e)) => {

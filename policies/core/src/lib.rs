@@ -201,6 +201,17 @@ impl LocalResponse {
     /// `serde_json` writes for [`rngd_api::openai::ErrorBody`], written
     /// directly: the wasm module carries no serializer).
     pub fn error(status: u16, message: impl Into<String>, code: Option<&str>) -> Self {
+        Self::error_on(status, message, code, None)
+    }
+
+    /// [`LocalResponse::error`] naming the request parameter at fault
+    /// (`error.param`), as a client's error should.
+    pub fn error_on(
+        status: u16,
+        message: impl Into<String>,
+        code: Option<&str>,
+        param: Option<&str>,
+    ) -> Self {
         let message = message.into();
         let kind = rngd_api::openai::ErrorBody::kind_for_status(status);
         let mut body = Vec::with_capacity(message.len() + 96);
@@ -208,7 +219,12 @@ impl LocalResponse {
         json::write_string(&mut body, &message);
         body.extend_from_slice(br#","type":"#);
         json::write_string(&mut body, kind);
-        body.extend_from_slice(br#","param":null,"code":"#);
+        body.extend_from_slice(br#","param":"#);
+        match param {
+            Some(p) => json::write_string(&mut body, p),
+            None => body.extend_from_slice(b"null"),
+        }
+        body.extend_from_slice(br#","code":"#);
         match code {
             Some(code) => json::write_string(&mut body, code),
             None => body.extend_from_slice(b"null"),
@@ -266,6 +282,11 @@ mod tests {
             let got = LocalResponse::error(status, message, code);
             assert_eq!(got.body, serde_json::to_vec(&want).unwrap());
             assert_eq!(got.message().as_deref(), Some(message));
+            for param in ["max_tokens", "a \"quoted\" name"] {
+                let got = LocalResponse::error_on(status, message, code, Some(param));
+                let want = want.clone().with_param(param);
+                assert_eq!(got.body, serde_json::to_vec(&want).unwrap());
+            }
         }
     }
 

@@ -539,7 +539,8 @@ fn scan_decode<'a>(
         ));
     }
     if fitting == 0 {
-        return Err(LocalResponse::error(
+        // The same `param` as every other door's context-length refusal.
+        return Err(LocalResponse::error_on(
             400,
             context_length_message(
                 req.prompt.unwrap_or(0) as usize,
@@ -547,6 +548,7 @@ fn scan_decode<'a>(
                 max_seq_len as usize,
             ),
             Some(CONTEXT_LENGTH_CODE),
+            Some("max_tokens"),
         ));
     }
     match best_decode {

@@ -44,6 +44,11 @@ pub trait PromptCounter: Send + Sync + 'static {
     fn max_context(&self) -> Option<u32> {
         None
     }
+    /// The number of token ids the tokenizer knows, if the counter knows
+    /// it: [`prepare`] refuses a prompt of ids past it (`param` `prompt`).
+    fn vocab_size(&self) -> Option<usize> {
+        None
+    }
     /// Number of tokens `text` encodes to.
     fn count(&self, text: &str) -> Result<usize, BoxError> {
         Ok(self.tokenize(text)?.len())
@@ -74,6 +79,10 @@ impl PromptCounter for rngd_engine::tokenizer::Tokenizer {
 
     fn max_context(&self) -> Option<u32> {
         rngd_engine::tokenizer::Tokenizer::context_length(self)
+    }
+
+    fn vocab_size(&self) -> Option<usize> {
+        Some(rngd_engine::tokenizer::Tokenizer::vocab_size(self))
     }
 
     fn chat_prompt(
@@ -409,7 +418,12 @@ pub fn prepare(
             let max_tokens = rules::max_tokens_or_default(req.sampling.max_tokens);
             let ids = match &req.prompt {
                 Prompt::Text(t) => ids_of(t, Some(max_tokens))?,
-                Prompt::Tokens(t) => t.clone(),
+                Prompt::Tokens(t) => {
+                    if let Some(vocab) = counter.vocab_size() {
+                        rules::check_token_ids(t, vocab)?;
+                    }
+                    t.clone()
+                }
                 Prompt::TextBatch(_) | Prompt::TokensBatch(_) => {
                     unreachable!("single_prompt unwraps batches")
                 }

@@ -53,7 +53,9 @@ impl Split {
 /// request with one choice, or a body this cannot read (the single path then
 /// gives its own error). `chat`: the body is a chat (no `prompt` list).
 pub fn split(body: &[u8], chat: bool) -> Result<Option<Split>, RuleError> {
-    let Ok(Value::Object(obj)) = serde_json::from_slice::<Value>(body) else {
+    // A body that is no JSON object (or repeats a key) is not split: the
+    // request rules refuse it whole, with their message.
+    let Ok(Value::Object(obj)) = crate::rules::parse_json(body) else {
         return Ok(None);
     };
     let n = match obj.get("n") {

@@ -2,7 +2,9 @@
 //! endpoint picker and the worker all call these functions, so a request is
 //! accepted or refused (with the same `param`) wherever it enters.
 //!
-//! - [`parse_body`]: JSON body → typed request, with the messages clients see.
+//! - [`parse_body`]: JSON body → typed request, with the messages clients see
+//!   ([`parse_json`]: a key repeated in an object is refused);
+//!   [`json_content_type`]: which `Content-Type` a body may come with.
 //! - [`check_sampling`], [`check_completion`], [`check_chat`]: field rules.
 //! - [`fields`]: the fields each request may carry (served, only "off", or
 //!   informational); any other is refused by name.
@@ -19,6 +21,7 @@ use serde::{Deserialize, Serialize};
 
 pub mod fields;
 mod sampling;
+mod strict_json;
 
 pub use sampling::{
     MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_STOP, MAX_STOP_BYTES, MAX_STOP_TOKEN_IDS, check_sampling,
@@ -49,7 +52,7 @@ pub struct RuleError {
     /// at most 64 characters).
     pub field: Option<String>,
     /// Machine-readable code, where one is defined (`empty_body`,
-    /// `invalid_json`, `missing_model`, `invalid_request`).
+    /// `invalid_json`, `duplicate_key`, `missing_model`, `invalid_request`).
     pub code: Option<&'static str>,
     /// Message for the client.
     pub message: String,
@@ -88,7 +91,8 @@ impl RuleError {
 }
 
 /// Parses a JSON request body. Refused, each with its code: an empty body
-/// (`empty_body`), malformed JSON or not an object (`invalid_json`), no
+/// (`empty_body`), malformed JSON or not an object (`invalid_json`), a key
+/// repeated in an object (`duplicate_key`, [`parse_json`]), no
 /// non-empty string `model` (`missing_model`, param `model`), wrongly typed
 /// fields (`invalid_request`).
 /// Every field is checked against the request type's table
@@ -101,8 +105,7 @@ pub fn parse_body<T: fields::Body>(bytes: &[u8]) -> Result<T, RuleError> {
             "the request body is empty; expected a JSON object",
         ));
     }
-    let value: serde_json::Value = serde_json::from_slice(bytes)
-        .map_err(|e| RuleError::body("invalid_json", format!("malformed JSON body: {e}")))?;
+    let value = parse_json(bytes)?;
     let Some(obj) = value.as_object() else {
         return Err(RuleError::body(
             "invalid_json",
@@ -134,6 +137,44 @@ pub fn parse_body<T: fields::Body>(bytes: &[u8]) -> Result<T, RuleError> {
             Err(err)
         }
     }
+}
+
+/// A body as one JSON value: malformed JSON is `invalid_json`; an object
+/// that repeats a key is `duplicate_key`, naming the key (`param`: the
+/// request field it is or stands under), since two readers of such a body
+/// (serde keeps the last, others the first) would not agree on what it asks.
+pub fn parse_json(bytes: &[u8]) -> Result<serde_json::Value, RuleError> {
+    strict_json::parse(bytes).map_err(|e| match e {
+        strict_json::StrictError::Syntax(e) => {
+            RuleError::body("invalid_json", format!("malformed JSON body: {e}"))
+        }
+        strict_json::StrictError::Duplicate { key, path } => {
+            let (field, message) = if path.is_empty() {
+                (
+                    key.clone(),
+                    format!("the request body repeats the key \"{key}\""),
+                )
+            } else {
+                let top = path.split(['.', '[']).next().unwrap_or_default();
+                (
+                    top.to_string(),
+                    format!("the request body repeats the key \"{key}\" in `{path}`"),
+                )
+            };
+            RuleError::body("duplicate_key", message).naming(field)
+        }
+    })
+}
+
+/// Whether a `Content-Type` value names JSON: `application/json`, or a
+/// `+json` type (`application/merge-patch+json`), its parameters (`charset`)
+/// aside. The doors refuse any other with a 415 before reading the body.
+pub fn json_content_type(value: &str) -> bool {
+    let media = value.split(';').next().unwrap_or_default().trim();
+    media.eq_ignore_ascii_case("application/json")
+        || media
+            .rsplit_once('+')
+            .is_some_and(|(_, suffix)| suffix.eq_ignore_ascii_case("json"))
 }
 
 /// The field a body's type error comes from (serde names none through the
@@ -203,6 +244,21 @@ pub fn prompt_too_long(at_least: usize, max_tokens: Option<usize>, seq_len: usiz
                 at_least.saturating_add(1)
             ),
         },
+    }
+}
+
+/// A prompt of token ids holds only ids of the model's vocabulary of
+/// `vocab` tokens; the first one past it is refused with `param` `prompt`.
+pub fn check_token_ids(ids: &[u32], vocab: usize) -> Result<(), RuleError> {
+    match ids.iter().position(|&t| t as usize >= vocab) {
+        Some(i) => Err(RuleError::param(
+            "prompt",
+            format!(
+                "prompt[{i}]: token id {} is outside the vocabulary (size {vocab})",
+                ids[i]
+            ),
+        )),
+        None => Ok(()),
     }
 }
 
@@ -486,6 +542,69 @@ mod tests {
                 (Some("model"), Some("missing_model")),
                 "{body}"
             );
+        }
+    }
+
+    /// A repeated key is refused wherever it stands, named (the request
+    /// field it is or stands under) in `param`; so is a body that would be
+    /// split into choices first.
+    #[test]
+    fn repeated_keys_are_refused_by_name() {
+        for (body, param) in [
+            (r#"{"model":"m","model":"n","prompt":"x"}"#, "model"),
+            (
+                r#"{"model":"m","prompt":"x","stop":"a","stop":"b"}"#,
+                "stop",
+            ),
+            (
+                r#"{"model":"m","prompt":"x","logit_bias":{"5":1,"5":-1}}"#,
+                "logit_bias",
+            ),
+            (r#"{"model":"m","n":2,"n":1,"prompt":"x"}"#, "n"),
+        ] {
+            let e = completion(body).unwrap_err();
+            assert_eq!(
+                (e.param_name(), e.code),
+                (Some(param), Some("duplicate_key")),
+                "{body}"
+            );
+            assert!(
+                crate::fanout::split(body.as_bytes(), false)
+                    .unwrap()
+                    .is_none()
+            );
+        }
+        let chat = r#"{"model":"m","messages":[{"role":"user","content":"a","content":"b"}]}"#;
+        let e = parse_body::<ChatCompletionRequest>(chat.as_bytes()).unwrap_err();
+        assert_eq!(e.param_name(), Some("messages"));
+        assert!(e.message.contains("messages[0]"), "{}", e.message);
+    }
+
+    #[test]
+    fn token_ids_past_the_vocabulary_are_named() {
+        assert!(check_token_ids(&[0, 1, 49_151], 49_152).is_ok());
+        let e = check_token_ids(&[0, 49_152, 7], 49_152).unwrap_err();
+        assert_eq!(e.param, Some("prompt"));
+        assert!(e.message.contains("prompt[1]") && e.message.contains("49152"));
+    }
+
+    #[test]
+    fn json_content_types() {
+        for ok in [
+            "application/json",
+            "application/json; charset=utf-8",
+            " APPLICATION/JSON ",
+            "application/vnd.api+json",
+        ] {
+            assert!(json_content_type(ok), "{ok}");
+        }
+        for bad in [
+            "text/plain",
+            "text/json",
+            "",
+            "multipart/form-data; boundary=x",
+        ] {
+            assert!(!json_content_type(bad), "{bad}");
         }
     }
 

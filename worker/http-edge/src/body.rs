@@ -153,6 +153,13 @@ pub enum BodyError {
     /// The connection failed while the body was read → 400.
     #[error("the request body could not be read")]
     Read(#[source] axum::Error),
+    /// `Content-Type` names something other than JSON → 415, before a byte
+    /// of the body is read.
+    #[error("the request body must be JSON (Content-Type: application/json), not {got}")]
+    NotJson {
+        /// The media type as sent, cut to 64 characters.
+        got: String,
+    },
 }
 
 impl BodyError {
@@ -163,6 +170,7 @@ impl BodyError {
             BodyError::Timeout { .. } => StatusCode::REQUEST_TIMEOUT,
             BodyError::Busy { .. } => StatusCode::SERVICE_UNAVAILABLE,
             BodyError::Read(_) => StatusCode::BAD_REQUEST,
+            BodyError::NotJson { .. } => StatusCode::UNSUPPORTED_MEDIA_TYPE,
         }
     }
 
@@ -177,6 +185,7 @@ impl BodyError {
             BodyError::Timeout { .. } => body.with_code("request_timeout"),
             BodyError::Busy { .. } => body.with_code("server_overloaded"),
             BodyError::Read(_) => body,
+            BodyError::NotJson { .. } => body.with_code("unsupported_media_type"),
         }
     }
 
@@ -206,18 +215,37 @@ fn content_length(headers: &HeaderMap) -> Option<u64> {
         .and_then(|v| v.trim().parse::<u64>().ok())
 }
 
+/// `Ok` for a request whose `Content-Type` is JSON or absent
+/// ([`rngd_api::rules::json_content_type`]); anything else (`text/plain`, a
+/// form) is [`BodyError::NotJson`].
+pub fn check_json_content_type(headers: &HeaderMap) -> Result<(), BodyError> {
+    let Some(v) = headers.get(header::CONTENT_TYPE) else {
+        return Ok(());
+    };
+    let raw = String::from_utf8_lossy(v.as_bytes());
+    if rngd_api::rules::json_content_type(&raw) {
+        return Ok(());
+    }
+    Err(BodyError::NotJson {
+        got: raw.chars().take(64).collect(),
+    })
+}
+
 /// Reads `body` whole under `limits`: over the limit is [`BodyError::TooLarge`]
 /// (at once when `Content-Length` says so), past the deadline
 /// [`BodyError::Timeout`]. When `extensions` hold the listener's
 /// [`BodyBudget`], the declared length is reserved from it before anything is
 /// read (a chunked body reserves chunk by chunk); what does not fit is
-/// [`BodyError::Busy`], with nothing buffered.
+/// [`BodyError::Busy`], with nothing buffered. A body whose `Content-Type`
+/// is not JSON is refused before anything is read
+/// ([`check_json_content_type`]).
 pub async fn read_body(
     headers: &HeaderMap,
     extensions: &Extensions,
     body: Body,
     limits: BodyLimits,
 ) -> Result<Buffered, BodyError> {
+    check_json_content_type(headers)?;
     let limit = limits.max_bytes;
     let declared = content_length(headers);
     if declared.is_some_and(|n| n > limit as u64) {

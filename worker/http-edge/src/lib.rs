@@ -10,7 +10,8 @@
 //!   and then cut with a 503 or an error event and `[DONE]`);
 //! - [`read_body`] / [`LimitedBody`]: a request body read under a byte limit
 //!   and a deadline, against the listener's in-flight body-byte budget
-//!   ([`BodyBudget`], checked before anything is buffered); the failures are
+//!   ([`BodyBudget`], checked before anything is buffered), refused with a
+//!   415 when its `Content-Type` is not JSON; the failures are
 //!   [`BodyError`], answered with the OpenAI error body;
 //! - [`hold_until_sent`]: a response whose body holds a guard (an admission
 //!   slot, an engine slot) until it is sent or dropped;
@@ -40,7 +41,8 @@ pub mod tls;
 use std::time::Duration;
 
 pub use body::{
-    BodyBudget, BodyError, BodyLimits, Buffered, HasBodyLimits, LimitedBody, read_body,
+    BodyBudget, BodyError, BodyLimits, Buffered, HasBodyLimits, LimitedBody,
+    check_json_content_type, read_body,
 };
 pub use drain::SHUTTING_DOWN;
 pub use hold::{Held, hold_until_sent};

@@ -3,8 +3,8 @@
 //! whether a normal request still works): silent sockets closed at the
 //! header timeout, the connection cap, the idle keep-alive timeout, stalled
 //! bodies refused by the in-flight body budget before they are buffered
-//! (with the RSS growth bounded), and a 413 that reaches a client still
-//! sending as JSON.
+//! (with the RSS growth bounded), a 413 that reaches a client still
+//! sending as JSON, and a 415 for a body that is not JSON by its type.
 
 mod common;
 
@@ -373,5 +373,51 @@ async fn past_the_linger_bound_the_connection_is_closed() {
     assert!(cut, "the server read {sent} bytes of a refused body");
     assert!(sent < 32 * MIB, "{sent}");
     assert_eq!(get_ok(server.addr()).await, Some(200));
+    server.stop().await;
+}
+
+/// A body that is not JSON by its `Content-Type` is a 415 before a byte of
+/// it is read; JSON (with parameters, or a `+json` type) and a body sent
+/// with no type at all are read.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_body_that_is_not_json_by_its_type_is_a_415() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    let server = Server::start(Options::default(), limits()).await;
+    let addr = server.addr();
+    let post = |ct: Option<&'static str>| async move {
+        let mut s = TcpStream::connect(addr).await.unwrap();
+        let ct = ct
+            .map(|c| format!("content-type: {c}\r\n"))
+            .unwrap_or_default();
+        let req = format!(
+            "POST /echo HTTP/1.1\r\nhost: t\r\nconnection: close\r\n{ct}content-length: 2\r\n\r\n{{}}"
+        );
+        s.write_all(req.as_bytes()).await.unwrap();
+        read_to_end(&mut s, Duration::from_secs(10)).await.unwrap()
+    };
+    for ct in [
+        "text/plain",
+        "application/x-www-form-urlencoded",
+        "text/json",
+    ] {
+        let text = post(Some(ct)).await;
+        assert_eq!(status_of(&text), Some(415), "{ct}: {text}");
+        let body = json_of(&text);
+        assert_eq!(body["error"]["code"], "unsupported_media_type", "{ct}");
+        assert!(
+            body["error"]["message"].as_str().unwrap().contains(ct),
+            "{text}"
+        );
+    }
+    for ct in [
+        Some("application/json"),
+        Some("Application/JSON; charset=utf-8"),
+        Some("application/merge-patch+json"),
+        None,
+    ] {
+        let text = post(ct).await;
+        assert_eq!(status_of(&text), Some(200), "{ct:?}: {text}");
+        assert!(text.ends_with("\r\n\r\n2"), "{ct:?}: {text}");
+    }
     server.stop().await;
 }

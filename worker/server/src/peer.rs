@@ -62,6 +62,12 @@ impl HttpPrefillPeer {
             .redirect(reqwest::redirect::Policy::none())
             .no_proxy()
             .connect_timeout(PEER_CONNECT_TIMEOUT)
+            // Idle pooled connections go before the peer's own idle timer
+            // closes them (a request is never written into a closing one).
+            .pool_idle_timeout(
+                rngd_http_edge::DEFAULT_IDLE_TIMEOUT
+                    .saturating_sub(std::time::Duration::from_secs(1)),
+            )
             .build()
             .unwrap_or_else(|_| reqwest::Client::new());
         HttpPrefillPeer {

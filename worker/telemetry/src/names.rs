@@ -94,6 +94,10 @@ pub const AIRM_KV_TRANSFER_MS: &str = "airm_kv_transfer_ms";
 
 /// Requests by status code (counter, label `code`).
 pub const GATEWAY_REQUESTS_TOTAL: &str = "rngd_pd_gateway_requests_total";
+/// Worker calls that failed before any response byte (the connection closed
+/// or reset: a worker's idle timer, a stalled worker resuming) and were sent
+/// again once on a fresh connection, by `stage` (counter).
+pub const GATEWAY_UPSTREAM_RETRIES_TOTAL: &str = "rngd_pd_gateway_upstream_retries_total";
 /// PD routes the prefill worker refused with `context_length_exceeded` (its
 /// variant holds less context than the gateway's last scrape said) and the
 /// decode worker then prefilled itself (counter).
@@ -320,6 +324,20 @@ pub const PREFIX_ESTIMATED_BLOCKS: &str = "rngd_pd_prefix_estimated_blocks";
 /// `no_common_transport`, `solo`; `none` without one, `other` for a reason
 /// that is not a short `[a-z0-9_]` word) (counter, both doors).
 pub const ROUTE_DECISIONS_TOTAL: &str = "rngd_pd_route_decisions_total";
+/// Prompt tokens the router's index predicted cached on the endpoint that
+/// prefilled a routed request, counted when the answer's usage arrives
+/// (counter, label `endpoint`; both doors).
+pub const ROUTER_PREDICTED_CACHED_TOKENS_TOTAL: &str =
+    "rngd_pd_router_predicted_cached_tokens_total";
+/// Prompt tokens the engine reported cached for the same requests
+/// (`usage.prompt_tokens_details.cached_tokens`) (counter, label `endpoint`).
+pub const ROUTER_SERVED_CACHED_TOKENS_TOTAL: &str = "rngd_pd_router_served_cached_tokens_total";
+/// Served minus predicted cached tokens of one routed request: negative
+/// when the index promised more than the engine held (histogram).
+pub const ROUTER_CACHED_TOKENS_ERROR: &str = "rngd_pd_router_cached_tokens_prediction_error";
+/// Endpoints whose index entries were dropped and rebuilt by replay, by
+/// `reason` (`prediction_miss`) (counter).
+pub const ROUTER_INDEX_RESYNCS_TOTAL: &str = "rngd_pd_router_index_resyncs_total";
 
 /// Prometheus' process families (every client library's names).
 pub const PROCESS_CPU_SECONDS_TOTAL: &str = "process_cpu_seconds_total";

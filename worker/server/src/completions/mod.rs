@@ -218,6 +218,15 @@ async fn handle(
     };
     let role = state.config().role;
     let params = req.kv_transfer_params.clone().unwrap_or_default();
+    // `release_only` releases a handle's KV: without the decode half of the
+    // protocol (and so a handle) there is nothing to release, and serving
+    // the request as a completion would answer what was not asked.
+    if params.release_only && !params.do_remote_prefill {
+        return Err(ApiError::Rule(RuleError::param(
+            "kv_transfer_params",
+            "kv_transfer_params.release_only needs do_remote_prefill and the kv_handle whose KV it releases",
+        )));
+    }
     if params.do_remote_decode {
         if role == Role::Decode {
             return Err(ApiError::WrongRole(
@@ -390,12 +399,7 @@ pub(super) fn text_ids(
 }
 
 pub(super) fn check_vocab(ids: &[u32], vocab: usize) -> Result<(), ApiError> {
-    match ids.iter().find(|&&t| t as usize >= vocab) {
-        Some(t) => Err(ApiError::BadRequest(format!(
-            "token id {t} is outside the vocabulary (size {vocab})"
-        ))),
-        None => Ok(()),
-    }
+    Ok(rules::check_token_ids(ids, vocab)?)
 }
 
 /// The client's seed as the engine's `u64` (negative: two's complement).
