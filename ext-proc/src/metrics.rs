@@ -398,8 +398,18 @@ fn set(g: &GaugeVec, name: &str, v: f64) {
 
 /// `usage.completion_tokens` in the tail of a response body (JSON or SSE).
 pub fn completion_tokens(tail: &[u8]) -> Option<u64> {
-    const KEY: &[u8] = b"\"completion_tokens\":";
-    let at = tail.windows(KEY.len()).rposition(|w| w == KEY)? + KEY.len();
+    usage_count(tail, b"\"completion_tokens\":")
+}
+
+/// `usage.prompt_tokens_details.cached_tokens` in the tail of a response
+/// body (JSON or SSE); `None` when the usage has no such detail.
+pub fn cached_tokens(tail: &[u8]) -> Option<u64> {
+    usage_count(tail, b"\"cached_tokens\":")
+}
+
+/// The number after the last `key` (`"name":`) in `tail`.
+fn usage_count(tail: &[u8], key: &[u8]) -> Option<u64> {
+    let at = tail.windows(key.len()).rposition(|w| w == key)? + key.len();
     let digits: Vec<u8> = tail[at..]
         .iter()
         .skip_while(|b| **b == b' ')
@@ -531,5 +541,8 @@ mod tests {
             Some(4)
         );
         assert_eq!(completion_tokens(b"data: [DONE]"), None);
+        let tail = br#"data: {"usage":{"prompt_tokens":40,"completion_tokens":2,"prompt_tokens_details":{"cached_tokens": 32}}}"#;
+        assert_eq!(cached_tokens(tail), Some(32));
+        assert_eq!(cached_tokens(br#"{"usage":{"completion_tokens":2}}"#), None);
     }
 }

@@ -127,6 +127,12 @@ fn json_response(status: u16, body: &ErrorBody) -> LocalResponse {
 /// The one place a failed pick becomes what Envoy answers the client.
 fn reject(e: PrepareOrPick) -> LocalResponse {
     match e {
+        PrepareOrPick::NotJson(got) => error_response(
+            415,
+            ErrorBody::kind_for_status(415),
+            "unsupported_media_type",
+            format!("the request body must be JSON (Content-Type: application/json), not {got}"),
+        ),
         PrepareOrPick::Rule(r) => rule_response(&r),
         PrepareOrPick::ModelNotFound(m) => {
             json_response(ModelNotFound::STATUS, &ErrorBody::from(&m))
@@ -171,6 +177,8 @@ pub fn rule_response(r: &RuleError) -> LocalResponse {
 }
 
 enum PrepareOrPick {
+    /// A body whose `Content-Type` is not JSON (the media type as sent).
+    NotJson(String),
     Rule(RuleError),
     ModelNotFound(ModelNotFound),
     Tokenize(rngd_pool::BoxError),
@@ -285,17 +293,23 @@ impl Picker {
     }
 
     /// [`Picker::pick_for`], also returning the route's count on its decode
-    /// endpoint (`rngd_pool::inflight`): the caller keeps it until the
-    /// response has passed, so the picks after this one see the request.
+    /// endpoint (`rngd_pool::inflight`) and the index's cache prediction
+    /// for it (`rngd_pool::predicted`): the caller keeps both until the
+    /// response has passed, so the picks after this one see the request and
+    /// the prediction meets the answer's `cached_tokens`.
     pub async fn pick_held_for(
         &self,
         input: PickInput,
-    ) -> (Decision, Option<String>, Option<rngd_pool::Held>) {
+    ) -> (
+        Decision,
+        Option<String>,
+        Option<(rngd_pool::Held, Option<rngd_pool::Expected>)>,
+    ) {
         let start = Instant::now();
         let request_bytes = input.body.as_ref().map_or(0, Vec::len);
         let mut seen = Seen::default();
         let (decision, held) = match self.pick_inner(input, &mut seen).await {
-            Ok((route, held)) => (Decision::Route(route), Some(held)),
+            Ok(p) => (Decision::Route(p.route), Some((p.held, p.expected))),
             Err(e) => (Decision::Reject(reject(e)), None),
         };
         let model = seen.model.clone().unwrap_or_default();
@@ -320,10 +334,18 @@ impl Picker {
         &self,
         input: PickInput,
         seen: &mut Seen,
-    ) -> Result<(Route, rngd_pool::Held), PrepareOrPick> {
+    ) -> Result<rngd_pool::Picked, PrepareOrPick> {
         let mut prompt_tokens = None;
         let mut prompt_ids = Vec::new();
+        let mut cache_salt = None;
         if let Some(body) = &input.body {
+            // A body is JSON by its content type, or has none (as at the
+            // gateway and the workers).
+            if let Some((_, ct)) = input.headers.iter().find(|(k, _)| k == "content-type")
+                && !rngd_api::rules::json_content_type(ct)
+            {
+                return Err(PrepareOrPick::NotJson(ct.chars().take(64).collect()));
+            }
             // The OpenAI APIs get the gateway's rules; any other path with a
             // body only needs to be a JSON object naming a model (GIE).
             let kind = path_of(&input.headers).and_then(ApiKind::from_path);
@@ -348,6 +370,7 @@ impl Picker {
                     seen.model = Some(prepared.client_model);
                     prompt_tokens = Some(prepared.prompt_tokens);
                     prompt_ids = prepared.prompt_ids;
+                    cache_salt = prepared.upstream.sampling.cache_salt;
                 }
                 (Some(kind), None) => {
                     seen.model = model_of(body);
@@ -372,6 +395,7 @@ impl Picker {
                 prompt_tokens,
                 subset: input.subset,
                 prompt_ids,
+                cache_salt,
             })
             .await;
         self.metrics.policy_step(policy.elapsed());

@@ -251,13 +251,19 @@ def test_stored_removed_cleared_and_lenient_decoding(pubs, probes):
     assert ix.match("w0", r(500, 504)) == 4
     st = ix.stats("w0")
     assert st["undecodable"] == 1 and st["health"] == "live"
-    # A LoRA adapter's blocks and a salted chain (extra keys) are not the base
-    # model's for these tokens: not indexed.
+    # A LoRA adapter's blocks and a chain with other extra keys (multimodal
+    # inputs) are not the base model's for these tokens: not indexed. A chain
+    # whose first block carries one string (vLLM's cache_salt) is indexed
+    # under that salt: an unsalted prompt of the same tokens does not match it.
+    held = ix.stats("w0")["blocks"]
     pub.publish(BlockStored(block_hashes=[401], parent_block_hash=None, token_ids=r(900, 904),
                             block_size=4, lora_id=3, medium="GPU", lora_name="ad"),
-                stored([402], None, r(950, 954), extra_keys=[("salt",)]))
+                stored([402], None, r(950, 954), extra_keys=[("salt",)]),
+                stored([403], None, r(980, 984), extra_keys=[("mm-hash", 7)]))
     ix.wait("ignored", lambda: ix.stats("w0")["ignored_blocks"] == 2)
+    assert ix.stats("w0")["blocks"] == held + 1
     assert ix.match("w0", r(900, 904)) == 0 and ix.match("w0", r(950, 954)) == 0
+    assert ix.match("w0", r(980, 984)) == 0
     pub.publish(AllBlocksCleared())
     ix.wait_match("w0", r(0, 16), 0)
     assert ix.match("w0", r(700, 704)) == 0

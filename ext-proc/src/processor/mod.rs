@@ -44,7 +44,7 @@ use envoy_types::pb::envoy::service::ext_proc::v3::{
 use rngd_policy_core::{Decision, LocalResponse};
 use rngd_pool::admission::{BodyReservation, Slot};
 
-use crate::metrics::{Answered, EppMetrics, completion_tokens};
+use crate::metrics::{Answered, EppMetrics, cached_tokens, completion_tokens};
 use crate::picker::{PickInput, Picker, overloaded_response, too_large_response};
 pub use service::{ExtProcService, ResponseStream, respond};
 pub use wire::immediate;
@@ -151,6 +151,10 @@ struct OpenRequest {
     /// The request's count on its decode endpoint (`rngd_pool::inflight`),
     /// given back with this.
     _held: Option<rngd_pool::Held>,
+    /// The router's cache prediction where the request is prefilled,
+    /// held against the answer's `cached_tokens` when its usage passed
+    /// (`rngd_pool::predicted`).
+    expected: Option<rngd_pool::Expected>,
 }
 
 impl OpenRequest {
@@ -167,6 +171,10 @@ impl OpenRequest {
 impl Drop for OpenRequest {
     fn drop(&mut self) {
         self.answered.output_tokens = completion_tokens(&self.tail);
+        // Only an answer whose usage passed says what the engine served.
+        if let (Some(e), Some(_)) = (self.expected.take(), self.answered.output_tokens) {
+            e.served(cached_tokens(&self.tail).unwrap_or(0) as usize);
+        }
         self.metrics
             .answered(&self.model, self.since.elapsed(), &self.answered);
     }
@@ -516,7 +524,8 @@ impl StreamState {
             body,
             subset: self.subset.clone(),
         };
-        let (pick, model, held) = picker.pick_held_for(input).await;
+        let (pick, model, picked) = picker.pick_held_for(input).await;
+        let (held, expected) = picked.map_or((None, None), |(h, e)| (Some(h), e));
         // The request phase is over: its slot and body bytes go back.
         self.slot = None;
         self.reserved = None;
@@ -531,6 +540,7 @@ impl StreamState {
                     answered: Answered::default(),
                     tail: Vec::new(),
                     _held: held,
+                    expected,
                 });
                 tracing::info!(decode = %r.decode, prefill = ?r.prefill, kv_transport = ?r.kv_transport, "picked");
             }

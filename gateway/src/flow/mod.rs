@@ -125,14 +125,15 @@ async fn run_inner(
         prompt_tokens: Some(p.request.prompt_tokens),
         subset: None,
         prompt_ids: p.request.prompt_ids.clone(),
+        cache_salt: p.request.upstream.sampling.cache_salt.clone(),
     };
     let t = Instant::now();
     let picked = gw.picker.pick_held(pick).await;
     gw.metrics.observe_policy(t.elapsed());
     // `held` counts this request against its decode worker until the
     // answer ends (it moves into the answer's `Ctx`).
-    let (route, held) = match picked {
-        Ok(r) => r,
+    let (route, held, expected) = match picked {
+        Ok(p) => (p.route, p.held, p.expected),
         Err(PickError::Rejected(local)) => {
             tracing::info!(status = local.status, "policy rejected the request");
             return Err(ApiError::PolicyReject {
@@ -236,6 +237,7 @@ async fn run_inner(
         kv_transport,
         address: route.decode.clone(),
         _held: held,
+        expected,
     };
     let mut resp = if p.request.upstream.sampling.stream {
         stream_response(ctx, resp, p.request.include_usage)

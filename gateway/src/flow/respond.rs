@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use axum::response::{IntoResponse, Response};
-use rngd_api::openai::{ChatCompletionResponse, CompletionResponse, Timings};
+use rngd_api::openai::{ChatCompletionResponse, CompletionResponse, Timings, Usage};
 use rngd_api::pd::KvTransferParams;
 use rngd_api::rules::ms;
 use rngd_pool::ApiKind;
@@ -29,6 +29,10 @@ pub(super) struct Ctx {
     /// This request's count on its decode worker (`rngd_pool::inflight`),
     /// given back when the answer (its stream or body) is done with.
     pub(super) _held: rngd_pool::Held,
+    /// The cached tokens the router's index predicted where this request
+    /// is prefilled, held against the answer's `cached_tokens` when it
+    /// ends (`rngd_pool::predicted`).
+    pub(super) expected: Option<rngd_pool::Expected>,
 }
 
 impl Ctx {
@@ -44,12 +48,22 @@ impl Ctx {
         }
     }
 
+    /// Records the answer's metrics and hands the router's cache
+    /// prediction back with the `cached_tokens` the engine reported (an
+    /// answer without usage leaves the prediction unchecked).
     pub(super) fn record(
-        &self,
+        &mut self,
         ttft: Option<Duration>,
         completion_tokens: u64,
         kv_ms: Option<f64>,
+        usage: Option<&Usage>,
     ) {
+        if let (Some(e), Some(u)) = (self.expected.take(), usage) {
+            e.served(
+                u.prompt_tokens_details
+                    .map_or(0, |d| d.cached_tokens as usize),
+            );
+        }
         let finished = Instant::now();
         let total = finished.duration_since(self.started);
         let tpot = match ttft {
@@ -95,7 +109,7 @@ impl Ctx {
     }
 }
 
-pub(super) fn full_response(ctx: Ctx, mut body: CompletionResponse) -> Response {
+pub(super) fn full_response(mut ctx: Ctx, mut body: CompletionResponse) -> Response {
     let tokens = body
         .usage
         .map(|u| u64::from(u.completion_tokens))
@@ -119,7 +133,7 @@ pub(super) fn full_response(ctx: Ctx, mut body: CompletionResponse) -> Response 
         },
     };
     let (timings, kv) = ctx.merged_timings(body.timings, ttft, tokens);
-    ctx.record(ttft, tokens, kv);
+    ctx.record(ttft, tokens, kv, body.usage.as_ref());
     body.id = ctx.id.clone();
     body.model = ctx.model.clone();
     body.created = ctx.created;

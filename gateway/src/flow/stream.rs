@@ -150,7 +150,8 @@ impl StreamState {
             .as_ref()
             .and_then(|t| self.ctx.kv_transfer_ms(t))
             .or_else(|| self.ctx.prefill.as_ref().and_then(|(p, _)| p.kv_save_ms));
-        self.ctx.record(ttft, tokens, kv);
+        let usage = self.usage;
+        self.ctx.record(ttft, tokens, kv, usage.as_ref());
         tracing::info!(
             id = %self.ctx.id,
             worker = %self.ctx.address,

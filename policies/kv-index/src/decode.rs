@@ -47,9 +47,14 @@ pub enum Event {
         /// A LoRA adapter made these blocks (`lora_id` or `lora_name` set):
         /// their KV is not the base model's for these tokens.
         lora: bool,
-        /// `extra_keys` has a non-nil entry (a cache salt, multimodal
-        /// inputs): the KV depends on more than the tokens.
+        /// `extra_keys` has a non-nil entry other than a root block's salt
+        /// (multimodal inputs, a salt that is not on the chain's first
+        /// block): the KV depends on more than the tokens and the salt.
         extra_keys: bool,
+        /// The cache salt of a chain's first block (`parent_block_hash`
+        /// nil, its `extra_keys` entry one string: vLLM's `cache_salt`);
+        /// the chain is keyed under it, apart from every other salt's.
+        salt: Option<String>,
     },
     /// Blocks left the cache.
     BlockRemoved {
@@ -181,10 +186,22 @@ fn from_fields<'a>(
                 .and_then(|b| u32::try_from(b).ok())
                 .filter(|&b| b > 0)
                 .ok_or_else(|| bad("BlockStored without a positive block_size"))?;
-            let extra_keys = match field("extra_keys") {
-                Some(Value::Array(a)) => a.iter().any(|k| !k.is_nil()),
-                None | Some(Value::Nil) => false,
-                Some(_) => true,
+            // Per block, nil or a tuple of keys. A chain's first block
+            // with one string alone carries the request's cache salt.
+            let (extra_keys, salt) = match field("extra_keys") {
+                Some(Value::Array(a)) => {
+                    let salt = match (parent_block_hash, a.first()) {
+                        (None, Some(Value::Array(keys))) => match keys.as_slice() {
+                            [Value::String(s)] => s.as_str().map(str::to_string),
+                            _ => None,
+                        },
+                        _ => None,
+                    };
+                    let skip = usize::from(salt.is_some());
+                    (a.iter().skip(skip).any(|k| !k.is_nil()), salt)
+                }
+                None | Some(Value::Nil) => (false, None),
+                Some(_) => (true, None),
             };
             Ok(Event::BlockStored {
                 block_hashes,
@@ -194,6 +211,7 @@ fn from_fields<'a>(
                 medium: medium(field("medium")),
                 lora: !nil("lora_id") || !nil("lora_name"),
                 extra_keys,
+                salt,
             })
         }
         "BlockRemoved" => Ok(Event::BlockRemoved {
@@ -283,6 +301,7 @@ mod tests {
             medium: Some("GPU".into()),
             lora: false,
             extra_keys: false,
+            salt: None,
         };
         for e in [map, pos] {
             let b = decode_batch(&enc(&Value::Array(vec![
@@ -346,6 +365,7 @@ mod tests {
                 medium: Some("GPU".into()),
                 lora: false,
                 extra_keys: false,
+                salt: None,
             })]
         );
     }

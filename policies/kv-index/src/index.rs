@@ -43,7 +43,8 @@ pub struct Applied {
 
 #[derive(Debug)]
 struct Block {
-    /// The parent's router key ([`ROOT_KEY`] for a prompt's first block).
+    /// The parent's router key ([`ROOT_KEY`], or a salted root, for a
+    /// prompt's first block).
     parent: u64,
     /// Its place in the LRU order.
     tick: u64,
@@ -256,10 +257,11 @@ impl Index {
                 medium,
                 lora,
                 extra_keys,
+                salt,
             } => self.store(
                 slot,
                 block_hashes,
-                *parent_block_hash,
+                (*parent_block_hash, salt.as_deref()),
                 token_ids,
                 *block_size,
                 medium.as_deref(),
@@ -273,7 +275,7 @@ impl Index {
         &mut self,
         slot: u32,
         hashes: &[BlockId],
-        parent: Option<BlockId>,
+        (parent, salt): (Option<BlockId>, Option<&str>),
         tokens: &[u32],
         block_size: u32,
         medium: Option<&str>,
@@ -303,7 +305,7 @@ impl Index {
         };
         e.block_size = Some(block_size);
         let mut parent_key = match parent {
-            None => ROOT_KEY,
+            None => crate::keys::root_key(salt),
             Some(p) => match e.by_engine.get(&p) {
                 Some(k) => *k,
                 None => {

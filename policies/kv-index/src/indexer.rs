@@ -109,6 +109,30 @@ impl KvIndexer {
         }
     }
 
+    /// Drops `endpoint`'s entries now (it answers "no cache information"
+    /// from this call on) and asks the thread to rebuild them by a replay
+    /// from 0 (without a replay socket it stays without information until
+    /// an `AllBlocksCleared`). For a router that found the entries wrong
+    /// (its predictions against the engine's reports). `false` when the
+    /// endpoint is not in the set.
+    pub fn resync(&self, endpoint: &str) -> bool {
+        {
+            let mut idx = self.lock();
+            let Some(slot) = idx.slot(endpoint) else {
+                return false;
+            };
+            idx.clear_slot(slot);
+            idx.set_health(slot, Health::Replaying);
+        }
+        // The thread schedules the replay; a full queue or a stopped thread
+        // leaves the entries dropped, which is what matters for routing,
+        // and its own checks find the endpoint without information.
+        if let Some(tx) = &self.tx {
+            let _ = tx.try_send(Command::Resync(endpoint.to_string()));
+        }
+        true
+    }
+
     fn lock(&self) -> MutexGuard<'_, Index> {
         // A panic while the thread held the lock leaves an index that is
         // still consistent per operation; keep serving it.
@@ -127,6 +151,16 @@ impl KvIndexer {
     /// chain computed once per block size.
     pub fn match_all(&self, token_ids: &[u32]) -> Vec<(String, Option<usize>)> {
         self.lock().match_all(token_ids)
+    }
+
+    /// [`KvIndexer::match_all`] of a prompt sent with vLLM's `cache_salt`
+    /// `salt`: only blocks its endpoints stored under the same salt match.
+    pub fn match_all_salted(
+        &self,
+        token_ids: &[u32],
+        salt: Option<&str>,
+    ) -> Vec<(String, Option<usize>)> {
+        self.lock().match_all_salted(token_ids, salt)
     }
 
     /// One endpoint's state (`None`: not in the set).

@@ -27,13 +27,39 @@ pub fn chain_key(parent: u64, tokens: &[u32]) -> u64 {
     u64::from_le_bytes(first)
 }
 
+/// The parent key of the first block of a prompt sent with vLLM's
+/// `cache_salt` `salt`: SHA-256 of `rngd-kvi-salt`, the salt's length (u64
+/// little-endian) and its bytes, first 8 bytes little-endian. Two salts
+/// (and a salt and none) root disjoint key chains, so a salted prompt
+/// matches only blocks stored under its own salt.
+pub fn salted_root(salt: &str) -> u64 {
+    let mut h = Sha256::new();
+    h.update(b"rngd-kvi-salt");
+    h.update((salt.len() as u64).to_le_bytes());
+    h.update(salt.as_bytes());
+    let d = h.finalize();
+    let mut first = [0u8; 8];
+    first.copy_from_slice(&d[..8]);
+    u64::from_le_bytes(first)
+}
+
+/// The root key of a prompt: [`ROOT_KEY`], or [`salted_root`] of its salt.
+pub fn root_key(salt: Option<&str>) -> u64 {
+    salt.map_or(ROOT_KEY, salted_root)
+}
+
 /// The keys of every full block of `tokens` in blocks of `block_size`, from
 /// token 0 (a partial last block has no key). Empty when `block_size` is 0.
 pub fn block_keys(block_size: usize, tokens: &[u32]) -> Vec<u64> {
+    salted_block_keys(block_size, tokens, None)
+}
+
+/// [`block_keys`] of a prompt sent with `salt` (vLLM's `cache_salt`).
+pub fn salted_block_keys(block_size: usize, tokens: &[u32], salt: Option<&str>) -> Vec<u64> {
     if block_size == 0 {
         return Vec::new();
     }
-    let mut parent = ROOT_KEY;
+    let mut parent = root_key(salt);
     tokens
         .chunks_exact(block_size)
         .map(|block| {
@@ -55,6 +81,23 @@ mod tests {
         assert_eq!(k[1], chain_key(k[0], &[3, 4]));
         assert!(block_keys(0, &[1, 2]).is_empty());
         assert!(block_keys(4, &[1, 2]).is_empty());
+    }
+
+    #[test]
+    fn salts_root_disjoint_chains() {
+        let t = [1, 2, 3, 4];
+        let (none, a, b) = (
+            salted_block_keys(2, &t, None),
+            salted_block_keys(2, &t, Some("a")),
+            salted_block_keys(2, &t, Some("b")),
+        );
+        assert_eq!(none, block_keys(2, &t));
+        assert_eq!(a[0], chain_key(salted_root("a"), &[1, 2]));
+        assert_eq!(a[1], chain_key(a[0], &[3, 4]));
+        for (x, y) in [(&none, &a), (&none, &b), (&a, &b)] {
+            assert!(x.iter().all(|k| !y.contains(k)), "{x:?} {y:?}");
+        }
+        assert_ne!(salted_root(""), ROOT_KEY);
     }
 
     #[test]

@@ -28,7 +28,7 @@ pub use decode::{Batch, BlockId, DecodeError, Event, decode_batch};
 pub use endpoint::{EndpointSpec, Health};
 pub use index::{Applied, Index};
 pub use indexer::KvIndexer;
-pub use keys::{ROOT_KEY, block_keys, chain_key};
+pub use keys::{ROOT_KEY, block_keys, chain_key, root_key, salted_block_keys, salted_root};
 pub use options::Options;
 pub use stats::{EndpointStats, IndexStats};
 

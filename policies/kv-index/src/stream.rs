@@ -45,6 +45,9 @@ const RECENT: usize = 4096;
 pub(crate) enum Command {
     /// Replace the endpoint set; the result goes back on the sender.
     SetEndpoints(Vec<EndpointSpec>, SyncSender<Result<(), KvIndexError>>),
+    /// Rebuild one endpoint's entries by a replay from 0 (the handle
+    /// dropped them already).
+    Resync(String),
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -172,7 +175,19 @@ impl Subscriber {
     }
 
     fn command(&self, streams: &mut Vec<Stream>, cmd: Command) {
-        let Command::SetEndpoints(list, reply) = cmd;
+        let (list, reply) = match cmd {
+            Command::SetEndpoints(list, reply) => (list, reply),
+            Command::Resync(id) => {
+                if let Some(s) = streams.iter_mut().find(|s| s.spec.id == id)
+                    && !self.want(s, ReplayKind::Rebuild, Instant::now())
+                {
+                    // No replay socket: nothing rebuilds it but the
+                    // publisher's next AllBlocksCleared.
+                    self.set_health(s, Health::MissedBatches);
+                }
+                return;
+            }
+        };
         let mut first_err = None;
         let wanted: HashMap<&str, &EndpointSpec> =
             list.iter().map(|e| (e.id.as_str(), e)).collect();

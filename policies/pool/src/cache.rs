@@ -26,7 +26,7 @@ use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
-use rngd_kv_index::{Health, KvIndexer, block_keys};
+use rngd_kv_index::{Health, KvIndexer, salted_block_keys};
 use rngd_policy_core::Route;
 use tokio::task::JoinHandle;
 
@@ -316,8 +316,8 @@ impl PrefixCache {
         Arc::clone(&self.streamed.read().unwrap_or_else(|e| e.into_inner()))
     }
 
-    fn estimate_keys(&self, prompt_ids: &[u32]) -> Vec<u64> {
-        block_keys(self.estimate.block_size, prompt_ids)
+    fn estimate_keys(&self, prompt_ids: &[u32], salt: Option<&str>) -> Vec<u64> {
+        salted_block_keys(self.estimate.block_size, prompt_ids, salt)
     }
 }
 
@@ -326,12 +326,29 @@ impl crate::prefix::PrefixSource for PrefixCache {
         self.estimate.approximate || !self.streamed().is_empty()
     }
 
-    fn cached_all(&self, addresses: &[&str], prompt_ids: &[u32]) -> Vec<Option<usize>> {
+    /// The index's entries for `address` dropped and replayed; the
+    /// router's own speculative and approximate entries for it forgotten
+    /// too (they raised the prediction that missed).
+    fn resync(&self, address: &str) -> bool {
+        lock(&self.speculative).forget(address);
+        lock(&self.approximate).forget(address);
+        self.indexer.resync(address)
+    }
+
+    fn cached_all(
+        &self,
+        addresses: &[&str],
+        prompt_ids: &[u32],
+        salt: Option<&str>,
+    ) -> Vec<Option<usize>> {
         let streamed = self.streamed();
         let indexed: HashMap<String, Option<usize>> = if streamed.is_empty() {
             HashMap::new()
         } else {
-            self.indexer.match_all(prompt_ids).into_iter().collect()
+            self.indexer
+                .match_all_salted(prompt_ids, salt)
+                .into_iter()
+                .collect()
         };
         let bs = self.estimate.block_size;
         let now = Instant::now();
@@ -344,7 +361,7 @@ impl crate::prefix::PrefixSource for PrefixCache {
             if store.is_empty() {
                 return 0;
             }
-            let k = keys.get_or_insert_with(|| self.estimate_keys(prompt_ids));
+            let k = keys.get_or_insert_with(|| self.estimate_keys(prompt_ids, salt));
             store.matched(a, k, now) * bs
         };
         let mut out = Vec::with_capacity(addresses.len());
@@ -371,7 +388,7 @@ impl crate::prefix::PrefixSource for PrefixCache {
         out
     }
 
-    fn routed(&self, route: &Route, prompt_ids: &[u32]) {
+    fn routed(&self, route: &Route, prompt_ids: &[u32], salt: Option<&str>) {
         let streamed = self.streamed();
         let now = Instant::now();
         // Hashed once, and only when some endpoint of the route is recorded.
@@ -383,7 +400,7 @@ impl crate::prefix::PrefixSource for PrefixCache {
                 self.estimate.approximate.then_some(&self.approximate)
             };
             if let Some(store) = store {
-                let k = keys.get_or_insert_with(|| self.estimate_keys(prompt_ids));
+                let k = keys.get_or_insert_with(|| self.estimate_keys(prompt_ids, salt));
                 lock(store).record(a, k, now);
             }
         }

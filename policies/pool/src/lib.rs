@@ -13,6 +13,9 @@
 //!   holds a prompt's prefix) and the `rngd_pd.prefix_cache` text;
 //!   [`cache`]: its implementation, the KV-event index following the
 //!   endpoints' streams, with the router's own estimates and metrics.
+//! - [`predicted`]: the index's cache predictions held against the
+//!   engines' reported `cached_tokens`, with a miss budget that drops and
+//!   rebuilds an endpoint's entries.
 //! - [`inflight`]: the requests each door routed to a decode endpoint and
 //!   has not finished, which every pick counts as that endpoint's running
 //!   load until the next scrape shows more.
@@ -32,6 +35,7 @@ pub mod discovery;
 pub mod inflight;
 pub mod load;
 pub mod pick;
+pub mod predicted;
 pub mod prefix;
 pub mod prompt;
 pub mod scrape;
@@ -44,7 +48,8 @@ pub use admission::{Admission, AdmissionOptions, Overloaded};
 pub use cache::{CacheOptions, EstimateOptions, PrefixCache, RunningCache};
 pub use inflight::{Held, InFlight};
 pub use load::{LoadNames, LoadSample, parse_load, parse_load_named};
-pub use pick::{PickError, PickRequest, Picker, Policy, PolicyFailure};
+pub use pick::{PickError, PickRequest, Picked, Picker, Policy, PolicyFailure};
+pub use predicted::{CacheCheck, CheckOptions, Expected};
 pub use prompt::{
     ApiKind, PREPARE_INLINE_BYTES, PrepareError, Prepared, PromptCounter, TokenizerOverrides,
     gguf_counter, gguf_counter_with, prepare, prepare_async,

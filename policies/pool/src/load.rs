@@ -40,6 +40,9 @@ pub struct LoadSample {
     pub weight_version: Option<String>,
     /// The `seq_len` of `rngd_pd_worker_variant_info`, if on the page.
     pub seq_len: Option<u32>,
+    /// `process_start_time_seconds`, if on the page: a new value on the
+    /// same address is a new process (a restart), whose cache is empty.
+    pub started: Option<f64>,
 }
 
 /// Longest `weight_version` label read.
@@ -182,7 +185,7 @@ pub fn parse_load_named(text: &str, names: &LoadNames) -> Option<LoadSample> {
 
 fn parse(text: &str, w: &str, r: &str, k: &str) -> Option<LoadSample> {
     let (mut waiting, mut running, mut kv) = (None::<f64>, None::<f64>, 0.0f64);
-    let (mut version, mut seq_len) = (None, None);
+    let (mut version, mut seq_len, mut started) = (None, None, None);
     for line in text.lines() {
         if version.is_none() {
             version = weight_version(line);
@@ -199,6 +202,8 @@ fn parse(text: &str, w: &str, r: &str, k: &str) -> Option<LoadSample> {
             *running.get_or_insert(0.0) += value;
         } else if name == k {
             kv = kv.max(value);
+        } else if name == names::PROCESS_START_TIME_SECONDS {
+            started = Some(value);
         }
     }
     if waiting.is_none() && running.is_none() {
@@ -212,6 +217,7 @@ fn parse(text: &str, w: &str, r: &str, k: &str) -> Option<LoadSample> {
         kv_usage: kv.clamp(0.0, 1.0),
         weight_version: version,
         seq_len,
+        started,
     })
 }
 
@@ -258,7 +264,13 @@ mod tests {
                 kv_usage: 0.25,
                 weight_version: None,
                 seq_len: None,
+                started: None,
             })
+        );
+        let restarted = format!("{text}process_start_time_seconds 1765000000.25\n");
+        assert_eq!(
+            parse_load(&restarted).and_then(|s| s.started),
+            Some(1765000000.25)
         );
     }
 

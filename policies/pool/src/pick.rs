@@ -201,6 +201,9 @@ pub struct PickRequest {
     /// [`crate::prompt::prepare`]); empty = unknown, then the policy gets no
     /// `rngd_pd.prefix_cache`.
     pub prompt_ids: Vec<u32>,
+    /// vLLM's `cache_salt` of the request: its prefix matches only blocks
+    /// stored under the same salt (none: only unsalted blocks).
+    pub cache_salt: Option<String>,
 }
 
 /// The endpoint pool and the policy that routes over it.
@@ -210,6 +213,22 @@ pub struct Picker {
     prefix: Option<Arc<dyn crate::prefix::PrefixSource>>,
     in_flight: Arc<crate::InFlight>,
     decisions: prometheus::IntCounterVec,
+    check: Arc<crate::predicted::CacheCheck>,
+}
+
+/// One routed request: its route, its count on its decode endpoint
+/// ([`crate::Held`], kept until the answer ends) and, when the index had
+/// information on the endpoint that prefills it, the cached tokens it
+/// predicted there ([`crate::predicted::Expected`], handed back with the
+/// answer's `cached_tokens`).
+#[derive(Debug)]
+pub struct Picked {
+    /// Where the request goes.
+    pub route: Route,
+    /// Its count on the decode endpoint.
+    pub held: crate::Held,
+    /// The cache prediction for the prefilling endpoint.
+    pub expected: Option<crate::predicted::Expected>,
 }
 
 impl std::fmt::Debug for Picker {
@@ -238,25 +257,50 @@ impl Picker {
                 &["reason"],
             )
             .expect("a valid metric definition"),
+            check: Arc::new(
+                crate::predicted::CacheCheck::new(Default::default(), None)
+                    .expect("valid metric definitions"),
+            ),
         }
     }
 
-    /// Registers the picker's own metrics (`rngd_pd_route_decisions_total`)
-    /// in `r`.
+    /// Registers the picker's own metrics (`rngd_pd_route_decisions_total`
+    /// and the cache-prediction checks, `crate::predicted`) in `r`.
     pub fn register_metrics(&self, r: &prometheus::Registry) -> Result<(), crate::PoolError> {
         r.register(Box::new(self.decisions.clone())).map_err(|e| {
             crate::PoolError::Config(format!(
                 "metric {}: {e}",
                 rngd_telemetry::names::ROUTE_DECISIONS_TOTAL
             ))
-        })
+        })?;
+        self.check.register(r)
     }
 
     /// The same picker telling the policy where each endpoint holds a
-    /// request's prefix (`rngd_pd.prefix_cache`), from `source`.
-    pub fn with_prefix_source(mut self, source: Arc<dyn crate::prefix::PrefixSource>) -> Self {
+    /// request's prefix (`rngd_pd.prefix_cache`), from `source`, whose
+    /// predictions are checked against the engines' reports with the
+    /// default miss budget.
+    pub fn with_prefix_source(self, source: Arc<dyn crate::prefix::PrefixSource>) -> Self {
+        self.with_prefix_check(source, crate::predicted::CheckOptions::default())
+    }
+
+    /// [`Picker::with_prefix_source`] with the miss budget `options`.
+    pub fn with_prefix_check(
+        mut self,
+        source: Arc<dyn crate::prefix::PrefixSource>,
+        options: crate::predicted::CheckOptions,
+    ) -> Self {
+        self.check = Arc::new(
+            crate::predicted::CacheCheck::new(options, Some(Arc::clone(&source)))
+                .expect("valid metric definitions"),
+        );
         self.prefix = Some(source);
         self
+    }
+
+    /// The cache-prediction checks (`crate::predicted`).
+    pub fn cache_check(&self) -> &Arc<crate::predicted::CacheCheck> {
+        &self.check
     }
 
     /// The endpoint source.
@@ -273,7 +317,7 @@ impl Picker {
     /// Routes one request whose answer nobody waits for (tests, probes):
     /// [`Picker::pick_held`] with the hold given back at once.
     pub async fn pick(&self, req: PickRequest) -> Result<Route, PickError> {
-        self.pick_held(req).await.map(|(route, _)| route)
+        self.pick_held(req).await.map(|p| p.route)
     }
 
     /// Routes one request and counts it against its decode endpoint until
@@ -282,8 +326,13 @@ impl Picker {
     /// before any scrape does (`crate::inflight`). The snapshot `Arc` is
     /// passed on unchanged when neither a subset hint nor a count changes
     /// it, so the policy host's same-snapshot shortcut hits.
-    pub async fn pick_held(&self, req: PickRequest) -> Result<(Route, crate::Held), PickError> {
+    pub async fn pick_held(&self, req: PickRequest) -> Result<Picked, PickError> {
         let mut snapshot = self.in_flight.apply(self.endpoints.snapshot());
+        // A restarted endpoint's entries go before anything reads them.
+        if self.prefix.is_some() {
+            self.check
+                .follow_restarts(self.endpoints.as_ref(), &snapshot);
+        }
         if let Some(subset) = &req.subset {
             snapshot = snapshot
                 .iter()
@@ -294,22 +343,26 @@ impl Picker {
                 return Err(PickError::NoEndpointInSubset);
             }
         }
+        // Without a prefix source (or the prompt's ids) the property is
+        // absent and the policy routes on load (docs/policy-abi.md).
+        let counts: Option<Vec<Option<usize>>> = self
+            .prefix
+            .as_deref()
+            .filter(|src| !req.prompt_ids.is_empty() && src.active())
+            .map(|src| {
+                let addresses: Vec<&str> = snapshot.iter().map(|e| e.address.as_str()).collect();
+                src.cached_all(&addresses, &req.prompt_ids, req.cache_salt.as_deref())
+            });
+        let prefix_cache = counts.as_deref().map(|counts| {
+            let addresses: Vec<&str> = snapshot.iter().map(|e| e.address.as_str()).collect();
+            crate::prefix::property_of(&addresses, counts)
+        });
         let preq = PolicyRequest {
             headers: policy_headers(req.headers, req.subset.as_deref()),
             body: req.body,
             endpoints: Some(Arc::clone(&snapshot)),
             prompt_tokens: req.prompt_tokens,
-            // Without a prefix source (or the prompt's ids) the property is
-            // absent and the policy routes on load (docs/policy-abi.md).
-            prefix_cache: self
-                .prefix
-                .as_deref()
-                .filter(|src| !req.prompt_ids.is_empty() && src.active())
-                .map(|src| {
-                    let addresses: Vec<&str> =
-                        snapshot.iter().map(|e| e.address.as_str()).collect();
-                    crate::prefix::property(src, &addresses, &req.prompt_ids)
-                }),
+            prefix_cache,
         };
         let route = match self.policy.decide(preq).await {
             Ok(Decision::Route(r)) => r,
@@ -326,13 +379,29 @@ impl Picker {
         if let Some(src) = &self.prefix
             && !req.prompt_ids.is_empty()
         {
-            src.routed(&route, &req.prompt_ids);
+            src.routed(&route, &req.prompt_ids, req.cache_salt.as_deref());
         }
+        // The endpoint that prefills the prompt is the one whose cache the
+        // answer's `cached_tokens` reports (the PD path carries the
+        // prefill worker's figure).
+        let prefills = route.prefill.as_deref().unwrap_or(&route.decode);
+        let expected = counts.as_deref().and_then(|counts| {
+            let at = snapshot.iter().position(|e| e.address == prefills)?;
+            counts
+                .get(at)
+                .copied()
+                .flatten()
+                .map(|n| self.check.expect(prefills, n))
+        });
         let held = self.in_flight.hold(&route.decode);
         self.decisions
             .with_label_values(&[reason_label(&route)])
             .inc();
-        Ok((route, held))
+        Ok(Picked {
+            route,
+            held,
+            expected,
+        })
     }
 }
 
@@ -557,6 +626,7 @@ mod tests {
                 prompt_tokens: Some(2),
                 subset: None,
                 prompt_ids: Vec::new(),
+                cache_salt: None,
             })
             .await
             .expect("route");
@@ -609,14 +679,14 @@ mod tests {
         for _ in 0..4 {
             held.push(p.pick_held(req()).await.expect("route"));
         }
-        let on = |a: &str| held.iter().filter(|(r, _)| r.decode == a).count();
+        let on = |a: &str| held.iter().filter(|p| p.route.decode == a).count();
         assert_eq!((on("10.0.0.1:1"), on("10.0.0.3:3")), (2, 2), "{held:?}");
         assert_eq!(p.in_flight().count("10.0.0.1:1"), 2);
         // Unheld picks (nobody waits for their answer) leave no count.
         let first = p.pick(req()).await.expect("route");
         assert_eq!(p.in_flight().count(&first.decode), 2);
         // The holds on one endpoint given back: the next pick goes there.
-        held.retain(|(r, _)| r.decode != "10.0.0.3:3");
+        held.retain(|p| p.route.decode != "10.0.0.3:3");
         assert_eq!(p.pick(req()).await.expect("route").decode, "10.0.0.3:3");
         drop(held);
         assert_eq!(p.in_flight().tracked(), 0);
@@ -629,7 +699,12 @@ mod tests {
     async fn the_prefix_source_steers_the_pick_to_the_cached_endpoint() {
         struct HeldBy(&'static str);
         impl crate::prefix::PrefixSource for HeldBy {
-            fn cached_all(&self, addresses: &[&str], ids: &[u32]) -> Vec<Option<usize>> {
+            fn cached_all(
+                &self,
+                addresses: &[&str],
+                ids: &[u32],
+                _salt: Option<&str>,
+            ) -> Vec<Option<usize>> {
                 addresses
                     .iter()
                     .map(|a| Some(if *a == self.0 { ids.len() - 8 } else { 0 }))
@@ -665,5 +740,62 @@ mod tests {
         let r = p.pick(req(Vec::new())).await.expect("route");
         assert_eq!(r.decode, "10.0.0.1:1");
         assert_eq!(r.prefill.as_deref(), Some("10.0.0.9:9"));
+    }
+
+    /// A pick keeps the index's prediction for the endpoint that prefills
+    /// the request (the decode endpoint of a local route, the prefill
+    /// endpoint of a disaggregated one); with no information there, none.
+    #[tokio::test]
+    async fn a_pick_keeps_the_prediction_for_its_prefilling_endpoint() {
+        struct Known;
+        impl crate::prefix::PrefixSource for Known {
+            fn cached_all(
+                &self,
+                addresses: &[&str],
+                ids: &[u32],
+                _salt: Option<&str>,
+            ) -> Vec<Option<usize>> {
+                addresses
+                    .iter()
+                    .map(|a| match *a {
+                        "10.0.0.2:2" => Some(ids.len() - 8),
+                        "10.0.0.9:9" => Some(16),
+                        _ => None,
+                    })
+                    .collect()
+            }
+        }
+        let p = Picker::new(
+            Arc::new(NativePolicy::default()),
+            StaticEndpoints::new(vec![
+                local_endpoint("10.0.0.1:1".into(), Role::Decode, 512, &[]),
+                local_endpoint("10.0.0.2:2".into(), Role::Decode, 512, &[]),
+                local_endpoint("10.0.0.9:9".into(), Role::Prefill, 512, &[]),
+            ]),
+        )
+        .with_prefix_source(Arc::new(Known));
+        let req = |ids: Vec<u32>| PickRequest {
+            body: br#"{"model":"m","prompt":"hi","max_tokens":4}"#.to_vec(),
+            prompt_tokens: Some(ids.len()),
+            prompt_ids: ids,
+            ..Default::default()
+        };
+        let local = p.pick_held(req(vec![1; 300])).await.expect("route");
+        assert_eq!(local.route.prefill, None);
+        let e = local.expected.expect("a prediction");
+        assert_eq!((e.endpoint(), e.predicted()), ("10.0.0.2:2", 292));
+        let reg = prometheus::Registry::new();
+        p.register_metrics(&reg).expect("register");
+        e.served(280);
+        let text = rngd_telemetry::render(&reg);
+        for line in [
+            r#"rngd_pd_router_predicted_cached_tokens_total{endpoint="10.0.0.2:2"} 292"#,
+            r#"rngd_pd_router_served_cached_tokens_total{endpoint="10.0.0.2:2"} 280"#,
+        ] {
+            assert!(text.contains(line), "{line} in\n{text}");
+        }
+        // No ids: no property, no prediction.
+        let blind = p.pick_held(req(Vec::new())).await.expect("route");
+        assert!(blind.expected.is_none());
     }
 }

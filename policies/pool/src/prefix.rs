@@ -11,7 +11,14 @@ pub trait PrefixSource: Send + Sync {
     /// Cached prompt tokens of `prompt_ids` on each of `addresses`
     /// (`ip:port`), in order; `None` where there is no cache information
     /// (no event stream, or one that is stale, broken or still replaying).
-    fn cached_all(&self, addresses: &[&str], prompt_ids: &[u32]) -> Vec<Option<usize>>;
+    /// A prompt sent with vLLM's `cache_salt` `salt` matches only what was
+    /// cached under the same salt; one without, only unsalted blocks.
+    fn cached_all(
+        &self,
+        addresses: &[&str],
+        prompt_ids: &[u32],
+        salt: Option<&str>,
+    ) -> Vec<Option<usize>>;
 
     /// Whether it has anything to say (an endpoint with a stream, or
     /// estimates); when not, the policy gets no property at all.
@@ -21,17 +28,22 @@ pub trait PrefixSource: Send + Sync {
 
     /// The picker routed `prompt_ids` along `route` (the source may
     /// remember it until the endpoints' events confirm it). Default: nothing.
-    fn routed(&self, _route: &Route, _prompt_ids: &[u32]) {}
+    fn routed(&self, _route: &Route, _prompt_ids: &[u32], _salt: Option<&str>) {}
+
+    /// The engine at `address` did not serve what this source predicted
+    /// (`crate::predicted`): drop what it holds for it at once (no cache
+    /// information until it is rebuilt) and rebuild it. `true` when there
+    /// was something to drop. Default: nothing to drop.
+    fn resync(&self, _address: &str) -> bool {
+        false
+    }
 }
 
-/// The `rngd_pd.prefix_cache` text for `addresses`: `ADDRESS=TOKENS` or
-/// `ADDRESS=?` (no information), joined by `,`.
-pub fn property(source: &dyn PrefixSource, addresses: &[&str], prompt_ids: &[u32]) -> String {
+/// The `rngd_pd.prefix_cache` text of `counts` (one per address, in order,
+/// as [`PrefixSource::cached_all`] answers).
+pub fn property_of(addresses: &[&str], counts: &[Option<usize>]) -> String {
     let mut out = String::new();
-    for (a, n) in addresses
-        .iter()
-        .zip(source.cached_all(addresses, prompt_ids))
-    {
+    for (a, n) in addresses.iter().zip(counts) {
         if !out.is_empty() {
             out.push(',');
         }
@@ -45,6 +57,12 @@ pub fn property(source: &dyn PrefixSource, addresses: &[&str], prompt_ids: &[u32
     out
 }
 
+/// The `rngd_pd.prefix_cache` text for `addresses`: `ADDRESS=TOKENS` or
+/// `ADDRESS=?` (no information), joined by `,`.
+pub fn property(source: &dyn PrefixSource, addresses: &[&str], prompt_ids: &[u32]) -> String {
+    property_of(addresses, &source.cached_all(addresses, prompt_ids, None))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -52,7 +70,12 @@ mod tests {
     struct Fixed;
 
     impl PrefixSource for Fixed {
-        fn cached_all(&self, addresses: &[&str], prompt_ids: &[u32]) -> Vec<Option<usize>> {
+        fn cached_all(
+            &self,
+            addresses: &[&str],
+            prompt_ids: &[u32],
+            _salt: Option<&str>,
+        ) -> Vec<Option<usize>> {
             addresses
                 .iter()
                 .map(|a| match *a {

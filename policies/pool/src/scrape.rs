@@ -121,6 +121,17 @@ struct ScrapeState {
     /// one (a re-scrape with the same figures only refreshes its time).
     generation: u64,
     cached: Option<CachedSnapshot>,
+    /// Each address's process (`process_start_time_seconds`) and the
+    /// restarts seen there; kept across failed scrapes (a dead process's
+    /// address is known again when its successor answers).
+    instances: HashMap<String, Instance>,
+}
+
+/// The process last scraped at one address.
+#[derive(Debug, Clone, Copy)]
+struct Instance {
+    started: f64,
+    restarts: u64,
 }
 
 /// A built snapshot and what it was built from.
@@ -140,6 +151,8 @@ pub struct ScrapedEndpoints {
     state: Mutex<ScrapeState>,
     scrape_failures: Option<prometheus::IntCounter>,
     names: LoadNames,
+    /// Restarts seen over every address.
+    restarts: std::sync::atomic::AtomicU64,
 }
 
 impl std::fmt::Debug for ScrapedEndpoints {
@@ -183,6 +196,7 @@ impl ScrapedEndpoints {
             state: Mutex::new(ScrapeState::default()),
             scrape_failures,
             names,
+            restarts: std::sync::atomic::AtomicU64::new(0),
         })
     }
 
@@ -223,6 +237,31 @@ impl ScrapedEndpoints {
                 };
                 if changed {
                     st.generation += 1;
+                }
+                if let Some(started) = sample.started {
+                    match st.instances.get_mut(address) {
+                        Some(i) if i.started != started => {
+                            i.started = started;
+                            i.restarts += 1;
+                            self.restarts
+                                .fetch_add(1, std::sync::atomic::Ordering::AcqRel);
+                            tracing::info!(
+                                endpoint = address,
+                                restarts = i.restarts,
+                                "endpoint restarted (a new process on its address): its cache is empty"
+                            );
+                        }
+                        Some(_) => {}
+                        None => {
+                            st.instances.insert(
+                                address.to_string(),
+                                Instance {
+                                    started,
+                                    restarts: 0,
+                                },
+                            );
+                        }
+                    }
                 }
             }
             Err(_) => {
@@ -322,6 +361,9 @@ impl ScrapedEndpoints {
                         handle.abort();
                         let mut st = this.state.lock().unwrap_or_else(|e| e.into_inner());
                         st.samples.remove(addr);
+                        // Bounded by the addresses listed now (the index
+                        // forgets a departed address's stream too).
+                        st.instances.remove(addr);
                         st.generation += 1;
                     }
                     keep
@@ -380,6 +422,15 @@ impl EndpointSource for ScrapedEndpoints {
 
     fn kv_streams(&self) -> Arc<[crate::source::KvStream]> {
         self.inner.kv_streams()
+    }
+
+    fn restarts(&self) -> u64 {
+        self.restarts.load(std::sync::atomic::Ordering::Acquire)
+    }
+
+    fn restarts_of(&self, address: &str) -> u64 {
+        let st = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        st.instances.get(address).map_or(0, |i| i.restarts)
     }
 }
 

@@ -31,6 +31,20 @@ pub trait EndpointSource: Send + Sync + 'static {
     fn kv_streams(&self) -> Arc<[KvStream]> {
         Arc::from([])
     }
+
+    /// Restarts seen over all endpoints (a new process on an address the
+    /// source already knew): a total that only grows, so a reader can tell
+    /// cheaply whether any endpoint restarted since it last looked.
+    /// Default: a source that cannot tell, 0.
+    fn restarts(&self) -> u64 {
+        0
+    }
+
+    /// Restarts seen of the endpoint at `address` (0 for one never seen
+    /// to restart).
+    fn restarts_of(&self, _address: &str) -> u64 {
+        0
+    }
 }
 
 /// One endpoint's KV-event stream (its id is the endpoint's `ip:port`).

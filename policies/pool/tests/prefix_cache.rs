@@ -117,7 +117,7 @@ async fn follows_the_files_streams_and_says_when_one_is_down() {
     let addrs = ["10.0.0.1:1", "10.0.0.2:2", "10.0.0.3:3"];
     let prompt = toks(40);
     wait_until("two blocks on 1", || {
-        cache.cached_all(&addrs, &prompt) == vec![Some(32), Some(0), None]
+        cache.cached_all(&addrs, &prompt, None) == vec![Some(32), Some(0), None]
     })
     .await;
     assert!(
@@ -176,7 +176,7 @@ async fn follows_the_files_streams_and_says_when_one_is_down() {
     )
     .unwrap();
     assert_eq!(
-        cache.cached_all(&addrs, &prompt),
+        cache.cached_all(&addrs, &prompt, None),
         vec![Some(32), None, None]
     );
     assert_eq!(
@@ -249,14 +249,17 @@ async fn a_flag_wins_and_speculative_entries_bridge_a_pick() {
     real.stored(vec![1], None, toks(16), 16);
     real.end_step();
     wait_until("the flag's stream indexed", || {
-        cache.cached_all(&["10.0.0.1:1"], &prompt) == vec![Some(16)]
+        cache.cached_all(&["10.0.0.1:1"], &prompt, None) == vec![Some(16)]
     })
     .await;
     // A pick of the whole prompt counts as cached until its lifetime ends.
-    cache.routed(&route("10.0.0.1:1"), &prompt);
-    assert_eq!(cache.cached_all(&["10.0.0.1:1"], &prompt), vec![Some(48)]);
+    cache.routed(&route("10.0.0.1:1"), &prompt, None);
+    assert_eq!(
+        cache.cached_all(&["10.0.0.1:1"], &prompt, None),
+        vec![Some(48)]
+    );
     wait_until("the speculative entry expired", || {
-        cache.cached_all(&["10.0.0.1:1"], &prompt) == vec![Some(16)]
+        cache.cached_all(&["10.0.0.1:1"], &prompt, None) == vec![Some(16)]
     })
     .await;
 }
@@ -286,10 +289,16 @@ async fn approximate_mode_credits_endpoints_without_a_stream() {
     assert!(cache.active());
     let prompt = toks(40);
     let addrs = ["10.0.0.1:1", "10.0.0.2:2"];
-    assert_eq!(cache.cached_all(&addrs, &prompt), vec![Some(0), Some(0)]);
-    cache.routed(&route("10.0.0.2:2"), &prompt);
+    assert_eq!(
+        cache.cached_all(&addrs, &prompt, None),
+        vec![Some(0), Some(0)]
+    );
+    cache.routed(&route("10.0.0.2:2"), &prompt, None);
     // A longer prompt sharing the first 40 tokens: two whole blocks.
-    assert_eq!(cache.cached_all(&addrs, &toks(64)), vec![Some(0), Some(32)]);
+    assert_eq!(
+        cache.cached_all(&addrs, &toks(64), None),
+        vec![Some(0), Some(32)]
+    );
     assert!(
         metric(
             &registry,

@@ -751,8 +751,9 @@ impl Scheduler {
             return;
         }
         let ids = &stream.seq[..cache.tokens];
-        let hashes = prefix.hashes(ids, stream.params.cache_salt.as_deref());
-        prefix.store(ids, &hashes, cache);
+        let salt = stream.params.cache_salt.as_deref();
+        let hashes = prefix.hashes(ids, salt);
+        prefix.store(ids, &hashes, cache, salt);
     }
 
     /// One decode step for every running stream, in a forward of its own;

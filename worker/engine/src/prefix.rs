@@ -76,6 +76,11 @@ pub enum PrefixEvent {
         token_ids: Vec<u32>,
         /// Positions per block.
         block_size: usize,
+        /// vLLM's `cache_salt` of the prompt, when the chain starts it
+        /// (`parent` is `None`): its blocks' KV is keyed under the salt,
+        /// and a router must key it so too (vLLM publishes it in the first
+        /// block's `extra_keys`).
+        salt: Option<String>,
     },
     /// Blocks left the cache (evicted).
     BlockRemoved {
@@ -263,8 +268,16 @@ impl PrefixCache {
     /// ids, `hashes` their names): the ones not held yet are copied in, the
     /// whole chain becomes the most recently used, least recently used
     /// blocks of other chains are evicted to make room. A chain longer than
-    /// the budget keeps its first blocks.
-    pub(crate) fn store(&mut self, tokens: &[u32], hashes: &[BlockHash], cache: &SeqCache) {
+    /// the budget keeps its first blocks. `salt`: the `cache_salt` the
+    /// `hashes` were computed with (published with a chain that starts the
+    /// prompt).
+    pub(crate) fn store(
+        &mut self,
+        tokens: &[u32],
+        hashes: &[BlockHash],
+        cache: &SeqCache,
+        salt: Option<&str>,
+    ) {
         if !self.enabled() {
             return;
         }
@@ -316,6 +329,7 @@ impl PrefixCache {
                 parent: stored_parent,
                 token_ids: stored_tokens,
                 block_size: b,
+                salt: salt.filter(|_| stored_parent.is_none()).map(str::to_string),
             });
         }
     }
@@ -459,7 +473,7 @@ mod tests {
         let src = filled(11);
         let hs = pc.hashes(&toks, None);
         assert_eq!(hs.len(), 2);
-        pc.store(&toks, &hs, &src);
+        pc.store(&toks, &hs, &src, None);
         assert_eq!(pc.stats().blocks, 2);
         let mut dst = SeqCache::new(layout());
         assert_eq!(pc.load(&toks, &hs, 2, &mut dst), 8);
@@ -495,7 +509,7 @@ mod tests {
         let a: Vec<u32> = (0..16).collect();
         let src = filled(16);
         let ha = pc.hashes(&a, None);
-        pc.store(&a, &ha, &src);
+        pc.store(&a, &ha, &src, None);
         // A chain longer than the budget keeps its first blocks.
         assert_eq!(pc.stats().blocks, 3);
         let mut d = SeqCache::new(layout());
@@ -503,7 +517,7 @@ mod tests {
         // Another prompt of two blocks evicts a's tail first.
         let b: Vec<u32> = (100..108).collect();
         let hb = pc.hashes(&b, None);
-        pc.store(&b, &hb, &filled(8));
+        pc.store(&b, &hb, &filled(8), None);
         assert_eq!(pc.stats().blocks, 3);
         assert!(pc.stats().bytes <= opts(3, 4).max_bytes);
         let mut d = SeqCache::new(layout());

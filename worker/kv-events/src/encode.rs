@@ -30,6 +30,9 @@ pub enum KvEvent {
         block_size: u32,
         /// The cache tier (`"GPU"` for the engine's own cache, as in vLLM).
         medium: Option<String>,
+        /// The prompt's `cache_salt`, on a chain that starts it: written as
+        /// `extra_keys` (`[[salt], nil, …]`, one entry per block, as vLLM).
+        salt: Option<String>,
     },
     /// Blocks left the cache.
     BlockRemoved {
@@ -86,13 +89,14 @@ fn event(w: &mut Vec<u8>, e: &KvEvent) {
             token_ids,
             block_size,
             medium,
+            salt,
         } => {
             // BlockStored's fields without a default are always written:
             // block_hashes, parent_block_hash, token_ids, block_size,
-            // lora_id, medium, lora_name; extra_keys, group_idx,
-            // kv_cache_spec_kind and kv_cache_spec_sliding_window default
-            // to None and are left out.
-            map_header(w, 8);
+            // lora_id, medium, lora_name; extra_keys only for a salted
+            // chain; group_idx, kv_cache_spec_kind and
+            // kv_cache_spec_sliding_window default to None and are left out.
+            map_header(w, if salt.is_some() { 9 } else { 8 });
             str(w, "type");
             str(w, "BlockStored");
             str(w, "block_hashes");
@@ -109,6 +113,18 @@ fn event(w: &mut Vec<u8>, e: &KvEvent) {
             opt_str(w, medium.as_deref());
             str(w, "lora_name");
             nil(w);
+            if let Some(salt) = salt {
+                str(w, "extra_keys");
+                array_header(w, block_hashes.len());
+                for i in 0..block_hashes.len() {
+                    if i == 0 {
+                        array_header(w, 1);
+                        str(w, salt);
+                    } else {
+                        nil(w);
+                    }
+                }
+            }
         }
         KvEvent::BlockRemoved {
             block_hashes,

@@ -173,12 +173,27 @@ impl KvEventPublisher {
         token_ids: Vec<u32>,
         block_size: u32,
     ) {
+        self.stored_salted(block_hashes, parent_block_hash, token_ids, block_size, None);
+    }
+
+    /// [`KvEventPublisher::stored`] of a chain that starts a prompt sent
+    /// with vLLM's `cache_salt` `salt` (published in the first block's
+    /// `extra_keys`, as vLLM does).
+    pub fn stored_salted(
+        &self,
+        block_hashes: Vec<u64>,
+        parent_block_hash: Option<u64>,
+        token_ids: Vec<u32>,
+        block_size: u32,
+        salt: Option<String>,
+    ) {
         self.push(Item::Event(KvEvent::BlockStored {
             block_hashes,
             parent_block_hash,
             token_ids,
             block_size,
             medium: Some(self.medium.clone()),
+            salt,
         }));
     }
 

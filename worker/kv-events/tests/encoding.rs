@@ -19,6 +19,7 @@ fn stored(hashes: Vec<u64>, parent: Option<u64>, tokens: Vec<u32>, bs: u32) -> K
         token_ids: tokens,
         block_size: bs,
         medium: Some(MEDIUM_GPU.into()),
+        salt: None,
     }
 }
 

@@ -22,11 +22,13 @@ impl PrefixEventSink for PublisherSink {
                 parent,
                 token_ids,
                 block_size,
-            } => self.0.stored(
+                salt,
+            } => self.0.stored_salted(
                 hashes,
                 parent,
                 token_ids,
                 u32::try_from(block_size).unwrap_or(u32::MAX),
+                salt,
             ),
             PrefixEvent::BlockRemoved { hashes } => self.0.removed(hashes),
             PrefixEvent::AllCleared => self.0.all_cleared(),

@@ -6,7 +6,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::time::Instant;
 
 use super::{Few, Health, Index};
-use crate::keys::{ROOT_KEY, chain_key};
+use crate::keys::{chain_key, root_key};
 use crate::stats::{EndpointStats, IndexStats};
 
 impl Index {
@@ -16,6 +16,17 @@ impl Index {
     /// [`Health::Live`]); `Some(0)` when it is live and holds none of it.
     /// The matched chain becomes the most recently used.
     pub fn match_prefix(&mut self, endpoint: &str, token_ids: &[u32]) -> Option<usize> {
+        self.match_prefix_salted(endpoint, token_ids, None)
+    }
+
+    /// [`Index::match_prefix`] of a prompt sent with vLLM's `cache_salt`
+    /// `salt`: only blocks stored under the same salt match.
+    pub fn match_prefix_salted(
+        &mut self,
+        endpoint: &str,
+        token_ids: &[u32],
+        salt: Option<&str>,
+    ) -> Option<usize> {
         let slot = *self.ids.get(endpoint)?;
         let e = self.endpoints.get(&slot)?;
         if e.health != Health::Live {
@@ -25,7 +36,7 @@ impl Index {
             return Some(0);
         };
         let bs = bs as usize;
-        let mut parent = ROOT_KEY;
+        let mut parent = root_key(salt);
         let mut n = 0;
         let mut last = None;
         for block in token_ids.chunks_exact(bs) {
@@ -47,6 +58,16 @@ impl Index {
     /// key chain computed once per block size and looked up in the key →
     /// endpoints map.
     pub fn match_all(&mut self, token_ids: &[u32]) -> Vec<(String, Option<usize>)> {
+        self.match_all_salted(token_ids, None)
+    }
+
+    /// [`Index::match_all`] of a prompt sent with `salt` (vLLM's
+    /// `cache_salt`): only blocks stored under the same salt match.
+    pub fn match_all_salted(
+        &mut self,
+        token_ids: &[u32],
+        salt: Option<&str>,
+    ) -> Vec<(String, Option<usize>)> {
         let mut by_size: BTreeMap<u32, HashMap<u32, usize>> = BTreeMap::new();
         for (slot, e) in &self.endpoints {
             if e.health == Health::Live
@@ -57,7 +78,7 @@ impl Index {
         }
         let mut touched: HashMap<u32, u64> = HashMap::new();
         for (bs, runs) in &mut by_size {
-            let mut parent = ROOT_KEY;
+            let mut parent = root_key(salt);
             for (i, block) in token_ids.chunks_exact(*bs as usize).enumerate() {
                 let key = chain_key(parent, block);
                 let mut any = false;

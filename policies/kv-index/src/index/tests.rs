@@ -16,6 +16,7 @@ fn stored(hashes: &[u64], parent: Option<u64>, tokens: &[u32], bs: u32) -> Event
         medium: Some("GPU".into()),
         lora: false,
         extra_keys: false,
+        salt: None,
     }
 }
 
@@ -317,4 +318,43 @@ fn the_names_of_one_block_are_bounded() {
     );
     assert_eq!(r.unknown_parents, 0);
     assert_eq!(idx.match_prefix("a", &[1, 2, 3, 4]), Some(2));
+}
+
+/// A chain stored under a cache salt matches only prompts sent with the same
+/// salt: never an unsalted one, never another salt's (one tenant learns
+/// nothing of another's cache from where its prompts are routed); its
+/// children (parent given) continue the salted chain.
+#[test]
+fn a_salted_chain_matches_only_its_own_salt() {
+    let mut idx = Index::new(100);
+    let a = live(&mut idx, "a");
+    let b = live(&mut idx, "b");
+    let tokens: Vec<u32> = (1..=8).collect();
+    let mut e = stored(&[10], None, &tokens[..4], 4);
+    if let Event::BlockStored { salt, .. } = &mut e {
+        *salt = Some("tenant-a".into());
+    }
+    apply(
+        &mut idx,
+        a,
+        vec![e, stored(&[11], Some(10), &tokens[4..], 4)],
+    );
+    apply(&mut idx, b, vec![stored(&[20], None, &tokens[..4], 4)]);
+    assert_eq!(
+        idx.match_prefix_salted("a", &tokens, Some("tenant-a")),
+        Some(8)
+    );
+    assert_eq!(
+        idx.match_prefix_salted("a", &tokens, Some("tenant-b")),
+        Some(0)
+    );
+    assert_eq!(idx.match_prefix("a", &tokens), Some(0));
+    assert_eq!(
+        idx.match_all_salted(&tokens, Some("tenant-a")),
+        vec![("a".to_string(), Some(8)), ("b".to_string(), Some(0))]
+    );
+    assert_eq!(
+        idx.match_all(&tokens),
+        vec![("a".to_string(), Some(0)), ("b".to_string(), Some(4))]
+    );
 }

@@ -298,7 +298,12 @@ impl Scheduler {
             cached_tokens: cached,
         };
         if !hashes.is_empty() {
-            lock(&self.prefix).store(&job.prompt, &hashes, &cache);
+            lock(&self.prefix).store(
+                &job.prompt,
+                &hashes,
+                &cache,
+                job.params.cache_salt.as_deref(),
+            );
         }
         self.spare.push(cache);
         tracing::debug!(
