@@ -47,6 +47,7 @@ pub struct GatewayMetrics {
     requests: IntCounterVec,
     prefill_context_fallbacks: IntCounter,
     upstream_retries: IntCounterVec,
+    migrations: IntCounterVec,
     window: Mutex<VecDeque<RequestSample>>,
 }
 
@@ -104,10 +105,17 @@ impl GatewayMetrics {
             "Worker calls that failed before any response byte and were sent again once on a fresh connection, by stage.",
             &["stage"],
         )?;
+        let migrations = rngd_telemetry::counter_vec(
+            &registry,
+            names::GATEWAY_MIGRATIONS_TOTAL,
+            "Answers moved to another decode worker after theirs died or their stream broke, by outcome.",
+            &["outcome"],
+        )?;
         Ok(GatewayMetrics {
             registry,
             prefill_context_fallbacks,
             upstream_retries,
+            migrations,
             ttft,
             tpot,
             kv_transfer,
@@ -130,6 +138,11 @@ impl GatewayMetrics {
     /// Counts a prefill refused for its length and served by the decode worker.
     pub fn count_prefill_context_fallback(&self) {
         self.prefill_context_fallbacks.inc();
+    }
+
+    /// Counts an answer moved (`continued`) or not (`failed`).
+    pub fn count_migration(&self, outcome: &str) {
+        self.migrations.with_label_values(&[outcome]).inc();
     }
 
     /// Counts a worker call sent again on a fresh connection.

@@ -39,6 +39,11 @@ pub struct GatewayConfig {
     pub decode_timeout: Duration,
     /// Longest gap between two chunks of a streamed decode.
     pub stream_idle_timeout: Duration,
+    /// How many times one answer may move to another decode-capable worker
+    /// when its worker dies or its stream breaks (`--migration-limit`,
+    /// Dynamo's name; 0 = never): a stream continues with the prompt plus
+    /// the tokens already streamed, a whole answer is asked again.
+    pub migration_limit: u32,
     /// TCP connect timeout towards workers.
     pub connect_timeout: Duration,
     /// Requests served at once (policy call to the end of the response).
@@ -66,6 +71,7 @@ impl Default for GatewayConfig {
             prefill_timeout: Duration::from_secs(120),
             decode_timeout: Duration::from_secs(600),
             stream_idle_timeout: Duration::from_secs(60),
+            migration_limit: DEFAULT_MIGRATION_LIMIT,
             connect_timeout: Duration::from_secs(2),
             max_concurrent: 256,
             max_queued: 1024,
@@ -101,6 +107,9 @@ impl std::fmt::Debug for Gateway {
             .finish_non_exhaustive()
     }
 }
+
+/// Default of [`GatewayConfig::migration_limit`].
+pub const DEFAULT_MIGRATION_LIMIT: u32 = 3;
 
 /// How long an idle pooled connection to a worker is kept: 1 s less than
 /// the workers' idle keep-alive timeout

@@ -83,6 +83,11 @@ pub struct Args {
     /// Longest silence inside a streamed decode, ms.
     #[arg(long, default_value_t = 60_000)]
     pub stream_idle_timeout_ms: u64,
+    /// Times one answer may move to another decode-capable worker when its
+    /// worker dies or its stream breaks (0 = never): a stream continues
+    /// where it stopped, a whole answer is asked again.
+    #[arg(long, default_value_t = rngd_gateway::state::DEFAULT_MIGRATION_LIMIT)]
+    pub migration_limit: u32,
     /// Requests served at once (policy call to the end of the response).
     #[arg(long, default_value_t = 256)]
     pub max_concurrent: usize,
@@ -249,6 +254,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
             prefill_timeout: Duration::from_millis(args.prefill_timeout_ms),
             decode_timeout: Duration::from_millis(args.decode_timeout_ms),
             stream_idle_timeout: Duration::from_millis(args.stream_idle_timeout_ms),
+            migration_limit: args.migration_limit,
             max_concurrent: args.max_concurrent,
             max_queued: args.max_queued,
             queue_timeout: Duration::from_millis(args.queue_timeout_ms),

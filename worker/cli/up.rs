@@ -162,6 +162,11 @@ pub struct Args {
     /// publishes vLLM's KV events on loopback, on ports it picks; printed).
     #[arg(long)]
     pub no_kv_events: bool,
+    /// Times the gateway moves one answer to another decode worker when
+    /// its worker dies or its stream breaks (`rngd-pd gateway
+    /// --migration-limit`; 0 = never).
+    #[arg(long, default_value_t = rngd_gateway::state::DEFAULT_MIGRATION_LIMIT)]
+    pub migration_limit: u32,
     /// Bytes each worker's prefix cache may hold (`rngd-pd worker
     /// --prefix-cache-bytes`); default the worker's.
     #[arg(long)]

@@ -23,8 +23,12 @@
 //! - this module: the flow itself (policy → prefill → decode);
 //! - [`upstream`]: calls to the workers (timeouts, status mapping, the [`KvGuard`]);
 //! - [`respond`]: the non-streamed answer and the request's timings and metrics;
-//! - [`stream`]: the streamed answer, chunk by chunk (typed worker chunks).
+//! - [`stream`]: the streamed answer, chunk by chunk (typed worker chunks);
+//! - [`migrate`]: an answer moved to another decode worker when its own
+//!   dies (`--migration-limit`): a stream continues where it stopped, a
+//!   whole answer is asked again.
 
+mod migrate;
 mod respond;
 mod stream;
 mod upstream;
@@ -197,6 +201,7 @@ async fn run_inner(
 
     // Decode.
     let decode_sent = Instant::now();
+    let mut resume = migrate::Resume::new(&gw, &p.request.upstream, &p.request.prompt_ids, &rid);
     let resp = send(
         &gw,
         Stage::Decode,
@@ -212,7 +217,21 @@ async fn run_inner(
     if resp.is_ok() {
         guard.disarm();
     }
-    let resp = resp?;
+    // A decode worker that cannot be reached (dead, or its connection
+    // broken before any byte twice): the request is served whole by another.
+    let (resp, mut decode_at, mut held) = match resp {
+        Err(e @ ApiError::Upstream { .. }) => {
+            let moved = match resume.as_mut() {
+                Some(r) => r.move_off(&gw, &route.decode, &[], &e.to_string()).await,
+                None => None,
+            };
+            match moved {
+                Some(m) => (m.response, m.address, m.held),
+                None => return Err(e),
+            }
+        }
+        other => (other?, route.decode.clone(), held),
+    };
     let kv_transport = prefill_info.as_ref().map(|(params, _)| {
         route
             .kv_transport
@@ -220,6 +239,30 @@ async fn run_inner(
             .or_else(|| params.kv_handle.as_ref().map(|h| h.transport.clone()))
             .unwrap_or_else(|| "unknown".to_string())
     });
+    // A whole answer whose worker breaks off before it is read: asked again
+    // of another worker (`migrate`).
+    let (whole, streamed) = if p.request.upstream.sampling.stream {
+        (None, Some(resp))
+    } else {
+        let mut resp = resp;
+        let bytes = loop {
+            match read_with_timeout(Stage::Decode, &decode_at, resp, gw.config.decode_timeout).await
+            {
+                Ok(b) => break Some(b),
+                Err(e @ ApiError::Upstream { .. }) => {
+                    let moved = match resume.as_mut() {
+                        Some(r) => r.move_off(&gw, &decode_at, &[], &e.to_string()).await,
+                        None => None,
+                    };
+                    let Some(m) = moved else { return Err(e) };
+                    (resp, decode_at, held) = (m.response, m.address, m.held);
+                }
+                Err(e) => return Err(e),
+            }
+        };
+        (bytes, None)
+    };
+    let moved = decode_at != route.decode;
     let ctx = Ctx {
         gw: gw.clone(),
         kind: p.request.kind,
@@ -235,23 +278,24 @@ async fn run_inner(
         decode_sent,
         prefill: prefill_info,
         kv_transport,
-        address: route.decode.clone(),
+        address: decode_at.clone(),
         _held: held,
-        expected,
+        // The prediction was for the worker the policy chose.
+        expected: expected.filter(|_| !moved),
     };
-    let mut resp = if p.request.upstream.sampling.stream {
-        stream_response(ctx, resp, p.request.include_usage)
-    } else {
-        let bytes =
-            read_with_timeout(Stage::Decode, &route.decode, resp, gw.config.decode_timeout).await?;
-        let body: CompletionResponse =
-            serde_json::from_slice(&bytes).map_err(|e| ApiError::Upstream {
-                stage: Stage::Decode,
-                address: route.decode.clone(),
-                detail: "its response is not a completion".into(),
-                source: Some(Box::new(e)),
-            })?;
-        full_response(ctx, body)
+    let mut resp = match (whole, streamed) {
+        (_, Some(resp)) => stream_response(ctx, resp, p.request.include_usage, resume),
+        (Some(bytes), None) => {
+            let body: CompletionResponse =
+                serde_json::from_slice(&bytes).map_err(|e| ApiError::Upstream {
+                    stage: Stage::Decode,
+                    address: decode_at.clone(),
+                    detail: "its response is not a completion".into(),
+                    source: Some(Box::new(e)),
+                })?;
+            full_response(ctx, body)
+        }
+        (None, None) => return Err(ApiError::Internal("no decode answer".into())),
     };
     // Why the policy routed it so, for the client (as the picker's Envoy
     // path adds it to the response headers).

@@ -17,6 +17,7 @@ use rngd_api::rules::ms;
 use rngd_pool::ApiKind;
 use serde::Deserialize;
 
+use super::migrate::Resume;
 use super::respond::Ctx;
 use crate::sse::{self, SseParser};
 
@@ -48,9 +49,21 @@ struct StreamState {
     usage: Option<Usage>,
     worker_timings: Option<Timings>,
     idle: Duration,
+    /// The token ids streamed so far (what a continuation resumes from).
+    generated: Vec<u32>,
+    /// How to move the stream when its worker fails (`None`: it cannot).
+    resume: Option<Resume>,
+    /// Tokens the current worker was given as already generated (its usage
+    /// counts them as prompt; the client's as completion).
+    resumed: u32,
 }
 
-pub(super) fn stream_response(ctx: Ctx, resp: reqwest::Response, include_usage: bool) -> Response {
+pub(super) fn stream_response(
+    ctx: Ctx,
+    resp: reqwest::Response,
+    include_usage: bool,
+    resume: Option<Resume>,
+) -> Response {
     let idle = ctx.gw.config.stream_idle_timeout;
     let chat = ChatChunker::new(
         ctx.id.clone(),
@@ -71,6 +84,9 @@ pub(super) fn stream_response(ctx: Ctx, resp: reqwest::Response, include_usage: 
         usage: None,
         worker_timings: None,
         idle,
+        generated: Vec::new(),
+        resume,
+        resumed: 0,
     };
     let stream = futures::stream::unfold(state, |mut st| async move {
         loop {
@@ -81,25 +97,27 @@ pub(super) fn stream_response(ctx: Ctx, resp: reqwest::Response, include_usage: 
                 return None;
             }
             match tokio::time::timeout(st.idle, st.upstream.next()).await {
-                Err(_) => st.fail(format!(
-                    "decode worker {} sent nothing for {} ms",
-                    st.ctx.address,
-                    st.idle.as_millis()
-                )),
+                Err(_) => {
+                    let m = format!(
+                        "decode worker {} sent nothing for {} ms",
+                        st.ctx.address,
+                        st.idle.as_millis()
+                    );
+                    st.broken(m).await;
+                }
                 Ok(None) => {
                     if let Some(data) = st.parser.finish() {
                         st.on_event(&data);
                     }
                     if !st.finished {
-                        st.fail(format!(
-                            "decode worker {} ended the stream early",
-                            st.ctx.address
-                        ));
+                        let m = format!("decode worker {} ended the stream early", st.ctx.address);
+                        st.broken(m).await;
                     }
                 }
                 Ok(Some(Err(e))) => {
                     tracing::warn!(error = %e, "decode stream broke");
-                    st.fail(format!("decode worker {} broke the stream", st.ctx.address));
+                    let m = format!("decode worker {} broke the stream", st.ctx.address);
+                    st.broken(m).await;
                 }
                 Ok(Some(Ok(chunk))) => match st.parser.push(&chunk) {
                     Ok(events) => {
@@ -128,6 +146,26 @@ impl StreamState {
         if let Ok(s) = serde_json::to_string(v) {
             self.out.push_back(sse::encode(&s));
         }
+    }
+
+    /// The decode worker failed mid-stream: the stream moves to another
+    /// worker (`super::migrate`) and goes on, or ends with the error.
+    async fn broken(&mut self, message: String) {
+        if let Some(resume) = self.resume.as_mut()
+            && let Some(moved) = resume
+                .move_off(&self.ctx.gw, &self.ctx.address, &self.generated, &message)
+                .await
+        {
+            self.upstream = Box::pin(moved.response.bytes_stream());
+            self.parser = SseParser::new();
+            self.ctx.address = moved.address;
+            self.ctx._held = moved.held;
+            // The prediction was for the first worker's cache.
+            self.ctx.expected = None;
+            self.resumed = u32::try_from(self.generated.len()).unwrap_or(u32::MAX);
+            return;
+        }
+        self.fail(message);
     }
 
     fn fail(&mut self, message: String) {
@@ -195,6 +233,14 @@ impl StreamState {
         let ids = choice
             .and_then(|c| c.token_ids.as_ref())
             .map_or(0, |t| t.len() as u64);
+        if let Some(t) = choice.and_then(|c| c.token_ids.as_ref()) {
+            self.generated.extend_from_slice(t);
+        }
+        // A continued stream's worker counts the tokens it was given as
+        // prompt: the client's usage counts them as generated.
+        if let Some(u) = chunk.usage.as_mut() {
+            resumed_usage(u, self.resumed);
+        }
         if let Some(u) = chunk.usage {
             self.usage = Some(u);
         }
@@ -233,5 +279,18 @@ impl StreamState {
                 }
             }
         }
+    }
+}
+
+/// `usage` of a worker that continued a stream after `resumed` tokens, as
+/// the client's: those tokens move from the prompt to the completion.
+pub(super) fn resumed_usage(usage: &mut Usage, resumed: u32) {
+    if resumed == 0 {
+        return;
+    }
+    usage.prompt_tokens = usage.prompt_tokens.saturating_sub(resumed);
+    usage.completion_tokens = usage.completion_tokens.saturating_add(resumed);
+    if let Some(d) = usage.prompt_tokens_details.as_mut() {
+        d.cached_tokens = d.cached_tokens.min(usage.prompt_tokens);
     }
 }

@@ -95,6 +95,14 @@ pub struct KvTransferParams {
     /// ([`release_request`]); the answer is a [`KvReleaseAnswer`].
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub release_only: bool,
+    /// rngd-pd extension, on a request served whole (no `do_remote_*`):
+    /// the last `resumed_tokens` ids of the prompt (token ids) are this
+    /// request's own output so far. A front door that continues a stream
+    /// whose worker died sends the prompt plus the tokens already streamed
+    /// with this, so the worker samples, penalizes and counts them as
+    /// generated and continues exactly where the first worker stopped.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub resumed_tokens: u32,
     /// vLLM field: engine id of the remote side (informational).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub remote_engine_id: Option<String>,
@@ -104,6 +112,10 @@ pub struct KvTransferParams {
     /// vLLM field: port of the remote side (informational).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub remote_port: Option<u16>,
+}
+
+fn is_zero(n: &u32) -> bool {
+    *n == 0
 }
 
 /// The log-probability of one generated token and its most likely

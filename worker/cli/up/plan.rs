@@ -380,6 +380,8 @@ pub(super) fn gateway_args(
             &args.seq_len.to_string(),
             "--shutdown-timeout",
             &args.shutdown_timeout.to_string(),
+            "--migration-limit",
+            &args.migration_limit.to_string(),
         ]
         .map(String::from),
     );

@@ -367,7 +367,11 @@ impl CpuEngine {
         if prompt.is_empty() {
             return Err(EngineError::InvalidRequest("the prompt is empty".into()));
         }
-        check_context(prompt.len(), params.max_tokens, self.info.seq_len)?;
+        check_context(
+            prompt.len().saturating_sub(params.resumed),
+            params.max_tokens,
+            self.info.seq_len,
+        )?;
         let (reply, rx) = oneshot::channel();
         let job = PrefillJob {
             prompt: prompt.to_vec(),
@@ -486,7 +490,11 @@ impl Engine for CpuEngine {
         prefilled: Prefilled,
         params: &SamplingParams,
     ) -> Result<mpsc::Receiver<GenEvent>, EngineError> {
-        check_context(prompt.len(), params.max_tokens, self.info.seq_len)?;
+        check_context(
+            prompt.len().saturating_sub(params.resumed),
+            params.max_tokens,
+            self.info.seq_len,
+        )?;
         if prefilled.kv.tokens != prompt.len() {
             return Err(EngineError::InvalidRequest(format!(
                 "the KV cache holds {} positions but the prompt has {} tokens",

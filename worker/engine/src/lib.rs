@@ -174,6 +174,12 @@ pub struct SamplingParams {
     /// Control tokens are left out of the text (vLLM's `skip_special_tokens`,
     /// default true); false writes them as their text.
     pub skip_special_tokens: bool,
+    /// The last `resumed` prompt tokens are this request's own output so
+    /// far (a stream continued on another worker after its first one
+    /// failed): they count as generated for the sampling index, the
+    /// output-only penalties, `min_tokens` and `max_tokens`, so the
+    /// continuation picks what the uninterrupted generation would have.
+    pub resumed: usize,
 }
 
 /// One request's KV cache in the wire layout (bf16 blobs, `K0, V0, K1, V1, …`).
@@ -458,6 +464,7 @@ impl Default for SamplingParams {
             logprobs: None,
             cache_salt: None,
             skip_special_tokens: true,
+            resumed: 0,
         }
     }
 }

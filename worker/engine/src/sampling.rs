@@ -45,6 +45,8 @@ impl History {
     /// The history of a stream that starts after `prompt`. `stop_ids`: the
     /// model's own stop tokens, masked (with `stop_token_ids`) while fewer
     /// than `min_tokens` were generated.
+    /// The last [`SamplingParams::resumed`] tokens of `prompt` are counted
+    /// as generated ones.
     pub fn new(prompt: &[u32], params: &SamplingParams, stop_ids: &HashSet<u32>) -> Self {
         let repetition = params.repetition_penalty != 1.0;
         let counted = params.frequency_penalty != 0.0 || params.presence_penalty != 0.0;
@@ -55,7 +57,9 @@ impl History {
             mask.sort_unstable();
             mask.dedup();
         }
-        History {
+        let resumed = params.resumed.min(prompt.len());
+        let (prompt, output) = prompt.split_at(prompt.len() - resumed);
+        let mut h = History {
             generated: HashMap::new(),
             seen: if repetition {
                 prompt.iter().copied().collect()
@@ -66,7 +70,11 @@ impl History {
             repetition,
             counted,
             mask,
+        };
+        for &id in output {
+            h.push(id);
         }
+        h
     }
 
     /// Records a generated token.
@@ -389,6 +397,37 @@ mod tests {
 
     fn pick(logits: &[f32], p: &SamplingParams, index: u64) -> u32 {
         sample(logits, p, index, &History::new(&[], p, &HashSet::new())).id
+    }
+
+    /// A continued generation's history holds its resumed tokens as output:
+    /// the same penalties and `min_tokens` mask as the uninterrupted one
+    /// after those tokens.
+    #[test]
+    fn resumed_tokens_count_as_output() {
+        let stop: HashSet<u32> = [0].into();
+        let p = SamplingParams {
+            frequency_penalty: 1.0,
+            min_tokens: 3,
+            ..params(0.0, 0, 1.0, 0)
+        };
+        let mut whole = History::new(&[5, 6], &p, &stop);
+        whole.push(7);
+        whole.push(7);
+        let resumed = History::new(
+            &[5, 6, 7, 7],
+            &SamplingParams {
+                resumed: 2,
+                ..p.clone()
+            },
+            &stop,
+        );
+        assert_eq!(resumed.generated(), 2);
+        // Token 7 was generated twice: penalized the same in both; the stop
+        // token still masked (2 < min_tokens 3) in both.
+        let logits = [10.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 2.5];
+        for h in [&whole, &resumed] {
+            assert_eq!(sample(&logits, &p, 2, h).id, 1);
+        }
     }
 
     #[test]

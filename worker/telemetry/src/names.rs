@@ -98,6 +98,10 @@ pub const GATEWAY_REQUESTS_TOTAL: &str = "rngd_pd_gateway_requests_total";
 /// or reset: a worker's idle timer, a stalled worker resuming) and were sent
 /// again once on a fresh connection, by `stage` (counter).
 pub const GATEWAY_UPSTREAM_RETRIES_TOTAL: &str = "rngd_pd_gateway_upstream_retries_total";
+/// Answers moved to another decode worker after theirs died or their
+/// stream broke, by `outcome`: `continued` (another worker took it),
+/// `failed` (no other worker could; the client got the error) (counter).
+pub const GATEWAY_MIGRATIONS_TOTAL: &str = "rngd_pd_gateway_migrations_total";
 /// PD routes the prefill worker refused with `context_length_exceeded` (its
 /// variant holds less context than the gateway's last scrape said) and the
 /// decode worker then prefilled itself (counter).

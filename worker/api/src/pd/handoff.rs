@@ -214,7 +214,7 @@ fn check_completion(answer: Map<String, Value>) -> Result<(), PdAnswerError> {
 }
 
 /// Every field of [`KvTransferParams`] and the type the protocol gives it.
-const PARAM_TYPES: [(&str, &str); 19] = [
+const PARAM_TYPES: [(&str, &str); 20] = [
     ("do_remote_decode", "a boolean"),
     ("do_remote_prefill", "a boolean"),
     ("kv_transport", "a string"),
@@ -233,6 +233,7 @@ const PARAM_TYPES: [(&str, &str); 19] = [
     ("prefill_ms", "a number"),
     ("kv_save_ms", "a number"),
     ("release_only", "a boolean"),
+    ("resumed_tokens", "a token count"),
     ("remote_engine_id", "a string"),
     ("remote_host", "a string"),
     ("remote_port", "a port number"),

@@ -276,7 +276,8 @@ impl Scheduler {
             ..
         } = p;
         let history = History::new(&job.prompt, &job.params, self.tokenizer.stop_ids());
-        let first = sample(logits, &job.params, 0, &history);
+        // Token `resumed` of the generation (0 unless it continues one).
+        let first = sample(logits, &job.params, job.params.resumed as u64, &history);
         // With a sink the cache goes straight into it (the one copy) and
         // the answer carries no blobs.
         let kv = match job.sink.take() {

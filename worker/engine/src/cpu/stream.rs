@@ -51,10 +51,12 @@ impl Stream {
             seq: prompt,
             cached_tokens,
             stops: StopScanner::new(&params.stop),
-            params,
             last: first,
-            sampled: 0,
-            emitted: 0,
+            // A continued generation counts what it produced before (the
+            // first token, sampled by the prefill, is token `resumed`).
+            sampled: params.resumed as u64,
+            emitted: params.resumed,
+            params,
             decoder,
             pending: None,
         }

@@ -227,6 +227,17 @@ async fn handle(
             "kv_transfer_params.release_only needs do_remote_prefill and the kv_handle whose KV it releases",
         )));
     }
+    // A continuation is served whole, from its token ids.
+    if params.resumed_tokens > 0
+        && (params.do_remote_decode
+            || params.do_remote_prefill
+            || !matches!(req.prompt, Prompt::Tokens(_)))
+    {
+        return Err(ApiError::Rule(RuleError::param(
+            "kv_transfer_params",
+            "kv_transfer_params.resumed_tokens is for a request served whole whose prompt is token ids",
+        )));
+    }
     if params.do_remote_decode {
         if role == Role::Decode {
             return Err(ApiError::WrongRole(
@@ -446,7 +457,22 @@ pub(super) fn sampling(
     let f = &req.sampling;
     rules::check_sampling(f)?;
     let max_tokens = rules::max_tokens_or_default(f.max_tokens) as usize;
-    rngd_engine::check_context(prompt.len(), max_tokens, info.seq_len)?;
+    // A continued stream: the prompt ends with its own output so far.
+    let resumed = req
+        .kv_transfer_params
+        .as_ref()
+        .map_or(0, |p| p.resumed_tokens as usize);
+    if resumed > 0 && (resumed >= prompt.len() || resumed > max_tokens) {
+        return Err(RuleError::param(
+            "kv_transfer_params",
+            format!(
+                "kv_transfer_params.resumed_tokens {resumed} must be fewer than the prompt's {} tokens and at most max_tokens {max_tokens}",
+                prompt.len()
+            ),
+        )
+        .into());
+    }
+    rngd_engine::check_context(prompt.len() - resumed, max_tokens, info.seq_len)?;
     let logit_bias = token_params(req, info.vocab_size)?;
     let stop_token_ids = f.stop_token_ids.clone().unwrap_or_default();
     let min_tokens = f.min_tokens.unwrap_or(0) as usize;
@@ -475,5 +501,6 @@ pub(super) fn sampling(
         logprobs: req.chat_logprobs.or(req.logprobs).map(|n| n as usize),
         cache_salt: f.cache_salt.clone(),
         skip_special_tokens: f.skip_special_tokens.unwrap_or(true),
+        resumed,
     })
 }

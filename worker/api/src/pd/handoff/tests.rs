@@ -233,6 +233,7 @@ fn every_parameter_has_its_type_in_the_table() {
         prefill_ms: Some(1.0),
         kv_save_ms: Some(1.0),
         release_only: true,
+        resumed_tokens: 3,
         remote_engine_id: Some("e".into()),
         remote_host: Some("h".into()),
         remote_port: Some(1),
