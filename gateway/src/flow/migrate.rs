@@ -46,17 +46,18 @@ pub(super) struct Moved {
 }
 
 impl Resume {
-    /// A resume for `request` whose prompt is `prompt_ids`; `None` when the
-    /// ids are unknown or migration is off.
+    /// A resume for `request` whose prompt is `prompt_ids` (taken, not
+    /// copied: the request's own); `None` when the ids are unknown or
+    /// migration is off.
     pub(super) fn new(
         gw: &Gateway,
-        request: &CompletionRequest,
-        prompt_ids: &[u32],
+        request: CompletionRequest,
+        prompt_ids: Vec<u32>,
         rid: &str,
     ) -> Option<Self> {
         (gw.config.migration_limit > 0 && !prompt_ids.is_empty()).then(|| Resume {
-            request: request.clone(),
-            prompt_ids: prompt_ids.to_vec(),
+            request,
+            prompt_ids,
             rid: rid.to_string(),
             left: gw.config.migration_limit,
         })

@@ -198,10 +198,25 @@ async fn run_inner(
         }
     }
     p.tell_prefilled();
+    // What is left of the prepared request; its body and ids move into the
+    // resume (no copy per request).
+    let Prepared {
+        request:
+            rngd_pool::Prepared {
+                kind,
+                upstream,
+                prompt_ids,
+                include_usage,
+                ..
+            },
+        started,
+        ..
+    } = p;
+    let stream = upstream.sampling.stream;
 
     // Decode.
     let decode_sent = Instant::now();
-    let mut resume = migrate::Resume::new(&gw, &p.request.upstream, &p.request.prompt_ids, &rid);
+    let mut resume = migrate::Resume::new(&gw, upstream, prompt_ids, &rid);
     let resp = send(
         &gw,
         Stage::Decode,
@@ -241,7 +256,7 @@ async fn run_inner(
     });
     // A whole answer whose worker breaks off before it is read: asked again
     // of another worker (`migrate`).
-    let (whole, streamed) = if p.request.upstream.sampling.stream {
+    let (whole, streamed) = if stream {
         (None, Some(resp))
     } else {
         let mut resp = resp;
@@ -265,8 +280,8 @@ async fn run_inner(
     let moved = decode_at != route.decode;
     let ctx = Ctx {
         gw: gw.clone(),
-        kind: p.request.kind,
-        id: match p.request.kind {
+        kind,
+        id: match kind {
             ApiKind::Completion => format!("cmpl-{rid}"),
             ApiKind::Chat => format!("chatcmpl-{rid}"),
         },
@@ -274,7 +289,7 @@ async fn run_inner(
         // (as the workers and vLLM answer).
         model: gw.served().primary().to_string(),
         created: unix_now(),
-        started: p.started,
+        started,
         decode_sent,
         prefill: prefill_info,
         kv_transport,
@@ -284,7 +299,7 @@ async fn run_inner(
         expected: expected.filter(|_| !moved),
     };
     let mut resp = match (whole, streamed) {
-        (_, Some(resp)) => stream_response(ctx, resp, p.request.include_usage, resume),
+        (_, Some(resp)) => stream_response(ctx, resp, include_usage, resume),
         (Some(bytes), None) => {
             let body: CompletionResponse =
                 serde_json::from_slice(&bytes).map_err(|e| ApiError::Upstream {

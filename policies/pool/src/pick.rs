@@ -692,25 +692,26 @@ mod tests {
         assert_eq!(p.in_flight().tracked(), 0);
     }
 
+    /// A prefix source answering each address by a function of it and the
+    /// prompt's ids.
+    struct ByAddress(fn(&str, &[u32]) -> Option<usize>);
+
+    impl crate::prefix::PrefixSource for ByAddress {
+        fn cached_all(
+            &self,
+            addresses: &[&str],
+            ids: &[u32],
+            _salt: Option<&str>,
+        ) -> Vec<Option<usize>> {
+            addresses.iter().map(|a| (self.0)(a, ids)).collect()
+        }
+    }
+
     /// Where a prefix source says a prompt is cached, the default policy
     /// routes there and says why; without the prompt's ids (or a source)
     /// the pick is on load alone.
     #[tokio::test]
     async fn the_prefix_source_steers_the_pick_to_the_cached_endpoint() {
-        struct HeldBy(&'static str);
-        impl crate::prefix::PrefixSource for HeldBy {
-            fn cached_all(
-                &self,
-                addresses: &[&str],
-                ids: &[u32],
-                _salt: Option<&str>,
-            ) -> Vec<Option<usize>> {
-                addresses
-                    .iter()
-                    .map(|a| Some(if *a == self.0 { ids.len() - 8 } else { 0 }))
-                    .collect()
-            }
-        }
         let a = local_endpoint("10.0.0.1:1".into(), Role::Decode, 512, &[]);
         let b = local_endpoint("10.0.0.2:2".into(), Role::Decode, 512, &[]);
         let pf = local_endpoint("10.0.0.9:9".into(), Role::Prefill, 512, &[]);
@@ -718,7 +719,9 @@ mod tests {
             Arc::new(NativePolicy::default()),
             StaticEndpoints::new(vec![a, b, pf]),
         )
-        .with_prefix_source(Arc::new(HeldBy("10.0.0.2:2")));
+        .with_prefix_source(Arc::new(ByAddress(|a, ids| {
+            Some(if a == "10.0.0.2:2" { ids.len() - 8 } else { 0 })
+        })));
         let body = br#"{"model":"m","prompt":"hi","max_tokens":4}"#.to_vec();
         let req = |ids: Vec<u32>| PickRequest {
             body: body.clone(),
@@ -747,24 +750,6 @@ mod tests {
     /// endpoint of a disaggregated one); with no information there, none.
     #[tokio::test]
     async fn a_pick_keeps_the_prediction_for_its_prefilling_endpoint() {
-        struct Known;
-        impl crate::prefix::PrefixSource for Known {
-            fn cached_all(
-                &self,
-                addresses: &[&str],
-                ids: &[u32],
-                _salt: Option<&str>,
-            ) -> Vec<Option<usize>> {
-                addresses
-                    .iter()
-                    .map(|a| match *a {
-                        "10.0.0.2:2" => Some(ids.len() - 8),
-                        "10.0.0.9:9" => Some(16),
-                        _ => None,
-                    })
-                    .collect()
-            }
-        }
         let p = Picker::new(
             Arc::new(NativePolicy::default()),
             StaticEndpoints::new(vec![
@@ -773,7 +758,11 @@ mod tests {
                 local_endpoint("10.0.0.9:9".into(), Role::Prefill, 512, &[]),
             ]),
         )
-        .with_prefix_source(Arc::new(Known));
+        .with_prefix_source(Arc::new(ByAddress(|a, ids| match a {
+            "10.0.0.2:2" => Some(ids.len() - 8),
+            "10.0.0.9:9" => Some(16),
+            _ => None,
+        })));
         let req = |ids: Vec<u32>| PickRequest {
             body: br#"{"model":"m","prompt":"hi","max_tokens":4}"#.to_vec(),
             prompt_tokens: Some(ids.len()),
