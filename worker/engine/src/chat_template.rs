@@ -63,6 +63,8 @@ pub struct ChatTemplate {
     renderer: Renderer,
     origin: String,
     specials: SpecialTokens,
+    /// The Jinja source of a compiled template (none for the fallbacks).
+    source: Option<Arc<str>>,
 }
 
 impl std::fmt::Debug for ChatTemplate {
@@ -112,6 +114,7 @@ impl ChatTemplate {
                 },
                 origin: format!("built-in fallback: the model has no {GGUF_TEMPLATE_KEY}"),
                 specials,
+                source: None,
             }),
         }
     }
@@ -150,6 +153,7 @@ impl ChatTemplate {
             renderer: Renderer::Jinja(Arc::new(env)),
             origin,
             specials,
+            source: Some(Arc::from(source)),
         })
     }
 
@@ -178,6 +182,12 @@ impl ChatTemplate {
     /// Where the template came from (`tokenizer.chat_template`, a file, or the fallback).
     pub fn origin(&self) -> &str {
         &self.origin
+    }
+
+    /// The Jinja source of a compiled template; `None` for the fallbacks
+    /// (whose [`ChatTemplate::kind`] names them).
+    pub fn source(&self) -> Option<&str> {
+        self.source.as_deref()
     }
 
     /// The special tokens the template is given.

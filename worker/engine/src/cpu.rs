@@ -449,6 +449,10 @@ impl Engine for CpuEngine {
         self.tokenizer.decode(ids)
     }
 
+    fn tokenizer_digest(&self) -> Option<&str> {
+        Some(self.tokenizer.digest())
+    }
+
     fn chat_prompt(
         &self,
         messages: &[(String, String)],

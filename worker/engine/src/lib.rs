@@ -282,6 +282,13 @@ pub trait Engine: Send + Sync + 'static {
     }
     /// Token ids → text.
     fn detokenize(&self, ids: &[u32]) -> Result<String, EngineError>;
+    /// The identity of the tokenizer and chat template
+    /// ([`tokenizer::Tokenizer::digest`]): a front door's token ids made
+    /// under the same digest are the ids this engine would make. `None`: a
+    /// backend that cannot tell (it never takes a door's ids).
+    fn tokenizer_digest(&self) -> Option<&str> {
+        None
+    }
     /// Renders a chat (role, content) with the model's template as `opts`
     /// ask, ready to tokenize.
     fn chat_prompt(

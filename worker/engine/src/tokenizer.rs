@@ -16,6 +16,7 @@
 //! incrementally without splitting UTF-8 characters ([`StreamDecoder`]).
 
 mod bound;
+mod digest;
 mod gguf_meta;
 mod pre;
 
@@ -32,6 +33,7 @@ use rngd_api::chat::TemplateOptions;
 use crate::EngineError;
 pub use crate::chat_template::{ChatTemplate, SpecialTokens};
 pub use bound::Within;
+pub use digest::TOKENIZER_DIGEST_HEX;
 pub(crate) use gguf_meta::{Meta, read_gguf_header};
 pub use pre::PreTokenizer;
 
@@ -112,6 +114,10 @@ pub struct Tokenizer {
     add_eos: bool,
     pre: PreTokenizer,
     template: ChatTemplate,
+    /// The SHA-256 of the vocabulary, merges and BOS/EOS handling (`digest`).
+    vocabulary_sha: [u8; 32],
+    /// [`Tokenizer::digest`], kept current when the stop ids or the template change.
+    digest: String,
 }
 
 impl std::fmt::Debug for Tokenizer {
@@ -119,6 +125,7 @@ impl std::fmt::Debug for Tokenizer {
         f.debug_struct("Tokenizer")
             .field("model_name", &self.model_name)
             .field("vocab_size", &self.token_bytes.len())
+            .field("digest", &self.digest)
             .field("template", &self.template)
             .finish()
     }
@@ -132,7 +139,7 @@ fn tok_err(message: impl Into<String>) -> EngineError {
 }
 
 /// GPT-2's byte ↔ printable-character table: byte `b` is written as `char(table[b])`.
-pub(crate) fn bytes_to_unicode() -> [char; 256] {
+pub fn bytes_to_unicode() -> [char; 256] {
     let mut table = ['\0'; 256];
     let mut n = 0u32;
     for b in 0..256u32 {
@@ -264,6 +271,7 @@ impl Tokenizer {
         for key in ["tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"] {
             tokenizer.stop_ids.extend(id(key)?);
         }
+        tokenizer.refresh_digest();
         tokenizer.context_length = meta
             .opt_string("general.architecture")
             .and_then(|a| meta.opt_uint(&format!("{a}.context_length")))
@@ -288,6 +296,16 @@ impl Tokenizer {
         if tokens.is_empty() {
             return Err(tok_err("the vocabulary is empty"));
         }
+        let vocabulary_sha = digest::vocabulary(&digest::Vocabulary {
+            tokens: &tokens,
+            token_types: &token_types,
+            merges: &merges,
+            pre,
+            bos: bos_token_id,
+            eos: eos_token_id,
+            add_bos,
+            add_eos,
+        });
         let ty = |id: usize| token_types.get(id).copied().unwrap_or(1);
         let is_control = |id: usize| matches!(ty(id), TOKEN_TYPE_CONTROL | TOKEN_TYPE_UNKNOWN);
         let vocab: Vocab = tokens
@@ -390,6 +408,7 @@ impl Tokenizer {
         };
         let template =
             ChatTemplate::for_model(chat_template.as_deref(), specials, im_start.is_some())?;
+        let digest = digest::finish(&vocabulary_sha, &stop_ids, &template);
         Ok(Tokenizer {
             inner,
             model_name,
@@ -405,7 +424,22 @@ impl Tokenizer {
             add_eos,
             pre,
             template,
+            vocabulary_sha,
+            digest,
         })
+    }
+
+    /// The tokenizer's identity: 16 hex digits over the vocabulary (each
+    /// token's text and type, in id order), the merges, the pre-tokenizer,
+    /// the BOS/EOS ids and whether they are added, the stop ids and the chat
+    /// template (`digest`). Two tokenizers with the same digest turn every
+    /// text and chat into the same ids; the model name is not part of it.
+    pub fn digest(&self) -> &str {
+        &self.digest
+    }
+
+    fn refresh_digest(&mut self) {
+        self.digest = digest::finish(&self.vocabulary_sha, &self.stop_ids, &self.template);
     }
 
     /// The pre-tokenizer in use (from `tokenizer.ggml.pre`).
@@ -532,6 +566,7 @@ impl Tokenizer {
     /// own (`--chat-template FILE`); a template that does not compile is an error.
     pub fn with_chat_template_file(mut self, path: &Path) -> Result<Tokenizer, EngineError> {
         self.template = self.template.with_file(path)?;
+        self.refresh_digest();
         Ok(self)
     }
 
