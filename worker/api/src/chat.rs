@@ -132,6 +132,7 @@ pub fn to_completion(
         echo: None,
         chat_logprobs: (req.logprobs == Some(true)).then(|| req.top_logprobs.unwrap_or(0)),
         kv_transfer_params: None,
+        tokenized_prompt: None,
     }
 }
 

@@ -90,6 +90,7 @@ impl ServedModels {
                 parent: None,
                 max_model_len: Some(max_model_len),
                 weight_version: None,
+                tokenizer_digest: None,
                 permission: vec![ModelPermission::read_only(id, created)],
             })
             .collect();

@@ -165,6 +165,26 @@ pub struct CompletionRequest {
     /// PD protocol parameters (vLLM `kv_transfer_params`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub kv_transfer_params: Option<KvTransferParams>,
+    /// rngd-pd extension, set by a front door (a client's is refused
+    /// there): the text prompt's token ids as the door made them, with its
+    /// tokenizer's digest. A worker whose own digest is the same serves
+    /// these ids instead of tokenizing the text again; any other worker
+    /// tokenizes the text (docs/pd-protocol.md, "The door's token ids").
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tokenized_prompt: Option<TokenizedPrompt>,
+}
+
+/// A prompt's token ids and the identity of the tokenizer that made them
+/// (`CompletionRequest::tokenized_prompt`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TokenizedPrompt {
+    /// The tokenizer's digest (16 hex digits: `rngd_engine`'s
+    /// `Tokenizer::digest`, over vocabulary, merges, special tokens and
+    /// chat template).
+    pub digest: String,
+    /// The prompt's token ids (of the chat rendered with the template, for
+    /// a chat), special tokens as the worker would add them.
+    pub ids: Vec<u32>,
 }
 
 /// One chat message.
@@ -534,6 +554,11 @@ pub struct Model {
     /// worker shows it, the gateway, which holds no weights, does not).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub weight_version: Option<String>,
+    /// The identity of the tokenizer and chat template a worker serves
+    /// (rngd-pd extension: `Tokenizer::digest`, 16 hex digits; the one a
+    /// door's `tokenized_prompt` must carry for the worker to use its ids).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tokenizer_digest: Option<String>,
     /// What a client may do with the model (vLLM's shape of OpenAI's
     /// retired field; clients written for vLLM read it).
     #[serde(default)]

@@ -143,6 +143,7 @@ async fn models(State(state): State<WorkerState>) -> Response {
     let mut list = served.list(&root, seq_len, rngd_api::rules::unix_now());
     for m in &mut list.data {
         m.weight_version = Some(engine.info().weight_version.clone());
+        m.tokenizer_digest = engine.tokenizer_digest().map(String::from);
     }
     axum::Json(list).into_response()
 }

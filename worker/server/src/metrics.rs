@@ -102,11 +102,16 @@ pub struct WorkerMetrics {
     prefix_hits: IntCounterVec,
     cache_config: GaugeVec,
     weight_info: GaugeVec,
+    tokenizer_info: GaugeVec,
     variant_info: GaugeVec,
     device_info: GaugeVec,
     flops_per_token: GaugeVec,
     /// PD decodes refused because other weights made the KV.
     pub weight_version_refusals: IntCounter,
+    /// Prompts served from a front door's ids (`tokenized_prompt`).
+    pub prompt_ids_reused: IntCounter,
+    /// Prompts whose door ids came under another tokenizer digest.
+    pub tokenizer_mismatches: IntCounter,
     /// Orchestrated requests prefilled here after the peer refused them for
     /// their length.
     pub prefill_context_fallbacks: IntCounter,
@@ -321,6 +326,12 @@ impl WorkerMetrics {
                 "The weights served: model_name and weight_version",
                 &["model_name", "weight_version"],
             )?,
+            tokenizer_info: rngd_telemetry::gauge_vec(
+                &r,
+                names::WORKER_TOKENIZER_INFO,
+                "The tokenizer and chat template served: model_name and their digest",
+                &["model_name", "digest"],
+            )?,
             variant_info: rngd_telemetry::gauge_vec(
                 &r,
                 names::WORKER_VARIANT_INFO,
@@ -343,6 +354,16 @@ impl WorkerMetrics {
                 &r,
                 names::WORKER_WEIGHT_VERSION_REFUSALS_TOTAL,
                 "PD decodes refused because another weight_version computed the KV",
+            )?,
+            prompt_ids_reused: rngd_telemetry::counter(
+                &r,
+                names::WORKER_PROMPT_IDS_REUSED_TOTAL,
+                "Prompts served from a front door's token ids (tokenized_prompt under this worker's tokenizer digest)",
+            )?,
+            tokenizer_mismatches: rngd_telemetry::counter(
+                &r,
+                names::WORKER_TOKENIZER_MISMATCH_TOTAL,
+                "Prompts whose front door's token ids came under another tokenizer digest (ignored; the text was tokenized here)",
             )?,
             prefill_context_fallbacks: rngd_telemetry::counter(
                 &r,
@@ -564,6 +585,17 @@ impl WorkerMetrics {
                 self.weight_info.reset();
                 self.weight_info
                     .with_label_values(&[m[0], version])
+                    .set(1.0);
+            }
+            if let Some(digest) = e.tokenizer_digest()
+                && self
+                    .tokenizer_info
+                    .get_metric_with_label_values(&[m[0], digest])
+                    .map_or(true, |g| g.get() != 1.0)
+            {
+                self.tokenizer_info.reset();
+                self.tokenizer_info
+                    .with_label_values(&[m[0], digest])
                     .set(1.0);
             }
             let (s, b) = (

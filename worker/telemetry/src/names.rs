@@ -251,6 +251,18 @@ pub const WORKER_DEVICE_INFO: &str = "rngd_pd_worker_device_info";
 /// Gauge: model FLOPs per token, label `model_name` (2 × the weights each
 /// token is multiplied by; attention left out): the MFU figure reads it.
 pub const WORKER_MODEL_FLOPS_PER_TOKEN: &str = "rngd_pd_worker_model_flops_per_token";
+/// Gauge 1 with labels `model_name` and `digest`: the identity of the
+/// worker's tokenizer and chat template (`Tokenizer::digest`), the one a
+/// door's `tokenized_prompt` must carry for the worker to use its ids.
+pub const WORKER_TOKENIZER_INFO: &str = "rngd_pd_worker_tokenizer_info";
+/// Counter: prompts served from a front door's token ids
+/// (`tokenized_prompt` under this worker's digest) instead of tokenizing
+/// their text again.
+pub const WORKER_PROMPT_IDS_REUSED_TOTAL: &str = "rngd_pd_worker_prompt_ids_reused_total";
+/// Counter: prompts whose `tokenized_prompt` came under another tokenizer
+/// digest than this worker's: the ids were ignored and the text tokenized
+/// here (a warning is logged the first time and every 1000th).
+pub const WORKER_TOKENIZER_MISMATCH_TOTAL: &str = "rngd_pd_worker_tokenizer_mismatch_total";
 /// Counter: PD decodes refused with 409 because the KV was computed by
 /// another `weight_version` (the KV released unpulled).
 pub const WORKER_WEIGHT_VERSION_REFUSALS_TOTAL: &str =
@@ -342,6 +354,14 @@ pub const ROUTER_CACHED_TOKENS_ERROR: &str = "rngd_pd_router_cached_tokens_predi
 /// Endpoints whose index entries were dropped and rebuilt by replay, by
 /// `reason` (`prediction_miss`) (counter).
 pub const ROUTER_INDEX_RESYNCS_TOTAL: &str = "rngd_pd_router_index_resyncs_total";
+/// Gauge 1 per tokenizer a door knows of, labels `endpoint` and `digest`
+/// (`Tokenizer::digest`): the door's own as `endpoint="self"`, each
+/// endpoint's as its scrape of `rngd_pd_worker_tokenizer_info` shows it.
+pub const ROUTER_TOKENIZER_INFO: &str = "rngd_pd_router_tokenizer_info";
+/// Gauge per endpoint (label `endpoint`): 1 when its tokenizer digest
+/// differs from the door's (its prefix predictions and the door's ids are
+/// of no use there: it tokenizes the text itself), 0 when equal.
+pub const ROUTER_TOKENIZER_MISMATCH: &str = "rngd_pd_router_tokenizer_mismatch";
 
 /// Prometheus' process families (every client library's names).
 pub const PROCESS_CPU_SECONDS_TOTAL: &str = "process_cpu_seconds_total";

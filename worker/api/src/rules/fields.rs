@@ -189,12 +189,16 @@ const fn join<const A: usize, const B: usize, const N: usize>(
     out
 }
 
-const COMPLETION_OWN: [Field; 7] = [
+/// The fields of `tokenized_prompt` (a front door's, refused from clients there).
+pub const TOKENIZED_PROMPT: &[Field] = &[served("digest"), served("ids")];
+
+const COMPLETION_OWN: [Field; 8] = [
     served("prompt"),
     served("logprobs"),
     served("echo"),
     served("chat_logprobs"),
     served("kv_transfer_params"),
+    object("tokenized_prompt", TOKENIZED_PROMPT),
     only("best_of", "1", one),
     only("suffix", "empty", empty),
 ];
@@ -230,7 +234,7 @@ const CHAT_OWN: [Field; 26] = [
 
 /// The fields of `POST /v1/completions`.
 pub const COMPLETION: &[Field] =
-    &join::<SHARED_LEN, 7, { SHARED_LEN + 7 }>(shared!(), COMPLETION_OWN);
+    &join::<SHARED_LEN, 8, { SHARED_LEN + 8 }>(shared!(), COMPLETION_OWN);
 
 /// The fields of `POST /v1/chat/completions`.
 pub const CHAT: &[Field] = &join::<SHARED_LEN, 26, { SHARED_LEN + 26 }>(shared!(), CHAT_OWN);
@@ -336,6 +340,29 @@ mod tests {
         assert_eq!(e.param_name(), Some("prompt"));
         let e = completion(r#"{"model":"m","prompt":"x","top_logprobs":2}"#).unwrap_err();
         assert_eq!(e.param_name(), Some("top_logprobs"));
+    }
+
+    #[test]
+    fn a_doors_tokenized_prompt_is_a_completion_field_checked_by_name() {
+        let body = r#"{"model":"m","prompt":"x","tokenized_prompt":{"digest":"0123456789abcdef","ids":[1,2]}}"#;
+        let req = parse_body::<CompletionRequest>(body.as_bytes()).unwrap();
+        assert_eq!(
+            req.tokenized_prompt,
+            Some(crate::openai::TokenizedPrompt {
+                digest: "0123456789abcdef".into(),
+                ids: vec![1, 2],
+            })
+        );
+        let e = completion(
+            r#"{"model":"m","prompt":"x","tokenized_prompt":{"digest":"d","ids":[1],"extra":1}}"#,
+        )
+        .unwrap_err();
+        assert_eq!(e.param_name(), Some("tokenized_prompt.extra"));
+        let e = chat(
+            r#"{"model":"m","messages":[{"role":"user","content":"x"}],"tokenized_prompt":{}}"#,
+        )
+        .unwrap_err();
+        assert_eq!(e.param_name(), Some("tokenized_prompt"));
     }
 
     #[test]

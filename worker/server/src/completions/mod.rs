@@ -217,7 +217,13 @@ async fn handle(
             .filter(|v| !v.is_empty())
     };
     let role = state.config().role;
+    let mut req = req;
     let params = req.kv_transfer_params.clone().unwrap_or_default();
+    // A decode from a remote prefill serves the prefill's ids (handed over
+    // in kv_transfer_params), never the door's.
+    if !params.do_remote_prefill {
+        take_door_ids(state, &*engine, &mut req);
+    }
     // `release_only` releases a handle's KV: without the decode half of the
     // protocol (and so a handle) there is nothing to release, and serving
     // the request as a completion would answer what was not asked.
@@ -315,6 +321,62 @@ async fn handle(
     }
     tracing::info!(mode = "local");
     serve_local(call, &req).await
+}
+
+/// How often a tokenizer mismatch is logged: the first, then every this many.
+const MISMATCH_LOG_EVERY: u64 = 1000;
+
+/// A front door's token ids (`tokenized_prompt`) made the prompt when the
+/// tokenizer that made them is this engine's (the same digest): the text
+/// prompt becomes those ids (counted), so it is not tokenized again. Under
+/// another digest they are ignored (counted, a warning the first time and
+/// every [`MISMATCH_LOG_EVERY`]th) and the text is tokenized here; they stay
+/// on the request for an orchestrated prefill peer, which judges them by its
+/// own digest. A request that echoes its prompt keeps its text (the echo is
+/// the text as sent); ids the engine would refuse (empty, past the
+/// vocabulary, no room for a generated token) leave the text to be
+/// tokenized and refused as it would be without them.
+fn take_door_ids(state: &WorkerState, engine: &dyn Engine, req: &mut CompletionRequest) {
+    let Some(door) = req.tokenized_prompt.take() else {
+        return;
+    };
+    let text = match &req.prompt {
+        Prompt::Text(_) => true,
+        Prompt::TextBatch(v) => v.len() == 1,
+        Prompt::Tokens(_) | Prompt::TokensBatch(_) => false,
+    };
+    let Some(ours) = engine.tokenizer_digest() else {
+        return;
+    };
+    if !text {
+        return;
+    }
+    if door.digest != ours {
+        let m = &state.metrics().tokenizer_mismatches;
+        m.inc();
+        let n = m.get();
+        if n == 1 || n % MISMATCH_LOG_EVERY == 0 {
+            tracing::warn!(
+                door_digest = %door.digest.chars().take(64).collect::<String>(),
+                worker_digest = ours,
+                mismatches = n,
+                "a front door tokenized this prompt with another tokenizer (its digest is not this worker's): its ids are ignored and the text is tokenized here; give the door the workers' model file"
+            );
+        }
+        req.tokenized_prompt = Some(door);
+        return;
+    }
+    if req.echo == Some(true) {
+        return;
+    }
+    let info = engine.info();
+    let usable = !door.ids.is_empty()
+        && door.ids.len() < info.seq_len
+        && door.ids.iter().all(|id| (*id as usize) < info.vocab_size);
+    if usable {
+        req.prompt = Prompt::Tokens(door.ids);
+        state.metrics().prompt_ids_reused.inc();
+    }
 }
 
 /// Prefills and decodes `req` on this worker's engine (the local mode, and
