@@ -133,7 +133,8 @@ pub async fn launch(opts: Options) -> Result<Launched, ExtProcError> {
             None
         }
     };
-    let mut pool = rngd_pool::Picker::new(loaded.policy.clone(), source.source.clone());
+    let mut pool = rngd_pool::Picker::new(loaded.policy.clone(), source.source.clone())
+        .with_tokenizer_digest(counter.as_ref().and_then(|c| c.digest().map(String::from)));
     pool.register_metrics(&metrics.registry)?;
     let cache = match &opts.cache {
         Some(c) => {

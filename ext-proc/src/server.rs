@@ -375,10 +375,14 @@ pub async fn start_with(
     }));
     if let Some((l, _)) = metrics_bound {
         let metrics = picker.metrics().clone();
+        let for_metrics = Arc::clone(&picker);
         let mut app = axum::Router::new().route(
             "/metrics",
             axum::routing::get(move || {
                 let m = metrics.clone();
+                // The endpoints' tokenizer digests as last scraped, even
+                // before a pick.
+                for_metrics.pool().follow_tokenizers();
                 async move {
                     (
                         [(

@@ -138,7 +138,8 @@ pub async fn launch(opts: LaunchOptions) -> Result<Launched, GatewayError> {
         .map_err(|e| GatewayError::Policy(Box::new(e)))?;
     let background: Vec<tokio::task::JoinHandle<()>> = loaded.watch.into_iter().collect();
     let source = opts.endpoints.start(opts.scrape, None).await?;
-    let mut picker = rngd_pool::Picker::new(loaded.policy.clone(), source.source.clone());
+    let mut picker = rngd_pool::Picker::new(loaded.policy.clone(), source.source.clone())
+        .with_tokenizer_digest(tokenizer.digest().map(String::from));
     let cache = match &opts.cache {
         Some(c) => {
             let running = rngd_pool::PrefixCache::start(c.clone(), source.source.clone()).await?;

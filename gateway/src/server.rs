@@ -102,6 +102,8 @@ async fn method_not_allowed(req: Request) -> ApiError {
 }
 
 async fn metrics_text(State(gw): State<Arc<Gateway>>) -> impl IntoResponse {
+    // The endpoints' tokenizer digests as last scraped, even before a pick.
+    gw.picker.follow_tokenizers();
     (
         [(header::CONTENT_TYPE, rngd_telemetry::CONTENT_TYPE)],
         gw.metrics.render(),

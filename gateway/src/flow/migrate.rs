@@ -118,6 +118,9 @@ impl Resume {
         ids.extend_from_slice(generated);
         let mut req = self.request.clone();
         req.prompt = Prompt::Tokens(ids.clone());
+        // The prompt is the door's ids already: nothing to tokenize, so
+        // nothing to send beside it.
+        req.tokenized_prompt = None;
         req.kv_transfer_params = (!generated.is_empty()).then(|| KvTransferParams {
             resumed_tokens: u32::try_from(generated.len()).unwrap_or(u32::MAX),
             ..KvTransferParams::default()

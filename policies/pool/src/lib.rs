@@ -16,6 +16,8 @@
 //! - [`predicted`]: the index's cache predictions held against the
 //!   engines' reported `cached_tokens`, with a miss budget that drops and
 //!   rebuilds an endpoint's entries.
+//! - [`tokenizers`]: the door's tokenizer digest held against each
+//!   endpoint's (exported, a mismatch warned of and given no prefix credit).
 //! - [`inflight`]: the requests each door routed to a decode endpoint and
 //!   has not finished, which every pick counts as that endpoint's running
 //!   load until the next scrape shows more.
@@ -40,6 +42,7 @@ pub mod prefix;
 pub mod prompt;
 pub mod scrape;
 pub mod source;
+pub mod tokenizers;
 pub mod wiring;
 
 use std::path::PathBuf;
@@ -56,6 +59,7 @@ pub use prompt::{
 };
 pub use scrape::{HttpFetcher, MetricsFetcher, ScrapedEndpoints};
 pub use source::{EndpointSource, FileEndpoints, KvStream, StaticEndpoints, can_serve};
+pub use tokenizers::TokenizerCheck;
 pub use wiring::{PolicyChoice, ScrapeOptions, SourceChoice, TokenizerChoice};
 
 /// A boxed error from an implementation of one of this crate's traits.

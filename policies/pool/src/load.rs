@@ -15,6 +15,9 @@
 //!   plain `[0-9a-z]` label of at most 64 characters); a model server
 //!   without it reads as `None` (unknown weights: the policy pairs it with
 //!   anything, and the decode worker's own check still holds).
+//! - The tokenizer a worker serves is the `digest` label of
+//!   `rngd_pd_worker_tokenizer_info`, read as `weight_version` is; a door
+//!   compares it with its own (`crate::tokenizers`).
 //! - The context length a worker serves now is the `seq_len` label of
 //!   `rngd_pd_worker_variant_info` (value 1, an integer from 1 to
 //!   2^31); the scraper makes it the endpoint's `seq_len`, so admission
@@ -38,6 +41,8 @@ pub struct LoadSample {
     pub kv_usage: f64,
     /// The `weight_version` of `rngd_pd_worker_weight_info`, if on the page.
     pub weight_version: Option<String>,
+    /// The `digest` of `rngd_pd_worker_tokenizer_info`, if on the page.
+    pub tokenizer_digest: Option<String>,
     /// The `seq_len` of `rngd_pd_worker_variant_info`, if on the page.
     pub seq_len: Option<u32>,
     /// `process_start_time_seconds`, if on the page: a new value on the
@@ -80,7 +85,19 @@ fn variant_seq_len(line: &str) -> Option<u32> {
 /// The `weight_version` label of a `rngd_pd_worker_weight_info` sample line
 /// whose value is 1.
 fn weight_version(line: &str) -> Option<String> {
-    let v = info_label(line, names::WORKER_WEIGHT_INFO, "weight_version")?;
+    plain_label(line, names::WORKER_WEIGHT_INFO, "weight_version")
+}
+
+/// The `digest` label of a `rngd_pd_worker_tokenizer_info` sample line
+/// whose value is 1.
+fn tokenizer_digest(line: &str) -> Option<String> {
+    plain_label(line, names::WORKER_TOKENIZER_INFO, "digest")
+}
+
+/// A `[0-9a-z]` label of at most [`MAX_WEIGHT_VERSION`] characters of an
+/// info gauge's sample line whose value is 1.
+fn plain_label(line: &str, metric: &str, label: &str) -> Option<String> {
+    let v = info_label(line, metric, label)?;
     let plain = !v.is_empty()
         && v.len() <= MAX_WEIGHT_VERSION
         && v.bytes()
@@ -186,9 +203,13 @@ pub fn parse_load_named(text: &str, names: &LoadNames) -> Option<LoadSample> {
 fn parse(text: &str, w: &str, r: &str, k: &str) -> Option<LoadSample> {
     let (mut waiting, mut running, mut kv) = (None::<f64>, None::<f64>, 0.0f64);
     let (mut version, mut seq_len, mut started) = (None, None, None);
+    let mut digest = None;
     for line in text.lines() {
         if version.is_none() {
             version = weight_version(line);
+        }
+        if digest.is_none() {
+            digest = tokenizer_digest(line);
         }
         if seq_len.is_none() {
             seq_len = variant_seq_len(line);
@@ -216,6 +237,7 @@ fn parse(text: &str, w: &str, r: &str, k: &str) -> Option<LoadSample> {
         running: count(running),
         kv_usage: kv.clamp(0.0, 1.0),
         weight_version: version,
+        tokenizer_digest: digest,
         seq_len,
         started,
     })
@@ -263,6 +285,7 @@ mod tests {
                 running: 3,
                 kv_usage: 0.25,
                 weight_version: None,
+                tokenizer_digest: None,
                 seq_len: None,
                 started: None,
             })
@@ -300,6 +323,25 @@ mod tests {
             assert_eq!(read(refused), None, "{refused}");
         }
         assert_eq!(read(""), None);
+    }
+
+    #[test]
+    fn reads_the_tokenizer_digest() {
+        let page = |info: &str| format!("vllm:num_requests_waiting 0\n{info}\n");
+        let read = |info: &str| parse_load(&page(info)).unwrap().tokenizer_digest;
+        assert_eq!(
+            read("rngd_pd_worker_tokenizer_info{model_name=\"m\",digest=\"0a1b2c3d4e5f6789\"} 1")
+                .as_deref(),
+            Some("0a1b2c3d4e5f6789")
+        );
+        for bad in [
+            "rngd_pd_worker_tokenizer_info{digest=\"0a1b\"} 0",
+            "rngd_pd_worker_tokenizer_info{xdigest=\"0a1b\"} 1",
+            "rngd_pd_worker_tokenizer_info{digest=\"A B\"} 1",
+            "rngd_pd_worker_weight_info{digest=\"0a1b\"} 1",
+        ] {
+            assert_eq!(read(bad), None, "{bad}");
+        }
     }
 
     #[test]

@@ -214,6 +214,7 @@ pub struct Picker {
     in_flight: Arc<crate::InFlight>,
     decisions: prometheus::IntCounterVec,
     check: Arc<crate::predicted::CacheCheck>,
+    tokenizers: Arc<crate::tokenizers::TokenizerCheck>,
 }
 
 /// One routed request: its route, its count on its decode endpoint
@@ -261,11 +262,38 @@ impl Picker {
                 crate::predicted::CacheCheck::new(Default::default(), None)
                     .expect("valid metric definitions"),
             ),
+            tokenizers: Arc::new(
+                crate::tokenizers::TokenizerCheck::new(None).expect("valid metric definitions"),
+            ),
         }
     }
 
-    /// Registers the picker's own metrics (`rngd_pd_route_decisions_total`
-    /// and the cache-prediction checks, `crate::predicted`) in `r`.
+    /// The same picker for a door whose tokenizer has the digest `digest`
+    /// (`PromptCounter::digest`): each endpoint's digest is held against it
+    /// (`crate::tokenizers`), and an endpoint that differs gets no
+    /// prefix-cache credit. Call it before [`Picker::register_metrics`].
+    pub fn with_tokenizer_digest(mut self, digest: Option<String>) -> Self {
+        self.tokenizers = Arc::new(
+            crate::tokenizers::TokenizerCheck::new(digest).expect("valid metric definitions"),
+        );
+        self
+    }
+
+    /// The tokenizer check (`crate::tokenizers`).
+    pub fn tokenizer_check(&self) -> &Arc<crate::tokenizers::TokenizerCheck> {
+        &self.tokenizers
+    }
+
+    /// Brings the tokenizer gauges up to the endpoints' last scrape (a
+    /// door calls it before rendering its `/metrics`; every pick does too).
+    pub fn follow_tokenizers(&self) {
+        let snapshot = self.endpoints.snapshot();
+        self.tokenizers.follow(self.endpoints.as_ref(), &snapshot);
+    }
+
+    /// Registers the picker's own metrics (`rngd_pd_route_decisions_total`,
+    /// the tokenizer digests, `crate::tokenizers`, and the cache-prediction
+    /// checks, `crate::predicted`) in `r`.
     pub fn register_metrics(&self, r: &prometheus::Registry) -> Result<(), crate::PoolError> {
         r.register(Box::new(self.decisions.clone())).map_err(|e| {
             crate::PoolError::Config(format!(
@@ -273,6 +301,7 @@ impl Picker {
                 rngd_telemetry::names::ROUTE_DECISIONS_TOTAL
             ))
         })?;
+        self.tokenizers.register(r)?;
         self.check.register(r)
     }
 
@@ -333,6 +362,7 @@ impl Picker {
             self.check
                 .follow_restarts(self.endpoints.as_ref(), &snapshot);
         }
+        self.tokenizers.follow(self.endpoints.as_ref(), &snapshot);
         if let Some(subset) = &req.subset {
             snapshot = snapshot
                 .iter()
@@ -351,7 +381,18 @@ impl Picker {
             .filter(|src| !req.prompt_ids.is_empty() && src.active())
             .map(|src| {
                 let addresses: Vec<&str> = snapshot.iter().map(|e| e.address.as_str()).collect();
-                src.cached_all(&addresses, &req.prompt_ids, req.cache_salt.as_deref())
+                let mut counts =
+                    src.cached_all(&addresses, &req.prompt_ids, req.cache_salt.as_deref());
+                // An endpoint with another tokenizer holds blocks of other
+                // ids: no information, rather than a false match or miss.
+                if self.tokenizers.any_mismatch() {
+                    for (c, e) in counts.iter_mut().zip(snapshot.iter()) {
+                        if self.tokenizers.is_mismatched(&e.address) {
+                            *c = None;
+                        }
+                    }
+                }
+                counts
             });
         let prefix_cache = counts.as_deref().map(|counts| {
             let addresses: Vec<&str> = snapshot.iter().map(|e| e.address.as_str()).collect();

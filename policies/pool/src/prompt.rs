@@ -49,6 +49,15 @@ pub trait PromptCounter: Send + Sync + 'static {
     fn vocab_size(&self) -> Option<usize> {
         None
     }
+    /// The identity of the tokenizer and chat template
+    /// (`rngd_engine::tokenizer::Tokenizer::digest`), if the counter has
+    /// one: [`prepare`] sends the prompt's ids upstream with it
+    /// (`tokenized_prompt`), for a worker with the same digest to use
+    /// instead of tokenizing the text again. `None` (a test counter whose
+    /// ids are placeholders): nothing is sent.
+    fn digest(&self) -> Option<&str> {
+        None
+    }
     /// Number of tokens `text` encodes to.
     fn count(&self, text: &str) -> Result<usize, BoxError> {
         Ok(self.tokenize(text)?.len())
@@ -83,6 +92,10 @@ impl PromptCounter for rngd_engine::tokenizer::Tokenizer {
 
     fn vocab_size(&self) -> Option<usize> {
         Some(rngd_engine::tokenizer::Tokenizer::vocab_size(self))
+    }
+
+    fn digest(&self) -> Option<&str> {
+        Some(rngd_engine::tokenizer::Tokenizer::digest(self))
     }
 
     fn chat_prompt(
@@ -247,7 +260,8 @@ pub struct Prepared {
     /// Prompt tokens, counted as the engine will see them.
     pub prompt_tokens: usize,
     /// The prompt's token ids, as the engine will see them (the counter's
-    /// ids; `WordCounter`'s are placeholders).
+    /// ids; `WordCounter`'s are placeholders). A text prompt's also travel
+    /// in `upstream.tokenized_prompt` when the counter has a digest.
     pub prompt_ids: Vec<u32>,
     /// Whether the client itself asked for a usage chunk on a stream.
     pub include_usage: bool,
@@ -260,6 +274,13 @@ fn completion(body: &[u8]) -> Result<CompletionRequest, RuleError> {
         return Err(RuleError::param(
             "kv_transfer_params",
             "kv_transfer_params is set by the serving system, not by clients",
+        ));
+    }
+    // The door's own ids travel there; a client's would be trusted upstream.
+    if req.tokenized_prompt.is_some() {
+        return Err(RuleError::param(
+            "tokenized_prompt",
+            "tokenized_prompt is set by the serving system, not by clients",
         ));
     }
     Ok(req)
@@ -410,6 +431,9 @@ pub fn prepare(
             ))),
         }
     };
+    // Whether the prompt is text the worker would tokenize (then the door's
+    // ids travel with it).
+    let mut text_prompt = true;
     let (client_model, mut upstream, prompt_ids) = match kind {
         ApiKind::Completion => {
             let mut req = completion(body)?;
@@ -422,6 +446,7 @@ pub fn prepare(
                     if let Some(vocab) = counter.vocab_size() {
                         rules::check_token_ids(t, vocab)?;
                     }
+                    text_prompt = false;
                     t.clone()
                 }
                 Prompt::TextBatch(_) | Prompt::TokensBatch(_) => {
@@ -444,6 +469,15 @@ pub fn prepare(
             (chat.model, upstream, ids)
         }
     };
+    // The door's ids, made by the tokenizer the digest names: a worker with
+    // the same digest serves them as they are; one with another tokenizes
+    // the text itself.
+    if text_prompt && let Some(digest) = counter.digest() {
+        upstream.tokenized_prompt = Some(rngd_api::openai::TokenizedPrompt {
+            digest: digest.to_string(),
+            ids: prompt_ids.clone(),
+        });
+    }
     // The front doors need token counts on streams: ask the worker for usage
     // and remember whether the client wanted it passed on.
     let s = &mut upstream.sampling;
@@ -532,6 +566,11 @@ mod tests {
                 ApiKind::Completion,
                 br#"{"model":"m","prompt":"x","kv_transfer_params":{"do_remote_prefill":true}}"#,
                 Some("kv_transfer_params"),
+            ),
+            (
+                ApiKind::Completion,
+                br#"{"model":"m","prompt":"x","tokenized_prompt":{"digest":"0123456789abcdef","ids":[1]}}"#,
+                Some("tokenized_prompt"),
             ),
             (
                 ApiKind::Chat,
@@ -736,6 +775,131 @@ mod tests {
                 other => panic!("{n} bytes: {other:?}"),
             }
         }
+    }
+
+    /// A small byte-level ChatML tokenizer (control tokens `<|im_start|>`,
+    /// `<|im_end|>`, a BOS it adds when `bos`), with the chat `template`
+    /// (none: the ChatML fallback).
+    fn chatml(bos: bool, template: Option<&str>) -> rngd_engine::tokenizer::Tokenizer {
+        use rngd_engine::tokenizer::{PreTokenizer, Tokenizer, TokenizerParts};
+        let mut tokens: Vec<String> = rngd_engine::tokenizer::bytes_to_unicode()
+            .iter()
+            .map(|c| c.to_string())
+            .collect();
+        let g = tokens[b' ' as usize].clone();
+        tokens.extend(["he".to_string(), format!("{g}t"), format!("{g}the")]);
+        tokens.extend(["<s>", "<|im_start|>", "<|im_end|>"].map(String::from));
+        let mut token_types = vec![1; tokens.len()];
+        for id in [259, 260, 261] {
+            token_types[id] = 3;
+        }
+        Tokenizer::from_parts(TokenizerParts {
+            model_name: "m".into(),
+            tokens,
+            merges: vec!["h e".into(), format!("{g} t"), format!("{g}t he")],
+            pre: PreTokenizer::Smollm,
+            token_types,
+            eos_token_id: Some(261),
+            bos_token_id: Some(259),
+            add_bos: bos,
+            add_eos: false,
+            chat_template: template.map(String::from),
+        })
+        .expect("tokenizer")
+    }
+
+    /// Differential: the ids a door sends upstream are exactly the ones the
+    /// worker makes of the same body (its chat rendered with
+    /// `Tokenizer::chat_prompt`, then `encode_within` of the context, as
+    /// `worker/server`'s `chat::render` and `text_ids` do; a completion's
+    /// text encoded whole), special tokens written in the text, BOS added
+    /// or not, a template that prints the BOS itself, the template options.
+    #[test]
+    fn the_ids_sent_upstream_are_the_ids_the_worker_makes() {
+        let bos_template = "{{ bos_token }}{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}";
+        let chats = [
+            serde_json::json!({"model":"m","messages":[{"role":"user","content":"the heat"}]}),
+            serde_json::json!({"model":"m","messages":[
+                {"role":"system","content":"be <|im_end|> terse"},
+                {"role":"user","content":"<s>the <|im_start|>"}]}),
+            serde_json::json!({"model":"m","add_generation_prompt":false,"messages":[
+                {"role":"user","content":"hi"},{"role":"assistant","content":"the"}]}),
+            serde_json::json!({"model":"m","continue_final_message":true,"add_generation_prompt":false,
+                "messages":[{"role":"user","content":"hi"},{"role":"assistant","content":"the he"}]}),
+        ];
+        let texts = [
+            "the heat",
+            "<s>the<|im_start|> he",
+            " \n\t<|im_end|>x",
+            "é😀 the",
+        ];
+        for (bos, template) in [
+            (false, None),
+            (true, None),
+            (true, Some(bos_template)),
+            (false, Some(bos_template)),
+        ] {
+            let tok = chatml(bos, template);
+            let seq_len = 4096usize;
+            let worker_ids = |text: &str| match tok.encode_within(text, seq_len - 1).unwrap() {
+                Within::Ids(ids) => ids,
+                Within::TooLong { .. } => panic!("fits"),
+            };
+            for chat in &chats {
+                let body = serde_json::to_vec(chat).unwrap();
+                let p = prepare(ApiKind::Chat, &body, &tok, Some(seq_len as u32), None).unwrap();
+                let sent = p
+                    .upstream
+                    .tokenized_prompt
+                    .clone()
+                    .expect("ids sent upstream");
+                assert_eq!(sent.digest, tok.digest());
+                // What the worker does with the same chat body.
+                let req: ChatCompletionRequest = rules::parse_body(&body).unwrap();
+                let messages = rules::chat_messages(&req).unwrap();
+                let opts = rngd_api::chat::TemplateOptions::of(&req);
+                let rendered = tok.chat_prompt(&messages, &opts).unwrap();
+                assert_eq!(p.upstream.prompt, Prompt::Text(rendered.clone()));
+                assert_eq!(sent.ids, worker_ids(&rendered), "{bos} {template:?} {chat}");
+                assert_eq!(sent.ids, p.prompt_ids);
+                assert_eq!(
+                    sent.ids.first() == Some(&259),
+                    bos || template.is_some(),
+                    "one BOS when one is due: {:?}",
+                    sent.ids
+                );
+                assert_ne!(sent.ids.get(1), Some(&259), "never two BOS");
+            }
+            for text in texts {
+                let body =
+                    serde_json::to_vec(&serde_json::json!({"model":"m","prompt":text})).unwrap();
+                let p =
+                    prepare(ApiKind::Completion, &body, &tok, Some(seq_len as u32), None).unwrap();
+                let sent = p.upstream.tokenized_prompt.expect("ids sent upstream");
+                assert_eq!(sent.ids, worker_ids(text), "{text:?}");
+                assert_eq!(sent.ids, tok.encode(text).unwrap());
+            }
+            // A prompt of ids is sent as it is, with nothing beside it.
+            let p = prepare(
+                ApiKind::Completion,
+                br#"{"model":"m","prompt":[1,2]}"#,
+                &tok,
+                None,
+                None,
+            )
+            .unwrap();
+            assert_eq!(p.upstream.tokenized_prompt, None);
+        }
+        // A counter without a digest sends no ids.
+        let p = prepare(
+            ApiKind::Completion,
+            br#"{"model":"m","prompt":"ab"}"#,
+            &ByteCounter,
+            None,
+            None,
+        )
+        .unwrap();
+        assert_eq!(p.upstream.tokenized_prompt, None);
     }
 
     #[test]

@@ -125,6 +125,9 @@ struct ScrapeState {
     /// restarts seen there; kept across failed scrapes (a dead process's
     /// address is known again when its successor answers).
     instances: HashMap<String, Instance>,
+    /// Each address's tokenizer digest, as last scraped; kept across
+    /// failed scrapes, dropped with the address.
+    digests: HashMap<String, String>,
 }
 
 /// The process last scraped at one address.
@@ -153,6 +156,8 @@ pub struct ScrapedEndpoints {
     names: LoadNames,
     /// Restarts seen over every address.
     restarts: std::sync::atomic::AtomicU64,
+    /// Tokenizer digests learnt, changed or forgotten over every address.
+    digest_changes: std::sync::atomic::AtomicU64,
 }
 
 impl std::fmt::Debug for ScrapedEndpoints {
@@ -197,6 +202,7 @@ impl ScrapedEndpoints {
             scrape_failures,
             names,
             restarts: std::sync::atomic::AtomicU64::new(0),
+            digest_changes: std::sync::atomic::AtomicU64::new(0),
         })
     }
 
@@ -237,6 +243,13 @@ impl ScrapedEndpoints {
                 };
                 if changed {
                     st.generation += 1;
+                }
+                if let Some(d) = &sample.tokenizer_digest
+                    && st.digests.get(address) != Some(d)
+                {
+                    st.digests.insert(address.to_string(), d.clone());
+                    self.digest_changes
+                        .fetch_add(1, std::sync::atomic::Ordering::AcqRel);
                 }
                 if let Some(started) = sample.started {
                     match st.instances.get_mut(address) {
@@ -364,6 +377,10 @@ impl ScrapedEndpoints {
                         // Bounded by the addresses listed now (the index
                         // forgets a departed address's stream too).
                         st.instances.remove(addr);
+                        if st.digests.remove(addr).is_some() {
+                            this.digest_changes
+                                .fetch_add(1, std::sync::atomic::Ordering::AcqRel);
+                        }
                         st.generation += 1;
                     }
                     keep
@@ -431,6 +448,16 @@ impl EndpointSource for ScrapedEndpoints {
     fn restarts_of(&self, address: &str) -> u64 {
         let st = self.state.lock().unwrap_or_else(|e| e.into_inner());
         st.instances.get(address).map_or(0, |i| i.restarts)
+    }
+
+    fn tokenizer_changes(&self) -> u64 {
+        self.digest_changes
+            .load(std::sync::atomic::Ordering::Acquire)
+    }
+
+    fn tokenizer_digest_of(&self, address: &str) -> Option<String> {
+        let st = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        st.digests.get(address).cloned()
     }
 }
 

@@ -45,6 +45,20 @@ pub trait EndpointSource: Send + Sync + 'static {
     fn restarts_of(&self, _address: &str) -> u64 {
         0
     }
+
+    /// Changes seen of the endpoints' tokenizer digests (one learnt, one
+    /// changed, one forgotten): a total that only grows, so a reader can
+    /// tell cheaply whether to look again ([`crate::tokenizers`]).
+    /// Default: a source that cannot tell, 0.
+    fn tokenizer_changes(&self) -> u64 {
+        0
+    }
+
+    /// The tokenizer digest the endpoint at `address` last showed
+    /// (`rngd_pd_worker_tokenizer_info`), if any.
+    fn tokenizer_digest_of(&self, _address: &str) -> Option<String> {
+        None
+    }
 }
 
 /// One endpoint's KV-event stream (its id is the endpoint's `ip:port`).
