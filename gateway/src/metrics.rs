@@ -48,6 +48,7 @@ pub struct GatewayMetrics {
     prefill_context_fallbacks: IntCounter,
     upstream_retries: IntCounterVec,
     migrations: IntCounterVec,
+    kv_load_failures: IntCounterVec,
     window: Mutex<VecDeque<RequestSample>>,
 }
 
@@ -111,11 +112,18 @@ impl GatewayMetrics {
             "Answers moved to another decode worker after theirs died or their stream broke, by outcome.",
             &["outcome"],
         )?;
+        let kv_load_failures = rngd_telemetry::counter_vec(
+            &registry,
+            names::GATEWAY_KV_LOAD_FAILURES_TOTAL,
+            "Handoffs whose decode worker could not load the KV (nothing pulled), by the policy applied: recompute or fail.",
+            &["policy"],
+        )?;
         Ok(GatewayMetrics {
             registry,
             prefill_context_fallbacks,
             upstream_retries,
             migrations,
+            kv_load_failures,
             ttft,
             tpot,
             kv_transfer,
@@ -143,6 +151,12 @@ impl GatewayMetrics {
     /// Counts an answer moved (`continued`) or not (`failed`).
     pub fn count_migration(&self, outcome: &str) {
         self.migrations.with_label_values(&[outcome]).inc();
+    }
+
+    /// Counts a handoff whose decode worker could not load the KV, by the
+    /// policy applied (`recompute`, `fail`).
+    pub fn count_kv_load_failure(&self, policy: &str) {
+        self.kv_load_failures.with_label_values(&[policy]).inc();
     }
 
     /// Counts a worker call sent again on a fresh connection.

@@ -44,6 +44,12 @@ pub struct GatewayConfig {
     /// Dynamo's name; 0 = never): a stream continues with the prompt plus
     /// the tokens already streamed, a whole answer is asked again.
     pub migration_limit: u32,
+    /// What a handoff whose decode worker cannot load the KV (the lease
+    /// over, the KV gone or taken, other weights: a 410 or 409 from the
+    /// worker, nothing pulled) becomes (`--kv-load-failure-policy`, vLLM's
+    /// name): `recompute` serves the request whole on that worker with the
+    /// prefill's seed (the same tokens), `fail` answers the refusal.
+    pub kv_load_failure_policy: rngd_api::pd::KvLoadFailurePolicy,
     /// TCP connect timeout towards workers.
     pub connect_timeout: Duration,
     /// Requests served at once (policy call to the end of the response).
@@ -72,6 +78,7 @@ impl Default for GatewayConfig {
             decode_timeout: Duration::from_secs(600),
             stream_idle_timeout: Duration::from_secs(60),
             migration_limit: DEFAULT_MIGRATION_LIMIT,
+            kv_load_failure_policy: rngd_api::pd::KvLoadFailurePolicy::Recompute,
             connect_timeout: Duration::from_secs(2),
             max_concurrent: 256,
             max_queued: 1024,

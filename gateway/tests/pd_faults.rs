@@ -8,7 +8,11 @@
 //! - a bad prefill answer gets one verdict (`rngd_api::pd::decode_request_from`)
 //!   through the gateway's two-step flow and through a decode worker's
 //!   `x-prefiller-host-port` path alike;
-//! - client-sent steering headers reach neither a worker nor the policy.
+//! - client-sent steering headers reach neither a worker nor the policy;
+//! - KV gone before the decode's pull: refused at once, and the request is
+//!   recomputed on the decode worker with the same tokens (or, with
+//!   `kv_load_failure_policy` `fail`, answered with an error, never other
+//!   tokens).
 //!
 //! Real worker servers (`rngd_worker::serve`, echo engine) over an in-memory
 //! transport that counts its pulls, on 127.0.0.1:0.
@@ -35,11 +39,13 @@ use rngd_pool::source as endpoints;
 use rngd_worker::{RunningWorker, Transports, WorkerConfig};
 use serde_json::{Value, json};
 
-/// The in-memory transport, counting pulls.
+/// The in-memory transport, counting pulls; while `lose` is set, the KV of
+/// a decode's pull is gone (its TTL passed, the holder restarted).
 #[derive(Default)]
 struct Counting {
     mem: MemoryTransport,
     pulls: AtomicUsize,
+    lose: std::sync::atomic::AtomicBool,
 }
 
 #[async_trait::async_trait]
@@ -53,6 +59,17 @@ impl KvTransport for Counting {
     async fn pull(&self, handle: &KvHandle, timeout: Duration) -> Result<Vec<Bytes>, KvError> {
         self.pulls.fetch_add(1, Ordering::SeqCst);
         self.mem.pull(handle, timeout).await
+    }
+    async fn pull_published(
+        &self,
+        handle: &KvHandle,
+        timeout: Duration,
+    ) -> Result<Vec<Bytes>, KvError> {
+        self.pulls.fetch_add(1, Ordering::SeqCst);
+        if self.lose.load(Ordering::SeqCst) {
+            self.mem.release(handle).await?;
+        }
+        self.mem.pull_published(handle, timeout).await
     }
     async fn release(&self, handle: &KvHandle) -> Result<(), KvError> {
         self.mem.release(handle).await
@@ -78,13 +95,18 @@ async fn worker(
 /// A gateway routing over `prefill` and `decode` (addresses) with the
 /// default policy's logic (prompts of 4+ words are disaggregated).
 async fn gateway(prefill: String, decode: String) -> String {
+    gateway_with(prefill, decode, GatewayConfig::default()).await
+}
+
+/// [`gateway`] with `config`.
+async fn gateway_with(prefill: String, decode: String, config: GatewayConfig) -> String {
     let transports = ["memory".to_string()];
     let eps = vec![
         endpoints::local_endpoint(prefill, Role::Prefill, 512, &transports),
         endpoints::local_endpoint(decode, Role::Decode, 512, &transports),
     ];
     let gw = Gateway::new(
-        GatewayConfig::default(),
+        config,
         rngd_pool::Picker::new(TestPolicy::new(4), StaticEndpoints::new(eps)),
         Arc::new(FAKE_TOKENIZER),
     )
@@ -386,4 +408,82 @@ async fn a_prefill_refused_for_its_length_falls_back_to_the_decode_worker() {
     let r = direct(LONG.to_string()).await.unwrap();
     assert_eq!(r.status(), 200);
     assert_eq!(kv.pulls.load(Ordering::SeqCst), 2, "disaggregated again");
+}
+
+#[tokio::test]
+async fn kv_gone_before_the_pull_is_recomputed_with_the_same_tokens_or_failed() {
+    let kv = Arc::new(Counting::default());
+    let p = worker(Role::Prefill, &kv, Duration::ZERO, |_| {}).await;
+    let d = worker(Role::Decode, &kv, Duration::ZERO, |_| {}).await;
+    let url = gateway(p.addr.to_string(), d.addr.to_string()).await;
+    let body = json!({"model": "fake-model", "prompt": LONG, "max_tokens": 8, "temperature": 0.9});
+    let text = |v: &Value| v["choices"][0]["text"].as_str().unwrap().to_string();
+    // Seeded and unseeded: the recompute continues the prefill's stream.
+    for seed in [Some(7), None] {
+        let mut body = body.clone();
+        if let Some(s) = seed {
+            body["seed"] = json!(s);
+        }
+        kv.lose.store(false, Ordering::SeqCst);
+        let r = complete(&url, &body).await;
+        assert_eq!(r.status(), 200);
+        let want: Value = r.json().await.unwrap();
+        kv.lose.store(true, Ordering::SeqCst);
+        let t = Instant::now();
+        let r = complete(&url, &body).await;
+        assert_eq!(r.status(), 200);
+        let got: Value = r.json().await.unwrap();
+        assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
+        if seed.is_some() {
+            assert_eq!(
+                text(&got),
+                text(&want),
+                "a seeded recompute equals the PD answer"
+            );
+        }
+        assert_eq!(got["usage"]["completion_tokens"], 8);
+    }
+    let m = common::metrics(&url).await;
+    assert_eq!(
+        common::sample(
+            &m,
+            "rngd_pd_gateway_kv_load_failures_total{policy=\"recompute\"}"
+        ),
+        Some(2.0),
+        "{m}"
+    );
+    let dm = common::metrics(&d.url()).await;
+    assert_eq!(
+        common::sample(
+            &dm,
+            "rngd_pd_worker_kv_load_failures_total{reason=\"not_found\"}"
+        ),
+        Some(2.0)
+    );
+    assert_eq!(kv.mem.held(), 0);
+
+    // `fail`: an error naming the cause, never another answer.
+    let config = GatewayConfig {
+        kv_load_failure_policy: rngd_api::pd::KvLoadFailurePolicy::Fail,
+        ..GatewayConfig::default()
+    };
+    let url = gateway_with(p.addr.to_string(), d.addr.to_string(), config).await;
+    let r = complete(&url, &body).await;
+    let status = r.status().as_u16();
+    let text = r.text().await.unwrap();
+    assert!(status >= 500, "{status} {text}");
+    assert!(
+        text.contains("kv_unavailable") || text.contains("not available"),
+        "{text}"
+    );
+    let m = common::metrics(&url).await;
+    assert_eq!(
+        common::sample(
+            &m,
+            "rngd_pd_gateway_kv_load_failures_total{policy=\"fail\"}"
+        ),
+        Some(1.0)
+    );
+    kv.lose.store(false, Ordering::SeqCst);
+    assert_eq!(kv.mem.held(), 0);
 }

@@ -88,6 +88,11 @@ pub struct Args {
     /// where it stopped, a whole answer is asked again.
     #[arg(long, default_value_t = rngd_gateway::state::DEFAULT_MIGRATION_LIMIT)]
     pub migration_limit: u32,
+    /// What a handoff whose decode worker cannot load the KV (lease over,
+    /// KV gone or taken, other weights) becomes: `recompute` serves it whole
+    /// on that worker with the prefill's seed; `fail` answers the refusal.
+    #[arg(long, env = env::RNGD_PD_GATEWAY_KV_LOAD_FAILURE_POLICY, default_value = "recompute")]
+    pub kv_load_failure_policy: rngd_api::pd::KvLoadFailurePolicy,
     /// Requests served at once (policy call to the end of the response).
     #[arg(long, default_value_t = 256)]
     pub max_concurrent: usize,
@@ -255,6 +260,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
             decode_timeout: Duration::from_millis(args.decode_timeout_ms),
             stream_idle_timeout: Duration::from_millis(args.stream_idle_timeout_ms),
             migration_limit: args.migration_limit,
+            kv_load_failure_policy: args.kv_load_failure_policy,
             max_concurrent: args.max_concurrent,
             max_queued: args.max_queued,
             queue_timeout: Duration::from_millis(args.queue_timeout_ms),

@@ -167,6 +167,11 @@ pub struct Args {
     /// --migration-limit`; 0 = never).
     #[arg(long, default_value_t = rngd_gateway::state::DEFAULT_MIGRATION_LIMIT)]
     pub migration_limit: u32,
+    /// What a handoff whose decode worker cannot load the KV becomes, at
+    /// the gateway and at decode workers serving `x-prefiller-host-port`
+    /// (`rngd-pd gateway --kv-load-failure-policy`): `recompute` or `fail`.
+    #[arg(long, default_value = "recompute")]
+    pub kv_load_failure_policy: rngd_api::pd::KvLoadFailurePolicy,
     /// Bytes each worker's prefix cache may hold (`rngd-pd worker
     /// --prefix-cache-bytes`); default the worker's.
     #[arg(long)]

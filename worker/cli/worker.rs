@@ -91,6 +91,11 @@ pub struct Args {
     /// How long a decode waits for the KV pull, ms.
     #[arg(long, env = env::RNGD_PD_KV_PULL_TIMEOUT_MS, default_value_t = 30_000)]
     pub kv_pull_timeout_ms: u64,
+    /// What a decode worker serving `x-prefiller-host-port` does when it
+    /// cannot load the KV (expired, gone, taken, other weights): `recompute`
+    /// serves the request whole here; `fail` answers 410 `kv_unavailable`.
+    #[arg(long, env = env::RNGD_PD_KV_LOAD_FAILURE_POLICY, default_value = "recompute")]
+    pub kv_load_failure_policy: rngd_api::pd::KvLoadFailurePolicy,
     /// How long a decode worker waits for its prefill peer, ms.
     #[arg(long, env = env::RNGD_PD_PREFILL_TIMEOUT_MS, default_value_t = 120_000)]
     pub prefill_timeout_ms: u64,
@@ -216,6 +221,7 @@ impl Args {
             node: self.node,
             kubelet_checkpoint: self.kubelet_checkpoint,
             kv_pull_timeout_ms: self.kv_pull_timeout_ms,
+            kv_load_failure_policy: self.kv_load_failure_policy,
             prefill_timeout_ms: self.prefill_timeout_ms,
             prefill_allow: PrefillAllow::new(
                 self.prefill_allow.into_iter().filter_map(|a| a.0).collect(),

@@ -39,7 +39,7 @@ use std::time::Instant;
 use axum::http::{HeaderMap, HeaderValue, header};
 use axum::response::{IntoResponse, Response};
 use rngd_api::openai::CompletionResponse;
-use rngd_api::pd::{self, KvTransferParams};
+use rngd_api::pd::{self, KvLoadFailurePolicy, KvTransferParams};
 use rngd_api::rules::unix_now;
 use rngd_pool::{ApiKind, PickError, PickRequest};
 use tracing::Instrument;
@@ -226,6 +226,36 @@ async fn run_inner(
         gw.config.decode_timeout,
     )
     .await;
+    // The decode worker could not load the KV (the lease over, the KV gone
+    // or taken, other weights): it pulled nothing and said so at once. By
+    // the policy, the request is served whole there with the prefill's seed
+    // (the same tokens), or the refusal is the answer.
+    let mut recomputed = false;
+    let resp = match resp {
+        Err(ApiError::UpstreamStatus {
+            status, ref code, ..
+        }) if prefill_info.is_some() && pd::kv_load_failed(status, code.as_deref()) => {
+            let policy = gw.config.kv_load_failure_policy;
+            gw.metrics.count_kv_load_failure(policy.as_str());
+            tracing::warn!(decode = %route.decode, status, code = ?code, %policy, "the decode worker could not load the KV");
+            match policy {
+                KvLoadFailurePolicy::Recompute => {
+                    recomputed = true;
+                    send(
+                        &gw,
+                        Stage::Decode,
+                        &route.decode,
+                        &pd::recompute_request(&decode_req),
+                        &rid,
+                        gw.config.decode_timeout,
+                    )
+                    .await
+                }
+                KvLoadFailurePolicy::Fail => resp,
+            }
+        }
+        other => other,
+    };
     // The decode worker answered: it pulled the KV (a streamed answer starts
     // after the pull, a whole one after the decode). A refusal or a failure
     // leaves the guard armed: the KV is released when this returns.
@@ -296,7 +326,8 @@ async fn run_inner(
         address: decode_at.clone(),
         _held: held,
         // The prediction was for the worker the policy chose.
-        expected: expected.filter(|_| !moved),
+        // (A recompute prefilled on the decode worker, not the predicted one.)
+        expected: expected.filter(|_| !moved && !recomputed),
     };
     let mut resp = match (whole, streamed) {
         (_, Some(resp)) => stream_response(ctx, resp, include_usage, resume),

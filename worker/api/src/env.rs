@@ -105,6 +105,10 @@ pub fn var(name: &str) -> Option<String> {
 
 /// Worker: how long a decode waits for the KV pull, ms; default 30000.
 pub const RNGD_PD_KV_PULL_TIMEOUT_MS: &str = "RNGD_PD_KV_PULL_TIMEOUT_MS";
+/// Worker: what a decode worker serving `x-prefiller-host-port` does when it cannot load the KV: `recompute` (default) or `fail`.
+pub const RNGD_PD_KV_LOAD_FAILURE_POLICY: &str = "RNGD_PD_KV_LOAD_FAILURE_POLICY";
+/// Gateway: what it does when the decode worker cannot load a handoff's KV: `recompute` (default) or `fail`.
+pub const RNGD_PD_GATEWAY_KV_LOAD_FAILURE_POLICY: &str = "RNGD_PD_GATEWAY_KV_LOAD_FAILURE_POLICY";
 /// Worker: how long a decode worker waits for its prefill peer (`x-prefiller-host-port`), ms; default 120000.
 pub const RNGD_PD_PREFILL_TIMEOUT_MS: &str = "RNGD_PD_PREFILL_TIMEOUT_MS";
 /// Worker: the prefill peers `x-prefiller-host-port` may name, comma-separated

@@ -19,8 +19,8 @@
 mod handoff;
 
 pub use handoff::{
-    HandleState, Handoff, KvReleaseAnswer, PdAnswerError, decode_request_from, prefill_request,
-    release_request,
+    HandleState, Handoff, KV_UNAVAILABLE_CODE, KvLoadFailurePolicy, KvReleaseAnswer, PdAnswerError,
+    decode_request_from, kv_load_failed, prefill_request, recompute_request, release_request,
 };
 
 use rngd_kv_wire::KvHandle;

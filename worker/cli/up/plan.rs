@@ -235,6 +235,14 @@ pub(super) fn worker_args(
     if let Some(t) = args.threads {
         a.extend(["--threads".into(), t.to_string()]);
     }
+    if w.role == WorkerRole::Decode
+        && args.kv_load_failure_policy != rngd_api::pd::KvLoadFailurePolicy::default()
+    {
+        a.extend([
+            "--kv-load-failure-policy".into(),
+            args.kv_load_failure_policy.as_str().into(),
+        ]);
+    }
     if w.role == WorkerRole::Prefill && args.prefill_nice > 0 {
         a.extend(["--nice".into(), args.prefill_nice.to_string()]);
     }
@@ -382,6 +390,8 @@ pub(super) fn gateway_args(
             &args.shutdown_timeout.to_string(),
             "--migration-limit",
             &args.migration_limit.to_string(),
+            "--kv-load-failure-policy",
+            args.kv_load_failure_policy.as_str(),
         ]
         .map(String::from),
     );

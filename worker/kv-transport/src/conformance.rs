@@ -305,6 +305,46 @@ pub async fn run_all(h: &dyn Harness) -> Result<Report, ConformanceError> {
         format!("NotFound after {waited:?} (timeout {timeout:?})"),
     ));
 
+    // 3b. Published KV: pulled whole when held; when gone (released), a
+    // NotFound at once, whatever the timeout.
+    let check = "published_gone_at_once";
+    let (a, b) = (h.make(), h.make());
+    let p = payload(&unique("published"), 11, 3, 4096);
+    let want = p.blobs.clone();
+    let handle = a.push(p).await.map_err(|e| failed(check, "push", e))?;
+    let got = b
+        .pull_published(&handle, PULL_TIMEOUT)
+        .await
+        .map_err(|e| failed(check, "pull_published", e))?;
+    same_bytes(check, &want, &got)?;
+    b.release(&handle)
+        .await
+        .map_err(|e| failed(check, "release", e))?;
+    let started = Instant::now();
+    let res = tokio::time::timeout(
+        Duration::from_secs(10),
+        b.pull_published(&handle, PULL_TIMEOUT),
+    )
+    .await
+    .map_err(|_| fail(check, "pull_published of released KV hung"))?;
+    let waited = started.elapsed();
+    match res {
+        Err(KvError::NotFound { .. }) if waited < Duration::from_secs(2) => {}
+        Err(KvError::NotFound { .. }) => {
+            return Err(fail(
+                check,
+                format!("released KV refused only after {waited:?}"),
+            ));
+        }
+        Err(e) => return Err(failed(check, "expected NotFound", e)),
+        Ok(_) => return Err(fail(check, "released KV was delivered")),
+    }
+    settle_to_zero(h, check, SETTLE).await?;
+    report.passed.push((
+        check,
+        format!("held KV pulled; released KV refused after {waited:?} (timeout {PULL_TIMEOUT:?})"),
+    ));
+
     // 4. A flipped byte is a CRC error, never wrong bytes.
     let check = "flipped_byte";
     let (a, b) = (h.make(), h.make());

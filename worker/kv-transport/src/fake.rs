@@ -114,6 +114,32 @@ impl KvTransport for MemoryTransport {
     }
 
     async fn pull(&self, handle: &KvHandle, timeout: Duration) -> Result<Vec<Bytes>, KvError> {
+        self.pull_within(handle, timeout).await
+    }
+
+    async fn pull_published(
+        &self,
+        handle: &KvHandle,
+        _timeout: Duration,
+    ) -> Result<Vec<Bytes>, KvError> {
+        self.pull_within(handle, Duration::ZERO).await
+    }
+
+    async fn release(&self, handle: &KvHandle) -> Result<(), KvError> {
+        check_handle(NAME, handle)?;
+        let key = sanitize_key(NAME, &handle.request_id)?;
+        self.locked().remove(&key);
+        Ok(())
+    }
+}
+
+impl MemoryTransport {
+    /// Takes a copy of the key's blobs, waiting at most `timeout` for them.
+    async fn pull_within(
+        &self,
+        handle: &KvHandle,
+        timeout: Duration,
+    ) -> Result<Vec<Bytes>, KvError> {
         check_handle(NAME, handle)?;
         let key = sanitize_key(NAME, &handle.request_id)?;
         let started = Instant::now();
@@ -138,12 +164,5 @@ impl KvTransport for MemoryTransport {
                 }
             }
         }
-    }
-
-    async fn release(&self, handle: &KvHandle) -> Result<(), KvError> {
-        check_handle(NAME, handle)?;
-        let key = sanitize_key(NAME, &handle.request_id)?;
-        self.locked().remove(&key);
-        Ok(())
     }
 }

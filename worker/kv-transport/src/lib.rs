@@ -45,7 +45,9 @@ pub use config::TransportConfig;
 #[derive(Debug, thiserror::Error)]
 pub enum KvError {
     /// The request's cache did not show up in time, or the transport does not
-    /// hold it (never pushed, already released, or expired). Maps to 404/504.
+    /// hold it (never pushed, already released, or expired). Maps to 504
+    /// after a wait ([`KvTransport::pull`]), to 410 at once for published
+    /// KV that is gone ([`KvTransport::pull_published`]).
     #[error(
         "transport `{transport}`: KV cache of request `{request_id}` not found within {waited:?}"
     )]
@@ -258,8 +260,20 @@ pub trait KvTransport: Send + Sync + 'static {
         let _ = (request_id, shape);
         Ok(None)
     }
-    /// Fetches and verifies (CRC-32) every blob of `handle`, waiting at most `timeout`.
+    /// Fetches and verifies (CRC-32) every blob of `handle`, waiting at most
+    /// `timeout` (for KV that is not there yet, too).
     async fn pull(&self, handle: &KvHandle, timeout: Duration) -> Result<Vec<Bytes>, KvError>;
+    /// [`KvTransport::pull`] of a handle whose KV was published before the
+    /// handle was handed out (the PD protocol's decode: a prefill worker
+    /// answers only after its push): KV the transport does not hold now is
+    /// gone (released, expired, taken by another decode) and is refused at
+    /// once with [`KvError::NotFound`], nothing waited for; `timeout`
+    /// bounds the transfer.
+    async fn pull_published(
+        &self,
+        handle: &KvHandle,
+        timeout: Duration,
+    ) -> Result<Vec<Bytes>, KvError>;
     /// Frees whatever the transport holds for `handle`. Idempotent.
     async fn release(&self, handle: &KvHandle) -> Result<(), KvError>;
 }

@@ -372,6 +372,55 @@ impl KvTransport for NixlUcxTransport {
 
     #[tracing::instrument(name = "kv.pull", skip_all, fields(transport = NAME, request_id = %handle.request_id, bytes = handle.total_bytes()))]
     async fn pull(&self, handle: &KvHandle, timeout: Duration) -> Result<Vec<Bytes>, KvError> {
+        self.pull_within(handle, timeout, timeout).await
+    }
+
+    async fn pull_published(
+        &self,
+        handle: &KvHandle,
+        timeout: Duration,
+    ) -> Result<Vec<Bytes>, KvError> {
+        // The descriptor is on the relay before the handle exists: one that
+        // is gone now is not waited for.
+        self.pull_within(handle, Duration::ZERO, timeout).await
+    }
+
+    #[tracing::instrument(name = "kv.release", skip_all, fields(transport = NAME, request_id = %handle.request_id))]
+    async fn release(&self, handle: &KvHandle) -> Result<(), KvError> {
+        check_handle(NAME, handle)?;
+        let key = sanitize_key(NAME, &handle.request_id)?;
+        self.inner.free_slot(&key, None, "release");
+        let relay = Location::parse(&handle.location)
+            .map(|l| l.relay)
+            .unwrap_or_default();
+        let relay_handle = KvHandle {
+            request_id: relay_id(&handle.request_id),
+            transport: crate::tcp::NAME.into(),
+            location: relay,
+            layout: handle.layout,
+            tokens: handle.tokens,
+            wire: handle.wire,
+            blobs: Vec::new(),
+        };
+        self.inner
+            .relay
+            .release(&relay_handle)
+            .await
+            .map_err(|e| rename(e, &handle.request_id))
+    }
+}
+
+// === impl NixlUcxTransport (pull) ===
+
+impl NixlUcxTransport {
+    /// Pulls `handle`'s blobs: the descriptor is waited for on the relay at
+    /// most `appear`; `timeout` bounds the pull.
+    async fn pull_within(
+        &self,
+        handle: &KvHandle,
+        appear: Duration,
+        timeout: Duration,
+    ) -> Result<Vec<Bytes>, KvError> {
         check_handle(NAME, handle)?;
         let key = sanitize_key(NAME, &handle.request_id)?;
         let i = &self.inner;
@@ -394,7 +443,7 @@ impl KvTransport for NixlUcxTransport {
         };
         let desc_bytes = i
             .relay
-            .pull(&relay_handle, timeout)
+            .pull_within(&relay_handle, appear, timeout)
             .await
             .map_err(|e| rename(e, &handle.request_id))?
             .pop()
@@ -549,29 +598,5 @@ impl KvTransport for NixlUcxTransport {
             "nixl-ucx: pulled"
         );
         Ok(blobs)
-    }
-
-    #[tracing::instrument(name = "kv.release", skip_all, fields(transport = NAME, request_id = %handle.request_id))]
-    async fn release(&self, handle: &KvHandle) -> Result<(), KvError> {
-        check_handle(NAME, handle)?;
-        let key = sanitize_key(NAME, &handle.request_id)?;
-        self.inner.free_slot(&key, None, "release");
-        let relay = Location::parse(&handle.location)
-            .map(|l| l.relay)
-            .unwrap_or_default();
-        let relay_handle = KvHandle {
-            request_id: relay_id(&handle.request_id),
-            transport: crate::tcp::NAME.into(),
-            location: relay,
-            layout: handle.layout,
-            tokens: handle.tokens,
-            wire: handle.wire,
-            blobs: Vec::new(),
-        };
-        self.inner
-            .relay
-            .release(&relay_handle)
-            .await
-            .map_err(|e| rename(e, &handle.request_id))
     }
 }

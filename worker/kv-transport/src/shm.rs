@@ -660,6 +660,36 @@ impl KvTransport for ShmTransport {
 
     #[tracing::instrument(name = "kv.pull", skip_all, fields(transport = NAME, request_id = %handle.request_id, bytes = handle.total_bytes()))]
     async fn pull(&self, handle: &KvHandle, timeout: Duration) -> Result<Vec<Bytes>, KvError> {
+        self.pull_within(handle, timeout).await
+    }
+
+    #[tracing::instrument(name = "kv.pull", skip_all, fields(transport = NAME, request_id = %handle.request_id, bytes = handle.total_bytes()))]
+    async fn pull_published(
+        &self,
+        handle: &KvHandle,
+        _timeout: Duration,
+    ) -> Result<Vec<Bytes>, KvError> {
+        // A local map: the bytes take no time worth a deadline; a file that
+        // is not there now never will be.
+        self.pull_within(handle, Duration::ZERO).await
+    }
+
+    #[tracing::instrument(name = "kv.release", skip_all, fields(transport = NAME, request_id = %handle.request_id))]
+    async fn release(&self, handle: &KvHandle) -> Result<(), KvError> {
+        self.release_now(handle)
+    }
+}
+
+// === impl ShmTransport (pull and release) ===
+
+impl ShmTransport {
+    /// Opens the key's file, waiting at most `timeout` for it to appear,
+    /// maps and verifies it, and unlinks it.
+    async fn pull_within(
+        &self,
+        handle: &KvHandle,
+        timeout: Duration,
+    ) -> Result<Vec<Bytes>, KvError> {
         check_handle(NAME, handle)?;
         if handle.location != self.inner.location {
             return Err(KvError::BadRequest {
@@ -741,8 +771,8 @@ impl KvTransport for ShmTransport {
         Ok(blobs)
     }
 
-    #[tracing::instrument(name = "kv.release", skip_all, fields(transport = NAME, request_id = %handle.request_id))]
-    async fn release(&self, handle: &KvHandle) -> Result<(), KvError> {
+    /// Frees the key's slot and removes its file (idempotent).
+    fn release_now(&self, handle: &KvHandle) -> Result<(), KvError> {
         check_handle(NAME, handle)?;
         let path = self.path_of(&handle.request_id)?;
         // A pointer file's slot is freed first (its own file, never a link's target).

@@ -162,10 +162,16 @@ impl KvTransport for TcpTransport {
 
     #[tracing::instrument(name = "kv.pull", skip_all, fields(transport = NAME, request_id = %handle.request_id, bytes = handle.total_bytes()))]
     async fn pull(&self, handle: &KvHandle, timeout: Duration) -> Result<Vec<Bytes>, KvError> {
-        let after = timeout + GRACE;
-        tokio::time::timeout(after, self.pull_now(handle, timeout))
-            .await
-            .unwrap_or_else(|_| Err(self.timeout("pull", after)))
+        self.pull_within(handle, timeout, timeout).await
+    }
+
+    #[tracing::instrument(name = "kv.pull", skip_all, fields(transport = NAME, request_id = %handle.request_id, bytes = handle.total_bytes()))]
+    async fn pull_published(
+        &self,
+        handle: &KvHandle,
+        timeout: Duration,
+    ) -> Result<Vec<Bytes>, KvError> {
+        self.pull_within(handle, Duration::ZERO, timeout).await
     }
 
     #[tracing::instrument(name = "kv.release", skip_all, fields(transport = NAME, request_id = %handle.request_id))]
@@ -235,7 +241,27 @@ impl TcpTransport {
         })
     }
 
-    async fn pull_now(&self, handle: &KvHandle, timeout: Duration) -> Result<Vec<Bytes>, KvError> {
+    /// Pulls `handle`'s blobs: the relay waits at most `appear` for a blob
+    /// it does not hold (`0`: it answers "not found" at once); the whole
+    /// pull has `timeout` (plus [`GRACE`] for the relay's answer).
+    pub(crate) async fn pull_within(
+        &self,
+        handle: &KvHandle,
+        appear: Duration,
+        timeout: Duration,
+    ) -> Result<Vec<Bytes>, KvError> {
+        let after = timeout + GRACE;
+        tokio::time::timeout(after, self.pull_now(handle, appear, timeout))
+            .await
+            .unwrap_or_else(|_| Err(self.timeout("pull", after)))
+    }
+
+    async fn pull_now(
+        &self,
+        handle: &KvHandle,
+        appear: Duration,
+        timeout: Duration,
+    ) -> Result<Vec<Bytes>, KvError> {
         check_handle(NAME, handle)?;
         let key = sanitize_key(NAME, &handle.request_id)?;
         if handle.blobs.is_empty() {
@@ -250,7 +276,7 @@ impl TcpTransport {
             let remaining = timeout.saturating_sub(started.elapsed());
             let res = tokio::time::timeout(
                 remaining + GRACE,
-                c.pull_on(&mut conn, handle, &key, epoch, remaining),
+                c.pull_on(&mut conn, handle, &key, epoch, appear.min(remaining)),
             )
             .await
             .unwrap_or_else(|_| Err(self.timeout("pull", remaining + GRACE)));

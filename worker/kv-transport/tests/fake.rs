@@ -44,7 +44,7 @@ async fn memory_transport_passes_the_conformance_suite() {
     let report = conformance::run_all(&h)
         .await
         .unwrap_or_else(|e| panic!("{e}"));
-    assert_eq!(report.passed.len(), 7, "{report:?}");
+    assert_eq!(report.passed.len(), 8, "{report:?}");
     assert_eq!(report.not_applicable.len(), 1);
 }
 

@@ -87,7 +87,7 @@ async fn nixl_ucx_passes_the_conformance_suite() {
     for (check, note) in &report.passed {
         eprintln!("nixl-ucx conformance: {check}: {note}");
     }
-    assert_eq!(report.passed.len(), 8, "{report:?}");
+    assert_eq!(report.passed.len(), 9, "{report:?}");
     assert!(report.not_applicable.is_empty());
     h.relay.stop().await;
 }

@@ -81,7 +81,7 @@ async fn shm_passes_the_conformance_suite() {
     for (check, note) in &report.passed {
         eprintln!("shm conformance: {check}: {note}");
     }
-    assert_eq!(report.passed.len(), 7, "{report:?}");
+    assert_eq!(report.passed.len(), 8, "{report:?}");
     assert_eq!(h.probe.held_files().unwrap(), 0);
 }
 

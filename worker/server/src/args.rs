@@ -78,6 +78,9 @@ pub struct WorkerOptions {
     pub kubelet_checkpoint: PathBuf,
     /// How long a decode waits for the KV pull, ms.
     pub kv_pull_timeout_ms: u64,
+    /// What an orchestrated decode does when the KV cannot be loaded
+    /// (`--kv-load-failure-policy`: `recompute`, the default, or `fail`).
+    pub kv_load_failure_policy: rngd_api::pd::KvLoadFailurePolicy,
     /// How long a decode worker waits for its prefill peer, ms.
     pub prefill_timeout_ms: u64,
     /// The prefill peers an `x-prefiller-host-port` header may name
@@ -143,6 +146,7 @@ impl Default for WorkerOptions {
             node: None,
             kubelet_checkpoint: rngd_devices::DEFAULT_CHECKPOINT.into(),
             kv_pull_timeout_ms: 30_000,
+            kv_load_failure_policy: rngd_api::pd::KvLoadFailurePolicy::Recompute,
             prefill_timeout_ms: 120_000,
             prefill_allow: PrefillAllow::default(),
             front_door_allow: ClientAllow::loopback(),

@@ -100,6 +100,17 @@ pub enum ApiError {
         /// How long ago, ms.
         ago_ms: u64,
     },
+    /// A verified handle whose KV cannot be loaded: its lease is over, or
+    /// its transport no longer holds the KV. Refused before any wait or
+    /// pull → 410, code `kv_unavailable` (the orchestrator recomputes or
+    /// fails by its `kv_load_failure_policy`).
+    #[error("the KV of this handle is not available: {detail}")]
+    KvUnavailable {
+        /// `expired` or `not_found` (the metric's label).
+        reason: &'static str,
+        /// What happened, for the message.
+        detail: String,
+    },
     /// A handle whose KV was made by other weights than this worker's (a
     /// verified handle: the prefill worker's own claim). The KV is released
     /// unpulled → 409.
@@ -296,7 +307,7 @@ impl ApiError {
             ApiError::ModelNotFound(_) | ApiError::NotFound(_) => StatusCode::NOT_FOUND,
             ApiError::MethodNotAllowed { .. } => StatusCode::METHOD_NOT_ALLOWED,
             ApiError::BadHandle(_) => StatusCode::BAD_REQUEST,
-            ApiError::KvHandleUsed { .. } => StatusCode::GONE,
+            ApiError::KvHandleUsed { .. } | ApiError::KvUnavailable { .. } => StatusCode::GONE,
             ApiError::WeightVersion { .. } => StatusCode::CONFLICT,
             ApiError::PdRefused(_) => StatusCode::FORBIDDEN,
             ApiError::Body(e) => e.status(),
@@ -354,6 +365,9 @@ impl ApiError {
                     .with_code(&format!("kv_handle_{}", state.as_str()))
                     .with_param("kv_transfer_params")
             }
+            ApiError::KvUnavailable { .. } => body
+                .with_code(rngd_api::pd::KV_UNAVAILABLE_CODE)
+                .with_param("kv_transfer_params"),
             ApiError::WeightVersion { .. } => body
                 .with_code(rngd_api::pd::WEIGHT_VERSION_MISMATCH_CODE)
                 .with_param("kv_transfer_params"),

@@ -108,6 +108,10 @@ pub struct WorkerMetrics {
     flops_per_token: GaugeVec,
     /// PD decodes refused because other weights made the KV.
     pub weight_version_refusals: IntCounter,
+    /// PD decodes refused because their KV could not be loaded, by `reason`.
+    pub kv_load_failures: IntCounterVec,
+    /// Orchestrated requests recomputed here after a KV load failure.
+    pub kv_recomputes: IntCounter,
     /// Prompts served from a front door's ids (`tokenized_prompt`).
     pub prompt_ids_reused: IntCounter,
     /// Prompts whose door ids came under another tokenizer digest.
@@ -354,6 +358,17 @@ impl WorkerMetrics {
                 &r,
                 names::WORKER_WEIGHT_VERSION_REFUSALS_TOTAL,
                 "PD decodes refused because another weight_version computed the KV",
+            )?,
+            kv_load_failures: rngd_telemetry::counter_vec(
+                &r,
+                names::WORKER_KV_LOAD_FAILURES_TOTAL,
+                "PD decodes refused with 410 kv_unavailable, nothing waited for or pulled (reason: expired, not_found)",
+                &["reason"],
+            )?,
+            kv_recomputes: rngd_telemetry::counter(
+                &r,
+                names::WORKER_KV_RECOMPUTES_TOTAL,
+                "x-prefiller-host-port requests served whole here because their KV could not be loaded (--kv-load-failure-policy recompute)",
             )?,
             prompt_ids_reused: rngd_telemetry::counter(
                 &r,

@@ -24,6 +24,11 @@ pub struct WorkerConfig {
     pub role: Role,
     /// How long a decode waits for the KV pull.
     pub kv_pull_timeout: Duration,
+    /// What an orchestrated decode (`x-prefiller-host-port`) does when this
+    /// worker cannot load the KV (expired, gone, consumed, other weights):
+    /// serve the request whole here (`recompute`, the default) or answer
+    /// the refusal (`fail`).
+    pub kv_load_failure_policy: rngd_api::pd::KvLoadFailurePolicy,
     /// How long a decode worker waits for its prefill peer.
     pub prefill_timeout: Duration,
     /// Node name (reported as `remote_engine_id` in PD responses).
@@ -70,6 +75,7 @@ impl WorkerConfig {
         WorkerConfig {
             role,
             kv_pull_timeout: Duration::from_secs(30),
+            kv_load_failure_policy: rngd_api::pd::KvLoadFailurePolicy::Recompute,
             prefill_timeout: Duration::from_secs(120),
             node: None,
             prefill_allow: PrefillAllow::default(),
@@ -97,6 +103,7 @@ impl WorkerConfig {
     pub fn from_args(args: &WorkerOptions) -> Self {
         WorkerConfig {
             kv_pull_timeout: Duration::from_millis(args.kv_pull_timeout_ms),
+            kv_load_failure_policy: args.kv_load_failure_policy,
             prefill_timeout: Duration::from_millis(args.prefill_timeout_ms),
             node: args.node.clone(),
             prefill_allow: args.prefill_allow.clone(),

@@ -43,6 +43,14 @@ impl KvTransport for Counting {
         self.pulls.fetch_add(1, Ordering::SeqCst);
         self.mem.pull(handle, timeout).await
     }
+    async fn pull_published(
+        &self,
+        handle: &KvHandle,
+        timeout: Duration,
+    ) -> Result<Vec<Bytes>, KvError> {
+        self.pulls.fetch_add(1, Ordering::SeqCst);
+        self.mem.pull_published(handle, timeout).await
+    }
     async fn release(&self, handle: &KvHandle) -> Result<(), KvError> {
         self.mem.release(handle).await
     }
@@ -202,4 +210,85 @@ async fn concurrent_decodes_of_one_handle_pull_once() {
     assert_eq!(statuses, [200, 410], "{a:?} {b:?}");
     assert_eq!(kv.pulls.load(Ordering::SeqCst), 1);
     assert_eq!(kv.mem.held(), 0);
+}
+
+/// A 410 `kv_unavailable` at once (the worker's pull timeout is 30 s).
+async fn assert_unavailable_at_once(w: &RunningWorker, params: &KvTransferParams, why: &str) {
+    let t = Instant::now();
+    let (status, text) = decode(w, params).await;
+    let took = t.elapsed();
+    assert_eq!(status, 410, "{text}");
+    assert!(took < Duration::from_secs(2), "took {took:?}");
+    let body: ErrorBody = serde_json::from_str(&text).unwrap();
+    assert_eq!(
+        body.error.code.as_deref(),
+        Some(rngd_api::pd::KV_UNAVAILABLE_CODE)
+    );
+    assert_eq!(body.error.param.as_deref(), Some("kv_transfer_params"));
+    assert!(body.error.message.contains(why), "{}", body.error.message);
+}
+
+#[tokio::test]
+async fn kv_the_transport_no_longer_holds_is_refused_at_once() {
+    let kv = Arc::new(Counting::default());
+    let p = start(Role::Prefill, &kv).await;
+    let d = start(Role::Decode, &kv).await;
+    let params = prefill(&p).await;
+    // The transport lost it (its TTL, a restart): nothing to wait for.
+    kv.mem
+        .release(params.kv_handle.as_ref().unwrap())
+        .await
+        .unwrap();
+    assert_unavailable_at_once(&d, &params, "no longer holds it").await;
+    let m = metrics(&d).await;
+    assert_eq!(
+        sample(
+            &m,
+            "rngd_pd_worker_kv_load_failures_total{reason=\"not_found\"}"
+        ),
+        1.0
+    );
+    // The next handoff is served.
+    let params = prefill(&p).await;
+    let (status, text) = decode(&d, &params).await;
+    assert_eq!(status, 200, "{text}");
+}
+
+#[tokio::test]
+async fn an_expired_lease_is_refused_unpulled_and_its_kv_freed() {
+    let kv = Arc::new(Counting::default());
+    let p = start(Role::Prefill, &kv).await;
+    let d = start(Role::Decode, &kv).await;
+    let mut params = prefill(&p).await;
+    // The same claims under a lease that ended a minute ago, signed with
+    // the deployment's key (as a slow orchestrator would present it).
+    let signer = rngd_worker::HandleSigner::new(b"test-kv-secret-0123456789abcdef");
+    let expires = params.kv_handle_expires_ms.unwrap() - 120_000;
+    let claims = rngd_worker::handles::Claims {
+        seed: params.seed,
+        first_token_logprobs: params.first_token_logprobs.as_ref(),
+        cached_tokens: params.cached_tokens,
+        weight_version: params.weight_version.as_deref(),
+    };
+    let signature = signer.sign_with(
+        params.kv_handle.as_ref().unwrap(),
+        params.first_token.unwrap(),
+        params.prompt_token_ids.as_deref().unwrap(),
+        expires,
+        &claims,
+    );
+    params.kv_handle_expires_ms = Some(expires);
+    params.kv_handle_signature = Some(signature);
+    assert_eq!(kv.mem.held(), 1);
+    assert_unavailable_at_once(&d, &params, "lease ended").await;
+    assert_eq!(kv.pulls.load(Ordering::SeqCst), 0, "nothing pulled");
+    assert_eq!(kv.mem.held(), 0, "the expired lease's KV is freed");
+    let m = metrics(&d).await;
+    assert_eq!(
+        sample(
+            &m,
+            "rngd_pd_worker_kv_load_failures_total{reason=\"expired\"}"
+        ),
+        1.0
+    );
 }

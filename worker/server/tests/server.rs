@@ -301,7 +301,8 @@ async fn errors_map_to_statuses_with_openai_bodies() {
     assert!(status >= 500, "{status}");
     assert!(body.error.message.contains("memory") && body.error.message.contains("push-fail"));
 
-    // KV never pushed: the decode answers 504 naming the transport and the request.
+    // KV the transport no longer holds: 410 kv_unavailable at once, naming
+    // the transport (nothing waited for).
     let pre_ok = completion(&prefill, &pre, &[("x-request-id", "gone-1")]).await;
     let params = pre_ok.kv_transfer_params.unwrap();
     mem.release(params.kv_handle.as_ref().unwrap())
@@ -310,10 +311,10 @@ async fn errors_map_to_statuses_with_openai_bodies() {
     let mut dec = request("hi", 3);
     dec["kv_transfer_params"] = serde_json::to_value(&params).unwrap();
     let (status, body) = error(&decode, &dec, &[("x-request-id", "gone-1")]).await;
-    assert_eq!(status, 504, "{body:?}");
-    assert_eq!(body.error.kind, "timeout_error");
+    assert_eq!(status, 410, "{body:?}");
+    assert_eq!(body.error.code.as_deref(), Some("kv_unavailable"));
     assert!(
-        body.error.message.contains("memory") && body.error.message.contains("gone-1"),
+        body.error.message.contains("memory"),
         "{}",
         body.error.message
     );

@@ -102,6 +102,11 @@ pub const GATEWAY_UPSTREAM_RETRIES_TOTAL: &str = "rngd_pd_gateway_upstream_retri
 /// stream broke, by `outcome`: `continued` (another worker took it),
 /// `failed` (no other worker could; the client got the error) (counter).
 pub const GATEWAY_MIGRATIONS_TOTAL: &str = "rngd_pd_gateway_migrations_total";
+/// Handoffs whose decode worker could not load the KV (a 410
+/// `kv_unavailable` or `kv_handle_consumed`, a 409 `weight_version_mismatch`:
+/// nothing pulled), by what the gateway's `--kv-load-failure-policy` made of
+/// them: `recompute` (served whole on the decode worker) or `fail` (counter).
+pub const GATEWAY_KV_LOAD_FAILURES_TOTAL: &str = "rngd_pd_gateway_kv_load_failures_total";
 /// PD routes the prefill worker refused with `context_length_exceeded` (its
 /// variant holds less context than the gateway's last scrape said) and the
 /// decode worker then prefilled itself (counter).
@@ -263,6 +268,15 @@ pub const WORKER_PROMPT_IDS_REUSED_TOTAL: &str = "rngd_pd_worker_prompt_ids_reus
 /// digest than this worker's: the ids were ignored and the text tokenized
 /// here (a warning is logged the first time and every 1000th).
 pub const WORKER_TOKENIZER_MISMATCH_TOTAL: &str = "rngd_pd_worker_tokenizer_mismatch_total";
+/// Counter: PD decodes refused with 410 `kv_unavailable` because their KV
+/// could not be loaded, by `reason` (`expired`: the handle's lease was
+/// over; `not_found`: its transport no longer holds the KV). Nothing was
+/// waited for or pulled; the orchestrator recomputes or fails.
+pub const WORKER_KV_LOAD_FAILURES_TOTAL: &str = "rngd_pd_worker_kv_load_failures_total";
+/// Counter: requests a decode worker serving `x-prefiller-host-port`
+/// recomputed whole because it could not load their KV (its
+/// `--kv-load-failure-policy recompute`).
+pub const WORKER_KV_RECOMPUTES_TOTAL: &str = "rngd_pd_worker_kv_recomputes_total";
 /// Counter: PD decodes refused with 409 because the KV was computed by
 /// another `weight_version` (the KV released unpulled).
 pub const WORKER_WEIGHT_VERSION_REFUSALS_TOTAL: &str =

@@ -136,6 +136,84 @@ pub fn release_request(decode: &CompletionRequest) -> CompletionRequest {
     req
 }
 
+/// The request that serves a handoff whole on its decode worker when the
+/// worker could not load its KV ([`kv_load_failed`]) and the orchestrator's
+/// [`KvLoadFailurePolicy`] is `recompute`: the decode request without
+/// `kv_transfer_params`, with the seed the prefill signed (the client's, or
+/// the one the prefill drew), so it samples the stream the prefill started
+/// and its tokens are those the disaggregated answer would have had.
+pub fn recompute_request(decode: &CompletionRequest) -> CompletionRequest {
+    let mut req = decode.clone();
+    if let Some(params) = req.kv_transfer_params.take()
+        && req.sampling.seed.is_none()
+        && let Some(seed) = params.seed
+    {
+        // The worker reads a seed's bits back unchanged (`rules::seed_bits`).
+        req.sampling.seed = Some(seed as i64);
+    }
+    req
+}
+
+/// Error code of a decode worker's 410 for a verified handle whose KV it
+/// cannot load: the handle expired, or its transport no longer holds the
+/// KV (released, expired, taken). Nothing was pulled or waited for.
+pub const KV_UNAVAILABLE_CODE: &str = "kv_unavailable";
+
+/// Whether a decode worker's refusal (`status`, error `code`) says it could
+/// not load the handoff's KV (gone or expired, already consumed by another
+/// decode, or made by other weights): the request itself is sound and can
+/// be recomputed whole on that worker ([`recompute_request`]).
+pub fn kv_load_failed(status: u16, code: Option<&str>) -> bool {
+    match (status, code) {
+        (410, Some(c)) => c == KV_UNAVAILABLE_CODE || c == "kv_handle_consumed",
+        (409, Some(c)) => c == super::WEIGHT_VERSION_MISMATCH_CODE,
+        _ => false,
+    }
+}
+
+/// What an orchestrator does when its decode worker cannot load the KV of
+/// a handoff ([`kv_load_failed`]), as vLLM's `kv_load_failure_policy`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum KvLoadFailurePolicy {
+    /// Serve the request whole on the decode worker ([`recompute_request`]):
+    /// the same tokens, the prefill paid twice.
+    #[default]
+    Recompute,
+    /// Answer the worker's refusal (the client sees an error, never other
+    /// tokens).
+    Fail,
+}
+
+impl KvLoadFailurePolicy {
+    /// `recompute` or `fail`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            KvLoadFailurePolicy::Recompute => "recompute",
+            KvLoadFailurePolicy::Fail => "fail",
+        }
+    }
+}
+
+impl std::str::FromStr for KvLoadFailurePolicy {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "recompute" => Ok(KvLoadFailurePolicy::Recompute),
+            "fail" => Ok(KvLoadFailurePolicy::Fail),
+            other => Err(format!(
+                "kv_load_failure_policy `{other}`: expected `recompute` or `fail`"
+            )),
+        }
+    }
+}
+
+impl std::fmt::Display for KvLoadFailurePolicy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
 /// What a decode worker knew of a handle before a release-only request.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]

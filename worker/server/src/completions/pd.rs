@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use axum::response::{IntoResponse, Response};
 use rngd_api::openai::{CompletionChoice, CompletionRequest, CompletionResponse, Timings, Usage};
-use rngd_api::pd::{self, KvReleaseAnswer, KvTransferParams};
+use rngd_api::pd::{self, KvLoadFailurePolicy, KvReleaseAnswer, KvTransferParams};
 use rngd_api::rules::{ms, unix_now};
 use rngd_engine::{Engine, KvCache, Prefilled};
 use rngd_kv_transport::{KvPayload, KvTransport, Reserved, SinkShape};
@@ -243,6 +243,9 @@ pub(super) async fn decode_remote(
     // and to fit this model.
     check_shape(&handle, &engine.info().kv_layout, prompt.len())?;
     let now = unix_ms();
+    // A lease that is over (verified first when handles are signed): its KV
+    // is released, not waited for.
+    let mut expired: Option<u64> = None;
     // How long the record of this handle's use must last: until the handle
     // itself is refused as expired.
     let used_until = match &state.config().kv_auth {
@@ -251,9 +254,15 @@ pub(super) async fn decode_remote(
                 "this worker has no KV secret (AIRM_KV_TCP_SECRET / AIRM_KV_TCP_SECRET_FILE): it takes no remote prefill".into(),
             ));
         }
-        KvAuth::Insecure => now
-            .saturating_add(state.config().handle_ttl.as_millis() as u64)
-            .saturating_add(CLOCK_SKEW_MS),
+        KvAuth::Insecure => {
+            if let Some(e) = params.kv_handle_expires_ms
+                && now > e.saturating_add(CLOCK_SKEW_MS)
+            {
+                expired = Some(now - e);
+            }
+            now.saturating_add(state.config().handle_ttl.as_millis() as u64)
+                .saturating_add(CLOCK_SKEW_MS)
+        }
         KvAuth::Signed(signer) => {
             let sig = params
                 .kv_handle_signature
@@ -268,7 +277,11 @@ pub(super) async fn decode_remote(
                 cached_tokens: params.cached_tokens,
                 weight_version: params.weight_version.as_deref(),
             };
-            signer.verify_with(&handle, first, &prompt, expires, &claims, sig, now)?;
+            match signer.verify_with(&handle, first, &prompt, expires, &claims, sig, now) {
+                Ok(()) => {}
+                Err(HandleError::Expired { ago_ms }) => expired = Some(ago_ms),
+                Err(e) => return Err(e.into()),
+            }
             expires.saturating_add(CLOCK_SKEW_MS)
         }
     };
@@ -281,6 +294,15 @@ pub(super) async fn decode_remote(
         })?;
     if params.release_only {
         return release_only(state, transport, handle, used_until, now).await;
+    }
+    if let Some(ago_ms) = expired {
+        // Whatever the transport still holds of it is freed now.
+        release_kv(&*transport, &handle).await;
+        return Err(kv_unavailable(
+            state,
+            "expired",
+            format!("its lease ended {ago_ms} ms ago (kv_handle_expires_ms)"),
+        ));
     }
     // KV made by other weights would continue into wrong tokens: it is
     // released unpulled (no decode can use it anywhere it is not stale) and
@@ -328,9 +350,25 @@ pub(super) async fn decode_remote(
     // Released after the pull, failed or not, and also if this request is
     // dropped while pulling (its client went away).
     let release = ReleaseOnDrop::new(transport.clone(), handle.clone());
-    let pulled = tokio::time::timeout(timeout + PULL_GRACE, transport.pull(&handle, timeout)).await;
+    // The prefill answered after its push: KV that is not there now is
+    // gone, refused at once (`pull_published`); `timeout` bounds the bytes.
+    let pulled = tokio::time::timeout(
+        timeout + PULL_GRACE,
+        transport.pull_published(&handle, timeout),
+    )
+    .await;
     release.now().await;
     let blobs = match pulled {
+        Ok(Err(rngd_kv_transport::KvError::NotFound { .. })) => {
+            return Err(kv_unavailable(
+                state,
+                "not_found",
+                format!(
+                    "transport `{}` no longer holds it (released, expired or taken)",
+                    handle.transport
+                ),
+            ));
+        }
         Err(_) => {
             return Err(ApiError::KvPullTimeout {
                 transport: handle.transport.clone(),
@@ -392,6 +430,17 @@ pub(super) async fn decode_remote(
         .with_phases(phases)
         .with_loaded_kv();
     respond(state.clone(), meta, rx, req.sampling.stream).await
+}
+
+/// The 410 of a handle whose KV cannot be loaded, counted.
+fn kv_unavailable(state: &WorkerState, reason: &'static str, detail: String) -> ApiError {
+    state
+        .metrics()
+        .kv_load_failures
+        .with_label_values(&[reason])
+        .inc();
+    tracing::info!(reason, %detail, "KV unavailable: refused before any pull");
+    ApiError::KvUnavailable { reason, detail }
 }
 
 /// `release_only`: the orchestrator gave the request up after the prefill.
@@ -510,5 +559,18 @@ pub(super) async fn orchestrate(
         detail: e.to_string(),
         source: None,
     })?;
-    decode_remote(call, &handoff.request, handoff.params).await
+    match decode_remote(call, &handoff.request, handoff.params).await {
+        // The KV could not be loaded (gone, expired, taken, other weights):
+        // by this worker's policy, the request is served whole here with
+        // the prefill's seed (the same tokens), or the refusal answered.
+        Err(e)
+            if state.config().kv_load_failure_policy == KvLoadFailurePolicy::Recompute
+                && pd::kv_load_failed(e.status().as_u16(), e.body().error.code.as_deref()) =>
+        {
+            tracing::warn!(prefiller = %peer, error = %e.message(), "KV not loadable; recomputing the request here");
+            state.metrics().kv_recomputes.inc();
+            super::serve_local(call, &pd::recompute_request(&handoff.request)).await
+        }
+        other => other,
+    }
 }

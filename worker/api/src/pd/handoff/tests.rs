@@ -272,3 +272,47 @@ fn the_prefill_and_release_requests() {
         json!("consumed")
     );
 }
+
+#[test]
+fn a_recompute_is_the_whole_request_with_the_prefills_seed() {
+    let mut answer = good();
+    answer["kv_transfer_params"]["seed"] = json!(u64::MAX - 3);
+    let handoff = decode_request_from(&original(true), &serde_json::to_vec(&answer).unwrap())
+        .expect("a good answer");
+    let again = recompute_request(&handoff.request);
+    assert!(again.kv_transfer_params.is_none());
+    // The seed's bits come back unchanged at the worker.
+    assert_eq!(
+        again.sampling.seed.map(crate::rules::seed_bits),
+        Some(u64::MAX - 3)
+    );
+    // The client's own seed is never replaced.
+    let mut seeded = original(true);
+    seeded.sampling.seed = Some(-5);
+    let handoff =
+        decode_request_from(&seeded, &serde_json::to_vec(&answer).unwrap()).expect("good");
+    assert_eq!(recompute_request(&handoff.request).sampling.seed, Some(-5));
+}
+
+#[test]
+fn only_kv_load_refusals_are_recomputed() {
+    assert!(kv_load_failed(410, Some(KV_UNAVAILABLE_CODE)));
+    assert!(kv_load_failed(410, Some("kv_handle_consumed")));
+    assert!(kv_load_failed(
+        409,
+        Some(crate::pd::WEIGHT_VERSION_MISMATCH_CODE)
+    ));
+    // A released handle: the orchestrator gave the request up itself.
+    assert!(!kv_load_failed(410, Some("kv_handle_released")));
+    assert!(!kv_load_failed(400, Some("invalid_kv_handle")));
+    assert!(!kv_load_failed(410, None));
+    assert!(!kv_load_failed(500, Some(KV_UNAVAILABLE_CODE)));
+    for p in [KvLoadFailurePolicy::Recompute, KvLoadFailurePolicy::Fail] {
+        assert_eq!(p.as_str().parse::<KvLoadFailurePolicy>(), Ok(p));
+    }
+    assert!("retry".parse::<KvLoadFailurePolicy>().is_err());
+    assert_eq!(
+        KvLoadFailurePolicy::default(),
+        KvLoadFailurePolicy::Recompute
+    );
+}
