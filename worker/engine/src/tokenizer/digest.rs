@@ -133,6 +133,9 @@ mod tests {
         }
     }
 
+    /// One change to a tokenizer's parts.
+    type Edit = Box<dyn Fn(&mut TokenizerParts)>;
+
     fn digest(p: TokenizerParts) -> String {
         Tokenizer::from_parts(p)
             .expect("tokenizer")
@@ -170,7 +173,7 @@ mod tests {
     #[test]
     fn every_part_that_decides_the_ids_changes_the_digest() {
         let base = digest(parts());
-        let edits: Vec<(&str, Box<dyn Fn(&mut TokenizerParts)>)> = vec![
+        let edits: Vec<(&str, Edit)> = vec![
             (
                 "a token's text",
                 Box::new(|p| p.tokens[259] = "<|end|>".into()),

@@ -355,7 +355,7 @@ fn take_door_ids(state: &WorkerState, engine: &dyn Engine, req: &mut CompletionR
         let m = &state.metrics().tokenizer_mismatches;
         m.inc();
         let n = m.get();
-        if n == 1 || n % MISMATCH_LOG_EVERY == 0 {
+        if n == 1 || n.is_multiple_of(MISMATCH_LOG_EVERY) {
             tracing::warn!(
                 door_digest = %door.digest.chars().take(64).collect::<String>(),
                 worker_digest = ours,
