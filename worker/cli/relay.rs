@@ -19,6 +19,11 @@ pub struct Args {
     /// Seconds an unread request's blobs live.
     #[arg(long = "ttl-s", env = env::AIRM_KV_TCP_TTL_S, default_value_t = 60.0)]
     pub ttl_s: f64,
+    /// Seconds after which a request's blobs that nobody deleted (no decode
+    /// took them) count as stranded (`rngd_pd_relay_stranded_bytes`);
+    /// capped at --ttl-s.
+    #[arg(long = "claim-window-s", env = env::AIRM_KV_CLAIM_WINDOW_S, default_value_t = 5.0)]
+    pub claim_window_s: f64,
     /// Memory cap in bytes.
     #[arg(long = "max-bytes", env = env::AIRM_KV_RELAY_MAX_BYTES, default_value_t = 4 << 30)]
     pub max_bytes: u64,
@@ -102,6 +107,7 @@ impl From<Args> for RelayOptions {
         RelayOptions {
             listen: a.listen,
             ttl_s: a.ttl_s,
+            claim_window_s: a.claim_window_s,
             max_bytes: a.max_bytes,
             max_frame: a.max_frame,
             secret_file: a.secret_file,

@@ -6,6 +6,11 @@ pub const AIRM_KV_TRANSPORT: &str = "AIRM_KV_TRANSPORT";
 pub const PD_SHM_ROOT: &str = "PD_SHM_ROOT";
 /// Seconds an unread `shm` request lives before the sweeper removes it; default 60.
 pub const AIRM_KV_SHM_TTL_S: &str = "AIRM_KV_SHM_TTL_S";
+/// Seconds after its publication that KV no decode has claimed (pulled or
+/// released) counts as stranded (the `rngd_pd_worker_kv_stranded_bytes` and
+/// `rngd_pd_relay_stranded_bytes` gauges; `rngd-pd relay --claim-window-s`);
+/// default 5, never more than the transport's TTL.
+pub const AIRM_KV_CLAIM_WINDOW_S: &str = "AIRM_KV_CLAIM_WINDOW_S";
 /// Slots of the `shm` transport's arena (requests written in place, each
 /// slot the size of a full S-wide request); `0` writes every request to a
 /// file of its own. Default 8.

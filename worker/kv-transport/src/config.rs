@@ -13,6 +13,10 @@ use crate::relay::{ClientTls, TlsMode};
 pub const DEFAULT_SHM_ROOT: &str = "/dev/shm/rngd_kv_cluster";
 /// Default lifetime of an unread request (both transports).
 pub const DEFAULT_TTL: Duration = Duration::from_secs(60);
+/// Default claim window: KV no decode claimed this long after its
+/// publication counts as stranded (a decode claims within milliseconds of
+/// the prefill's answer unless its client left or its orchestrator died).
+pub const DEFAULT_CLAIM_WINDOW: Duration = Duration::from_secs(5);
 /// Default slots of the `shm` arena.
 pub const DEFAULT_SHM_SLOTS: usize = 8;
 /// Most slots an `shm` arena may have.
@@ -29,6 +33,11 @@ pub struct TransportConfig {
     pub shm_root: PathBuf,
     /// `shm`: age after which the sweeper removes an unread request (`AIRM_KV_SHM_TTL_S`).
     pub shm_ttl: Duration,
+    /// Age after which published KV that no decode has claimed (pulled or
+    /// released) counts as stranded (`AIRM_KV_CLAIM_WINDOW_S`, default
+    /// [`DEFAULT_CLAIM_WINDOW`]); each transport uses it capped at its TTL
+    /// ([`TransportConfig::claim_window_for`]).
+    pub claim_window: Duration,
     /// `shm`: slots of the arena that requests are written into in place
     /// (`AIRM_KV_SHM_SLOTS`, default [`DEFAULT_SHM_SLOTS`], at most
     /// [`MAX_SHM_SLOTS`]); `0`: none, every request goes to a file of its own.
@@ -72,6 +81,7 @@ impl Default for TransportConfig {
         TransportConfig {
             shm_root: PathBuf::from(DEFAULT_SHM_ROOT),
             shm_ttl: DEFAULT_TTL,
+            claim_window: DEFAULT_CLAIM_WINDOW,
             shm_slots: DEFAULT_SHM_SLOTS,
             tcp_addr: None,
             tcp_ttl: DEFAULT_TTL,
@@ -89,6 +99,12 @@ impl Default for TransportConfig {
 }
 
 impl TransportConfig {
+    /// The claim window of a transport whose unclaimed KV lives `ttl`: the
+    /// configured window, never more than the TTL.
+    pub fn claim_window_for(&self, ttl: Duration) -> Duration {
+        self.claim_window.min(ttl)
+    }
+
     /// Reads the configuration from the process environment.
     pub fn from_env() -> Result<Self, KvError> {
         Self::from_lookup(env::var)
@@ -103,6 +119,9 @@ impl TransportConfig {
         }
         if let Some(v) = lookup(env::AIRM_KV_SHM_TTL_S) {
             cfg.shm_ttl = parse_secs(env::AIRM_KV_SHM_TTL_S, &v)?;
+        }
+        if let Some(v) = lookup(env::AIRM_KV_CLAIM_WINDOW_S) {
+            cfg.claim_window = parse_secs(env::AIRM_KV_CLAIM_WINDOW_S, &v)?;
         }
         if let Some(v) = lookup(env::AIRM_KV_SHM_SLOTS) {
             cfg.shm_slots = match v.trim().parse::<usize>() {
@@ -295,6 +314,7 @@ mod tests {
             (env::PD_SHM_ROOT, "/tmp/x"),
             (env::AIRM_KV_SHM_TTL_S, "2.5"),
             (env::AIRM_KV_SHM_SLOTS, "3"),
+            (env::AIRM_KV_CLAIM_WINDOW_S, "0.5"),
             (env::AIRM_KV_TCP_ADDR, "10.0.0.1:7000"),
             (env::AIRM_KV_TCP_TTL_S, "5"),
             (env::AIRM_KV_TCP_CRC, "0"),
@@ -310,6 +330,12 @@ mod tests {
         assert_eq!(cfg.shm_root, PathBuf::from("/tmp/x"));
         assert_eq!(cfg.shm_ttl, Duration::from_millis(2500));
         assert_eq!(cfg.shm_slots, 3);
+        assert_eq!(cfg.claim_window, Duration::from_millis(500));
+        assert_eq!(
+            TransportConfig::default().claim_window_for(Duration::from_secs(2)),
+            Duration::from_secs(2),
+            "never more than the TTL"
+        );
         for bad in ["-1", "257", "many"] {
             let err = TransportConfig::from_lookup(|k| {
                 (k == env::AIRM_KV_SHM_SLOTS).then(|| bad.to_string())

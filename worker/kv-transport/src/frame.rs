@@ -482,6 +482,11 @@ pub struct RelayStats {
     pub puts_in_progress: usize,
     /// Requests expired by the TTL so far.
     pub expired: u64,
+    /// Bytes of blobs older than the claim window that nobody deleted (no
+    /// decode pulled and released them), as of the last TTL sweep: the
+    /// gauge `rngd_pd_relay_stranded_bytes`. Absent from older relays.
+    #[serde(default)]
+    pub stranded_bytes: u64,
     /// Refusals and forced closes so far, by reason (a labelled counter;
     /// reasons in `docs/kv-wire.md`). Absent from older relays.
     #[serde(default)]

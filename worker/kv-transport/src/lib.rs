@@ -276,6 +276,15 @@ pub trait KvTransport: Send + Sync + 'static {
     ) -> Result<Vec<Bytes>, KvError>;
     /// Frees whatever the transport holds for `handle`. Idempotent.
     async fn release(&self, handle: &KvHandle) -> Result<(), KvError>;
+    /// Stranded KV this transport sees, bytes: published, claimed by no
+    /// decode (neither pulled nor released) and older than the claim window
+    /// ([`TransportConfig::claim_window`]), as of its last sweep; it stays
+    /// until the TTL frees it. `None` (the default): this transport does not
+    /// hold such KV itself (`tcp`: the relay holds it and shows it as
+    /// `rngd_pd_relay_stranded_bytes`).
+    fn stranded_bytes(&self) -> Option<u64> {
+        None
+    }
 }
 
 /// Longest key a transport uses for a request id (bytes).

@@ -23,7 +23,10 @@
 //!
 //! A slot is freed by the READ's notification, by release, after
 //! `AIRM_KV_TCP_TTL_S` unread (the housekeeping thread), or with the
-//! transport (shutdown). A pull cancelled mid-READ parks its extent for
+//! transport (shutdown). Slots unread and unreleased for longer than the
+//! claim window (`AIRM_KV_CLAIM_WINDOW_S`, at most the TTL) are summed by
+//! the same thread as stranded bytes ([`KvTransport::stranded_bytes`]); the
+//! descriptors in the relay are the relay's `rngd_pd_relay_stranded_bytes`. A pull cancelled mid-READ parks its extent for
 //! [`QUARANTINE`] before reuse. Failures are errors naming `nixl-ucx`; nothing
 //! falls back to another transport. `AIRM_KV_UCX_LOG=1` logs size and SHA-256
 //! of every blob.
@@ -74,6 +77,10 @@ struct Inner {
     agent: Agent,
     relay: TcpTransport,
     ttl: Duration,
+    /// A slot unclaimed this long counts as stranded.
+    claim_window: Duration,
+    /// Bytes of slots older than the claim window, as of the last sweep.
+    stranded: AtomicU64,
     log: bool,
     /// Published slots by key.
     slots: Mutex<HashMap<String, Slot>>,
@@ -89,6 +96,10 @@ struct Slot {
     id: u64,
     nonce: u64,
     expires: Instant,
+    /// When it was published.
+    published: Instant,
+    /// The request's bytes.
+    bytes: u64,
     /// `None` for a request of zero bytes.
     _extent: Option<Extent>,
 }
@@ -169,6 +180,8 @@ impl NixlUcxTransport {
             agent,
             relay: TcpTransport::connect_to(addr, cfg),
             ttl: cfg.tcp_ttl,
+            claim_window: cfg.claim_window_for(cfg.tcp_ttl),
+            stranded: AtomicU64::new(0),
             log: cfg.ucx_log,
             slots: Mutex::new(HashMap::new()),
             quarantine: Mutex::new(Vec::new()),
@@ -333,6 +346,8 @@ impl KvTransport for NixlUcxTransport {
                 id,
                 nonce,
                 expires: Instant::now() + i.ttl,
+                published: Instant::now(),
+                bytes: total as u64,
                 _extent: extent,
             },
         );
@@ -383,6 +398,10 @@ impl KvTransport for NixlUcxTransport {
         // The descriptor is on the relay before the handle exists: one that
         // is gone now is not waited for.
         self.pull_within(handle, Duration::ZERO, timeout).await
+    }
+
+    fn stranded_bytes(&self) -> Option<u64> {
+        Some(self.inner.stranded.load(Ordering::Relaxed))
     }
 
     #[tracing::instrument(name = "kv.release", skip_all, fields(transport = NAME, request_id = %handle.request_id))]

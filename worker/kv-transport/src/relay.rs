@@ -4,7 +4,9 @@
 //! The relay keeps blobs in memory keyed by `(request key, blob index)`:
 //! PUT stores (checking the CRC-32 and the memory cap), GET waits until the
 //! blob is there (bounded by the wait in the frame), DEL drops a request,
-//! STATS reports counters. Blobs nobody deletes expire after the TTL. Every
+//! STATS reports counters. Blobs nobody deletes expire after the TTL; those
+//! older than the claim window (`--claim-window-s`, at most the TTL) count
+//! as stranded until then (STATS `stranded_bytes`). Every
 //! connection runs TLS when configured ([`tls`]), then the handshake of
 //! [`crate::frame`] (the shared secret), both under its own short deadline and its own cap of sockets in the
 //! handshake (over it the oldest is closed), apart from the authenticated
@@ -65,6 +67,9 @@ pub struct RelayConfig {
     pub listen: String,
     /// Lifetime of a request's blobs that nobody deletes.
     pub ttl: Duration,
+    /// Age after which a request's blobs that nobody deleted count as
+    /// stranded (STATS `stranded_bytes`); capped at `ttl`.
+    pub claim_window: Duration,
     /// Memory cap: bytes of blobs held at once, counting bodies as they
     /// arrive and [`ENTRY_OVERHEAD`] per blob.
     pub max_bytes: u64,
@@ -107,6 +112,7 @@ impl Default for RelayConfig {
         RelayConfig {
             listen: "0.0.0.0:7070".into(),
             ttl: Duration::from_secs(60),
+            claim_window: crate::config::DEFAULT_CLAIM_WINDOW,
             max_bytes: 4 << 30,
             max_frame: 64 << 20,
             secret: None,
@@ -132,6 +138,10 @@ pub struct RelayOptions {
     pub listen: String,
     /// Seconds an unread request's blobs live; must be positive. Default 60.
     pub ttl_s: f64,
+    /// Seconds after which a request's blobs nobody deleted count as
+    /// stranded (`--claim-window-s`, `AIRM_KV_CLAIM_WINDOW_S`); must be
+    /// positive; capped at the TTL. Default 5.
+    pub claim_window_s: f64,
     /// Memory cap: bytes of blobs held at once; must be positive. Default
     /// 4 GiB (`4 << 30`).
     pub max_bytes: u64,
@@ -184,6 +194,7 @@ impl Default for RelayOptions {
         RelayOptions {
             listen: d.listen,
             ttl_s: d.ttl.as_secs_f64(),
+            claim_window_s: d.claim_window.as_secs_f64(),
             max_bytes: d.max_bytes,
             max_frame: d.max_frame,
             secret_file: None,
@@ -217,6 +228,16 @@ impl RelayOptions {
                     self.ttl_s
                 ),
             })?;
+        let claim_window = Duration::try_from_secs_f64(self.claim_window_s)
+            .ok()
+            .filter(|t| !t.is_zero())
+            .ok_or_else(|| KvError::Config {
+                detail: format!(
+                    "--claim-window-s={}: expected a positive number of seconds",
+                    self.claim_window_s
+                ),
+            })?
+            .min(ttl);
         let positive = |what: &str, ok: bool| {
             if ok {
                 Ok(())
@@ -284,6 +305,7 @@ impl RelayOptions {
         Ok(RelayConfig {
             listen: self.listen.clone(),
             ttl,
+            claim_window,
             max_bytes: self.max_bytes,
             max_frame: self.max_frame,
             secret,

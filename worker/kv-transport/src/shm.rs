@@ -13,7 +13,13 @@
 //!   user that nobody else may write, maps it with memmap2, checks header and
 //!   CRC-32 of every blob, then unlinks it: the returned [`Bytes`] borrow the
 //!   mapping, so nothing is copied and the memory goes away with the last `Bytes`;
-//! - a sweeper task removes this user's files older than the TTL (`AIRM_KV_SHM_TTL_S`).
+//! - a sweeper task removes this user's files older than the TTL (`AIRM_KV_SHM_TTL_S`)
+//!   and, on the same pass, sums the stranded bytes
+//!   ([`ShmTransport::stranded_bytes`]): the payload of this user's published
+//!   `<key>.kv` files (for a pointer file, the sizes of the blobs in the arena
+//!   slot it points to) older than the claim window (`AIRM_KV_CLAIM_WINDOW_S`,
+//!   at most the TTL) that no decode has pulled or released. The figure is
+//!   the root's: every process of this user on the root sees the same files.
 //!
 //! The root is checked once, at creation, never following a symlink: a real
 //! directory owned by this user or root, sticky if others may write to it (a
@@ -117,6 +123,10 @@ struct Inner {
     root: PathBuf,
     location: String,
     ttl: Duration,
+    /// Published KV unclaimed this long counts as stranded.
+    claim_window: Duration,
+    /// Stranded bytes as of the last sweep.
+    stranded: AtomicU64,
     writer: Arc<dyn ShmWriter>,
     /// Slots of this process's arena (0: none).
     slots: usize,
@@ -251,6 +261,8 @@ impl ShmTransport {
             location: root.display().to_string(),
             root,
             ttl: cfg.shm_ttl,
+            claim_window: cfg.claim_window_for(cfg.shm_ttl),
+            stranded: AtomicU64::new(0),
             writer,
             slots: cfg.shm_slots.min(crate::config::MAX_SHM_SLOTS),
             arena: Default::default(),
@@ -295,8 +307,18 @@ impl ShmTransport {
     }
 
     /// Removes every file older than the TTL now; returns how many were removed.
+    /// Updates [`ShmTransport::stranded_bytes`] too.
     pub fn sweep(&self) -> Result<usize, KvError> {
         self.inner.sweep()
+    }
+
+    /// Bytes of KV published under the root and claimed by no decode
+    /// (neither pulled nor released) although older than the claim window,
+    /// as of the last sweep (the sweeper's, every quarter TTL at most 5 s
+    /// apart, or [`ShmTransport::sweep`]): what a client gone or an
+    /// orchestrator dead leaves until the TTL removes it.
+    pub fn stranded_bytes(&self) -> u64 {
+        self.inner.stranded.load(Ordering::Relaxed)
     }
 }
 
@@ -323,6 +345,7 @@ impl Inner {
         }
         let now = SystemTime::now();
         let mut removed = 0;
+        let mut stranded = 0u64;
         let dir = std::fs::read_dir(&self.root)
             .map_err(io_err(format!("listing {}", self.root.display())))?;
         for entry in dir.flatten() {
@@ -336,11 +359,15 @@ impl Inner {
             // a few ms before its TTL.
             // Only this user's regular files: never a symlink (the entry's
             // metadata is an lstat), never another user's file.
-            if meta.is_file() && meta.uid() == euid() && age >= self.ttl + MTIME_SLACK {
+            let mine = meta.is_file() && meta.uid() == euid();
+            let name = entry.file_name();
+            let published = mine
+                && name.to_string_lossy().ends_with(&format!(".{EXT}"))
+                && !name.to_string_lossy().starts_with(TMP_PREFIX);
+            if mine && age >= self.ttl + MTIME_SLACK {
                 // An arena goes only once its owner is gone (or, if that
                 // cannot be told, once nobody touched it for a long while):
                 // a live owner touches it every few seconds, whatever its TTL.
-                let name = entry.file_name();
                 if name.to_string_lossy().ends_with(&format!(".{ARENA_EXT}"))
                     && !arena::orphaned(&entry.path(), age)
                 {
@@ -350,14 +377,19 @@ impl Inner {
                     Ok(()) => {
                         removed += 1;
                         tracing::info!(path = %entry.path().display(), ?age, "shm: removed expired KV file");
+                        continue;
                     }
-                    Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+                    Err(e) if e.kind() == io::ErrorKind::NotFound => continue,
                     Err(e) => {
                         tracing::warn!(path = %entry.path().display(), error = %e, "shm: sweep failed")
                     }
                 }
             }
+            if published && age >= self.claim_window {
+                stranded += published_bytes(&entry.path()).unwrap_or(0);
+            }
         }
+        self.stranded.store(stranded, Ordering::Relaxed);
         Ok(removed)
     }
 
@@ -540,6 +572,26 @@ fn corrupt_at(path: &Path) -> impl Fn(String) -> KvError + '_ {
     }
 }
 
+/// Bytes of KV a published file holds (`None`: gone meanwhile, or not a
+/// request file): a request file's payload, or the blobs in the arena slot a
+/// pointer file points to; never the size of the pointer file itself.
+fn published_bytes(path: &Path) -> Option<u64> {
+    let file = OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
+        .open(path)
+        .ok()?;
+    match version_of(&file)? {
+        VERSION => {
+            let mut total = [0u8; 8];
+            file.read_exact_at(&mut total, 24).ok()?;
+            Some(u64::from_le_bytes(total))
+        }
+        slot::POINTER_VERSION => slot::pointer_bytes(path, &file),
+        _ => None,
+    }
+}
+
 /// The header version of a request file (`None`: no header or not ours).
 fn version_of(file: &File) -> Option<u32> {
     let mut head = [0u8; 12];
@@ -677,6 +729,10 @@ impl KvTransport for ShmTransport {
     #[tracing::instrument(name = "kv.release", skip_all, fields(transport = NAME, request_id = %handle.request_id))]
     async fn release(&self, handle: &KvHandle) -> Result<(), KvError> {
         self.release_now(handle)
+    }
+
+    fn stranded_bytes(&self) -> Option<u64> {
+        Some(ShmTransport::stranded_bytes(self))
     }
 }
 

@@ -287,6 +287,12 @@ pub const WORKER_WEIGHT_VERSION_REFUSALS_TOTAL: &str =
 /// itself.
 pub const WORKER_PREFILL_CONTEXT_FALLBACKS_TOTAL: &str =
     "rngd_pd_worker_prefill_context_fallbacks_total";
+/// Gauge: KV bytes a transport of this worker holds that no decode has
+/// claimed (pulled or released) although published longer ago than the
+/// claim window (`AIRM_KV_CLAIM_WINDOW_S`), by `transport` (`shm`,
+/// `nixl-ucx`); refreshed on each scrape from the transport's last sweep.
+/// The TTL frees it; `tcp` KV is the relay's `rngd_pd_relay_stranded_bytes`.
+pub const WORKER_KV_STRANDED_BYTES: &str = "rngd_pd_worker_kv_stranded_bytes";
 /// Counter: KV handoffs a prefill made, by `path`: `in_place` (the engine
 /// wrote its cache straight into the transport's room: a `shm` slot) or
 /// `push` (blobs pushed: another transport, or every slot busy).
@@ -313,6 +319,9 @@ pub const RELAY_WAITERS: &str = "rngd_pd_relay_waiters";
 pub const RELAY_CONNECTIONS: &str = "rngd_pd_relay_connections";
 /// PUT bodies the relay is receiving (gauge).
 pub const RELAY_PUTS_IN_PROGRESS: &str = "rngd_pd_relay_puts_in_progress";
+/// Relay bytes of blobs older than the claim window that no decode took
+/// (pulled and deleted), as of the last TTL sweep (gauge).
+pub const RELAY_STRANDED_BYTES: &str = "rngd_pd_relay_stranded_bytes";
 /// Requests the relay expired by its TTL (counter).
 pub const RELAY_EXPIRED_TOTAL: &str = "rngd_pd_relay_expired_total";
 /// Relay refusals and forced closes, by `reason` (counter).

@@ -1,5 +1,6 @@
 //! The housekeeping thread of a `nixl-ucx` transport: frees slots on READ
-//! notifications and after the TTL, and returns quarantined extents.
+//! notifications and after the TTL, sums the stranded bytes (slots older
+//! than the claim window), and returns quarantined extents.
 
 use std::sync::Weak;
 use std::sync::atomic::Ordering;
@@ -37,6 +38,12 @@ pub(super) fn housekeeping(weak: Weak<Inner>) {
             for k in expired {
                 inner.free_slot(&k, None, "ttl");
             }
+            let stranded: u64 = lock(&inner.slots)
+                .values()
+                .filter(|s| now.duration_since(s.published) >= inner.claim_window)
+                .map(|s| s.bytes)
+                .sum();
+            inner.stranded.store(stranded, Ordering::Relaxed);
             lock(&inner.quarantine).retain(|(until, _)| *until > now);
         }
         drop(inner);

@@ -47,6 +47,11 @@ pub fn render(stats: &RelayStats, max_bytes: u64) -> Result<String, TelemetryErr
             "PUT bodies being received",
             stats.puts_in_progress as f64,
         ),
+        (
+            names::RELAY_STRANDED_BYTES,
+            "Bytes of blobs older than the claim window that no decode took (pulled and deleted), as of the last TTL sweep",
+            stats.stranded_bytes as f64,
+        ),
     ] {
         rngd_telemetry::gauge(&r, name, help)?.set(v);
     }
@@ -100,6 +105,7 @@ mod tests {
             warnings_held_back: 2,
             puts_in_progress: 1,
             expired: 5,
+            stranded_bytes: 1024,
             rejections: [("memory_cap".to_string(), 7)].into(),
         };
         let page = render(&stats, 1 << 30).unwrap();
@@ -109,6 +115,7 @@ mod tests {
             "rngd_pd_relay_blobs 6",
             "rngd_pd_relay_connections 3",
             "rngd_pd_relay_expired_total 5",
+            "rngd_pd_relay_stranded_bytes 1024",
             "rngd_pd_relay_rejections_total{reason=\"memory_cap\"} 7",
             "rngd_pd_relay_handshake_failures_total{reason=\"refused\"} 4",
         ] {

@@ -1,7 +1,9 @@
 //! The relay's memory: blobs keyed by `(request key, blob index)`, the
 //! caps (memory with a per-blob overhead, blobs, waiting GETs,
 //! authenticated connections; the sockets still in the handshake are
-//! [`super::preauth`]'s), the TTL sweep, the GETs waiting for a blob, and
+//! [`super::preauth`]'s), the TTL sweep (which also sums the stranded
+//! bytes: blobs older than the claim window not deleted yet), the GETs
+//! waiting for a blob, and
 //! the counters of the STATS reply (with the rejections by reason). The
 //! protocol side is [`super::server`].
 
@@ -108,6 +110,8 @@ pub(super) struct Relay {
     /// PUT bodies being received (a gauge).
     pub(super) puts_in_progress: AtomicUsize,
     expired: AtomicU64,
+    /// Bytes of blobs older than the claim window, as of the last sweep.
+    stranded: AtomicU64,
     rejections: [AtomicU64; Reject::ALL.len()],
 }
 
@@ -164,6 +168,7 @@ impl Relay {
             warnings: WarnLimit::new(cfg.warn_interval),
             puts_in_progress: AtomicUsize::new(0),
             expired: AtomicU64::new(0),
+            stranded: AtomicU64::new(0),
             rejections: Default::default(),
             cfg,
         }
@@ -184,6 +189,7 @@ impl Relay {
             warnings_held_back: self.warnings.suppressed(),
             puts_in_progress: self.puts_in_progress.load(Ordering::SeqCst),
             expired: self.expired.load(Ordering::SeqCst),
+            stranded_bytes: self.stranded.load(Ordering::SeqCst),
             rejections: Reject::ALL
                 .iter()
                 .map(|r| {
@@ -312,7 +318,8 @@ impl Relay {
         }
     }
 
-    /// Drops the requests older than the TTL.
+    /// Drops the requests older than the TTL; sums the bytes of the ones
+    /// left that are older than the claim window (the stranded bytes).
     pub(super) fn expire(&self) {
         let now = Instant::now();
         let gone: Vec<(String, Slot)> = {
@@ -322,9 +329,18 @@ impl Relay {
                 .filter(|(_, s)| now.duration_since(s.created) >= self.cfg.ttl)
                 .map(|(k, _)| k.clone())
                 .collect();
-            keys.into_iter()
+            let gone = keys
+                .into_iter()
                 .filter_map(|k| store.remove(&k).map(|s| (k, s)))
-                .collect()
+                .collect();
+            let stranded: u64 = store
+                .values()
+                .filter(|s| now.duration_since(s.created) >= self.cfg.claim_window)
+                .flat_map(|s| s.blobs.values())
+                .map(|b| b.0.len() as u64)
+                .sum();
+            self.stranded.store(stranded, Ordering::SeqCst);
+            gone
         };
         for (key, slot) in gone {
             let bytes: u64 = slot.blobs.values().map(|b| b.0.len() as u64).sum();

@@ -289,6 +289,14 @@ impl Pointer {
     }
 }
 
+/// Bytes of the request a pointer file points to: the sizes of its blobs in
+/// the arena slot (`None`: not a well-formed pointer file).
+pub(super) fn pointer_bytes(path: &Path, file: &File) -> Option<u64> {
+    Pointer::read(path, file)
+        .ok()
+        .map(|p| p.metas.iter().map(|m| m.len).sum())
+}
+
 impl ShmSlot {
     /// Checks the seals, marks the slot ready, publishes the pointer (blocking).
     fn finish(mut self) -> Result<KvHandle, KvError> {
