@@ -129,6 +129,12 @@ async fn ready(State(state): State<WorkerState>) -> Response {
 }
 
 async fn metrics_text(State(state): State<WorkerState>) -> Response {
+    // Stranded KV as each transport's last sweep found it.
+    for t in state.transports().made() {
+        if let Some(bytes) = t.stranded_bytes() {
+            state.metrics().set_kv_stranded(t.name(), bytes);
+        }
+    }
     let engine = state.engine();
     let text = state.metrics().render(engine.as_deref());
     ([(header::CONTENT_TYPE, rngd_telemetry::CONTENT_TYPE)], text).into_response()

@@ -121,6 +121,8 @@ pub struct WorkerMetrics {
     pub prefill_context_fallbacks: IntCounter,
     /// KV handoffs by `path` (`in_place`, `push`).
     pub kv_handoffs: IntCounterVec,
+    /// Stranded KV bytes by `transport` ([`WorkerMetrics::set_kv_stranded`]).
+    kv_stranded: GaugeVec,
     /// KV push time, seconds.
     pub kv_save_seconds: Histogram,
     /// KV pull time, seconds.
@@ -391,6 +393,12 @@ impl WorkerMetrics {
                 "KV handoffs of prefills for a remote decode, by path: in_place (written into the transport's room) or push",
                 &["path"],
             )?,
+            kv_stranded: rngd_telemetry::gauge_vec(
+                &r,
+                names::WORKER_KV_STRANDED_BYTES,
+                "KV bytes a transport holds that no decode claimed (pulled or released) within the claim window, by transport; freed by the TTL",
+                &["transport"],
+            )?,
             kv_save_seconds: rngd_telemetry::histogram(
                 &r,
                 names::WORKER_KV_SAVE_SECONDS,
@@ -454,6 +462,14 @@ impl WorkerMetrics {
             self.kv_handoffs.with_label_values(&[path]);
         }
         self
+    }
+
+    /// Sets the stranded KV bytes of `transport` (on each scrape, from the
+    /// transport's last sweep).
+    pub fn set_kv_stranded(&self, transport: &str, bytes: u64) {
+        self.kv_stranded
+            .with_label_values(&[transport])
+            .set(bytes as f64);
     }
 
     /// Records a finished (or aborted) request in the `vllm:*` request

@@ -95,6 +95,12 @@ impl Transports {
         &self.default
     }
 
+    /// The instances made so far (nothing is created).
+    pub fn made(&self) -> Vec<Arc<dyn KvTransport>> {
+        let made = self.made.lock().unwrap_or_else(|p| p.into_inner());
+        made.values().cloned().collect()
+    }
+
     /// The transport `name` (or the default), created on first use.
     pub fn get(&self, name: Option<&str>) -> Result<Arc<dyn KvTransport>, KvError> {
         let name = name
