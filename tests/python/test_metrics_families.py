@@ -204,7 +204,8 @@ def test_the_relay_serves_its_figures_on_a_metrics_listener():
         text = page(metrics)
         promtool_clean(text)
         for name in ("rngd_pd_relay_bytes", "rngd_pd_relay_blobs", "rngd_pd_relay_connections",
-                     "rngd_pd_relay_expired_total", "rngd_pd_relay_handshakes"):
+                     "rngd_pd_relay_expired_total", "rngd_pd_relay_handshakes",
+                     "rngd_pd_relay_stranded_bytes"):
             assert value(text, name) == 0, name
         assert value(text, "rngd_pd_relay_max_bytes") == 4 << 30
         assert value(text, "process_resident_memory_bytes") > 1e6
