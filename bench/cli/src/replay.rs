@@ -127,9 +127,32 @@ pub struct Args {
     /// How long `rngd-pd up` (or the spawned worker) may take to be ready, seconds.
     #[arg(long, default_value_t = 900.0)]
     pub up_timeout_s: f64,
+    /// The fault run's flags (--kill-every-s, --texts-out, …).
+    #[command(flatten)]
+    pub chaos: Box<ChaosArgs>,
     /// Print only the JSON line (no progress on stderr).
     #[arg(long)]
     pub json: bool,
+}
+
+/// Flags of a run with faults and text checks (`rngd_bench_replay::chaos`),
+/// boxed in [`Args`] to keep the subcommand enum small.
+#[derive(Debug, Clone, clap::Args)]
+pub struct ChaosArgs {
+    /// With --spawn-up: SIGKILL the worker --kill-worker every this many
+    /// seconds (`rngd-pd up` restarts it).
+    #[arg(long, requires = "spawn_up")]
+    pub kill_every_s: Option<f64>,
+    /// The worker killed, as `rngd-pd up` names it (decode-1, prefill, …).
+    #[arg(long, default_value = "decode-1")]
+    pub kill_worker: String,
+    /// Write every answer's text here (JSON lines).
+    #[arg(long)]
+    pub texts_out: Option<PathBuf>,
+    /// Hold every answer's text against this file from another run of the
+    /// same window (greedy requests: counted in chaos.texts_differ).
+    #[arg(long)]
+    pub texts_against: Option<PathBuf>,
 }
 
 /// Flags of a comparison run (`rngd_bench_replay::compare`), boxed in
@@ -204,6 +227,10 @@ impl From<Args> for rngd_bench_replay::Options {
             up_args: a.up_args,
             worker_args: a.worker_args,
             up_timeout_s: a.up_timeout_s,
+            kill_every_s: a.chaos.kill_every_s,
+            kill_worker: a.chaos.kill_worker,
+            texts_out: a.chaos.texts_out,
+            texts_against: a.chaos.texts_against,
             policies: c.policies,
             policy_settings: c.policy_settings,
             decode_workers: c.decode_workers,

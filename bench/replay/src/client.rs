@@ -69,6 +69,8 @@ pub struct Answer {
     /// The router's reason for its route (`cached`, `disaggregated`, …),
     /// when the answer carried one.
     pub route: Option<String>,
+    /// The text streamed.
+    pub text: String,
 }
 
 /// Longest route reason kept, characters.
@@ -90,6 +92,7 @@ pub async fn send(client: &reqwest::Client, req: &Request, timeout: Duration) ->
         outcome,
         error: seen.error.take(),
         route: seen.route.take(),
+        text: std::mem::take(&mut seen.text),
     }
 }
 
@@ -113,6 +116,7 @@ struct Seen {
     usage_cached: Option<u64>,
     error: Option<String>,
     route: Option<String>,
+    text: String,
 }
 
 impl Seen {
@@ -162,6 +166,7 @@ impl Seen {
             .and_then(|c| c.first())
         {
             let text = c.get("text").and_then(Value::as_str).unwrap_or("");
+            self.text.push_str(text);
             let finished = c.get("finish_reason").is_some_and(|f| !f.is_null());
             if !text.is_empty() || !finished {
                 self.ttft.get_or_insert(at);

@@ -461,6 +461,7 @@ mod tests {
             leaked_kv: None,
             prefix: None,
             by_route: Default::default(),
+            chaos: None,
             kpis: crate::kpi::Kpis::compute(
                 crate::kpi::Counts {
                     prompt_tokens: 0,

@@ -34,6 +34,7 @@
 //! [`llama`]; this file:
 //! [`Options`], [`Error`], [`run`] and the [`Report`] it prints.
 
+pub mod chaos;
 pub mod client;
 pub mod compare;
 pub mod kpi;
@@ -191,6 +192,19 @@ pub struct Options {
     pub worker_args: Vec<String>,
     /// How long `rngd-pd up` (or the worker) may take to be ready, seconds. Default 900.
     pub up_timeout_s: f64,
+    /// With `spawn_up`: SIGKILL the worker `kill_worker` every this many
+    /// seconds of the replay (`rngd-pd up` restarts it; [`chaos`]).
+    /// Default `None`: no faults.
+    pub kill_every_s: Option<f64>,
+    /// The worker killed, by the name `rngd-pd up` prints (`decode-1`,
+    /// `prefill`, …). Default `decode-1`.
+    pub kill_worker: String,
+    /// Write every answer's text here (JSON lines, [`chaos::Text`]).
+    /// Default none.
+    pub texts_out: Option<PathBuf>,
+    /// Hold every answer's text against this file from another run of the
+    /// same window (greedy requests: they must be equal). Default none.
+    pub texts_against: Option<PathBuf>,
     /// Routing strategies of the default policy to compare
     /// ([`compare::POLICIES`]): `rngd-pd up` is started once for each and
     /// replayed against ([`compare`]). Default none: a single run.
@@ -219,6 +233,10 @@ pub struct Options {
     /// Print only the JSON line (no progress on stderr). Default off.
     pub json: bool,
 }
+
+/// How long the replay's client keeps an idle connection: under the 5 s
+/// keep-alive of the gateway and workers (`rngd_http_edge`).
+const CLIENT_POOL_IDLE: Duration = Duration::from_secs(4);
 
 /// The trace in the repository's sibling data directory:
 /// `<repo root>/../shared/data/AzureLLMInferenceTrace_conv.csv`.
@@ -257,6 +275,10 @@ impl Default for Options {
             up_args: Vec::new(),
             worker_args: Vec::new(),
             up_timeout_s: 900.0,
+            kill_every_s: None,
+            kill_worker: "decode-1".into(),
+            texts_out: None,
+            texts_against: None,
             policies: Vec::new(),
             policy_settings: None,
             decode_workers: 2,
@@ -442,6 +464,11 @@ pub struct Report {
     pub by_route: BTreeMap<String, stats::RouteStats>,
     /// First arrival to the last request's end, seconds.
     pub wall_s: f64,
+    /// Faults injected, texts held against another run, the router's
+    /// predictions against the engines' reports ([`chaos`]; with
+    /// `spawn_up`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub chaos: Option<chaos::Chaos>,
     /// The settings used.
     pub settings: Settings,
 }
@@ -691,8 +718,12 @@ async fn replay(
         (None, None, None) => unreachable!("checked in launch"),
     };
     let base = url.trim_end_matches('/').to_string();
+    // Idle connections are dropped before the servers' own keep-alive
+    // timers close them (5 s at the gateway and the workers): a request
+    // sent on a connection the server is closing fails before any byte.
     let client = reqwest::Client::builder()
         .pool_max_idle_per_host(opts.max_in_flight)
+        .pool_idle_timeout(CLIENT_POOL_IDLE)
         .build()
         .map_err(Error::Client)?;
     let model = match &opts.model {
@@ -772,7 +803,20 @@ async fn replay(
     let energy_start = kpi::Energy::read(Path::new(kpi::POWERCAP));
     let start = tokio::time::Instant::now();
     let wall_start = Instant::now();
-    for a in planned {
+    // Faults and the gateway's prediction counters, while the requests run.
+    let injector = Arc::new(chaos::Injector::default());
+    let killed_url = stack.and_then(|s| worker_url(&s.info, &opts.kill_worker));
+    let watching = stack.map(|s| {
+        let every = opts.kill_every_s.map(Duration::from_secs_f64);
+        tokio::spawn(injector.clone().run(
+            client.clone(),
+            base.clone(),
+            s.pid,
+            killed_url.clone(),
+            every,
+        ))
+    });
+    for (i, a) in planned.iter().enumerate() {
         tokio::time::sleep_until(start + a.offset).await;
         let Ok(permit) = slots.clone().try_acquire_owned() else {
             dropped += 1;
@@ -786,23 +830,35 @@ async fn replay(
         tasks.spawn(async move {
             let a = client::send(&client, &req, timeout).await;
             drop(permit);
-            a
+            (Some(i), a)
         });
     }
     let mut outcomes = Vec::with_capacity(planned.len());
     let mut routes: BTreeMap<String, Vec<stats::Outcome>> = BTreeMap::new();
     let mut error_bodies = BTreeMap::new();
+    let mut texts = Vec::with_capacity(planned.len());
     while let Some(r) = tasks.join_next().await {
         // A panicking request task is a bug here, not a server outcome.
-        let a = r.unwrap_or_else(|e| {
+        let (i, a) = r.unwrap_or_else(|e| {
             eprintln!("replay: request task failed: {e}");
-            client::Answer {
-                outcome: stats::Outcome::failed(stats::Status::Transport),
-                error: None,
-                route: None,
-            }
+            (
+                None,
+                client::Answer {
+                    outcome: stats::Outcome::failed(stats::Status::Transport),
+                    error: None,
+                    route: None,
+                    text: String::new(),
+                },
+            )
         });
         let o = a.outcome;
+        if let Some(i) = i {
+            texts.push(chaos::Text {
+                i,
+                ok: o.status == stats::Status::Ok,
+                text: a.text,
+            });
+        }
         if let Some(b) = a.error {
             error_bodies.entry(error_key(o.status)).or_insert(b);
         }
@@ -812,6 +868,11 @@ async fn replay(
         outcomes.push(o);
     }
     let wall = wall_start.elapsed();
+    if let Some(w) = watching {
+        w.abort();
+    }
+    texts.sort_by_key(|t| t.i);
+    let chaos = chaos_report(opts, &client, &base, &injector, &texts, stack.is_some()).await?;
     let energy_end = kpi::Energy::read(Path::new(kpi::POWERCAP));
 
     let leaked_kv = if kv_metrics.is_empty() && shm_root.is_none() {
@@ -936,6 +997,7 @@ async fn replay(
         kpis,
         by_route,
         wall_s: wall.as_secs_f64(),
+        chaos,
         settings: Settings {
             trace: std::fs::canonicalize(&opts.trace)
                 .unwrap_or_else(|_| opts.trace.clone())
@@ -1031,4 +1093,61 @@ pub async fn first_model(client: &reqwest::Client, base: &str) -> Option<String>
         .ok()?;
     let v: serde_json::Value = r.json().await.ok()?;
     v["data"][0]["id"].as_str().map(str::to_string)
+}
+
+/// The URL of the worker `rngd-pd up` printed as `name` (`prefill`,
+/// `decode`, `decode-1`, …).
+fn worker_url(info: &up::UpInfo, name: &str) -> Option<String> {
+    match name {
+        "prefill" => info.prefill.clone(),
+        "decode" | "decode-0" => info.decode.clone(),
+        other => info
+            .more_workers
+            .iter()
+            .find(|(n, _)| n == other)
+            .map(|(_, u)| u.clone()),
+    }
+}
+
+/// The [`chaos::Chaos`] of a run: texts written and compared, the kills,
+/// the gateway's prediction counters.
+async fn chaos_report(
+    opts: &Options,
+    client: &reqwest::Client,
+    base: &str,
+    injector: &chaos::Injector,
+    texts: &[chaos::Text],
+    spawned: bool,
+) -> Result<Option<chaos::Chaos>, Error> {
+    if let Some(p) = &opts.texts_out {
+        chaos::write_texts(p, texts)?;
+    }
+    let compared = match &opts.texts_against {
+        Some(p) => Some(chaos::compare_texts(p, texts)?),
+        None => None,
+    };
+    if !spawned && compared.is_none() {
+        return Ok(None);
+    }
+    let end = match client.get(format!("{base}/metrics")).send().await {
+        Ok(r) => r.text().await.ok().map(|t| {
+            (
+                chaos::counter(&t, "rngd_pd_router_predicted_cached_tokens_total"),
+                chaos::counter(&t, "rngd_pd_router_served_cached_tokens_total"),
+            )
+        }),
+        Err(_) => None,
+    };
+    let (kills, end, settled) = injector.summary(end).await;
+    Ok(Some(chaos::Chaos {
+        killed_worker: opts.kill_every_s.map(|_| opts.kill_worker.clone()),
+        kills,
+        texts_compared: compared.map(|c| c.0),
+        texts_differ: compared.map(|c| c.1),
+        texts_missing: compared.map(|c| c.2),
+        predicted_cached_tokens: end.map(|e| e.0),
+        served_cached_tokens: end.map(|e| e.1),
+        predicted_over_served: end.filter(|e| e.1 > 0.0).map(|e| e.0 / e.1),
+        predicted_over_served_settled: settled,
+    }))
 }
