@@ -487,3 +487,70 @@ async fn kv_gone_before_the_pull_is_recomputed_with_the_same_tokens_or_failed() 
     kv.lose.store(false, Ordering::SeqCst);
     assert_eq!(kv.mem.held(), 0);
 }
+
+/// A decode worker that answers every request 503 (restarted and still
+/// loading its model), counting them.
+async fn unavailable_decode(hits: Arc<AtomicUsize>) -> String {
+    async fn reply(State(h): State<Arc<AtomicUsize>>) -> axum::response::Response {
+        h.fetch_add(1, Ordering::SeqCst);
+        let body = json!({"error": {"message": "the model is still loading", "type": "server_error", "param": null, "code": null}});
+        (
+            axum::http::StatusCode::SERVICE_UNAVAILABLE,
+            axum::Json(body),
+        )
+            .into_response()
+    }
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap().to_string();
+    let app = Router::new().fallback(reply).with_state(hits);
+    tokio::spawn(async move { axum::serve(l, app).await.unwrap() });
+    addr
+}
+
+#[tokio::test]
+async fn a_decode_worker_answering_503_has_its_requests_served_by_another() {
+    let kv = Arc::new(Counting::default());
+    let p = worker(Role::Prefill, &kv, Duration::ZERO, |_| {}).await;
+    let d = worker(Role::Decode, &kv, Duration::ZERO, |_| {}).await;
+    let hits = Arc::new(AtomicUsize::new(0));
+    let loading = unavailable_decode(hits.clone()).await;
+    let transports = ["memory".to_string()];
+    let eps = vec![
+        endpoints::local_endpoint(p.addr.to_string(), Role::Prefill, 512, &transports),
+        endpoints::local_endpoint(loading.clone(), Role::Decode, 512, &transports),
+        endpoints::local_endpoint(d.addr.to_string(), Role::Decode, 512, &transports),
+    ];
+    let gw = Gateway::new(
+        GatewayConfig::default(),
+        rngd_pool::Picker::new(TestPolicy::new(4), StaticEndpoints::new(eps)),
+        Arc::new(FAKE_TOKENIZER),
+    )
+    .unwrap();
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", l.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(l, rngd_gateway::router(gw)).await.unwrap() });
+    // Short prompts (served whole) and long ones (a PD route).
+    for prompt in ["hi there", LONG, "hi there", LONG, "hi there", LONG] {
+        let r = complete(
+            &url,
+            &json!({"model": "fake-model", "prompt": prompt, "max_tokens": 3}),
+        )
+        .await;
+        assert_eq!(r.status(), 200, "{}", r.text().await.unwrap());
+    }
+    assert!(
+        hits.load(Ordering::SeqCst) >= 1,
+        "the policy never picked the loading worker"
+    );
+    let m = common::metrics(&url).await;
+    let moved = common::sample(
+        &m,
+        "rngd_pd_gateway_migrations_total{outcome=\"continued\"}",
+    );
+    assert!(moved.is_some_and(|n| n >= 1.0), "{m}");
+    // The KV of a PD route the loading worker never read is released.
+    wait_for(Duration::from_secs(5), "KV released", async || {
+        kv.mem.held() == 0
+    })
+    .await;
+}

@@ -50,6 +50,9 @@ use respond::{Ctx, full_response};
 use stream::stream_response;
 use upstream::{KvGuard, call_bytes, read_with_timeout, send};
 
+/// A worker's "not now" (503): not ready, draining, out of budget.
+const UNAVAILABLE: u16 = 503;
+
 /// A validated request ([`rngd_pool::prepare`]) and where it arrived.
 #[derive(Debug, Clone)]
 pub struct Prepared {
@@ -263,15 +266,28 @@ async fn run_inner(
         guard.disarm();
     }
     // A decode worker that cannot be reached (dead, or its connection
-    // broken before any byte twice): the request is served whole by another.
+    // broken before any byte twice), or that answers 503 (restarted and
+    // still loading its model, draining, out of listener budget: nothing
+    // was generated): the request is served whole by another.
     let (resp, mut decode_at, mut held) = match resp {
-        Err(e @ ApiError::Upstream { .. }) => {
+        Err(
+            e @ (ApiError::Upstream { .. }
+            | ApiError::UpstreamStatus {
+                status: UNAVAILABLE,
+                ..
+            }),
+        ) => {
             let moved = match resume.as_mut() {
                 Some(r) => r.move_off(&gw, &route.decode, &[], &e.to_string()).await,
                 None => None,
             };
             match moved {
-                Some(m) => (m.response, m.address, m.held),
+                Some(m) => {
+                    // The handoff's KV is released through the worker that
+                    // answered (the first one may never).
+                    guard.retarget(&m.address);
+                    (m.response, m.address, m.held)
+                }
                 None => return Err(e),
             }
         }

@@ -176,6 +176,15 @@ impl KvGuard {
     pub(super) fn disarm(&mut self) {
         self.armed = None;
     }
+
+    /// Sends the release to `decode` instead (the request moved there and
+    /// the first worker cannot answer): any decode worker of the deployment
+    /// verifies the handle and releases its KV through the transport.
+    pub(super) fn retarget(&mut self, decode: &str) {
+        if let Some(a) = self.armed.as_mut() {
+            a.1 = decode.to_string();
+        }
+    }
 }
 
 impl Drop for KvGuard {
