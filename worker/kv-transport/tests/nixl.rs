@@ -2,8 +2,9 @@
 //! wheel `tests/setup.sh` installs; without it these tests fail, they do not
 //! skip): the conformance suite with two agents in this process (a prefill
 //! and a decode side, UCX between them) and an in-process relay for the
-//! descriptors; slots freed by the READ's notification; a clear error when
-//! the runtime is missing.
+//! descriptors; slots freed by the READ's notification; a slot no decode
+//! READ counted as stranded after the claim window until its TTL; a clear
+//! error when the runtime is missing.
 
 mod common;
 
@@ -124,6 +125,58 @@ async fn the_read_notification_frees_the_prefill_slot_before_any_release() {
     assert_eq!(decode.held(), 0, "the decode side keeps nothing");
     decode.release(&handle).await.unwrap();
     assert_eq!(relay.stats().await.keys, 0, "the descriptor is gone");
+    relay.stop().await;
+}
+
+/// Polls `t`'s stranded bytes until `done` holds; panics after 20 s.
+async fn stranded_until(t: &NixlUcxTransport, what: &str, done: impl Fn(u64) -> bool) {
+    let started = Instant::now();
+    loop {
+        let v = t.stranded_bytes().expect("nixl-ucx counts its slots");
+        if done(v) {
+            return;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(20),
+            "{what}: stranded {v} bytes"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slot_no_decode_read_is_stranded_after_the_window_until_the_ttl() {
+    let ttl = Duration::from_secs(3);
+    let relay = TestRelay::start(ttl_cfg(ttl)).await;
+    let cfg = TransportConfig {
+        tcp_ttl: ttl,
+        claim_window: Duration::from_millis(500),
+        ..cfg()
+    };
+    let prefill = NixlUcxTransport::with_relay(relay.addr.to_string(), &cfg).unwrap();
+    let decode = NixlUcxTransport::with_relay(relay.addr.to_string(), &cfg).unwrap();
+    let taken = prefill
+        .push(conformance::payload("stranded-taken", 1, 2, 50_000))
+        .await
+        .unwrap();
+    let left = prefill
+        .push(conformance::payload("stranded-left", 2, 3, 100_000))
+        .await
+        .unwrap();
+    decode.pull(&taken, Duration::from_secs(10)).await.unwrap();
+    decode.release(&taken).await.unwrap();
+    assert_eq!(prefill.stranded_bytes(), Some(0), "younger than the window");
+    stranded_until(&prefill, "the unread slot stranded", |v| {
+        v == left.total_bytes()
+    })
+    .await;
+    assert_eq!(
+        decode.stranded_bytes(),
+        Some(0),
+        "the decode side holds none"
+    );
+    stranded_until(&prefill, "the TTL freed it", |v| v == 0).await;
+    assert_eq!(prefill.slots(), 0);
     relay.stop().await;
 }
 
