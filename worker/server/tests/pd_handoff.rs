@@ -103,25 +103,32 @@ fn releasing(params: &KvTransferParams) -> KvTransferParams {
     }
 }
 
-/// A refusal of a used handle: 410 at once, the OpenAI body naming the state.
-async fn assert_refused_at_once(w: &RunningWorker, params: &KvTransferParams, state: &str) {
+/// A 410 at once (the pull timeout is 30 s): the OpenAI body with `code`,
+/// `param` `kv_transfer_params` and a message holding every one of `says`.
+async fn assert_gone_at_once(
+    w: &RunningWorker,
+    params: &KvTransferParams,
+    code: &str,
+    says: &[&str],
+) {
     let t = Instant::now();
     let (status, text) = decode(w, params).await;
     let took = t.elapsed();
     assert_eq!(status, 410, "{text}");
     assert!(took < Duration::from_secs(2), "took {took:?}");
     let body: ErrorBody = serde_json::from_str(&text).unwrap();
-    assert_eq!(
-        body.error.code.as_deref(),
-        Some(format!("kv_handle_{state}").as_str())
-    );
+    assert_eq!(body.error.code.as_deref(), Some(code));
     assert_eq!(body.error.param.as_deref(), Some("kv_transfer_params"));
     assert_eq!(body.error.kind, "invalid_request_error");
-    assert!(
-        body.error.message.contains(state) && body.error.message.contains("nothing was pulled"),
-        "{}",
-        body.error.message
-    );
+    for s in says {
+        assert!(body.error.message.contains(s), "{}", body.error.message);
+    }
+}
+
+/// A refusal of a used handle: 410 at once, the OpenAI body naming the state.
+async fn assert_refused_at_once(w: &RunningWorker, params: &KvTransferParams, state: &str) {
+    let code = format!("kv_handle_{state}");
+    assert_gone_at_once(w, params, &code, &[state, "nothing was pulled"]).await;
 }
 
 #[tokio::test]
@@ -212,20 +219,9 @@ async fn concurrent_decodes_of_one_handle_pull_once() {
     assert_eq!(kv.mem.held(), 0);
 }
 
-/// A 410 `kv_unavailable` at once (the worker's pull timeout is 30 s).
+/// A 410 `kv_unavailable` at once whose message says `why`.
 async fn assert_unavailable_at_once(w: &RunningWorker, params: &KvTransferParams, why: &str) {
-    let t = Instant::now();
-    let (status, text) = decode(w, params).await;
-    let took = t.elapsed();
-    assert_eq!(status, 410, "{text}");
-    assert!(took < Duration::from_secs(2), "took {took:?}");
-    let body: ErrorBody = serde_json::from_str(&text).unwrap();
-    assert_eq!(
-        body.error.code.as_deref(),
-        Some(rngd_api::pd::KV_UNAVAILABLE_CODE)
-    );
-    assert_eq!(body.error.param.as_deref(), Some("kv_transfer_params"));
-    assert!(body.error.message.contains(why), "{}", body.error.message);
+    assert_gone_at_once(w, params, rngd_api::pd::KV_UNAVAILABLE_CODE, &[why]).await;
 }
 
 #[tokio::test]
