@@ -463,10 +463,11 @@ async fn prefill_killed_mid_push_leaves_no_relay_entry_and_decode_errs_clearly()
     .unwrap();
     let took = started.elapsed();
     eprintln!("decode of the dead push: {status} after {took:?}: {text}");
-    assert!(
-        (500..600).contains(&status),
-        "a cache that never arrived is a 5xx: {status} {text}"
+    assert_eq!(
+        status, 410,
+        "a cache that never arrived is refused at once (kv_unavailable): {text}"
     );
+    assert!(text.contains("kv_unavailable"), "{text}");
     assert!(
         text.contains("tcp") && text.contains(rid),
         "names the transport and the request: {text}"

@@ -281,7 +281,8 @@ fn push(
     }
 }
 
-/// A decode of an expired cache answers 5xx naming the transport and the request.
+/// A decode of an expired cache answers 410 `kv_unavailable` at once, naming
+/// the transport and the request.
 async fn assert_expired(decode: &Proc, params: Value, transport: &str, rid: &str) {
     let mut dec = request(PROMPTS[0]);
     dec["kv_transfer_params"] = params;
@@ -293,7 +294,8 @@ async fn assert_expired(decode: &Proc, params: Value, transport: &str, rid: &str
         &[("x-request-id", rid)],
     )
     .await;
-    assert!(status >= 500, "{transport}: {status} {text}");
+    assert_eq!(status, 410, "{transport}: {text}");
+    assert!(text.contains("kv_unavailable"), "{text}");
     assert!(text.contains(transport) && text.contains(rid), "{text}");
 }
 

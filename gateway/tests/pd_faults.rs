@@ -489,8 +489,10 @@ async fn kv_gone_before_the_pull_is_recomputed_with_the_same_tokens_or_failed() 
 }
 
 /// A decode worker that answers every request 503 (restarted and still
-/// loading its model), counting them.
-async fn unavailable_decode(hits: Arc<AtomicUsize>) -> String {
+/// loading its model), counting them, on an address that sorts before
+/// `before` (the policy breaks a tie between idle workers by address, so
+/// it is picked first).
+async fn unavailable_decode(hits: Arc<AtomicUsize>, before: &str) -> String {
     async fn reply(State(h): State<Arc<AtomicUsize>>) -> axum::response::Response {
         h.fetch_add(1, Ordering::SeqCst);
         let body = json!({"error": {"message": "the model is still loading", "type": "server_error", "param": null, "code": null}});
@@ -500,8 +502,13 @@ async fn unavailable_decode(hits: Arc<AtomicUsize>) -> String {
         )
             .into_response()
     }
-    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = l.local_addr().unwrap().to_string();
+    let (l, addr) = loop {
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = l.local_addr().unwrap().to_string();
+        if addr.as_str() < before {
+            break (l, addr);
+        }
+    };
     let app = Router::new().fallback(reply).with_state(hits);
     tokio::spawn(async move { axum::serve(l, app).await.unwrap() });
     addr
@@ -513,7 +520,7 @@ async fn a_decode_worker_answering_503_has_its_requests_served_by_another() {
     let p = worker(Role::Prefill, &kv, Duration::ZERO, |_| {}).await;
     let d = worker(Role::Decode, &kv, Duration::ZERO, |_| {}).await;
     let hits = Arc::new(AtomicUsize::new(0));
-    let loading = unavailable_decode(hits.clone()).await;
+    let loading = unavailable_decode(hits.clone(), &d.addr.to_string()).await;
     let transports = ["memory".to_string()];
     let eps = vec![
         endpoints::local_endpoint(p.addr.to_string(), Role::Prefill, 512, &transports),

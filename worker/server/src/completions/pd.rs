@@ -301,7 +301,10 @@ pub(super) async fn decode_remote(
         return Err(kv_unavailable(
             state,
             "expired",
-            format!("its lease ended {ago_ms} ms ago (kv_handle_expires_ms)"),
+            format!(
+                "its lease ended {ago_ms} ms ago (kv_handle_expires_ms), transport `{}`, request {request_id}",
+                handle.transport
+            ),
         ));
     }
     // KV made by other weights would continue into wrong tokens: it is
@@ -364,7 +367,7 @@ pub(super) async fn decode_remote(
                 state,
                 "not_found",
                 format!(
-                    "transport `{}` no longer holds it (released, expired or taken)",
+                    "transport `{}` no longer holds it (released, expired or taken), request {request_id}",
                     handle.transport
                 ),
             ));
