@@ -45,7 +45,7 @@ pub struct GatewayConfig {
     /// the tokens already streamed, a whole answer is asked again.
     pub migration_limit: u32,
     /// What a handoff whose decode worker cannot load the KV (the lease
-    /// over, the KV gone or taken, other weights: a 410 or 409 from the
+    /// over, the KV gone or taken: a 410 from the
     /// worker, nothing pulled) becomes (`--kv-load-failure-policy`, vLLM's
     /// name): `recompute` serves the request whole on that worker with the
     /// prefill's seed (the same tokens), `fail` answers the refusal.

@@ -89,7 +89,7 @@ pub struct Args {
     #[arg(long, default_value_t = rngd_gateway::state::DEFAULT_MIGRATION_LIMIT)]
     pub migration_limit: u32,
     /// What a handoff whose decode worker cannot load the KV (lease over,
-    /// KV gone or taken, other weights) becomes: `recompute` serves it whole
+    /// KV gone or taken) becomes: `recompute` serves it whole
     /// on that worker with the prefill's seed; `fail` answers the refusal.
     #[arg(long, env = env::RNGD_PD_GATEWAY_KV_LOAD_FAILURE_POLICY, default_value = "recompute")]
     pub kv_load_failure_policy: rngd_api::pd::KvLoadFailurePolicy,

@@ -92,7 +92,7 @@ pub struct Args {
     #[arg(long, env = env::RNGD_PD_KV_PULL_TIMEOUT_MS, default_value_t = 30_000)]
     pub kv_pull_timeout_ms: u64,
     /// What a decode worker serving `x-prefiller-host-port` does when it
-    /// cannot load the KV (expired, gone, taken, other weights): `recompute`
+    /// cannot load the KV (expired, gone, taken): `recompute`
     /// serves the request whole here; `fail` answers 410 `kv_unavailable`.
     #[arg(long, env = env::RNGD_PD_KV_LOAD_FAILURE_POLICY, default_value = "recompute")]
     pub kv_load_failure_policy: rngd_api::pd::KvLoadFailurePolicy,

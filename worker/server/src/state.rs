@@ -25,7 +25,7 @@ pub struct WorkerConfig {
     /// How long a decode waits for the KV pull.
     pub kv_pull_timeout: Duration,
     /// What an orchestrated decode (`x-prefiller-host-port`) does when this
-    /// worker cannot load the KV (expired, gone, consumed, other weights):
+    /// worker cannot load the KV (expired, gone, consumed):
     /// serve the request whole here (`recompute`, the default) or answer
     /// the refusal (`fail`).
     pub kv_load_failure_policy: rngd_api::pd::KvLoadFailurePolicy,

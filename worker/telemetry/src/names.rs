@@ -103,8 +103,7 @@ pub const GATEWAY_UPSTREAM_RETRIES_TOTAL: &str = "rngd_pd_gateway_upstream_retri
 /// `failed` (no other worker could; the client got the error) (counter).
 pub const GATEWAY_MIGRATIONS_TOTAL: &str = "rngd_pd_gateway_migrations_total";
 /// Handoffs whose decode worker could not load the KV (a 410
-/// `kv_unavailable` or `kv_handle_consumed`, a 409 `weight_version_mismatch`:
-/// nothing pulled), by what the gateway's `--kv-load-failure-policy` made of
+/// `kv_unavailable` or `kv_handle_consumed`: nothing pulled), by what the gateway's `--kv-load-failure-policy` made of
 /// them: `recompute` (served whole on the decode worker) or `fail` (counter).
 pub const GATEWAY_KV_LOAD_FAILURES_TOTAL: &str = "rngd_pd_gateway_kv_load_failures_total";
 /// PD routes the prefill worker refused with `context_length_exceeded` (its

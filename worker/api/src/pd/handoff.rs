@@ -161,14 +161,12 @@ pub const KV_UNAVAILABLE_CODE: &str = "kv_unavailable";
 
 /// Whether a decode worker's refusal (`status`, error `code`) says it could
 /// not load the handoff's KV (gone or expired, already consumed by another
-/// decode, or made by other weights): the request itself is sound and can
-/// be recomputed whole on that worker ([`recompute_request`]).
+/// decode): the request itself is sound and can be recomputed whole on that
+/// worker ([`recompute_request`]). A 409 `weight_version_mismatch` is not
+/// one: the pair the policy chose serves two sets of weights, and the
+/// client is told so.
 pub fn kv_load_failed(status: u16, code: Option<&str>) -> bool {
-    match (status, code) {
-        (410, Some(c)) => c == KV_UNAVAILABLE_CODE || c == "kv_handle_consumed",
-        (409, Some(c)) => c == super::WEIGHT_VERSION_MISMATCH_CODE,
-        _ => false,
-    }
+    matches!((status, code), (410, Some(c)) if c == KV_UNAVAILABLE_CODE || c == "kv_handle_consumed")
 }
 
 /// What an orchestrator does when its decode worker cannot load the KV of

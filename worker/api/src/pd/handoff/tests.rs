@@ -298,7 +298,8 @@ fn a_recompute_is_the_whole_request_with_the_prefills_seed() {
 fn only_kv_load_refusals_are_recomputed() {
     assert!(kv_load_failed(410, Some(KV_UNAVAILABLE_CODE)));
     assert!(kv_load_failed(410, Some("kv_handle_consumed")));
-    assert!(kv_load_failed(
+    // Two sets of weights: the client is told (409), nothing recomputed.
+    assert!(!kv_load_failed(
         409,
         Some(crate::pd::WEIGHT_VERSION_MISMATCH_CODE)
     ));
